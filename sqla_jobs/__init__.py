@@ -1,0 +1,40 @@
+"""sqla-jobs: a transactional job queue in your own PostgreSQL database.
+
+Jobs are rows in a table of the application's own database, declared with
+:class:`JobMixin` in its own metadata and created by its own Alembic migrations. A job
+enqueued with ``session.enqueue(...)`` commits or rolls back with the rest of the
+transaction, so there is no dual write: no job for a row that never existed, no row
+whose job was lost. Workers claim jobs with ``FOR NO KEY UPDATE SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+from .db import create_async_engine, create_engine
+from .errors import EnqueueError, JobsError, PermanentError, Snooze, UnknownTaskError
+from .model import STATUSES, JobMixin, JobStatus
+from .session import EnqueueMixin, JobSession
+from .tasks import Backoff, Jobs, Task
+from .worker import ClaimedJob, Worker, current_job
+
+__all__ = [
+    "STATUSES",
+    "Backoff",
+    "ClaimedJob",
+    "EnqueueError",
+    "EnqueueMixin",
+    "JobMixin",
+    "JobSession",
+    "JobStatus",
+    "Jobs",
+    "JobsError",
+    "PermanentError",
+    "Snooze",
+    "Task",
+    "UnknownTaskError",
+    "Worker",
+    "create_async_engine",
+    "create_engine",
+    "current_job",
+]
+
+__version__ = "0.1.0"

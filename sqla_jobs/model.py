@@ -1,0 +1,274 @@
+"""The jobs table, as a declarative mixin that lives in the application's own metadata.
+
+.. code-block:: python
+
+    from sqlalchemy.orm import DeclarativeBase
+    from sqla_jobs import JobMixin
+
+    class Base(DeclarativeBase): ...
+
+    class Job(JobMixin, Base):
+        __tablename__ = "jobs"                 # any name
+        __table_args__ = {"schema": "work"}    # optional
+
+The table, its partial indexes, its storage parameters and its NOTIFY trigger are created
+by ``metadata.create_all()`` or, better, by ``op.create_jobs_table()`` in an Alembic
+migration (see :mod:`alembic_ext`).
+
+Why the indexes look the way they do
+------------------------------------
+Every hot statement reads through a *partial* index whose predicate names exactly one
+status. A row leaves the index the moment it leaves that status, so finished, dead and
+future jobs never sit in the claim path, however many of them the table holds:
+
+* ``<table>_claim``: ``(queue, priority DESC, run_at, id) WHERE status = 'ready'``:
+  the claim walks it in order and stops after ``LIMIT`` rows.
+* ``<table>_scheduled``: ``(run_at) WHERE status = 'scheduled'``: promoting due jobs
+  and finding the next due time.
+* ``<table>_running``: ``(locked_until) WHERE status = 'running'``: finding expired leases.
+* ``<table>_unique``: ``UNIQUE (unique_key) WHERE status IN ('scheduled', 'ready',
+  'running')``: unique jobs, enforced by the database.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from datetime import datetime
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, declared_attr, mapped_column
+
+__all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel"]
+
+
+class JobStatus(str, enum.Enum):
+    """The life of a job. The database checks that ``status`` is one of these.
+
+    ``scheduled``
+        Waiting for ``run_at``: enqueued with a delay, or waiting to be retried.
+    ``ready``
+        Runnable now; the only status the claim looks at.
+    ``running``
+        Claimed by a worker, which holds a lease until ``locked_until``.
+    ``done``
+        Finished, kept only when retention keeps finished jobs (by default they are deleted).
+    ``dead``
+        Failed ``max_attempts`` times, or failed permanently; ``last_error`` says why.
+    ``cancelled``
+        Cancelled before it ran; kept for the record until pruned.
+    """
+
+    SCHEDULED = "scheduled"
+    READY = "ready"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
+
+#: Statuses in which a job is still "live": it will run, or is running.
+LIVE_STATUSES: tuple[str, ...] = ("scheduled", "ready", "running")
+
+#: Storage parameters for a table that is inserted into, updated and deleted from all day.
+#: A low scale factor makes autovacuum visit long before dead tuples pile up (the default,
+#: 20% of the table, is far too lazy for a queue), no cost delay lets it finish quickly, and
+#: a fillfactor below 100 leaves room on each page for the new row versions that every claim
+#: and completion writes.
+STORAGE_PARAMETERS: dict[str, str] = {
+    "fillfactor": "80",
+    "autovacuum_vacuum_scale_factor": "0.02",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_vacuum_insert_scale_factor": "0.02",
+    "autovacuum_analyze_scale_factor": "0.05",
+    "autovacuum_vacuum_cost_delay": "0",
+}
+
+
+def notify_channel(table: sa.Table) -> str:
+    """The LISTEN/NOTIFY channel of one jobs table.
+
+    Each table has its own channel, so two job models in one database never wake each
+    other's workers. PostgreSQL truncates identifiers at 63 bytes, so long names are
+    shortened with a hash to stay distinct.
+    """
+    name = f"sqla_jobs.{table.schema}.{table.name}" if table.schema else f"sqla_jobs.{table.name}"
+    if len(name.encode()) > 63:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+        name = f"{name.encode()[:50].decode(errors='ignore')}.{digest}"
+    return name
+
+
+def _status_list(statuses: tuple[str, ...]) -> str:
+    return ", ".join(f"'{s}'" for s in statuses)
+
+
+class JobMixin:
+    """Columns, constraints and indexes of a jobs table.
+
+    Mix it into a declarative class of the application's own ``Base``; the class chooses
+    the table name (``__tablename__``) and, through ``__table_args__``, the schema. A model
+    may add columns of its own; the queue only reads and writes the ones declared here.
+    """
+
+    __sqla_jobs__: ClassVar[bool] = True
+
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(always=False), primary_key=True)
+    queue: Mapped[str] = mapped_column(sa.Text, nullable=False, server_default="default")
+    task: Mapped[str] = mapped_column(sa.Text, nullable=False)
+    args: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
+    )
+    status: Mapped[str] = mapped_column(sa.Text, nullable=False, server_default="ready")
+    priority: Mapped[int] = mapped_column(sa.SmallInteger, nullable=False, server_default="0")
+    run_at: Mapped[datetime] = mapped_column(
+        sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    )
+    attempts: Mapped[int] = mapped_column(sa.Integer, nullable=False, server_default="0")
+    max_attempts: Mapped[int] = mapped_column(sa.Integer, nullable=False, server_default="5")
+    locked_until: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    locked_by: Mapped[str | None] = mapped_column(sa.Text)
+    unique_key: Mapped[str | None] = mapped_column(sa.Text)
+    last_error: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[datetime] = mapped_column(
+        sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        return _table_args(cls.__tablename__)  # type: ignore[attr-defined]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        # Declarative builds the Table inside super().__init_subclass__; once it exists,
+        # attach the DDL that metadata.create_all() cannot express by itself.
+        super().__init_subclass__(**kw)
+        table = cls.__dict__.get("__table__")
+        if isinstance(table, sa.Table):
+            attach_ddl(table)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} id={self.id} task={self.task!r} queue={self.queue!r} "
+            f"status={self.status!r} attempts={self.attempts}>"
+        )
+
+
+def _table_args(tablename: str) -> tuple[Any, ...]:
+    """Constraints and indexes, named after the table so two job tables never collide."""
+    return (
+        sa.CheckConstraint(f"status IN ({_status_list(STATUSES)})", name=f"{tablename}_status"),
+        sa.CheckConstraint("priority >= 0", name=f"{tablename}_priority"),
+        sa.CheckConstraint("max_attempts >= 1", name=f"{tablename}_max_attempts"),
+        sa.CheckConstraint("attempts >= 0", name=f"{tablename}_attempts"),
+        sa.Index(
+            f"{tablename}_claim",
+            "queue",
+            sa.text("priority DESC"),
+            "run_at",
+            "id",
+            postgresql_where=sa.text("status = 'ready'"),
+        ),
+        sa.Index(
+            f"{tablename}_scheduled",
+            "run_at",
+            postgresql_where=sa.text("status = 'scheduled'"),
+        ),
+        sa.Index(
+            f"{tablename}_running",
+            "locked_until",
+            postgresql_where=sa.text("status = 'running'"),
+        ),
+        sa.Index(
+            f"{tablename}_unique",
+            "unique_key",
+            unique=True,
+            postgresql_where=UNIQUE_WHERE,
+        ),
+    )
+
+
+#: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
+UNIQUE_WHERE = sa.text(f"unique_key IS NOT NULL AND status IN ({_status_list(LIVE_STATUSES)})")
+
+
+def _qualified(table: sa.Table, name: str | None = None) -> str:
+    quote = sa.dialects.postgresql.dialect().identifier_preparer.quote
+    name = name or table.name
+    return f"{quote(table.schema)}.{quote(name)}" if table.schema else quote(name)
+
+
+def trigger_function_name(table: sa.Table) -> str:
+    """The schema-qualified name of the table's notify trigger function."""
+    return _qualified(table, f"{table.name}_notify")
+
+
+def ddl_statements(table: sa.Table) -> list[str]:
+    """Statements that complete a freshly created jobs table.
+
+    Storage parameters, and a statement-level trigger that sends one NOTIFY per distinct
+    queue per INSERT statement. NOTIFY is transactional, so workers hear of a job only
+    when the enqueueing transaction commits, and PostgreSQL folds identical notifications
+    sent within one transaction: a transaction that enqueues a thousand jobs on one queue
+    wakes the workers once.
+    """
+    qualified = _qualified(table)
+    function = trigger_function_name(table)
+    quote = sa.dialects.postgresql.dialect().identifier_preparer.quote
+    trigger = quote(f"{table.name}_notify")
+    channel = notify_channel(table).replace("'", "''")
+    params = ", ".join(f"{k} = {v}" for k, v in STORAGE_PARAMETERS.items())
+    return [
+        f"ALTER TABLE {qualified} SET ({params})",
+        f"""CREATE OR REPLACE FUNCTION {function}() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+  PERFORM pg_notify('{channel}', q.queue)
+     FROM (SELECT DISTINCT queue FROM new_jobs WHERE status = 'ready') AS q;
+  RETURN NULL;
+END
+$$""",
+        f"""CREATE TRIGGER {trigger} AFTER INSERT ON {qualified}
+REFERENCING NEW TABLE AS new_jobs
+FOR EACH STATEMENT EXECUTE FUNCTION {function}()""",
+    ]
+
+
+def drop_statements(table: sa.Table) -> list[str]:
+    """Statements that remove what :func:`ddl_statements` added (the table drops its trigger)."""
+    return [f"DROP FUNCTION IF EXISTS {trigger_function_name(table)}() CASCADE"]
+
+
+def attach_ddl(table: sa.Table) -> None:
+    """Have ``metadata.create_all()``/``drop_all()`` create and drop the trigger too."""
+    if table.info.get("sqla_jobs_ddl"):
+        return
+    table.info["sqla_jobs_ddl"] = True
+    table.info["sqla_jobs"] = True
+
+    @event.listens_for(table, "after_create")
+    def _after_create(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
+        for statement in ddl_statements(target):
+            connection.exec_driver_sql(statement)
+
+    @event.listens_for(table, "after_drop")
+    def _after_drop(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
+        for statement in drop_statements(target):
+            connection.exec_driver_sql(statement)
+
+
+def job_table(model: type[Any] | sa.Table) -> sa.Table:
+    """The Table of a JobMixin model (or the table itself), checked."""
+    table = model if isinstance(model, sa.Table) else getattr(model, "__table__", None)
+    if not isinstance(table, sa.Table) or "task" not in table.c or "locked_until" not in table.c:
+        raise TypeError(f"{model!r} is not a JobMixin model or jobs table")
+    return table

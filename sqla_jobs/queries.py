@@ -1,0 +1,275 @@
+"""Every statement the queue runs, as SQLAlchemy Core, built once per jobs table.
+
+Each statement carries a comment: what it is for, and which index it reads through.
+Statements take their values as bound parameters (never string formatting), so
+SQLAlchemy's compiled cache and PostgreSQL's plans are reused run after run.
+
+The guard
+---------
+``attempts`` grows by one at every claim and never goes down, so ``(id, attempts)`` names
+exactly one claim of one job. Completing, failing, snoozing, handing back and
+heartbeating all match on that pair: a worker that lost its lease and comes back late
+finds no row, and changes nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from .model import STATUSES, UNIQUE_WHERE, notify_channel
+
+__all__ = ["Queries"]
+
+_BULK_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("task", sa.Text),
+    ("queue", sa.Text),
+    ("args", sa.Text),
+    ("priority", sa.SmallInteger),
+    ("max_attempts", sa.Integer),
+    ("status", sa.Text),
+    ("run_at", sa.DateTime(timezone=True)),
+    ("unique_key", sa.Text),
+)
+_LEASE_EXPIRED = "lease expired: the worker that ran this attempt stopped heartbeating"
+
+
+class Queries:
+    """The statements of one jobs table."""
+
+    def __init__(self, table: sa.Table, *, keep_done: bool = False) -> None:
+        self.table = t = table
+        self.channel = notify_channel(table)
+        c = t.c
+
+        # Claim: up to :limit ready jobs of one queue, in priority, run_at, id order,
+        # through <table>_claim. FOR NO KEY UPDATE SKIP LOCKED: concurrent claims skip each
+        # other's rows instead of queueing behind them, and the weaker NO KEY lock does not
+        # block foreign keys that point at the job row (FOR UPDATE would).
+        # run_at <= now() is a guard against a 'ready' row from a clock ahead of the
+        # database; the scheduled status keeps future jobs out of this index entirely.
+        nxt = (
+            sa.select(c.id)
+            .where(
+                c.status == _S["ready"],
+                c.queue == sa.bindparam("queue_name"),
+                c.run_at <= sa.func.now(),
+            )
+            .order_by(c.priority.desc(), c.run_at, c.id)
+            .limit(sa.bindparam("limit"))
+            .with_for_update(skip_locked=True, key_share=True)
+            .cte("next_jobs")
+        )
+        self.claim = (
+            sa.update(t)
+            .where(c.id == nxt.c.id)
+            .values(
+                status="running",
+                attempts=c.attempts + 1,
+                locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+                locked_by=sa.bindparam("worker"),
+            )
+            .returning(
+                c.id, c.queue, c.task, c.args, c.attempts, c.max_attempts, c.priority,
+                c.run_at, c.created_at,
+            )
+        )
+
+        # Complete a batch: one statement for many jobs, each row still guarded by its own
+        # (id, attempts). Finished jobs are deleted, or kept as 'done' for retention.
+        batch = _batch()
+        guard = sa.and_(c.id == batch.c.id, c.attempts == batch.c.attempts)
+        if keep_done:
+            self.complete: sa.Executable = (
+                sa.update(t)
+                .where(guard, c.status == _S["running"])
+                .values(status="done", locked_until=None, finished_at=sa.func.now())
+                .returning(c.id)
+            )
+        else:
+            self.complete = sa.delete(t).where(guard, c.status == _S["running"]).returning(c.id)
+
+        # Fail one attempt: retry after :delay (scheduled), or dead once attempts are used
+        # up or the failure is permanent. The error and its traceback stay in last_error.
+        dead = sa.or_(sa.bindparam("permanent", type_=sa.Boolean), c.attempts >= c.max_attempts)
+        self.fail = (
+            sa.update(t)
+            .where(
+                c.id == sa.bindparam("job_id"),
+                c.attempts == sa.bindparam("attempt"),
+                c.status == _S["running"],
+            )
+            .values(
+                status=sa.case((dead, "dead"), else_="scheduled"),
+                run_at=sa.case(
+                    (dead, c.run_at),
+                    else_=sa.func.now() + sa.bindparam("delay", type_=sa.Interval),
+                ),
+                finished_at=sa.case((dead, sa.func.now()), else_=None),
+                locked_until=None,
+                last_error=sa.bindparam("error"),
+            )
+            .returning(c.id, c.status)
+        )
+
+        # Snooze ("not yet"): back to scheduled without using up an attempt. attempts stays
+        # (the guard needs it monotonic), so max_attempts grows by one instead.
+        self.snooze = (
+            sa.update(t)
+            .where(
+                c.id == sa.bindparam("job_id"),
+                c.attempts == sa.bindparam("attempt"),
+                c.status == _S["running"],
+            )
+            .values(
+                status="scheduled",
+                run_at=sa.func.now() + sa.bindparam("delay", type_=sa.Interval),
+                max_attempts=c.max_attempts + 1,
+                locked_until=None,
+            )
+            .returning(c.id)
+        )
+
+        # Hand back claimed jobs that never started (a stopping worker): ready again at
+        # once, and the claim does not count (max_attempts + 1, as for snooze).
+        batch = _batch()
+        self.hand_back = (
+            sa.update(t)
+            .where(
+                c.id == batch.c.id,
+                c.attempts == batch.c.attempts,
+                c.status == _S["running"],
+            )
+            .values(
+                status="ready",
+                max_attempts=c.max_attempts + 1,
+                locked_until=None,
+                locked_by=None,
+            )
+            .returning(c.id, c.queue)
+        )
+
+        # Heartbeat: extend the leases of all of a worker's running jobs in one statement.
+        # Jobs that do not come back were lost (lease expired and retaken) or cancelled.
+        batch = _batch()
+        self.heartbeat = (
+            sa.update(t)
+            .where(c.id == batch.c.id, c.attempts == batch.c.attempts, c.status == _S["running"])
+            .values(locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval))
+            .returning(c.id)
+        )
+
+        # Promote due scheduled jobs to ready, through <table>_scheduled, and wake the
+        # workers of their queues (NOTIFY is sent at commit).
+        due = (
+            sa.select(c.id)
+            .where(c.status == _S["scheduled"], c.run_at <= sa.func.now())
+            .order_by(c.run_at)
+            .limit(sa.bindparam("limit"))
+            .with_for_update(skip_locked=True, key_share=True)
+            .cte("due_jobs")
+        )
+        promoted = (
+            sa.update(t)
+            .where(c.id == due.c.id)
+            .values(status="ready")
+            .returning(c.queue)
+            .cte("promoted")
+        )
+        self.promote = self._notify_queues(promoted)
+
+        # Rescue jobs whose lease has passed, through <table>_running: their worker died or
+        # hung. Ready again (the next claim counts the attempt), or dead if none are left.
+        expired = (
+            sa.select(c.id)
+            .where(c.status == _S["running"], c.locked_until < sa.func.now())
+            .limit(sa.bindparam("limit"))
+            .with_for_update(skip_locked=True, key_share=True)
+            .cte("expired_jobs")
+        )
+        out_of_attempts = c.attempts >= c.max_attempts
+        rescued = (
+            sa.update(t)
+            .where(c.id == expired.c.id)
+            .values(
+                status=sa.case((out_of_attempts, "dead"), else_="ready"),
+                finished_at=sa.case((out_of_attempts, sa.func.now()), else_=None),
+                locked_until=None,
+                last_error=_LEASE_EXPIRED,
+            )
+            .returning(c.queue, c.status)
+            .cte("rescued")
+        )
+        self.rescue = self._notify_queues(rescued)
+
+        # The earliest run_at of a scheduled job, through <table>_scheduled, so an idle
+        # worker can sleep exactly until then.
+        self.next_due = sa.select(sa.func.min(c.run_at)).where(c.status == _S["scheduled"])
+
+        # Is there anything left to do in these queues? (run_until_empty)
+        queues = sa.bindparam("queues", type_=ARRAY(sa.Text))
+        self.pending = sa.select(
+            sa.exists().where(c.status.in_([_S["ready"], _S["running"]]), c.queue == sa.func.any(queues))
+        )
+
+        # Bulk enqueue: INSERT ... SELECT FROM unnest(:task, :queue, ...), one array per
+        # column, so the statement is the same whatever the batch size and is compiled
+        # once. ON CONFLICT skips rows whose unique key belongs to a live job
+        # (<table>_unique).
+        cols = _BULK_COLUMNS
+        rows = (
+            sa.func.unnest(*(sa.bindparam(name, type_=ARRAY(type_)) for name, type_ in cols))
+            .table_valued(*(name for name, _ in cols))
+            .render_derived(name="rows")
+        )
+        r = rows.c
+        self.bulk_insert = (
+            pg_insert(t)
+            .from_select(
+                [name for name, _ in cols],
+                sa.select(
+                    r.task, r.queue, sa.cast(r.args, JSONB), r.priority, r.max_attempts,
+                    r.status, sa.func.coalesce(r.run_at, sa.func.now()), r.unique_key,
+                ),
+            )
+            .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+        )
+
+    def _notify_queues(self, changed: sa.CTE) -> sa.Select[Any]:
+        """Wrap a data-modifying CTE that returns ``queue`` in a NOTIFY per distinct ready queue."""
+        wake = sa.select(changed.c.queue).distinct()
+        if "status" in changed.c:
+            wake = wake.where(changed.c.status == _S["ready"])
+        sub = wake.subquery("q")
+        return sa.select(sa.func.pg_notify(sa.literal(self.channel), sub.c.queue)).select_from(
+            sub
+        )
+
+
+#: Status values as SQL literals, not bound parameters: the planner can only match a
+#: partial index (``WHERE status = 'ready'``) against a constant it can see in a generic
+#: plan, and psycopg prepares statements that run often.
+_S: dict[str, sa.ColumnElement[str]] = {
+    status: sa.literal_column(f"'{status}'", sa.Text) for status in STATUSES
+}
+
+
+def _batch() -> Any:
+    """``unnest(:ids, :attempt_list) AS batch(id, attempts)``: a whole batch in two parameters."""
+    return (
+        sa.func.unnest(
+            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
+            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+        )
+        .table_valued("id", "attempts")
+        .render_derived(name="batch")
+    )
+
+
+def interval(seconds: float) -> timedelta:
+    """Seconds as the timedelta that binds to an ``interval`` parameter."""
+    return timedelta(seconds=seconds)

@@ -1,0 +1,210 @@
+"""``session.enqueue(...)``: jobs that ride the caller's unit of work.
+
+.. code-block:: python
+
+    Session = sessionmaker(engine, class_=JobSession, jobs=jobs)
+
+    with Session.begin() as session:
+        session.add(Link(code="x7Kp", long_url=url))
+        session.enqueue(fetch_preview, code="x7Kp")
+
+``enqueue`` checks the job at once (arguments against the handler's signature, options),
+adds a ``Job`` object to the session and returns it. Like any object added to a session,
+it is INSERTed at the next flush, is visible to workers only once the caller commits, and
+is gone if the transaction rolls back. Nothing here flushes or commits on the caller's
+behalf.
+
+``enqueue_many`` is for bulk: the rows are kept on the session and inserted by one
+``INSERT ... SELECT FROM unnest(...)`` statement, right after the session's next flush or,
+at the latest, when it commits, in the caller's transaction either way.
+
+Both work on ``AsyncSession`` (:class:`sqla_jobs.aio.AsyncJobSession`) too: they only add to the
+unit of work, so they do no I/O and need no ``await``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session, SessionTransaction
+
+from .errors import EnqueueError
+from .tasks import Jobs, Task
+
+__all__ = ["EnqueueMixin", "JobSession"]
+
+_JOBS_KEY = "sqla_jobs.jobs"
+_PENDING_KEY = "sqla_jobs.pending"
+
+
+class EnqueueMixin:
+    """Adds :meth:`enqueue` and :meth:`enqueue_many` to a ``Session`` or ``AsyncSession``.
+
+    Mix it in front of your own session class, or use :class:`JobSession` /
+    :class:`AsyncJobSession`. The ``jobs=`` keyword (which ``sessionmaker`` passes through)
+    names the registry used to resolve task *names*; task objects know their own registry.
+    """
+
+    info: dict[Any, Any]
+
+    def __init__(self, *args: Any, jobs: Jobs | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        if jobs is not None:
+            self.info[_JOBS_KEY] = jobs
+
+    def _registry(self, task: Task[Any, Any] | str) -> Jobs:
+        if isinstance(task, Task):
+            return task.registry
+        jobs = self.info.get(_JOBS_KEY)
+        if jobs is None:
+            raise EnqueueError(
+                f"cannot resolve task name {task!r}: this session has no Jobs registry "
+                "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
+            )
+        return jobs  # type: ignore[no-any-return]
+
+    def enqueue(
+        self,
+        task: Task[Any, Any] | str,
+        /,
+        *args: Any,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Add one job to the unit of work and return it (a new, pending ``Job`` object).
+
+        :param task: a task, or the name of one registered with this session's ``jobs``.
+        :param args, kwargs: the handler's arguments; checked now, stored as JSON.
+        :param queue: overrides the task's queue.
+        :param priority: ``>= 0``; higher is claimed first. Overrides the task's.
+        :param run_at: not before this (timezone-aware) time. Or ``delay``: seconds or a
+            ``timedelta`` from now.
+        :param max_attempts: overrides the task's.
+        :raises EnqueueError: bad arguments or options; the session is left untouched.
+        """
+        registry = self._registry(task)
+        values = registry.job_values(
+            task,
+            args,
+            kwargs,
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+        )
+        job = registry.model(**values)
+        self.add(job)
+        return job
+
+    def enqueue_many(
+        self,
+        task: Task[Any, Any] | str,
+        arguments: Iterable[Mapping[str, Any]],
+        /,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool = False,
+    ) -> int:
+        """Add many jobs of one task, one per mapping of keyword arguments; return how many.
+
+        Every job is checked before any is kept: one bad item raises :class:`EnqueueError`
+        and none of the batch is added. The rows go to the database in one statement at the
+        session's next flush or commit. With ``unique=True`` each job gets a key derived
+        from its task and arguments, and one equal to a live job is silently skipped.
+        """
+        registry = self._registry(task)
+        rows = [
+            registry.job_values(
+                task,
+                (),
+                kwargs,
+                queue=queue,
+                priority=priority,
+                run_at=run_at,
+                delay=delay,
+                max_attempts=max_attempts,
+                unique=unique,
+            )
+            for kwargs in arguments
+        ]
+        if rows:
+            _pending(self._sync_session(), registry).extend(rows)
+        return len(rows)
+
+    def _sync_session(self) -> Session:
+        # An AsyncSession keeps its unit of work in a plain Session.
+        sync: Session = getattr(self, "sync_session", self)
+        return sync
+
+
+class JobSession(EnqueueMixin, Session):
+    """A ``Session`` with ``enqueue``; ``sessionmaker(engine, class_=JobSession, jobs=jobs)``."""
+
+
+def _pending(session: Session, registry: Jobs) -> list[dict[str, Any]]:
+    """Rows waiting for the next flush, per registry; hooks the session the first time."""
+    pending: dict[Jobs, list[dict[str, Any]]] | None = session.info.get(_PENDING_KEY)
+    if pending is None:
+        pending = session.info[_PENDING_KEY] = {}
+        if not event.contains(session, "after_flush", _after_flush):
+            event.listen(session, "after_flush", _after_flush)
+            event.listen(session, "before_commit", _before_commit)
+            event.listen(session, "after_transaction_end", _after_transaction_end)
+    return pending.setdefault(registry, [])
+
+
+def _insert_pending(session: Session) -> None:
+    pending: dict[Jobs, list[dict[str, Any]]] | None = session.info.get(_PENDING_KEY)
+    if not pending:
+        return
+    session.info[_PENDING_KEY] = {}
+    connection = session.connection()
+    for registry, rows in pending.items():
+        if rows:
+            connection.execute(registry.queries.bulk_insert, bulk_parameters(rows))
+
+
+def _after_flush(session: Session, flush_context: Any) -> None:
+    # After the session's own objects: a job table with a foreign key to an app table
+    # finds the referenced rows already there.
+    _insert_pending(session)
+
+
+def _before_commit(session: Session) -> None:
+    # A session holding only enqueue_many rows is "clean" and would skip its flush.
+    session.flush()
+    _insert_pending(session)
+
+
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is None:
+        # Committed rows were inserted already; rolled-back ones must not leak into the
+        # session's next transaction.
+        session.info.pop(_PENDING_KEY, None)
+
+
+def bulk_parameters(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Column-wise arrays for :attr:`Queries.bulk_insert`."""
+    return {
+        "task": [r["task"] for r in rows],
+        "queue": [r["queue"] for r in rows],
+        "args": [json.dumps(r["args"], separators=(",", ":")) for r in rows],
+        "priority": [r["priority"] for r in rows],
+        "max_attempts": [r["max_attempts"] for r in rows],
+        "status": [r["status"] for r in rows],
+        "run_at": [r.get("run_at") for r in rows],
+        "unique_key": [r.get("unique_key") for r in rows],
+    }

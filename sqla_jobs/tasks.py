@@ -1,0 +1,343 @@
+"""Tasks and the registry that binds them to one jobs table.
+
+.. code-block:: python
+
+    jobs = Jobs(Job)
+
+    @jobs.task(queue="previews", max_attempts=5, retry=Backoff(base=2, cap=600))
+    def fetch_preview(code: str) -> None: ...
+
+A job stores a task *name* and its arguments as JSON. Arguments are checked against the
+handler's signature when the job is enqueued, in the caller's process, so a typo fails
+the web request that made it instead of a worker an hour later.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+import sqlalchemy as sa
+
+from .errors import EnqueueError, UnknownTaskError
+from .model import job_table
+
+if TYPE_CHECKING:
+    from .queries import Queries
+
+__all__ = ["Backoff", "Jobs", "RetryPolicy", "Task"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Option names of ``session.enqueue``; a task may not use them as parameter names.
+RESERVED_NAMES = frozenset(
+    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key"}
+)
+_SMALLINT_MAX = 32767
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter and a cap: the default retry policy.
+
+    The n-th retry waits ``min(cap, base * factor ** (n - 1))`` seconds, then a random
+    ``±jitter`` fraction of that, so that a thousand jobs failing together (a partner API
+    went down) do not all come back in the same second.
+    """
+
+    base: float = 2.0
+    factor: float = 2.0
+    cap: float = 3600.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.cap < 0 or self.factor < 1 or not 0 <= self.jitter <= 1:
+            raise ValueError(f"invalid Backoff {self!r}")
+
+    def __call__(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1 for the first)."""
+        delay = min(self.cap, self.base * self.factor ** max(attempt - 1, 0))
+        if self.jitter:
+            delay *= 1 + random.uniform(-self.jitter, self.jitter)
+        return max(0.0, min(delay, self.cap))
+
+
+#: A retry policy maps the number of the attempt that just failed to seconds to wait.
+RetryPolicy = Callable[[int], float]
+
+
+@dataclass(eq=False)
+class Task(Generic[P, R]):
+    """A registered handler and its defaults. Calling it runs the function directly."""
+
+    fn: Callable[P, R]
+    name: str
+    registry: Jobs
+    queue: str
+    max_attempts: int
+    retry: RetryPolicy
+    priority: int = 0
+    timeout: float | None = None
+    transactional: bool = False
+    is_async: bool = False
+    signature: inspect.Signature = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sig = inspect.signature(self.fn)
+        params = list(sig.parameters.values())
+        if self.transactional:
+            if "session" not in sig.parameters:
+                raise TypeError(
+                    f"task {self.name!r} is transactional, so its handler must take a "
+                    "'session' parameter"
+                )
+            params = [p for p in params if p.name != "session"]
+        clash = RESERVED_NAMES.intersection(p.name for p in params)
+        if clash:
+            raise TypeError(
+                f"task {self.name!r}: parameter name(s) {sorted(clash)} are enqueue options; "
+                "rename them"
+            )
+        self.signature = sig.replace(parameters=params)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.fn(*args, **kwargs)
+
+    def bind_args(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Check arguments against the handler's signature; return them as a JSON-able dict."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise EnqueueError(f"task {self.name!r}: {exc}") from None
+        arguments = dict(bound.arguments)
+        for key, value in arguments.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise EnqueueError(
+                    f"task {self.name!r}: argument {key!r} is not JSON-serialisable ({exc})"
+                ) from None
+        return arguments
+
+    def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included."""
+        bound = inspect.BoundArguments(self.signature, dict(stored))  # type: ignore[arg-type]
+        return bound.args, bound.kwargs
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Jobs:
+    """The registry of tasks bound to one jobs table, and the queue's settings.
+
+    One ``Jobs`` per job model. Sessions take it (``sessionmaker(..., jobs=jobs)``) to
+    resolve task names, workers take it to find handlers, and its methods act on the queue.
+
+    :param model: a ``JobMixin`` model.
+    :param default_queue: queue of tasks that do not name one.
+    :param max_attempts: default for tasks that do not set it.
+    :param retry: default retry policy (:class:`Backoff` by default).
+    :param keep_done: ``None`` deletes finished jobs at once (cheapest); a ``timedelta``
+        keeps them as ``done`` for that long before they are pruned.
+    :param keep_dead: how long dead and cancelled jobs are kept before they are pruned.
+    """
+
+    def __init__(
+        self,
+        model: type[Any],
+        *,
+        default_queue: str = "default",
+        max_attempts: int = 5,
+        retry: RetryPolicy | None = None,
+        keep_done: timedelta | None = None,
+        keep_dead: timedelta = timedelta(days=7),
+    ) -> None:
+        self.model = model
+        self.table: sa.Table = job_table(model)
+        _check_queue(default_queue)
+        _check_max_attempts(max_attempts)
+        self.default_queue = default_queue
+        self.max_attempts = max_attempts
+        self.retry: RetryPolicy = retry or Backoff()
+        self.keep_done = keep_done
+        self.keep_dead = keep_dead
+        self.tasks: dict[str, Task[Any, Any]] = {}
+        self._queries: Queries | None = None
+
+    def __repr__(self) -> str:
+        return f"<Jobs table={self.table.fullname!r} tasks={sorted(self.tasks)}>"
+
+    @property
+    def queries(self) -> Queries:
+        """The statements of this table, built once."""
+        if self._queries is None:
+            from .queries import Queries
+
+            self._queries = Queries(self.table, keep_done=self.keep_done is not None)
+        return self._queries
+
+    def task(
+        self,
+        fn: Callable[P, R] | None = None,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: bool = False,
+    ) -> Any:
+        """Register a handler, as ``@jobs.task`` or ``@jobs.task(queue=..., ...)``.
+
+        :param name: the stored name; defaults to ``module.qualname``. Keep it stable: jobs
+            already in the table refer to it.
+        :param timeout: seconds a run may take before it counts as failed.
+        :param transactional: the handler takes a ``session``; its writes commit in the same
+            transaction that completes the job, so they happen exactly once.
+        """
+
+        def register(f: Callable[P, R]) -> Task[P, R]:
+            task_name = name or f"{f.__module__}.{f.__qualname__}"
+            if task_name in self.tasks:
+                raise ValueError(f"a task named {task_name!r} is already registered")
+            q = queue if queue is not None else self.default_queue
+            _check_queue(q)
+            attempts = max_attempts if max_attempts is not None else self.max_attempts
+            _check_max_attempts(attempts)
+            _check_priority(priority)
+            if timeout is not None and timeout <= 0:
+                raise ValueError(f"task {task_name!r}: timeout must be > 0 seconds")
+            t: Task[P, R] = Task(
+                fn=f,
+                name=task_name,
+                registry=self,
+                queue=q,
+                max_attempts=attempts,
+                retry=retry or self.retry,
+                priority=priority,
+                timeout=timeout,
+                transactional=transactional,
+                is_async=inspect.iscoroutinefunction(f),
+            )
+            self.tasks[task_name] = t
+            return t
+
+        return register(fn) if fn is not None else register
+
+    def get(self, task: Task[Any, Any] | str) -> Task[Any, Any]:
+        """The registered task of that name (or that task, checked to belong here)."""
+        if isinstance(task, Task):
+            if task.registry is not self:
+                raise EnqueueError(
+                    f"task {task.name!r} belongs to the registry of table "
+                    f"{task.registry.table.fullname!r}, not {self.table.fullname!r}"
+                )
+            return task
+        if not isinstance(task, str):
+            raise EnqueueError(f"expected a task or a task name, got {task!r}")
+        try:
+            return self.tasks[task]
+        except KeyError:
+            raise UnknownTaskError(f"unknown task {task!r}") from None
+
+    def job_values(
+        self,
+        task: Task[Any, Any] | str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool = False,
+        unique_key: str | None = None,
+        now: datetime | None = None,
+    ) -> dict[str, Any]:
+        """Check a job and return its column values. Raises :class:`EnqueueError`."""
+        t = self.get(task)
+        arguments = t.bind_args(args, kwargs)
+        q = t.queue if queue is None else queue
+        _check_queue(q)
+        prio = t.priority if priority is None else priority
+        _check_priority(prio)
+        attempts = t.max_attempts if max_attempts is None else max_attempts
+        _check_max_attempts(attempts)
+        values: dict[str, Any] = {
+            "task": t.name,
+            "queue": q,
+            "args": arguments,
+            "priority": prio,
+            "max_attempts": attempts,
+            "status": "ready",
+        }
+        when = _run_at(run_at, delay, now)
+        if when is not None:
+            values["run_at"] = when
+            if when > (now or _utcnow()):
+                values["status"] = "scheduled"
+        if unique_key is not None:
+            if not isinstance(unique_key, str) or not unique_key:
+                raise EnqueueError(f"unique_key must be a non-empty string, got {unique_key!r}")
+            values["unique_key"] = unique_key
+        elif unique:
+            values["unique_key"] = derive_unique_key(t.name, arguments)
+        return values
+
+
+def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:
+    """A key equal for equal task and arguments, whatever the keyword order."""
+    return f"{task}:{json.dumps(arguments, sort_keys=True, separators=(',', ':'))}"
+
+
+def _run_at(
+    run_at: datetime | None, delay: float | timedelta | None, now: datetime | None
+) -> datetime | None:
+    if run_at is not None and delay is not None:
+        raise EnqueueError("give run_at or delay, not both")
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise EnqueueError(f"run_at must be a datetime, got {run_at!r}")
+        if run_at.tzinfo is None:
+            raise EnqueueError("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return run_at
+    if delay is not None:
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+        if (
+            not isinstance(seconds, (int, float))
+            or isinstance(seconds, bool)
+            or seconds != seconds
+            or seconds < 0
+        ):
+            raise EnqueueError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        return (now or _utcnow()) + timedelta(seconds=seconds)
+    return None
+
+
+def _check_queue(queue: object) -> None:
+    if not isinstance(queue, str) or not queue:
+        raise EnqueueError(f"queue must be a non-empty string, got {queue!r}")
+
+
+def _check_priority(priority: object) -> None:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise EnqueueError(f"priority must be an integer, got {priority!r}")
+    if priority < 0:
+        raise EnqueueError(f"priority must be >= 0 (higher runs first), got {priority}")
+    if priority > _SMALLINT_MAX:
+        raise EnqueueError(f"priority must be <= {_SMALLINT_MAX}, got {priority}")
+
+
+def _check_max_attempts(value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")

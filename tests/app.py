@@ -1,0 +1,88 @@
+"""The application the tests use: its own metadata, a jobs table, and a few tasks.
+
+It lives in a schema of its own so that the tests never touch anything else in a shared
+database (CI runs them against a server that other things may use). Worker processes
+started by the tests import it as ``tests.app:jobs``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sqla_jobs import Backoff, JobMixin, Jobs, current_job
+
+SCHEMA = os.environ.get("SQLA_JOBS_TEST_SCHEMA", "sqla_jobs_tests")
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(schema=SCHEMA)
+
+
+class Job(JobMixin, Base):
+    __tablename__ = "jobs"
+
+
+class OtherJob(JobMixin, Base):
+    """A second, independent jobs table in the same app."""
+
+    __tablename__ = "other_jobs"
+
+
+class Link(Base):
+    __tablename__ = "links"
+    code: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    url: Mapped[str] = mapped_column(sa.Text)
+
+
+class Run(Base):
+    """One row per handler run, written by the handlers below (from any process)."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    worker: Mapped[str] = mapped_column(sa.Text)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    at: Mapped[float] = mapped_column(sa.Float)
+
+
+jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
+
+
+def _engine() -> sa.Engine:
+    from sqla_jobs import create_engine
+
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = create_engine(os.environ["DATABASE_URL"], pool_size=2)
+    return _ENGINE
+
+
+_ENGINE: sa.Engine | None = None
+
+
+def record() -> None:
+    job = current_job()
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.insert(Run).values(
+                job_id=job.id, attempt=job.attempts, worker=job.worker, pid=os.getpid(),
+                at=time.time(),
+            )
+        )
+
+
+@jobs.task(queue="records")
+def record_run(n: int = 0) -> None:
+    record()
+
+
+@jobs.task(queue="records")
+def slow_record(seconds: float) -> None:
+    """Record the start, then take a while."""
+    record()
+    time.sleep(seconds)

@@ -1,0 +1,40 @@
+"""Small helpers for tests: reading job rows, and waiting with a deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from . import app
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s (last: {value!r})")
+        time.sleep(interval)
+
+
+def rows(engine: sa.Engine, model: Any = app.Job) -> list[Any]:
+    with engine.connect() as conn:
+        t = model.__table__
+        return list(conn.execute(sa.select(t).order_by(*t.primary_key.columns)))
+
+
+def count(engine: sa.Engine, model: Any = app.Job, **where: Any) -> int:
+    t = model.__table__
+    stmt = sa.select(sa.func.count()).select_from(t)
+    for key, value in where.items():
+        stmt = stmt.where(t.c[key] == value)
+    with engine.connect() as conn:
+        return int(conn.execute(stmt).scalar_one())
