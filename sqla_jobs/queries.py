@@ -74,8 +74,15 @@ class Queries:
                 locked_by=sa.bindparam("worker"),
             )
             .returning(
-                c.id, c.queue, c.task, c.args, c.attempts, c.max_attempts, c.priority,
-                c.run_at, c.created_at,
+                c.id,
+                c.queue,
+                c.task,
+                c.args,
+                c.attempts,
+                c.max_attempts,
+                c.priority,
+                c.run_at,
+                c.created_at,
             )
         )
 
@@ -213,7 +220,9 @@ class Queries:
         # Is there anything left to do in these queues? (run_until_empty)
         queues = sa.bindparam("queues", type_=ARRAY(sa.Text))
         self.pending = sa.select(
-            sa.exists().where(c.status.in_([_S["ready"], _S["running"]]), c.queue == sa.func.any(queues))
+            sa.exists().where(
+                c.status.in_([_S["ready"], _S["running"]]), c.queue == sa.func.any(queues)
+            )
         )
 
         # Bulk enqueue: INSERT ... SELECT FROM unnest(:task, :queue, ...), one array per
@@ -232,8 +241,14 @@ class Queries:
             .from_select(
                 [name for name, _ in cols],
                 sa.select(
-                    r.task, r.queue, sa.cast(r.args, JSONB), r.priority, r.max_attempts,
-                    r.status, sa.func.coalesce(r.run_at, sa.func.now()), r.unique_key,
+                    r.task,
+                    r.queue,
+                    sa.cast(r.args, JSONB),
+                    r.priority,
+                    r.max_attempts,
+                    r.status,
+                    sa.func.coalesce(r.run_at, sa.func.now()),
+                    r.unique_key,
                 ),
             )
             .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
@@ -245,9 +260,7 @@ class Queries:
         if "status" in changed.c:
             wake = wake.where(changed.c.status == _S["ready"])
         sub = wake.subquery("q")
-        return sa.select(sa.func.pg_notify(sa.literal(self.channel), sub.c.queue)).select_from(
-            sub
-        )
+        return sa.select(sa.func.pg_notify(sa.literal(self.channel), sub.c.queue)).select_from(sub)
 
 
 #: Status values as SQL literals, not bound parameters: the planner can only match a

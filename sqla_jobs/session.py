@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
@@ -50,6 +50,10 @@ class EnqueueMixin:
     """
 
     info: dict[Any, Any]
+
+    if TYPE_CHECKING:
+
+        def add(self, instance: object, _warn: bool = True) -> None: ...
 
     def __init__(self, *args: Any, jobs: Jobs | None = None, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -146,7 +150,11 @@ class EnqueueMixin:
 
     def _sync_session(self) -> Session:
         # An AsyncSession keeps its unit of work in a plain Session.
-        sync: Session = getattr(self, "sync_session", self)
+        sync = getattr(self, "sync_session", None)
+        if sync is None:
+            assert isinstance(self, Session)
+            return self
+        assert isinstance(sync, Session)
         return sync
 
 

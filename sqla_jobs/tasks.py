@@ -127,7 +127,7 @@ class Task(Generic[P, R]):
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included."""
-        bound = inspect.BoundArguments(self.signature, dict(stored))  # type: ignore[arg-type]
+        bound = inspect.BoundArguments(self.signature, dict(stored))
         return bound.args, bound.kwargs
 
 

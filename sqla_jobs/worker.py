@@ -114,7 +114,9 @@ def _worker_name() -> str:
 
 def _format_error(exc: BaseException) -> str:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
+    return (
+        text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
+    )
 
 
 class Worker:
@@ -156,8 +158,10 @@ class Worker:
             raise ValueError("lease and poll_interval must be > 0, grace_period >= 0")
         self.jobs = jobs
         self.engine = _url_engine(bind)
-        names = list(queues) if queues else sorted(
-            {t.queue for t in jobs.tasks.values()} or {jobs.default_queue}
+        names = (
+            list(queues)
+            if queues
+            else sorted({t.queue for t in jobs.tasks.values()} or {jobs.default_queue})
         )
         for q in names:
             if not isinstance(q, str) or not q:
@@ -170,8 +174,8 @@ class Worker:
         self.claim_limit = claim_limit
         self.completion_batch = completion_batch
         self.completion_interval = completion_interval
-        self.rescue_interval = rescue_interval if rescue_interval is not None else min(
-            5.0, lease / 2
+        self.rescue_interval = (
+            rescue_interval if rescue_interval is not None else min(5.0, lease / 2)
         )
         self.listen = listen
         self.name = name or _worker_name()
@@ -241,7 +245,9 @@ class Worker:
             except sa.exc.DBAPIError as exc:
                 failures += 1
                 pause = min(30.0, 0.1 * 2**failures)
-                log.warning("worker %s: database error, retrying in %.1fs: %s", self.name, pause, exc)
+                log.warning(
+                    "worker %s: database error, retrying in %.1fs: %s", self.name, pause, exc
+                )
                 self._stopping.wait(pause)
                 continue
             if claimed:
@@ -267,13 +273,13 @@ class Worker:
             free = self._free
         if free <= 0:
             return 0
-        total = 0
+        claimed: list[ClaimedJob] = []
         n = len(self.queues)
         start = self._turn
         self._turn = (self._turn + 1) % n
         with self.engine.begin() as conn:
             for i in range(n):
-                want = min(free - total, self.claim_limit)
+                want = min(free - len(claimed), self.claim_limit)
                 if want <= 0:
                     break
                 rows = conn.execute(
@@ -285,16 +291,20 @@ class Worker:
                         "worker": self.name,
                     },
                 ).all()
-                if rows:
-                    jobs = [ClaimedJob(*row, worker=self.name) for row in rows]
-                    with self._lock:
-                        self._free -= len(jobs)
-                        for job in jobs:
-                            self._running[job.id] = job
-                    for job in jobs:
-                        self._inbox.put(job)
-                    total += len(jobs)
-        return total
+                claimed.extend(
+                    ClaimedJob(*row, worker=self.name)  # type: ignore[misc]
+                    for row in rows
+                )
+        # Only now, after COMMIT: a completion written before the claim is visible would
+        # find the row still 'ready' and match nothing.
+        if claimed:
+            with self._lock:
+                self._free -= len(claimed)
+                for job in claimed:
+                    self._running[job.id] = job
+            for job in claimed:
+                self._inbox.put(job)
+        return len(claimed)
 
     def _maintain(self) -> None:
         """Promote due scheduled jobs and rescue expired leases, when it is time to."""
@@ -315,7 +325,8 @@ class Worker:
                 db_now = conn.execute(sa.select(sa.func.now())).scalar()
                 self._next_promote = now + self.poll_interval
                 self._next_due = (
-                    None if due is None or db_now is None
+                    None
+                    if due is None or db_now is None
                     else now + max(0.0, (due - db_now).total_seconds())
                 )
 
@@ -359,7 +370,8 @@ class Worker:
         if task is None:
             log.error("job %s: unknown task %r, failing it", job.id, job.task)
             return _Outcome(
-                _FAIL, job,
+                _FAIL,
+                job,
                 error=f"unknown task {job.task!r}: no handler of that name is registered "
                 f"in the worker ({self.name})",
                 delay=self.jobs.retry(job.attempts),
@@ -379,7 +391,12 @@ class Worker:
         except Exception as exc:
             log.info(
                 "job %s (%s, queue %s) attempt %s/%s failed: %r",
-                job.id, job.task, job.queue, job.attempts, job.max_attempts, exc,
+                job.id,
+                job.task,
+                job.queue,
+                job.attempts,
+                job.max_attempts,
+                exc,
             )
             return _Outcome(_FAIL, job, error=_format_error(exc), delay=_retry_delay(task, job))
         finally:
@@ -400,8 +417,10 @@ class Worker:
             while len(batch) < self.completion_batch:
                 remaining = deadline - time.monotonic()
                 try:
-                    nxt = self._outbox.get(timeout=remaining) if remaining > 0 else (
-                        self._outbox.get_nowait()
+                    nxt = (
+                        self._outbox.get(timeout=remaining)
+                        if remaining > 0
+                        else (self._outbox.get_nowait())
                     )
                 except queue_mod.Empty:
                     break
@@ -452,8 +471,11 @@ class Worker:
                         elif o.kind == _SNOOZE:
                             conn.execute(
                                 self.q.snooze,
-                                {"job_id": o.job.id, "attempt": o.job.attempts,
-                                 "delay": interval(o.delay)},
+                                {
+                                    "job_id": o.job.id,
+                                    "attempt": o.job.attempts,
+                                    "delay": interval(o.delay),
+                                },
                             )
                             self._note_due(o.delay)
                 return
@@ -462,12 +484,16 @@ class Worker:
                 if self._stopping.is_set() and failures > 5:
                     log.error(
                         "worker %s: could not record %d outcomes (%s); their jobs will run "
-                        "again once their leases pass", self.name, len(batch), exc,
+                        "again once their leases pass",
+                        self.name,
+                        len(batch),
+                        exc,
                     )
                     return
                 pause = min(10.0, 0.1 * 2**failures)
-                log.warning("worker %s: completion failed, retrying in %.1fs: %s",
-                            self.name, pause, exc)
+                log.warning(
+                    "worker %s: completion failed, retrying in %.1fs: %s", self.name, pause, exc
+                )
                 time.sleep(pause)
 
     # -- heartbeat ------------------------------------------------------------------------
@@ -538,8 +564,9 @@ class Worker:
             except Exception as exc:
                 failures += 1
                 pause = min(30.0, 0.1 * 2**failures)
-                log.warning("worker %s: listener error, reconnecting in %.1fs: %s",
-                            self.name, pause, exc)
+                log.warning(
+                    "worker %s: listener error, reconnecting in %.1fs: %s", self.name, pause, exc
+                )
                 self._stopping.wait(pause)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -553,8 +580,9 @@ class Worker:
         completer = self._start(self._completer, "completer")
         heartbeat = self._start(self._heartbeat, "heartbeat")
         listener = self._start(self._listener, "listener") if listen else None
-        log.info("worker %s started: queues %s, concurrency %d", self.name, self.queues,
-                 self.concurrency)
+        log.info(
+            "worker %s started: queues %s, concurrency %d", self.name, self.queues, self.concurrency
+        )
         try:
             yield
         finally:
@@ -597,7 +625,9 @@ class Worker:
         if still:
             log.warning(
                 "worker %s: %d handlers still running after the %.0fs grace period; their "
-                "jobs will be retried when their leases pass", self.name, len(still),
+                "jobs will be retried when their leases pass",
+                self.name,
+                len(still),
                 self.grace_period,
             )
 
@@ -612,8 +642,13 @@ class Worker:
                     conn.execute(sa.select(sa.func.pg_notify(self.q.channel, queue_name)))
             log.info("worker %s: handed back %d unstarted jobs", self.name, len(rows))
         except sa.exc.DBAPIError as exc:
-            log.warning("worker %s: could not hand back %d jobs (%s); they will be retried "
-                        "when their leases pass", self.name, len(jobs), exc)
+            log.warning(
+                "worker %s: could not hand back %d jobs (%s); they will be retried "
+                "when their leases pass",
+                self.name,
+                len(jobs),
+                exc,
+            )
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:

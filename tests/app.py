@@ -70,7 +70,10 @@ def record() -> None:
     with _engine().begin() as conn:
         conn.execute(
             sa.insert(Run).values(
-                job_id=job.id, attempt=job.attempts, worker=job.worker, pid=os.getpid(),
+                job_id=job.id,
+                attempt=job.attempts,
+                worker=job.worker,
+                pid=os.getpid(),
                 at=time.time(),
             )
         )

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import JobSession, Jobs, create_engine
+from sqla_jobs import Jobs, JobSession, create_engine
 from sqla_jobs.db import embedded_url, normalize_url
 
 from . import app
@@ -58,5 +58,5 @@ def jobs() -> Jobs:
 
 
 @pytest.fixture
-def Session(db: sa.Engine, jobs: Jobs) -> sa.orm.sessionmaker[JobSession]:  # noqa: N802
+def Session(db: sa.Engine, jobs: Jobs) -> sa.orm.sessionmaker[JobSession]:
     return sa.orm.sessionmaker(db, class_=JobSession, jobs=jobs)

@@ -24,7 +24,9 @@ def send(jobs: Jobs) -> Any:
     return send_email
 
 
-def test_enqueue_adds_to_unit_of_work_without_flushing(Session: Any, db: sa.Engine, send: Any) -> None:
+def test_enqueue_adds_to_unit_of_work_without_flushing(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
     with Session() as session:
         job = session.enqueue(send, "a@example.com", cc=["b@example.com"])
         assert job in session.new
@@ -42,7 +44,9 @@ def test_enqueue_adds_to_unit_of_work_without_flushing(Session: Any, db: sa.Engi
     assert row.priority == 0
 
 
-def test_enqueue_commits_and_rolls_back_with_app_data(Session: Any, db: sa.Engine, send: Any) -> None:
+def test_enqueue_commits_and_rolls_back_with_app_data(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
     with Session.begin() as session:
         session.add(app.Link(code="ok", url="https://example.com"))
         session.enqueue(send, "a@example.com")

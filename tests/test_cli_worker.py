@@ -1,0 +1,143 @@
+"""``sqla-jobs worker`` as a real process: signals, crashes, and its errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import JobSession
+
+from . import app
+from .helpers import count, rows, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_worker(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobs.cli", "worker", "tests.app:jobs", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def enqueue_slow(engine: sa.Engine, n: int, seconds: float) -> None:
+    with JobSession(engine) as session:
+        session.enqueue_many(app.slow_record, [{"seconds": seconds} for _ in range(n)])
+        session.commit()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_gracefully(db: sa.Engine, database_url: str, sig: int) -> None:
+    enqueue_slow(db, 5, 1.0)
+    proc = start_worker("--queues", "records", "--concurrency", "2", "--grace-period", "20")
+    try:
+        wait_for(lambda: count(db, app.Run) == 2, timeout=20)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    # The two running jobs finished within the grace period; nothing else started, and
+    # nothing is left holding a lease.
+    assert count(db, app.Run) == 2
+    assert count(db, status="running") == 0
+    assert count(db, status="ready") == 3
+    assert "stopping" in out
+
+
+def test_sigkilled_workers_jobs_are_retaken_after_the_lease(db: sa.Engine) -> None:
+    enqueue_slow(db, 2, 30.0)
+    first = start_worker("--queues", "records", "--concurrency", "2", "--lease", "1")
+    try:
+        wait_for(lambda: count(db, app.Run) == 2, timeout=20)
+    finally:
+        first.kill()
+        first.wait()
+    assert count(db, status="running") == 2
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).values(args={"seconds": 0}))
+    second = start_worker(
+        "--queues", "records", "--concurrency", "2", "--lease", "1", "--poll-interval", "0.1"
+    )
+    try:
+        wait_for(lambda: count(db) == 0, timeout=20)
+    finally:
+        second.terminate()
+        second.wait(10)
+    runs = rows(db, app.Run)
+    assert sorted(r.attempt for r in runs) == [1, 1, 2, 2]
+    assert {r.pid for r in runs if r.attempt == 1} == {first.pid}
+    assert {r.pid for r in runs if r.attempt == 2} == {second.pid}
+
+
+def test_worker_errors_are_clear(db: sa.Engine, database_url: str) -> None:
+    no_url = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    cases: list[tuple[list[str], dict[str, Any] | None, int, str]] = [
+        (["worker", "tests.app"], None, 2, "expected module:attribute"),
+        (["worker", "tests.nope:jobs"], None, 2, "cannot import 'tests.nope'"),
+        (["worker", "tests.app:nope"], None, 2, "has no attribute 'nope'"),
+        (["worker", "tests.app:Job"], None, 2, "not a sqla_jobs.Jobs registry"),
+        (
+            ["--database-url", "mysql://x/y", "worker", "tests.app:jobs"],
+            None,
+            2,
+            "needs PostgreSQL",
+        ),
+        (
+            ["--database-url", "postgresql://nobody@127.0.0.1:1/x", "worker", "tests.app:jobs"],
+            None,
+            1,
+            "cannot connect",
+        ),
+        (["worker", "tests.app:jobs", "--concurrency", "0"], None, 2, "must be >= 1"),
+    ]
+    for argv, env, code, message in cases:
+        result = subprocess.run(
+            [sys.executable, "-m", "sqla_jobs.cli", *argv],
+            cwd=ROOT,
+            env={**(env or os.environ), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == code, (argv, result.stderr)
+        assert message in result.stderr, (argv, result.stderr)
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "worker", "tests.app:jobs"],
+        cwd=ROOT,
+        env={**no_url, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "pass --database-url or set DATABASE_URL" in result.stderr
+
+
+def test_worker_reports_a_missing_table(db: sa.Engine) -> None:
+    env = {"SQLA_JOBS_TEST_SCHEMA": "no_such_schema"}
+    result = run_cli("worker", "tests.app:jobs", env=env)
+    assert result.returncode == 1
+    assert "does not exist: run your migrations" in result.stderr

@@ -1,0 +1,442 @@
+"""The worker and the claim/complete/fail paths, on a real PostgreSQL.
+
+These are the first seed's table of tests, and the behaviours around them: leases,
+retries, the dead state, the attempts guard, unknown tasks, handler signals.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Backoff, Jobs, PermanentError, Snooze, Worker, create_engine, current_job
+from sqla_jobs.queries import interval
+
+from . import app
+from .helpers import count, rows, wait_for
+
+
+def claim(
+    engine: sa.Engine,
+    jobs: Jobs,
+    queue: str,
+    *,
+    limit: int = 1,
+    lease: float = 30,
+    worker: str = "test",
+) -> list[Any]:
+    with engine.begin() as conn:
+        return conn.execute(
+            jobs.queries.claim,
+            {"queue_name": queue, "limit": limit, "lease": interval(lease), "worker": worker},
+        ).all()
+
+
+def test_2000_jobs_8_workers_each_job_runs_exactly_once(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    ran: Counter[int] = Counter()
+    by_worker: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    @jobs.task(queue="q")
+    def work(n: int) -> None:
+        job = current_job()
+        with lock:
+            ran[job.id] += 1
+            by_worker[job.worker] += 1
+        time.sleep(0.001)  # long enough that no single worker can take everything
+
+    with Session.begin() as session:
+        session.enqueue_many(work, [{"n": i} for i in range(2000)])
+
+    # Eight workers, each with its own engine (its own connections).
+    engines = [create_engine(database_url, pool_size=4) for _ in range(8)]
+    workers = [
+        Worker(jobs, e, queues=["q"], concurrency=4, claim_limit=10, listen=False, name=f"w{i}")
+        for i, e in enumerate(engines)
+    ]
+    threads = [threading.Thread(target=w.run_until_empty) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for e in engines:
+        e.dispose()
+
+    assert len(ran) == 2000
+    assert set(ran.values()) == {1}, "a job ran more than once"
+    assert set(by_worker) == {f"w{i}" for i in range(8)}, "every worker takes a share"
+    assert min(by_worker.values()) > 2000 / 8 / 4, by_worker
+    assert count(db) == 0  # finished jobs are deleted
+
+
+def test_every_job_fails_once_then_succeeds_after_backoff(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    attempts: dict[int, list[float]] = {}
+
+    @jobs.task(queue="q", retry=Backoff(base=0.3, jitter=0))
+    def flaky() -> None:
+        job = current_job()
+        attempts.setdefault(job.id, []).append(time.monotonic())
+        if job.attempts == 1:
+            raise RuntimeError("first try fails")
+
+    with Session.begin() as session:
+        session.enqueue_many(flaky, [{} for _ in range(50)])
+    worker = Worker(jobs, db, queues=["q"], concurrency=8, listen=False)
+    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 100
+    assert count(db) == 0
+    assert len(attempts) == 50
+    for first, second in attempts.values():
+        assert second - first >= 0.29  # not before the backoff
+
+
+def test_always_failing_job_is_dead_after_max_attempts_with_its_error(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q", max_attempts=2)
+    def broken() -> None:
+        raise ValueError("the partner API said no")
+
+    with Session.begin() as session:
+        session.enqueue(broken)
+    worker = Worker(jobs, db, queues=["q"], listen=False)
+    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 2
+    (job,) = rows(db)
+    assert job.status == "dead"
+    assert job.attempts == 2
+    assert job.finished_at is not None
+    assert job.locked_until is None
+    assert "ValueError: the partner API said no" in job.last_error
+    assert "Traceback (most recent call last)" in job.last_error
+    assert "in broken" in job.last_error
+
+
+def test_a_dead_workers_job_is_retaken_after_its_lease_and_its_late_complete_is_ignored(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q")
+    def task() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(task)
+    # Worker A claims the job with a short lease, then "dies" (never completes).
+    (a,) = claim(db, jobs, "q", lease=1.0, worker="A")
+    assert a.attempts == 1
+    # While A's lease is live, nobody else can take it, even after a rescue pass.
+    with db.begin() as conn:
+        conn.execute(jobs.queries.rescue, {"limit": 100}).all()
+    assert claim(db, jobs, "q", worker="B") == []
+
+    # After the lease, the rescuer hands it back and worker B takes it as attempt 2.
+    def rescued_and_claimed() -> list[Any]:
+        with db.begin() as conn:
+            conn.execute(jobs.queries.rescue, {"limit": 100}).all()
+        return claim(db, jobs, "q", worker="B")
+
+    (b,) = wait_for(rescued_and_claimed, timeout=5)
+    assert (b.id, b.attempts) == (a.id, 2)
+
+    # A comes back late: its complete and its fail change nothing.
+    with db.begin() as conn:
+        done = conn.execute(jobs.queries.complete, {"ids": [a.id], "attempt_list": [1]}).all()
+        failed = conn.execute(
+            jobs.queries.fail,
+            {
+                "job_id": a.id,
+                "attempt": 1,
+                "error": "late",
+                "delay": interval(0),
+                "permanent": True,
+            },
+        ).all()
+    assert done == [] and failed == []
+    (job,) = rows(db)
+    assert (job.status, job.attempts, job.locked_by) == ("running", 2, "B")
+    # B's own complete does.
+    with db.begin() as conn:
+        conn.execute(jobs.queries.complete, {"ids": [b.id], "attempt_list": [2]})
+    assert count(db) == 0
+
+
+def test_rescue_kills_a_job_whose_expired_attempt_was_its_last(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q", max_attempts=1)
+    def task() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(task)
+    claim(db, jobs, "q", lease=0.05)
+
+    def rescued() -> bool:
+        with db.begin() as conn:
+            conn.execute(jobs.queries.rescue, {"limit": 100}).all()
+        return count(db, status="dead") == 1
+
+    wait_for(rescued, timeout=5)
+    (job,) = rows(db)
+    assert "lease expired" in job.last_error
+
+
+def test_claim_uses_the_partial_index_with_50000_waiting_jobs(db: sa.Engine, jobs: Jobs) -> None:
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {app.SCHEMA}.jobs (task, queue, status, run_at) "
+                "SELECT 't', 'q' || (i % 4), CASE WHEN i % 10 = 0 THEN 'dead' ELSE 'ready' END,"
+                " now() - interval '1 hour' + i * interval '1 ms' "
+                "FROM generate_series(1, 55000) AS i"
+            )
+        )
+        conn.execute(sa.text(f"ANALYZE {app.SCHEMA}.jobs"))
+    params = {"queue_name": "q1", "limit": 10, "lease": interval(30), "worker": "w"}
+    compiled = jobs.queries.claim.compile(dialect=db.dialect)
+    with db.connect() as conn:
+        plan = "\n".join(
+            r[0]
+            for r in conn.exec_driver_sql(f"EXPLAIN {compiled}", compiled.construct_params(params))
+        )
+    assert "jobs_claim" in plan, plan
+    assert "Seq Scan" not in plan, plan
+    assert len(claim(db, jobs, "q1", limit=10)) == 10
+
+
+def test_priority_then_run_at_then_id_order(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="q")
+    def task(n: int) -> None:
+        pass
+
+    with Session.begin() as session:
+        for n, prio in enumerate([0, 5, 0, 9, 5]):
+            session.enqueue(task, n, priority=prio)
+    got = [r.args["n"] for r in claim(db, jobs, "q", limit=5)]
+    # RETURNING order is not the claim order; the set and the first pick are what matter.
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).values(status="ready", locked_until=None))
+    assert [r.args["n"] for r in claim(db, jobs, "q", limit=1)] == [3]
+    assert [r.args["n"] for r in claim(db, jobs, "q", limit=1)] == [1]
+    assert [r.args["n"] for r in claim(db, jobs, "q", limit=1)] == [4]
+    assert [r.args["n"] for r in claim(db, jobs, "q", limit=1)] == [0]
+
+
+def test_unknown_task_fails_with_the_reason_and_follows_the_retry_policy(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    with db.begin() as conn:
+        conn.execute(sa.insert(app.Job).values(task="gone.task", queue="q", max_attempts=2))
+
+    @jobs.task(queue="q")
+    def other() -> None:
+        pass
+
+    worker = Worker(jobs, db, queues=["q"], listen=False)
+    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 2
+    (job,) = rows(db)
+    assert job.status == "dead"
+    assert job.attempts == 2
+    assert "unknown task 'gone.task'" in job.last_error
+
+
+def test_handler_exceptions_never_kill_the_worker(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="q", max_attempts=1)
+    def explode(kind: str) -> None:
+        if kind == "system-exit":
+            raise SystemExit(3)
+        if kind == "keyboard":
+            raise KeyboardInterrupt
+        raise RuntimeError(kind)
+
+    @jobs.task(queue="q")
+    def fine() -> None:
+        pass
+
+    with Session.begin() as session:
+        for kind in ("system-exit", "keyboard", "runtime"):
+            session.enqueue(explode, kind)
+        session.enqueue_many(fine, [{} for _ in range(5)])
+    worker = Worker(jobs, db, queues=["q"], concurrency=2, listen=False)
+    assert worker.run_until_empty(timeout=30) == 8
+    assert count(db, status="dead") == 3
+    assert count(db) == 3
+
+
+def test_snooze_runs_again_later_without_using_an_attempt(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    seen: list[int] = []
+
+    @jobs.task(queue="q", max_attempts=1)
+    def not_yet() -> None:
+        seen.append(current_job().attempts)
+        if len(seen) < 3:
+            raise Snooze(0.05)
+
+    with Session.begin() as session:
+        session.enqueue(not_yet)
+    worker = Worker(jobs, db, queues=["q"], listen=False)
+    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 3
+    assert seen == [1, 2, 3]  # max_attempts=1, yet it ran three times
+    assert count(db) == 0
+
+
+def test_permanent_error_fails_at_once(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="q", max_attempts=10)
+    def bad_input() -> None:
+        raise PermanentError("the address does not exist")
+
+    with Session.begin() as session:
+        session.enqueue(bad_input)
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=30)
+    (job,) = rows(db)
+    assert (job.status, job.attempts) == ("dead", 1)
+    assert "the address does not exist" in job.last_error
+
+
+def test_delayed_job_is_not_claimed_before_its_time(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    ran: list[float] = []
+
+    @jobs.task(queue="q")
+    def later() -> None:
+        ran.append(time.monotonic())
+
+    start = time.monotonic()
+    with Session.begin() as session:
+        session.enqueue(later, delay=0.5)
+    worker = Worker(jobs, db, queues=["q"], listen=False)
+    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 1
+    assert ran[0] - start >= 0.45
+
+
+def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    runs: list[int] = []
+    release = threading.Event()
+
+    @jobs.task(queue="q")
+    def long() -> None:
+        runs.append(current_job().attempts)
+        release.wait(10)
+
+    with Session.begin() as session:
+        session.enqueue(long)
+    worker = Worker(jobs, db, queues=["q"], lease=0.6, listen=False)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        wait_for(lambda: runs, timeout=10)
+        # Three lease lengths later, another worker still finds nothing to take.
+        deadline = time.monotonic() + 1.8
+        while time.monotonic() < deadline:
+            with db.begin() as conn:
+                conn.execute(jobs.queries.rescue, {"limit": 100}).all()
+            assert claim(db, jobs, "q", worker="other") == []
+            time.sleep(0.1)
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(10)
+    assert runs == [1]
+    assert count(db) == 0
+
+
+def test_stop_hands_back_claimed_jobs_that_never_started(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q", max_attempts=3)
+    def task() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue_many(task, [{} for _ in range(4)])
+    worker = Worker(jobs, db, queues=["q"], concurrency=2, listen=False, grace_period=0)
+    # Claim without executors running: the two jobs wait in the worker's inbox, as they
+    # would if the stop came between the claim and their start.
+    assert worker._claim_free_slots() == 2
+    assert count(db, status="running") == 2
+    worker._shutdown()
+    assert count(db, status="running") == 0
+    handed_back = [r for r in rows(db) if r.attempts == 1]
+    assert len(handed_back) == 2
+    # Ready at once, not after the lease, and the claim did not use up an attempt.
+    assert {(r.status, r.max_attempts, r.locked_by) for r in handed_back} == {("ready", 4, None)}
+    assert len(claim(db, jobs, "q", limit=10)) == 4
+
+
+def test_stop_lets_running_jobs_finish(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    started = threading.Event()
+    release = threading.Event()
+
+    @jobs.task(queue="q")
+    def blocker() -> None:
+        started.set()
+        release.wait(10)
+
+    with Session.begin() as session:
+        session.enqueue(blocker)
+        session.enqueue_many(blocker, [{} for _ in range(5)])
+    worker = Worker(jobs, db, queues=["q"], concurrency=3, listen=False, grace_period=5)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    wait_for(started.is_set)
+    wait_for(lambda: count(db, status="running") == 3)
+    worker.stop()
+    time.sleep(0.05)
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    # The three that started finished; nothing is left running or waiting for a lease.
+    assert count(db, status="running") == 0
+    assert count(db, status="ready") == 3
+
+
+def test_worker_survives_losing_its_database_connections(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    @jobs.task(queue="q")
+    def task(n: int) -> None:
+        pass
+
+    engine = create_engine(database_url, connect_args={"application_name": "victim"})
+    worker = Worker(jobs, engine, queues=["q"], poll_interval=0.05)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        with Session.begin() as session:
+            session.enqueue(task, 1)
+        wait_for(lambda: count(db) == 0)
+        with db.begin() as conn:
+            killed = conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'victim'"
+                )
+            ).scalar()
+        assert killed and killed >= 1
+        with Session.begin() as session:
+            session.enqueue_many(task, [{"n": i} for i in range(10)])
+        wait_for(lambda: count(db) == 0, timeout=20)
+    finally:
+        worker.stop()
+        thread.join(10)
+        engine.dispose()
+
+
+def test_worker_rejects_bad_settings(jobs: Jobs, db: sa.Engine) -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        Worker(jobs, db, concurrency=0)
+    with pytest.raises(ValueError, match="queue names"):
+        Worker(jobs, db, queues=[""])
