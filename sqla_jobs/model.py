@@ -156,6 +156,7 @@ class JobMixin:
         table = cls.__dict__.get("__table__")
         if isinstance(table, sa.Table):
             attach_ddl(table)
+            companion_tables(table)
 
     def __repr__(self) -> str:
         return (
@@ -268,6 +269,58 @@ def attach_ddl(table: sa.Table) -> None:
 
     event.listen(table, "after_create", _after_create)
     event.listen(table, "after_drop", _after_drop)
+
+
+def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
+    """The two small tables that live beside a jobs table, in its metadata and schema.
+
+    ``<table>_queues``
+        One row per queue that has been paused (or resumed). Workers read it at every
+        poll, so pausing takes effect across all of them without touching the claim.
+    ``<table>_schedules``
+        Periodic jobs: one row per schedule, declared in code or added at run time.
+        ``next_run_at`` is the tick a worker enqueues next; advancing it with a guarded
+        UPDATE is what makes each tick happen exactly once, however many workers race.
+    """
+    existing = table.info.get("sqla_jobs_companions")
+    if existing is not None:
+        return existing  # type: ignore[no-any-return]
+    metadata, schema, name = table.metadata, table.schema, table.name
+    queues = sa.Table(
+        f"{name}_queues",
+        metadata,
+        sa.Column("name", sa.Text, primary_key=True),
+        sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+        sa.Column(
+            "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        schema=schema,
+        info={"sqla_jobs_companion": "queues"},
+    )
+    schedules = sa.Table(
+        f"{name}_schedules",
+        metadata,
+        sa.Column("name", sa.Text, primary_key=True),
+        sa.Column("task", sa.Text, nullable=False),
+        sa.Column("args", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("cron", sa.Text, nullable=False),
+        sa.Column("queue", sa.Text),
+        sa.Column("priority", sa.SmallInteger),
+        sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.true()),
+        sa.Column("next_run_at", sa.DateTime(timezone=True)),
+        sa.Column("last_run_at", sa.DateTime(timezone=True)),
+        sa.Column("last_error", sa.Text),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        sa.Index(
+            f"{name}_schedules_due", "next_run_at", postgresql_where=sa.text("enabled")
+        ),
+        schema=schema,
+        info={"sqla_jobs_companion": "schedules"},
+    )
+    table.info["sqla_jobs_companions"] = (queues, schedules)
+    return queues, schedules
 
 
 def job_table(model: type[Any] | sa.Table) -> sa.Table:
