@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from .model import STATUSES, UNIQUE_WHERE, notify_channel
+from .model import STATUSES, UNIQUE_WHERE, companion_tables, notify_channel
 
 __all__ = ["Queries"]
 
@@ -213,9 +213,16 @@ class Queries:
         )
         self.rescue = self._notify_queues(rescued)
 
-        # The earliest run_at of a scheduled job, through <table>_scheduled, so an idle
-        # worker can sleep exactly until then.
-        self.next_due = sa.select(sa.func.min(c.run_at)).where(c.status == _S["scheduled"])
+        # Seconds until the earliest scheduled job is due, through <table>_scheduled, so an
+        # idle worker can sleep exactly until then (NULL when nothing is scheduled).
+        self.next_due = sa.select(
+            sa.func.extract("epoch", sa.func.min(c.run_at) - sa.func.now())
+        ).where(c.status == _S["scheduled"])
+
+        # Paused queues (<table>_queues): read once per poll interval, not per claim.
+        queues_table, self.schedules_table = companion_tables(t)
+        self.queues_table = queues_table
+        self.paused = sa.select(queues_table.c.name).where(queues_table.c.paused)
 
         # Is there anything left to do in these queues? (run_until_empty)
         queues = sa.bindparam("queues", type_=ARRAY(sa.Text))

@@ -188,6 +188,8 @@ class Worker:
         self._outbox: queue_mod.SimpleQueue[_Outcome | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        #: Set while the listener holds its LISTEN (tests and health checks wait on it).
+        self.listening = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unwritten = 0
         self._written = threading.Condition(self._lock)
@@ -195,6 +197,10 @@ class Worker:
         self._next_promote = 0.0
         self._next_rescue = 0.0
         self._turn = 0
+        self._paused: frozenset[str] = frozenset()
+        self._more = False
+        self._saturated = False
+        self._until_empty = False
         #: Jobs this worker has finished running, whatever their outcome.
         self.processed = 0
 
@@ -226,8 +232,12 @@ class Worker:
         """
         before = self.processed
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._threads_running(listen=False):
-            self._loop(until_empty=True, wait_scheduled=wait_scheduled, deadline=deadline)
+        self._until_empty = True
+        try:
+            with self._threads_running(listen=False):
+                self._loop(until_empty=True, wait_scheduled=wait_scheduled, deadline=deadline)
+        finally:
+            self._until_empty = False
         return self.processed - before
 
     # -- the fetch loop -------------------------------------------------------------------
@@ -240,7 +250,7 @@ class Worker:
             self._wake.clear()
             try:
                 self._maintain()
-                claimed = self._claim_free_slots()
+                self._claim_free_slots()
                 failures = 0
             except sa.exc.DBAPIError as exc:
                 failures += 1
@@ -250,8 +260,8 @@ class Worker:
                 )
                 self._stopping.wait(pause)
                 continue
-            if claimed:
-                continue
+            if self._more:
+                continue  # a queue gave all we asked for and slots are free: go again
             if until_empty and self._idle():
                 # Outcomes may still be in flight (a retry not yet scheduled): write them,
                 # promote what is due, and look once more before calling it empty.
@@ -259,7 +269,7 @@ class Worker:
                 self._next_promote = 0.0
                 try:
                     self._maintain()
-                    if self._claim_free_slots():
+                    if self._claim_free_slots() or self._more:
                         continue
                 except sa.exc.DBAPIError:
                     continue
@@ -268,15 +278,26 @@ class Worker:
             self._wake.wait(self._sleep_for())
 
     def _claim_free_slots(self) -> int:
-        """Claim up to the free slots, queue by queue (starting from a rotating one)."""
+        """Claim up to the free slots, queue by queue (starting from a rotating one).
+
+        Sets ``_more`` when a queue gave as many jobs as asked while slots are still free
+        (there may be more right now), and ``_saturated`` when no slot is left (a finishing
+        job must then wake the loop). Otherwise the queues are drained for the moment, and
+        the loop can sleep until a NOTIFY, a due time or the poll interval.
+        """
+        self._more = False
         with self._lock:
             free = self._free
         if free <= 0:
+            self._saturated = True
             return 0
         claimed: list[ClaimedJob] = []
-        n = len(self.queues)
-        start = self._turn
-        self._turn = (self._turn + 1) % n
+        queues = [q for q in self.queues if q not in self._paused]
+        if not queues:
+            return 0
+        n = len(queues)
+        start = self._turn % n
+        self._turn = start + 1
         with self.engine.begin() as conn:
             for i in range(n):
                 want = min(free - len(claimed), self.claim_limit)
@@ -285,7 +306,7 @@ class Worker:
                 rows = conn.execute(
                     self.q.claim,
                     {
-                        "queue_name": self.queues[(start + i) % n],
+                        "queue_name": queues[(start + i) % n],
                         "limit": want,
                         "lease": interval(self.lease),
                         "worker": self.name,
@@ -295,11 +316,14 @@ class Worker:
                     ClaimedJob(*row, worker=self.name)  # type: ignore[misc]
                     for row in rows
                 )
+                if len(rows) == want:
+                    self._more = True
         # Only now, after COMMIT: a completion written before the claim is visible would
         # find the row still 'ready' and match nothing.
         if claimed:
             with self._lock:
                 self._free -= len(claimed)
+                self._saturated = self._free <= 0
                 for job in claimed:
                     self._running[job.id] = job
             for job in claimed:
@@ -307,7 +331,8 @@ class Worker:
         return len(claimed)
 
     def _maintain(self) -> None:
-        """Promote due scheduled jobs and rescue expired leases, when it is time to."""
+        """Promote due scheduled jobs, rescue expired leases and read which queues are
+        paused, when it is time to (every poll interval, or when a known due time passes)."""
         now = time.monotonic()
         promote = now >= self._next_promote or (
             self._next_due is not None and now >= self._next_due
@@ -321,14 +346,10 @@ class Worker:
                 self._next_rescue = now + self.rescue_interval
             if promote:
                 conn.execute(self.q.promote, {"limit": 1000}).all()
-                due = conn.execute(self.q.next_due).scalar()
-                db_now = conn.execute(sa.select(sa.func.now())).scalar()
+                self._paused = frozenset(conn.execute(self.q.paused).scalars())
+                due_in = conn.execute(self.q.next_due).scalar()
                 self._next_promote = now + self.poll_interval
-                self._next_due = (
-                    None
-                    if due is None or db_now is None
-                    else now + max(0.0, (due - db_now).total_seconds())
-                )
+                self._next_due = None if due_in is None else now + max(0.0, float(due_in))
 
     def _sleep_for(self) -> float:
         sleep = self.poll_interval
@@ -363,7 +384,10 @@ class Worker:
                 self._free += 1
                 self._running.pop(job.id, None)
                 self.processed += 1
-            self._wake.set()
+                wake = self._saturated or self._until_empty
+                self._saturated = False
+            if wake:
+                self._wake.set()
 
     def _execute(self, job: ClaimedJob) -> _Outcome:
         task = self.jobs.tasks.get(job.task)
@@ -543,21 +567,26 @@ class Worker:
         wanted = set(self.queues)
         while not self._stopping.is_set():
             try:
+                # A connection of the engine's own (same URL, same connect args), taken
+                # out of the pool for good: LISTEN belongs to one session.
                 pooled = self.engine.raw_connection()
-                pooled.detach()
                 conn = pooled.driver_connection
+                pooled.detach()
                 try:
+                    conn.rollback()  # type: ignore[union-attr]
                     conn.autocommit = True  # type: ignore[union-attr]
                     conn.execute(  # type: ignore[union-attr]
                         f'LISTEN "{self.q.channel}"'
                     )
                     failures = 0
+                    self.listening.set()
                     self._wake.set()  # catch anything enqueued while we were not listening
                     while not self._stopping.is_set():
                         for note in conn.notifies(timeout=0.5):  # type: ignore[union-attr]
                             if note.payload in wanted:
                                 self._wake.set()
                 finally:
+                    self.listening.clear()
                     with contextlib.suppress(Exception):
                         pooled.close()
                         conn.close()  # type: ignore[union-attr]

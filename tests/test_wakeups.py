@@ -1,0 +1,153 @@
+"""Prompt workers: NOTIFY wake-ups, the next due time, and batched completion."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs, Worker, current_job
+from sqla_jobs.queries import interval
+
+from .helpers import count, rows, wait_for
+
+
+@pytest.fixture
+def started(jobs: Jobs) -> dict[int, float]:
+    """Handler start times by job id, for a task on queue "mine"."""
+    times: dict[int, float] = {}
+
+    @jobs.task(queue="mine", name="mark")
+    def mark() -> None:
+        times[current_job().id] = time.monotonic()
+
+    return times
+
+
+def running(worker: Worker) -> Iterator[Worker]:
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(10)
+
+
+@pytest.fixture
+def idle_worker(db: sa.Engine, jobs: Jobs) -> Iterator[Worker]:
+    # A poll interval far longer than any test: only a NOTIFY or a known due time can
+    # wake this worker in time.
+    worker = Worker(jobs, db, queues=["mine"], poll_interval=60)
+    yield from running(worker)
+
+
+def test_notify_wakes_an_idle_worker_long_before_the_poll_interval(
+    Session: Any, idle_worker: Worker, started: dict[int, float]
+) -> None:
+    assert idle_worker.listening.wait(10)
+    time.sleep(0.1)  # let it settle into its idle wait
+    for _ in range(3):
+        with Session.begin() as session:
+            job = session.enqueue("mark")
+            session.flush()
+            job_id = job.id
+        committed = time.monotonic()
+        wait_for(lambda: job_id in started, timeout=5)  # noqa: B023
+        assert started[job_id] - committed < 1.0
+
+
+def test_a_notification_for_another_queue_does_not_wake_the_worker_into_a_claim(
+    Session: Any, db: sa.Engine, idle_worker: Worker, jobs: Jobs, started: dict[int, float]
+) -> None:
+    @jobs.task(queue="theirs")
+    def theirs() -> None:
+        pass
+
+    claims: list[str] = []
+
+    def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("WITH next_jobs"):
+            claims.append(statement)
+
+    assert idle_worker.listening.wait(10)
+    time.sleep(0.1)
+    sa.event.listen(db, "before_cursor_execute", spy)
+    try:
+        with Session.begin() as session:
+            session.enqueue(theirs)
+        with Session.begin() as session:
+            mine = session.enqueue("mark")
+            session.flush()
+            mine_id = mine.id
+        # Notifications arrive in commit order: by the time "mine" has run, the one for
+        # "theirs" was seen and ignored. One claim, for the job of "mine".
+        wait_for(lambda: mine_id in started, timeout=5)
+    finally:
+        sa.event.remove(db, "before_cursor_execute", spy)
+    assert len(claims) == 1
+    assert count(db, queue="theirs", status="ready") == 1
+
+
+def test_worker_wakes_for_its_next_due_job(
+    Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
+) -> None:
+    worker = Worker(jobs, db, queues=["mine"], poll_interval=1.0, listen=False)
+    for _ in running(worker):
+        with Session.begin() as session:
+            job = session.enqueue("mark", delay=1.5)
+            session.flush()
+            job_id = job.id
+        (row,) = rows(db)
+        wait_for(lambda: job_id in started, timeout=10)
+        ran_at = time.time() - (time.monotonic() - started[job_id])
+        late = ran_at - row.run_at.timestamp()
+        # Due at run_at; picked up at that time, not a poll interval later.
+        assert -0.05 < late < 0.5, late
+    assert datetime.now(timezone.utc) > row.run_at
+
+
+def test_batch_completion_leaves_a_stale_row_alone_and_completes_the_others(
+    Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
+) -> None:
+    with Session.begin() as session:
+        session.enqueue_many("mark", [{} for _ in range(3)])
+    with db.begin() as conn:
+        claimed = conn.execute(
+            jobs.queries.claim,
+            {"queue_name": "mine", "limit": 3, "lease": interval(30), "worker": "w"},
+        ).all()
+        stale = claimed[0]
+        # Another worker has since taken the stale one (its attempt number moved on).
+        conn.execute(
+            sa.update(jobs.table).where(jobs.table.c.id == stale.id).values(attempts=2)
+        )
+    with db.begin() as conn:
+        done = conn.execute(
+            jobs.queries.complete,
+            {"ids": [r.id for r in claimed], "attempt_list": [r.attempts for r in claimed]},
+        ).scalars().all()
+    assert sorted(done) == sorted(r.id for r in claimed[1:])
+    (left,) = rows(db)
+    assert (left.id, left.status, left.attempts) == (stale.id, "running", 2)
+
+
+def test_paused_queue_is_not_claimed_until_resumed(
+    Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
+) -> None:
+    queues = jobs.queries.queues_table
+    with db.begin() as conn:
+        conn.execute(sa.insert(queues).values(name="mine", paused=True))
+    with Session.begin() as session:
+        session.enqueue("mark")
+    worker = Worker(jobs, db, queues=["mine"], listen=False)
+    assert worker.run_until_empty(timeout=10) == 0
+    assert count(db, status="ready") == 1
+    with db.begin() as conn:
+        conn.execute(sa.update(queues).values(paused=False))
+    assert worker.run_until_empty(timeout=10) == 1
