@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ def started(jobs: Jobs) -> dict[int, float]:
     return times
 
 
+@contextlib.contextmanager
 def running(worker: Worker) -> Iterator[Worker]:
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
@@ -44,7 +46,8 @@ def idle_worker(db: sa.Engine, jobs: Jobs) -> Iterator[Worker]:
     # A poll interval far longer than any test: only a NOTIFY or a known due time can
     # wake this worker in time.
     worker = Worker(jobs, db, queues=["mine"], poll_interval=60)
-    yield from running(worker)
+    with running(worker):
+        yield worker
 
 
 def test_notify_wakes_an_idle_worker_long_before_the_poll_interval(
@@ -98,7 +101,7 @@ def test_worker_wakes_for_its_next_due_job(
     Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
 ) -> None:
     worker = Worker(jobs, db, queues=["mine"], poll_interval=1.0, listen=False)
-    for _ in running(worker):
+    with running(worker):
         with Session.begin() as session:
             job = session.enqueue("mark", delay=1.5)
             session.flush()
@@ -124,14 +127,16 @@ def test_batch_completion_leaves_a_stale_row_alone_and_completes_the_others(
         ).all()
         stale = claimed[0]
         # Another worker has since taken the stale one (its attempt number moved on).
-        conn.execute(
-            sa.update(jobs.table).where(jobs.table.c.id == stale.id).values(attempts=2)
-        )
+        conn.execute(sa.update(jobs.table).where(jobs.table.c.id == stale.id).values(attempts=2))
     with db.begin() as conn:
-        done = conn.execute(
-            jobs.queries.complete,
-            {"ids": [r.id for r in claimed], "attempt_list": [r.attempts for r in claimed]},
-        ).scalars().all()
+        done = (
+            conn.execute(
+                jobs.queries.complete,
+                {"ids": [r.id for r in claimed], "attempt_list": [r.attempts for r in claimed]},
+            )
+            .scalars()
+            .all()
+        )
     assert sorted(done) == sorted(r.id for r in claimed[1:])
     (left,) = rows(db)
     assert (left.id, left.status, left.attempts) == (stale.id, "running", 2)
