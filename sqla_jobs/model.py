@@ -26,6 +26,8 @@ future jobs never sit in the claim path, however many of them the table holds:
 * ``<table>_scheduled``: ``(run_at) WHERE status = 'scheduled'``: promoting due jobs
   and finding the next due time.
 * ``<table>_running``: ``(locked_until) WHERE status = 'running'``: finding expired leases.
+* ``<table>_finished``: ``(finished_at) WHERE status IN ('done', 'dead', 'cancelled')``:
+  retention prunes old rows without scanning live ones.
 * ``<table>_unique``: ``UNIQUE (unique_key) WHERE status IN ('scheduled', 'ready',
   'running')``: unique jobs, enforced by the database.
 """
@@ -191,6 +193,11 @@ def _table_args(tablename: str) -> tuple[Any, ...]:
             postgresql_where=sa.text("status = 'running'"),
         ),
         sa.Index(
+            f"{tablename}_finished",
+            "finished_at",
+            postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
+        ),
+        sa.Index(
             f"{tablename}_unique",
             "unique_key",
             unique=True,
@@ -310,12 +317,13 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         sa.Column("next_run_at", sa.DateTime(timezone=True)),
         sa.Column("last_run_at", sa.DateTime(timezone=True)),
         sa.Column("last_error", sa.Text),
+        # 'code' for schedules declared with @jobs.periodic (workers keep them in step with
+        # the code), 'runtime' for rows added through sqla_jobs.periodic.add_schedule.
+        sa.Column("origin", sa.Text, nullable=False, server_default="runtime"),
         sa.Column(
             "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),
-        sa.Index(
-            f"{name}_schedules_due", "next_run_at", postgresql_where=sa.text("enabled")
-        ),
+        sa.Index(f"{name}_schedules_due", "next_run_at", postgresql_where=sa.text("enabled")),
         schema=schema,
         info={"sqla_jobs_companion": "schedules"},
     )

@@ -219,6 +219,28 @@ class Queries:
             sa.func.extract("epoch", sa.func.min(c.run_at) - sa.func.now())
         ).where(c.status == _S["scheduled"])
 
+        # Retention: delete a batch of finished rows older than :age, through
+        # <table>_finished. Small batches keep each transaction (and its locks) short.
+        def prune(statuses: tuple[str, ...]) -> sa.Delete:
+            old = (
+                sa.select(c.id)
+                .where(
+                    c.status.in_([_S[st] for st in statuses]),
+                    c.finished_at < sa.func.now() - sa.bindparam("age", type_=sa.Interval),
+                )
+                .limit(sa.bindparam("limit"))
+                .with_for_update(skip_locked=True)
+                .scalar_subquery()
+            )
+            return sa.delete(t).where(c.id.in_(old))
+
+        self.prune_dead = prune(("dead", "cancelled"))
+        self.prune_done = prune(("done",))
+        # One pruner at a time per table: a transaction-scoped advisory lock elects it.
+        self.try_lock = sa.select(
+            sa.func.pg_try_advisory_xact_lock(sa.func.hashtext(f"sqla_jobs:{t.fullname}"))
+        )
+
         # Paused queues (<table>_queues): read once per poll interval, not per claim.
         queues_table, self.schedules_table = companion_tables(t)
         self.queues_table = queues_table
@@ -259,6 +281,18 @@ class Queries:
                 ),
             )
             .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+        )
+
+        # Unique enqueue: one live job per key, enforced by <table>_unique. DO NOTHING
+        # returns no row on a conflict; live_by_key then finds the holder.
+        self.insert_unique = (
+            pg_insert(t)
+            .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+            .returning(c.id)
+        )
+        self.live_by_key = sa.select(c.id).where(
+            c.unique_key == sa.bindparam("key"),
+            c.status.in_([_S["scheduled"], _S["ready"], _S["running"]]),
         )
 
     def _notify_queues(self, changed: sa.CTE) -> sa.Select[Any]:

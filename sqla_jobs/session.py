@@ -39,6 +39,7 @@ __all__ = ["EnqueueMixin", "JobSession"]
 
 _JOBS_KEY = "sqla_jobs.jobs"
 _PENDING_KEY = "sqla_jobs.pending"
+_ANNOUNCE_KEY = "sqla_jobs.announce"
 
 
 class EnqueueMixin:
@@ -60,17 +61,6 @@ class EnqueueMixin:
         if jobs is not None:
             self.info[_JOBS_KEY] = jobs
 
-    def _registry(self, task: Task[Any, Any] | str) -> Jobs:
-        if isinstance(task, Task):
-            return task.registry
-        jobs = self.info.get(_JOBS_KEY)
-        if jobs is None:
-            raise EnqueueError(
-                f"cannot resolve task name {task!r}: this session has no Jobs registry "
-                "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
-            )
-        return jobs  # type: ignore[no-any-return]
-
     def enqueue(
         self,
         task: Task[Any, Any] | str,
@@ -81,6 +71,8 @@ class EnqueueMixin:
         run_at: datetime | None = None,
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
+        unique: bool = False,
+        unique_key: str | None = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -92,9 +84,14 @@ class EnqueueMixin:
         :param run_at: not before this (timezone-aware) time. Or ``delay``: seconds or a
             ``timedelta`` from now.
         :param max_attempts: overrides the task's.
+        :param unique_key: at most one live (scheduled, ready or running) job per key.
+            ``unique=True`` derives the key from the task and its arguments. A unique job
+            is INSERTed at once (``ON CONFLICT DO NOTHING``, in the caller's transaction,
+            without flushing anything else), because the answer is needed now: the new
+            job, or the live one that already holds the key, is returned.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
-        registry = self._registry(task)
+        registry = _registry(self, task)
         values = registry.job_values(
             task,
             args,
@@ -104,9 +101,16 @@ class EnqueueMixin:
             run_at=run_at,
             delay=delay,
             max_attempts=max_attempts,
+            unique=unique,
+            unique_key=unique_key,
         )
-        job = registry.model(**values)
-        self.add(job)
+        if "unique_key" in values:
+            job = insert_unique(_sync(self), registry, values)
+        else:
+            job = registry.model(**values)
+            self.add(job)
+        if registry.events.wants("enqueued"):
+            _announce(_sync(self), registry, [job])
         return job
 
     def enqueue_many(
@@ -129,7 +133,7 @@ class EnqueueMixin:
         session's next flush or commit. With ``unique=True`` each job gets a key derived
         from its task and arguments, and one equal to a live job is silently skipped.
         """
-        registry = self._registry(task)
+        registry = _registry(self, task)
         rows = [
             registry.job_values(
                 task,
@@ -145,21 +149,50 @@ class EnqueueMixin:
             for kwargs in arguments
         ]
         if rows:
-            _pending(self._sync_session(), registry).extend(rows)
+            _pending(_sync(self), registry).extend(rows)
+            if registry.events.wants("enqueued"):
+                _announce(_sync(self), registry, rows)
         return len(rows)
-
-    def _sync_session(self) -> Session:
-        # An AsyncSession keeps its unit of work in a plain Session.
-        sync = getattr(self, "sync_session", None)
-        if sync is None:
-            assert isinstance(self, Session)
-            return self
-        assert isinstance(sync, Session)
-        return sync
 
 
 class JobSession(EnqueueMixin, Session):
     """A ``Session`` with ``enqueue``; ``sessionmaker(engine, class_=JobSession, jobs=jobs)``."""
+
+
+def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
+    if isinstance(task, Task):
+        return task.registry
+    jobs = session.info.get(_JOBS_KEY)
+    if jobs is None:
+        raise EnqueueError(
+            f"cannot resolve task name {task!r}: this session has no Jobs registry "
+            "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
+        )
+    return jobs  # type: ignore[no-any-return]
+
+
+def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> Any:
+    """INSERT a unique job now; return it, or the live job that holds its key."""
+    q = registry.queries
+    connection = session.connection()
+    for _ in range(5):
+        job_id = connection.execute(q.insert_unique, values).scalar()
+        if job_id is None:
+            # The key is held by a live job (committed: ON CONFLICT waits for an
+            # uncommitted one to settle). It may finish before we look: then insert.
+            job_id = connection.execute(q.live_by_key, {"key": values["unique_key"]}).scalar()
+        if job_id is not None:
+            with session.no_autoflush:
+                return session.get(registry.model, job_id)
+    raise EnqueueError(f"unique key {values['unique_key']!r} keeps changing hands; try again")
+
+
+def _sync(session: Any) -> Session:
+    """The plain Session behind a Session or an AsyncSession (which keeps its unit of
+    work in one)."""
+    sync = getattr(session, "sync_session", session)
+    assert isinstance(sync, Session)
+    return sync
 
 
 def _pending(session: Session, registry: Jobs) -> list[dict[str, Any]]:
@@ -172,6 +205,28 @@ def _pending(session: Session, registry: Jobs) -> list[dict[str, Any]]:
             event.listen(session, "before_commit", _before_commit)
             event.listen(session, "after_transaction_end", _after_transaction_end)
     return pending.setdefault(registry, [])
+
+
+def _announce(session: Session, registry: Jobs, jobs: list[Any]) -> None:
+    """Fire ``enqueued`` for these jobs once the session's transaction commits (never for
+    a rolled-back one): metrics count jobs that exist."""
+    announce: list[tuple[Jobs, Any]] | None = session.info.get(_ANNOUNCE_KEY)
+    if announce is None:
+        announce = session.info[_ANNOUNCE_KEY] = []
+        if not event.contains(session, "after_commit", _after_commit):
+            event.listen(session, "after_commit", _after_commit)
+            event.listen(session, "after_soft_rollback", _after_soft_rollback)
+    announce.extend((registry, job) for job in jobs)
+
+
+def _after_commit(session: Session) -> None:
+    for registry, job in session.info.pop(_ANNOUNCE_KEY, None) or ():
+        registry.events.fire("enqueued", job)
+
+
+def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    if previous_transaction.parent is None:
+        session.info.pop(_ANNOUNCE_KEY, None)
 
 
 def _insert_pending(session: Session) -> None:

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 import sqlalchemy as sa
 
 from .errors import EnqueueError, UnknownTaskError
+from .events import Events
 from .model import job_table
 
 if TYPE_CHECKING:
+    from .periodic import Schedule
     from .queries import Queries
 
 __all__ = ["Backoff", "Jobs", "RetryPolicy", "Task"]
@@ -170,6 +172,9 @@ class Jobs:
         self.keep_done = keep_done
         self.keep_dead = keep_dead
         self.tasks: dict[str, Task[Any, Any]] = {}
+        self.schedules: dict[str, Schedule] = {}
+        #: Hooks for metrics and logs; see :mod:`sqla_jobs.events`.
+        self.events = Events()
         self._queries: Queries | None = None
 
     def __repr__(self) -> str:
@@ -232,6 +237,38 @@ class Jobs:
             return t
 
         return register(fn) if fn is not None else register
+
+    def periodic(
+        self,
+        cron: str,
+        *,
+        name: str | None = None,
+        args: Mapping[str, Any] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> Callable[[Task[P, R]], Task[P, R]]:
+        """Enqueue a task on a cron schedule (UTC), from the workers themselves.
+
+        Stack it on ``@jobs.task``. The expression and the arguments are checked here, at
+        declaration: a bad one fails at import, not at 3 a.m. See :mod:`sqla_jobs.periodic`.
+        """
+        from .periodic import Schedule, check_cron
+
+        check_cron(cron)
+
+        def register(task: Task[P, R]) -> Task[P, R]:
+            if not isinstance(task, Task):
+                raise TypeError("@jobs.periodic goes above @jobs.task")
+            schedule_name = name or task.name
+            if schedule_name in self.schedules:
+                raise ValueError(f"a schedule named {schedule_name!r} is already declared")
+            self.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
+            self.schedules[schedule_name] = Schedule(
+                schedule_name, task.name, cron, dict(args or {}), queue, priority
+            )
+            return task
+
+        return register
 
     def get(self, task: Task[Any, Any] | str) -> Task[Any, Any]:
         """The registered task of that name (or that task, checked to belong here)."""

@@ -9,43 +9,55 @@
 Inside, a handful of threads, each with one duty:
 
 * the **fetch loop** (the thread that calls ``run``) claims as many jobs as there are free
-  slots, in one statement per queue, and hands them to the executors. It also promotes
-  due scheduled jobs and rescues expired leases now and then. With nothing to do it
-  sleeps until a NOTIFY, a freed slot, the next due ``run_at`` or the poll interval;
+  slots, in one statement per queue, and hands them to the executors. Every poll interval
+  it also runs the shared maintenance (promote due jobs, rescue expired leases, cron
+  ticks, pause state). With nothing to do it sleeps until a NOTIFY, a freed slot, the next
+  due ``run_at`` or the poll interval;
 * ``concurrency`` **executor** threads run handlers, outside any transaction;
 * the **completer** writes outcomes in batches: one guarded statement completes many jobs;
-* the **heartbeat** extends the leases of all running jobs in one statement, so a slow
-  job is never taken by another worker while this one is alive;
-* the **listener** holds a dedicated connection that LISTENs for the table's channel.
+* the **heartbeat** extends the leases of all running jobs in one statement, notices jobs
+  that were cancelled or lost, and enforces task timeouts;
+* the **listener** holds a dedicated connection that LISTENs on the table's channel.
 
 Delivery is at least once: a worker that dies mid-job (or before its batched completion
 reaches the database) loses its lease, and the job runs again. Handlers must be safe to
-repeat; transactional tasks get exactly-once database effects.
+repeat. Transactional tasks get exactly-once database effects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
-import os
 import queue as queue_mod
 import signal
-import socket
 import threading
 import time
-import traceback
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from types import FrameType
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
-from .errors import PermanentError, Snooze
+from . import maintenance, periodic
+from .execution import (
+    FAIL,
+    OK,
+    SETTLED,
+    ClaimedJob,
+    Outcome,
+    complete_one_params,
+    current_job,
+    default_queues,
+    outcome_of,
+    outcome_statements,
+    reset_current,
+    set_current,
+    timed_out,
+    unknown_task,
+    worker_name,
+)
 from .queries import interval
 from .tasks import Jobs, Task
 
@@ -53,70 +65,16 @@ __all__ = ["ClaimedJob", "Worker", "current_job"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
-_MAX_ERROR_CHARS = 65536
+#: Payload prefix of a NOTIFY that asks workers to heartbeat now (a job was cancelled).
+CANCEL_PAYLOAD = "!cancel"
 
 
-@dataclass(eq=False)
-class ClaimedJob:
-    """A job as its worker holds it while it runs; see :func:`current_job`."""
-
-    id: int
-    queue: str
-    task: str
-    args: dict[str, Any]
-    attempts: int
-    max_attempts: int
-    priority: int
-    run_at: datetime
-    created_at: datetime
-    worker: str = ""
-    #: Set when the worker learns that this claim is no longer its own (the lease was
-    #: lost, or the job was cancelled). A long handler may check it and stop early.
-    lost: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    @property
-    def is_last_attempt(self) -> bool:
-        return self.attempts >= self.max_attempts
-
-
-_current: contextvars.ContextVar[ClaimedJob] = contextvars.ContextVar("sqla_jobs_current_job")
-
-
-def current_job() -> ClaimedJob:
-    """The job the calling handler is running. Raises ``LookupError`` outside a handler."""
-    return _current.get()
-
-
-# Outcomes, as the executors hand them to the completer.
-_OK, _FAIL, _SNOOZE = "ok", "fail", "snooze"
-
-
-@dataclass(slots=True)
-class _Outcome:
-    kind: str
-    job: ClaimedJob
-    error: str | None = None
-    delay: float = 0.0
-    permanent: bool = False
-
-
-def _url_engine(bind: sa.Engine | str) -> sa.Engine:
+def _engine(bind: sa.Engine | str) -> sa.Engine:
     if isinstance(bind, sa.Engine):
         return bind
     from .db import create_engine
 
     return create_engine(bind)
-
-
-def _worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def _format_error(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (
-        text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
-    )
 
 
 class Worker:
@@ -128,11 +86,15 @@ class Worker:
     :param queues: queues to serve; by default every queue a registered task names.
     :param concurrency: handlers running at once (threads).
     :param lease: seconds a claim is held without a heartbeat. The heartbeat renews it
-        every third of that, so it only needs to outlast a stall of the worker itself.
-    :param poll_interval: longest sleep between claims when no NOTIFY arrives.
+        every third of that, so it only has to outlast a stall of the worker itself.
+    :param poll_interval: longest sleep between claims when no NOTIFY arrives; also how
+        often maintenance runs.
     :param grace_period: on stop, seconds running handlers get to finish.
     :param claim_limit: most jobs one claim statement takes.
+    :param completion_batch: most outcomes one completion transaction writes.
+    :param completion_interval: seconds the completer waits to fill a batch.
     :param listen: LISTEN for new jobs (turn off behind PgBouncer's transaction pooling).
+    :param prune_interval: seconds between retention passes (one elected worker prunes).
     """
 
     def __init__(
@@ -146,27 +108,20 @@ class Worker:
         poll_interval: float = 1.0,
         grace_period: float = 30.0,
         claim_limit: int = 100,
-        completion_batch: int = 200,
+        completion_batch: int = 500,
         completion_interval: float = 0.005,
         rescue_interval: float | None = None,
+        prune_interval: float = 60.0,
         listen: bool = True,
         name: str | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        if lease <= 0 or poll_interval <= 0 or grace_period < 0:
-            raise ValueError("lease and poll_interval must be > 0, grace_period >= 0")
+        if lease <= 0 or poll_interval <= 0 or grace_period < 0 or claim_limit < 1:
+            raise ValueError("lease, poll_interval and claim_limit must be > 0, grace_period >= 0")
         self.jobs = jobs
-        self.engine = _url_engine(bind)
-        names = (
-            list(queues)
-            if queues
-            else sorted({t.queue for t in jobs.tasks.values()} or {jobs.default_queue})
-        )
-        for q in names:
-            if not isinstance(q, str) or not q:
-                raise ValueError(f"queue names must be non-empty strings, got {q!r}")
-        self.queues: list[str] = names
+        self.engine = _engine(bind)
+        self.queues = default_queues(jobs, queues)
         self.concurrency = concurrency
         self.lease = lease
         self.poll_interval = poll_interval
@@ -177,30 +132,36 @@ class Worker:
         self.rescue_interval = (
             rescue_interval if rescue_interval is not None else min(5.0, lease / 2)
         )
+        self.prune_interval = prune_interval
         self.listen = listen
-        self.name = name or _worker_name()
+        self.name = name or worker_name()
         self.q = jobs.queries
+        self._lease = interval(lease)
 
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)
         self._free = concurrency
         self._running: dict[int, ClaimedJob] = {}
+        self._unwritten = 0
         self._inbox: queue_mod.SimpleQueue[ClaimedJob | None] = queue_mod.SimpleQueue()
-        self._outbox: queue_mod.SimpleQueue[_Outcome | None] = queue_mod.SimpleQueue()
+        self._outbox: queue_mod.SimpleQueue[Outcome | None] = queue_mod.SimpleQueue()
         self._wake = threading.Event()
+        self._beat_now = threading.Event()
         self._stopping = threading.Event()
         #: Set while the listener holds its LISTEN (tests and health checks wait on it).
         self.listening = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._unwritten = 0
-        self._written = threading.Condition(self._lock)
+        self._executors: list[threading.Thread] = []
         self._next_due: float | None = None
-        self._next_promote = 0.0
+        self._next_refresh = 0.0
         self._next_rescue = 0.0
-        self._turn = 0
+        self._next_prune = 0.0
         self._paused: frozenset[str] = frozenset()
+        self._turn = 0
         self._more = False
         self._saturated = False
         self._until_empty = False
+        self._last_beat = 0.0
+        self._cancel_requested = False
         #: Jobs this worker has finished running, whatever their outcome.
         self.processed = 0
 
@@ -220,11 +181,11 @@ class Worker:
 
     def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully."""
-        with self._signals(install_signal_handlers), self._threads_running(listen=self.listen):
-            self._loop(until_empty=False, wait_scheduled=0.0, deadline=None)
+        with self._signals(install_signal_handlers), self._threads(listen=self.listen):
+            self._loop(wait_scheduled=0.0, deadline=None)
 
     def run_until_empty(self, *, wait_scheduled: float = 0.0, timeout: float | None = None) -> int:
-        """Run until no job of these queues is ready; return how many jobs ran.
+        """Run until no job of these queues is ready or running here; return how many ran.
 
         :param wait_scheduled: also wait for scheduled jobs (delays, retries) that fall due
             within this many seconds.
@@ -234,15 +195,15 @@ class Worker:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._until_empty = True
         try:
-            with self._threads_running(listen=False):
-                self._loop(until_empty=True, wait_scheduled=wait_scheduled, deadline=deadline)
+            with self._threads(listen=False):
+                self._loop(wait_scheduled=wait_scheduled, deadline=deadline)
         finally:
             self._until_empty = False
         return self.processed - before
 
     # -- the fetch loop -------------------------------------------------------------------
 
-    def _loop(self, *, until_empty: bool, wait_scheduled: float, deadline: float | None) -> None:
+    def _loop(self, *, wait_scheduled: float, deadline: float | None) -> None:
         failures = 0
         while not self._stopping.is_set():
             if deadline is not None and time.monotonic() >= deadline:
@@ -251,6 +212,14 @@ class Worker:
             try:
                 self._maintain()
                 self._claim_free_slots()
+                if not self._more and self._until_empty and self._idle():
+                    # Outcomes may still be in flight (a retry not yet scheduled): write
+                    # them, refresh, and look once more before calling it empty.
+                    self._wait_written()
+                    self._next_refresh = 0.0
+                    self._maintain()
+                    if not self._claim_free_slots() and not self._due_soon(wait_scheduled):
+                        break
                 failures = 0
             except sa.exc.DBAPIError as exc:
                 failures += 1
@@ -262,28 +231,15 @@ class Worker:
                 continue
             if self._more:
                 continue  # a queue gave all we asked for and slots are free: go again
-            if until_empty and self._idle():
-                # Outcomes may still be in flight (a retry not yet scheduled): write them,
-                # promote what is due, and look once more before calling it empty.
-                self._wait_written()
-                self._next_promote = 0.0
-                try:
-                    self._maintain()
-                    if self._claim_free_slots() or self._more:
-                        continue
-                except sa.exc.DBAPIError:
-                    continue
-                if not self._due_soon(wait_scheduled):
-                    break
             self._wake.wait(self._sleep_for())
 
     def _claim_free_slots(self) -> int:
         """Claim up to the free slots, queue by queue (starting from a rotating one).
 
-        Sets ``_more`` when a queue gave as many jobs as asked while slots are still free
-        (there may be more right now), and ``_saturated`` when no slot is left (a finishing
-        job must then wake the loop). Otherwise the queues are drained for the moment, and
-        the loop can sleep until a NOTIFY, a due time or the poll interval.
+        Sets ``_more`` when a queue gave as many jobs as asked (there may be more right
+        now), and ``_saturated`` when no slot is left (a finishing job must then wake the
+        loop). Otherwise the queues are drained for the moment, and the loop can sleep
+        until a NOTIFY, a due time or the poll interval.
         """
         self._more = False
         with self._lock:
@@ -291,10 +247,10 @@ class Worker:
         if free <= 0:
             self._saturated = True
             return 0
-        claimed: list[ClaimedJob] = []
         queues = [q for q in self.queues if q not in self._paused]
         if not queues:
             return 0
+        claimed: list[ClaimedJob] = []
         n = len(queues)
         start = self._turn % n
         self._turn = start + 1
@@ -308,14 +264,11 @@ class Worker:
                     {
                         "queue_name": queues[(start + i) % n],
                         "limit": want,
-                        "lease": interval(self.lease),
+                        "lease": self._lease,
                         "worker": self.name,
                     },
                 ).all()
-                claimed.extend(
-                    ClaimedJob(*row, worker=self.name)  # type: ignore[misc]
-                    for row in rows
-                )
+                claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[misc]
                 if len(rows) == want:
                     self._more = True
         # Only now, after COMMIT: a completion written before the claim is visible would
@@ -331,28 +284,29 @@ class Worker:
         return len(claimed)
 
     def _maintain(self) -> None:
-        """Promote due scheduled jobs, rescue expired leases and read which queues are
-        paused, when it is time to (every poll interval, or when a known due time passes)."""
+        """Run the shared maintenance when it is due: every poll interval, or when the
+        known next due time has passed."""
         now = time.monotonic()
-        promote = now >= self._next_promote or (
-            self._next_due is not None and now >= self._next_due
-        )
-        rescue = now >= self._next_rescue
-        if not (promote or rescue):
+        due = self._next_due is not None and now >= self._next_due
+        if now < self._next_refresh and not due:
             return
+        rescue = now >= self._next_rescue
         with self.engine.begin() as conn:
-            if rescue:
-                conn.execute(self.q.rescue, {"limit": 1000}).all()
-                self._next_rescue = now + self.rescue_interval
-            if promote:
-                conn.execute(self.q.promote, {"limit": 1000}).all()
-                self._paused = frozenset(conn.execute(self.q.paused).scalars())
-                due_in = conn.execute(self.q.next_due).scalar()
-                self._next_promote = now + self.poll_interval
-                self._next_due = None if due_in is None else now + max(0.0, float(due_in))
+            result = maintenance.refresh(conn, self.q, rescue=rescue)
+            periodic.enqueue_due(conn, self.jobs)
+        if rescue:
+            self._next_rescue = now + self.rescue_interval
+        self._paused = result.paused
+        self._next_refresh = now + self.poll_interval
+        self._next_due = None if result.due_in is None else now + max(0.0, result.due_in)
+        if now >= self._next_prune:
+            self._next_prune = now + self.prune_interval
+            pruned = maintenance.prune(self.engine, self.jobs)
+            if pruned:
+                log.info("worker %s: pruned %d finished jobs", self.name, pruned)
 
     def _sleep_for(self) -> float:
-        sleep = self.poll_interval
+        sleep = min(self.poll_interval, max(0.0, self._next_refresh - time.monotonic()))
         if self._next_due is not None:
             sleep = min(sleep, max(0.0, self._next_due - time.monotonic()) + 0.001)
         return sleep
@@ -376,57 +330,89 @@ class Worker:
             try:
                 outcome = self._execute(job)
             except BaseException as exc:  # the worker itself must never die of a handler
-                outcome = _Outcome(_FAIL, job, error=_format_error(exc))
+                outcome = outcome_of(self.jobs.tasks.get(job.task) or _ANY, job, exc)
             with self._lock:
-                self._unwritten += 1
-            self._outbox.put(outcome)
-            with self._lock:
-                self._free += 1
                 self._running.pop(job.id, None)
+                self._free += 1
                 self.processed += 1
                 wake = self._saturated or self._until_empty
                 self._saturated = False
+                # A run that timed out or was cancelled already has its outcome written.
+                record = outcome.kind != SETTLED and not job.cancelled.is_set()
+                if record:
+                    self._unwritten += 1
+            if record:
+                self._outbox.put(outcome)
             if wake:
                 self._wake.set()
 
-    def _execute(self, job: ClaimedJob) -> _Outcome:
+    def _execute(self, job: ClaimedJob) -> Outcome:
+        """Run one claimed job's handler and say how it ended (fires the events)."""
         task = self.jobs.tasks.get(job.task)
         if task is None:
-            log.error("job %s: unknown task %r, failing it", job.id, job.task)
-            return _Outcome(
-                _FAIL,
-                job,
-                error=f"unknown task {job.task!r}: no handler of that name is registered "
-                f"in the worker ({self.name})",
-                delay=self.jobs.retry(job.attempts),
-            )
-        token = _current.set(job)
-        started = time.monotonic()
+            return unknown_task(self.jobs, job, self.name)
+        events = self.jobs.events
+        token = set_current(job)
+        job.started = time.monotonic()
+        events.fire("started", job)
+        error: BaseException | None = None
         try:
             args, kwargs = task.call_args(job.args)
+            if task.transactional:
+                return self._run_transactional(task, job, args, kwargs)
             if task.is_async:
-                asyncio.run(task.fn(*args, **kwargs))
+                asyncio.run(_with_timeout(task, task.fn(*args, **kwargs)))
             else:
                 task.fn(*args, **kwargs)
-        except Snooze as snooze:
-            return _Outcome(_SNOOZE, job, delay=snooze.delay)
-        except PermanentError as exc:
-            return _Outcome(_FAIL, job, error=_format_error(exc), permanent=True)
-        except Exception as exc:
-            log.info(
-                "job %s (%s, queue %s) attempt %s/%s failed: %r",
-                job.id,
-                job.task,
-                job.queue,
-                job.attempts,
-                job.max_attempts,
-                exc,
-            )
-            return _Outcome(_FAIL, job, error=_format_error(exc), delay=_retry_delay(task, job))
+        except BaseException as exc:
+            error = exc
         finally:
-            _current.reset(token)
-        log.debug("job %s (%s) done in %.3fs", job.id, job.task, time.monotonic() - started)
-        return _Outcome(_OK, job)
+            reset_current(token)
+        return self._finished(task, job, error)
+
+    def _finished(
+        self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None
+    ) -> Outcome:
+        outcome = outcome_of(task, job, error)
+        duration = time.monotonic() - job.started
+        events = self.jobs.events
+        if job.cancelled.is_set():
+            events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+        elif outcome.kind == OK:
+            events.fire("succeeded", job, duration=duration)
+        elif outcome.kind == FAIL:
+            events.fire("failed", job, duration=duration, error=error)
+            dead = outcome.permanent or job.attempts >= job.max_attempts
+            events.fire("dead" if dead else "retried", job, duration=duration, error=error)
+        return outcome
+
+    def _run_transactional(
+        self, task: Task[Any, Any], job: ClaimedJob, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Outcome:
+        """The handler's writes and the job's completion, in one transaction.
+
+        The completion is guarded by (id, attempts) like any other: if this claim was lost
+        (the lease passed and another worker took the job), it matches no row, and the
+        handler's writes roll back with it. Database effects happen exactly once.
+        """
+        with Session(self.engine) as session:
+            try:
+                task.fn(*args, session=session, **kwargs)
+                done = session.execute(self.q.complete, complete_one_params(job)).first()
+            except BaseException as exc:
+                session.rollback()
+                return self._finished(task, job, exc)
+            if done is None:
+                session.rollback()
+                log.warning(
+                    "job %s attempt %s: claim lost, rolled back its writes", job.id, job.attempts
+                )
+                job.cancel("lease lost: another worker owns this job")
+                self._finished(task, job, None)
+                return Outcome(SETTLED, job)
+            session.commit()
+        self._finished(task, job, None)
+        return Outcome(SETTLED, job)
 
     # -- completer ------------------------------------------------------------------------
 
@@ -444,7 +430,7 @@ class Worker:
                     nxt = (
                         self._outbox.get(timeout=remaining)
                         if remaining > 0
-                        else (self._outbox.get_nowait())
+                        else self._outbox.get_nowait()
                     )
                 except queue_mod.Empty:
                     break
@@ -452,7 +438,7 @@ class Worker:
                     done = True
                     break
                 batch.append(nxt)
-            self._write_outcomes(batch)
+            self._write(batch)
             with self._lock:
                 self._unwritten -= len(batch)
                 self._written.notify_all()
@@ -461,48 +447,16 @@ class Worker:
         with self._lock:
             self._written.wait_for(lambda: self._unwritten == 0)
 
-    def _note_due(self, delay: float) -> None:
-        """A retry or snooze was scheduled: make sure the fetch loop wakes for it."""
-        due = time.monotonic() + delay
-        if self._next_due is None or due < self._next_due:
-            self._next_due = due
-
-    def _write_outcomes(self, batch: list[_Outcome]) -> None:
+    def _write(self, batch: list[Outcome]) -> None:
         """Write a batch, retrying through database outages; never drops one silently."""
+        statements = outcome_statements(self.q, batch)
         failures = 0
         while True:
             try:
                 with self.engine.begin() as conn:
-                    ok = [o.job for o in batch if o.kind == _OK]
-                    if ok:
-                        conn.execute(
-                            self.q.complete,
-                            {"ids": [j.id for j in ok], "attempt_list": [j.attempts for j in ok]},
-                        )
-                    for o in batch:
-                        if o.kind == _FAIL:
-                            conn.execute(
-                                self.q.fail,
-                                {
-                                    "job_id": o.job.id,
-                                    "attempt": o.job.attempts,
-                                    "error": o.error,
-                                    "delay": interval(o.delay),
-                                    "permanent": o.permanent,
-                                },
-                            )
-                            self._note_due(o.delay)
-                        elif o.kind == _SNOOZE:
-                            conn.execute(
-                                self.q.snooze,
-                                {
-                                    "job_id": o.job.id,
-                                    "attempt": o.job.attempts,
-                                    "delay": interval(o.delay),
-                                },
-                            )
-                            self._note_due(o.delay)
-                return
+                    for statement, params in statements:
+                        conn.execute(statement, params)
+                break
             except sa.exc.DBAPIError as exc:
                 failures += 1
                 if self._stopping.is_set() and failures > 5:
@@ -519,23 +473,43 @@ class Worker:
                     "worker %s: completion failed, retrying in %.1fs: %s", self.name, pause, exc
                 )
                 time.sleep(pause)
+        for o in batch:
+            if o.kind != OK:
+                self._note_due(o.delay)
+
+    def _note_due(self, delay: float) -> None:
+        """A retry or snooze was scheduled: make sure the fetch loop wakes for it."""
+        due = time.monotonic() + delay
+        if self._next_due is None or due < self._next_due:
+            self._next_due = due
 
     # -- heartbeat ------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
         every = self.lease / 3
         while True:
-            stopping = self._stopping.wait(every if not self._stopping.is_set() else 0.5)
-            if stopping and not self._has_running():
+            wait = min(every, 0.25)
+            self._beat_now.wait(wait)
+            self._beat_now.clear()
+            if self._stopping.is_set() and not self._has_running():
                 return
-            self.beat()
+            self._enforce_timeouts()
+            now = time.monotonic()
+            if now - self._last_beat >= every or self._cancel_requested:
+                self._cancel_requested = False
+                self.beat()
 
     def _has_running(self) -> bool:
         with self._lock:
             return bool(self._running)
 
     def beat(self) -> None:
-        """Extend the leases of every running job of this worker, in one statement."""
+        """Extend the leases of every running job of this worker, in one statement.
+
+        A job that does not come back is no longer this worker's: it was cancelled, or its
+        lease passed and another worker took it. Its handler is told to stop.
+        """
+        self._last_beat = time.monotonic()
         with self._lock:
             running = list(self._running.values())
         if not running:
@@ -548,7 +522,7 @@ class Worker:
                         {
                             "ids": [j.id for j in running],
                             "attempt_list": [j.attempts for j in running],
-                            "lease": interval(self.lease),
+                            "lease": self._lease,
                         },
                     ).scalars()
                 )
@@ -556,9 +530,36 @@ class Worker:
             log.warning("worker %s: heartbeat failed: %s", self.name, exc)
             return
         for job in running:
-            if job.id not in kept and not job.lost.is_set():
-                log.warning("job %s attempt %s: lease lost", job.id, job.attempts)
-                job.lost.set()
+            if job.id not in kept and not job.cancelled.is_set():
+                log.warning(
+                    "job %s attempt %s: cancelled or lease lost; asking it to stop",
+                    job.id,
+                    job.attempts,
+                )
+                job.cancel("cancelled, or lease lost")
+
+    def _enforce_timeouts(self) -> None:
+        """A sync handler cannot be killed: past its timeout, record the failure, stop
+        extending its lease, and tell it to stop. Its slot frees when it returns."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [
+                j
+                for j in self._running.values()
+                if j.started
+                and not j.cancelled.is_set()
+                and (t := self.jobs.tasks.get(j.task)) is not None
+                and t.timeout is not None
+                and now - j.started > t.timeout
+            ]
+            for job in overdue:
+                self._running.pop(job.id, None)
+                self._unwritten += 1
+        for job in overdue:
+            task = self.jobs.tasks[job.task]
+            log.warning("job %s (%s) timed out after %ss", job.id, job.task, task.timeout)
+            job.cancel(f"timed out after {task.timeout}s")
+            self._outbox.put(timed_out(task, job))
 
     # -- listener -------------------------------------------------------------------------
 
@@ -570,26 +571,26 @@ class Worker:
                 # A connection of the engine's own (same URL, same connect args), taken
                 # out of the pool for good: LISTEN belongs to one session.
                 pooled = self.engine.raw_connection()
-                conn = pooled.driver_connection
+                conn: Any = pooled.driver_connection
                 pooled.detach()
                 try:
-                    conn.rollback()  # type: ignore[union-attr]
-                    conn.autocommit = True  # type: ignore[union-attr]
-                    conn.execute(  # type: ignore[union-attr]
-                        f'LISTEN "{self.q.channel}"'
-                    )
+                    conn.rollback()
+                    conn.autocommit = True
+                    conn.execute(f'LISTEN "{self.q.channel}"')
                     failures = 0
                     self.listening.set()
                     self._wake.set()  # catch anything enqueued while we were not listening
                     while not self._stopping.is_set():
-                        for note in conn.notifies(timeout=0.5):  # type: ignore[union-attr]
+                        for note in conn.notifies(timeout=0.5):
                             if note.payload in wanted:
                                 self._wake.set()
+                            elif note.payload == CANCEL_PAYLOAD:
+                                self._cancel_requested = True
+                                self._beat_now.set()
                 finally:
                     self.listening.clear()
                     with contextlib.suppress(Exception):
-                        pooled.close()
-                        conn.close()  # type: ignore[union-attr]
+                        conn.close()
             except Exception as exc:
                 failures += 1
                 pause = min(30.0, 0.1 * 2**failures)
@@ -601,9 +602,11 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _threads_running(self, *, listen: bool) -> Iterator[None]:
+    def _threads(self, *, listen: bool) -> Iterator[None]:
         self._stopping.clear()
-        self._threads = [
+        with self.engine.begin() as conn:
+            periodic.sync_declared(conn, self.jobs)
+        self._executors = [
             self._start(self._executor, f"executor-{i}") for i in range(self.concurrency)
         ]
         completer = self._start(self._completer, "completer")
@@ -619,7 +622,8 @@ class Worker:
             self._shutdown()
             self._outbox.put(None)
             completer.join()
-            heartbeat.join(timeout=1.0)
+            self._beat_now.set()
+            heartbeat.join(timeout=2.0)
             if listener is not None:
                 listener.join(timeout=2.0)
             log.info("worker %s stopped", self.name)
@@ -645,12 +649,12 @@ class Worker:
                     self._running.pop(job.id, None)
                     self._free += 1
             self._hand_back(unstarted)
-        for _ in self._threads:
+        for _ in self._executors:
             self._inbox.put(None)
         deadline = time.monotonic() + self.grace_period
-        for thread in self._threads:
+        for thread in self._executors:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        still = [t for t in self._threads if t.is_alive()]
+        still = [t for t in self._executors if t.is_alive()]
         if still:
             log.warning(
                 "worker %s: %d handlers still running after the %.0fs grace period; their "
@@ -672,8 +676,8 @@ class Worker:
             log.info("worker %s: handed back %d unstarted jobs", self.name, len(rows))
         except sa.exc.DBAPIError as exc:
             log.warning(
-                "worker %s: could not hand back %d jobs (%s); they will be retried "
-                "when their leases pass",
+                "worker %s: could not hand back %d jobs (%s); they will be retried when "
+                "their leases pass",
                 self.name,
                 len(jobs),
                 exc,
@@ -697,13 +701,21 @@ class Worker:
                 signal.signal(sig, old)
 
 
-def _retry_delay(task: Task[Any, Any], job: ClaimedJob) -> float:
-    try:
-        return max(0.0, float(task.retry(job.attempts)))
-    except Exception:
-        log.exception("task %s: retry policy failed; retrying in 60s", task.name)
+async def _with_timeout(task: Task[Any, Any], coro: Any) -> Any:
+    """Await an async handler run by the threaded worker, cancelled at its timeout."""
+    if task.timeout is None:
+        return await coro
+    return await asyncio.wait_for(coro, task.timeout)
+
+
+class _AnyTask:
+    """Stand-in for outcome_of when a job's task vanished mid-run (never in practice)."""
+
+    name = "?"
+
+    @staticmethod
+    def retry(attempt: int) -> float:
         return 60.0
 
 
-def seconds(value: float | timedelta) -> float:
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+_ANY: Any = _AnyTask()

@@ -26,8 +26,9 @@ def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.
 
 
 def rows(engine: sa.Engine, model: Any = app.Job) -> list[Any]:
+    """All rows of a model's table (or of a Table), in primary key order."""
     with engine.connect() as conn:
-        t = model.__table__
+        t = model if isinstance(model, sa.Table) else model.__table__
         return list(conn.execute(sa.select(t).order_by(*t.primary_key.columns)))
 
 
