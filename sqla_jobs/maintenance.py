@@ -48,20 +48,32 @@ def refresh(conn: sa.Connection, q: Queries, *, rescue: bool) -> Refresh:
     return Refresh(None if due_in is None else float(due_in), paused)
 
 
-def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
-    """Delete dead/cancelled jobs older than ``keep_dead`` and done ones older than
-    ``keep_done``; return how many. Does nothing if another worker holds the pruner lock.
-    """
+def prune_batch(
+    conn: sa.Connection, jobs: Jobs, statement: sa.Delete, age: timedelta
+) -> int | None:
+    """Delete one batch (its own short transaction); None if another worker is pruning."""
+    if not conn.execute(jobs.queries.try_lock).scalar():
+        return None
+    return int(conn.execute(statement, {"age": age, "limit": BATCH}).rowcount)
+
+
+def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
+    """What retention deletes: dead and cancelled after ``keep_dead``, done after
+    ``keep_done``."""
     q = jobs.queries
+    return [(q.prune_dead, jobs.keep_dead), (q.prune_done, jobs.keep_done or timedelta(0))]
+
+
+def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
+    """Run retention; return how many rows were deleted. Does nothing while another
+    worker holds the pruner lock."""
     total = 0
-    work: list[tuple[sa.Delete, timedelta]] = [(q.prune_dead, jobs.keep_dead)]
-    work.append((q.prune_done, jobs.keep_done or timedelta(0)))
-    for statement, age in work:
+    for statement, age in prune_work(jobs):
         for _ in range(max_batches):
             with engine.begin() as conn:
-                if not conn.execute(q.try_lock).scalar():
-                    return total
-                deleted = conn.execute(statement, {"age": age, "limit": BATCH}).rowcount
+                deleted = prune_batch(conn, jobs, statement, age)
+            if deleted is None:
+                return total
             total += deleted
             if deleted < BATCH:
                 break

@@ -60,3 +60,61 @@ def jobs() -> Jobs:
 @pytest.fixture
 def Session(db: sa.Engine, jobs: Jobs) -> sa.orm.sessionmaker[JobSession]:
     return sa.orm.sessionmaker(db, class_=JobSession, jobs=jobs)
+
+
+class AsyncWorkerInThread:
+    """Drives an :class:`AsyncWorker` with the threaded worker's blocking API, so that the
+    same tests run against both (each call runs its own event loop and async engine)."""
+
+    def __init__(self, jobs: Jobs, url: str, **kw: object) -> None:
+        from sqla_jobs.aio import AsyncWorker
+
+        self._jobs, self._url, self._kw = jobs, url, kw
+        self._worker: AsyncWorker | None = None
+        self.processed = 0
+        self._make = AsyncWorker
+
+    def _run(self, method: str, **kw: object) -> object:
+        import asyncio
+
+        from sqla_jobs import create_async_engine
+
+        async def main() -> object:
+            engine = create_async_engine(self._url)
+            worker = self._worker = self._make(self._jobs, engine, **self._kw)  # type: ignore[arg-type]
+            try:
+                return await getattr(worker, method)(**kw)
+            finally:
+                self.processed += worker.processed
+                await engine.dispose()
+
+        return asyncio.run(main())
+
+    def run_until_empty(self, **kw: object) -> int:
+        return int(self._run("run_until_empty", **kw))  # type: ignore[call-overload]
+
+    def run(self, **kw: object) -> None:
+        self._run("run", **kw)
+
+    def stop(self) -> None:
+        import time
+
+        deadline = time.monotonic() + 10
+        while self._worker is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self._worker is not None
+        self._worker.stop()
+
+
+@pytest.fixture(params=["threads", "asyncio"])
+def make_worker(request: pytest.FixtureRequest, database_url: str) -> object:
+    """A factory for the threaded Worker and, in a second run, the AsyncWorker."""
+    from sqla_jobs import Worker
+
+    def make(jobs: Jobs, bind: sa.Engine, **kw: object) -> object:
+        if request.param == "threads":
+            return Worker(jobs, bind, **kw)  # type: ignore[arg-type]
+        url = bind.url.render_as_string(hide_password=False)
+        return AsyncWorkerInThread(jobs, url, **kw)
+
+    return make

@@ -38,7 +38,7 @@ def claim(
 
 
 def test_2000_jobs_8_workers_each_job_runs_exactly_once(
-    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, make_worker: Any
 ) -> None:
     ran: Counter[int] = Counter()
     by_worker: Counter[str] = Counter()
@@ -58,7 +58,9 @@ def test_2000_jobs_8_workers_each_job_runs_exactly_once(
     # Eight workers, each with its own engine (its own connections).
     engines = [create_engine(database_url, pool_size=4) for _ in range(8)]
     workers = [
-        Worker(jobs, e, queues=["q"], concurrency=4, claim_limit=10, listen=False, name=f"w{i}")
+        make_worker(
+            jobs, e, queues=["q"], concurrency=4, claim_limit=10, listen=False, name=f"w{i}"
+        )
         for i, e in enumerate(engines)
     ]
     threads = [threading.Thread(target=w.run_until_empty) for w in workers]
@@ -77,7 +79,7 @@ def test_2000_jobs_8_workers_each_job_runs_exactly_once(
 
 
 def test_every_job_fails_once_then_succeeds_after_backoff(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     attempts: dict[int, list[float]] = {}
 
@@ -90,7 +92,7 @@ def test_every_job_fails_once_then_succeeds_after_backoff(
 
     with Session.begin() as session:
         session.enqueue_many(flaky, [{} for _ in range(50)])
-    worker = Worker(jobs, db, queues=["q"], concurrency=8, listen=False)
+    worker = make_worker(jobs, db, queues=["q"], concurrency=8, listen=False)
     assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 100
     assert count(db) == 0
     assert len(attempts) == 50
@@ -99,7 +101,7 @@ def test_every_job_fails_once_then_succeeds_after_backoff(
 
 
 def test_always_failing_job_is_dead_after_max_attempts_with_its_error(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     @jobs.task(queue="q", max_attempts=2)
     def broken() -> None:
@@ -107,7 +109,7 @@ def test_always_failing_job_is_dead_after_max_attempts_with_its_error(
 
     with Session.begin() as session:
         session.enqueue(broken)
-    worker = Worker(jobs, db, queues=["q"], listen=False)
+    worker = make_worker(jobs, db, queues=["q"], listen=False)
     assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 2
     (job,) = rows(db)
     assert job.status == "dead"
@@ -231,7 +233,7 @@ def test_priority_then_run_at_then_id_order(Session: Any, db: sa.Engine, jobs: J
 
 
 def test_unknown_task_fails_with_the_reason_and_follows_the_retry_policy(
-    db: sa.Engine, jobs: Jobs
+    db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     with db.begin() as conn:
         conn.execute(sa.insert(app.Job).values(task="gone.task", queue="q", max_attempts=2))
@@ -240,7 +242,7 @@ def test_unknown_task_fails_with_the_reason_and_follows_the_retry_policy(
     def other() -> None:
         pass
 
-    worker = Worker(jobs, db, queues=["q"], listen=False)
+    worker = make_worker(jobs, db, queues=["q"], listen=False)
     assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 2
     (job,) = rows(db)
     assert job.status == "dead"
@@ -248,7 +250,9 @@ def test_unknown_task_fails_with_the_reason_and_follows_the_retry_policy(
     assert "unknown task 'gone.task'" in job.last_error
 
 
-def test_handler_exceptions_never_kill_the_worker(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+def test_handler_exceptions_never_kill_the_worker(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
     @jobs.task(queue="q", max_attempts=1)
     def explode(kind: str) -> None:
         if kind == "system-exit":
@@ -265,14 +269,14 @@ def test_handler_exceptions_never_kill_the_worker(Session: Any, db: sa.Engine, j
         for kind in ("system-exit", "keyboard", "runtime"):
             session.enqueue(explode, kind)
         session.enqueue_many(fine, [{} for _ in range(5)])
-    worker = Worker(jobs, db, queues=["q"], concurrency=2, listen=False)
+    worker = make_worker(jobs, db, queues=["q"], concurrency=2, listen=False)
     assert worker.run_until_empty(timeout=30) == 8
     assert count(db, status="dead") == 3
     assert count(db) == 3
 
 
 def test_snooze_runs_again_later_without_using_an_attempt(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     seen: list[int] = []
 
@@ -284,27 +288,29 @@ def test_snooze_runs_again_later_without_using_an_attempt(
 
     with Session.begin() as session:
         session.enqueue(not_yet)
-    worker = Worker(jobs, db, queues=["q"], listen=False)
+    worker = make_worker(jobs, db, queues=["q"], listen=False)
     assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 3
     assert seen == [1, 2, 3]  # max_attempts=1, yet it ran three times
     assert count(db) == 0
 
 
-def test_permanent_error_fails_at_once(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+def test_permanent_error_fails_at_once(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
     @jobs.task(queue="q", max_attempts=10)
     def bad_input() -> None:
         raise PermanentError("the address does not exist")
 
     with Session.begin() as session:
         session.enqueue(bad_input)
-    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=30)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=30)
     (job,) = rows(db)
     assert (job.status, job.attempts) == ("dead", 1)
     assert "the address does not exist" in job.last_error
 
 
 def test_delayed_job_is_not_claimed_before_its_time(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     ran: list[float] = []
 
@@ -315,13 +321,13 @@ def test_delayed_job_is_not_claimed_before_its_time(
     start = time.monotonic()
     with Session.begin() as session:
         session.enqueue(later, delay=0.5)
-    worker = Worker(jobs, db, queues=["q"], listen=False)
+    worker = make_worker(jobs, db, queues=["q"], listen=False)
     assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 1
     assert ran[0] - start >= 0.45
 
 
 def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     runs: list[int] = []
     release = threading.Event()
@@ -333,7 +339,7 @@ def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
 
     with Session.begin() as session:
         session.enqueue(long)
-    worker = Worker(jobs, db, queues=["q"], lease=0.6, listen=False)
+    worker = make_worker(jobs, db, queues=["q"], lease=0.6, listen=False)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
     try:
@@ -376,7 +382,9 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
     assert len(claim(db, jobs, "q", limit=10)) == 4
 
 
-def test_stop_lets_running_jobs_finish(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+def test_stop_lets_running_jobs_finish(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
     started = threading.Event()
     release = threading.Event()
 
@@ -388,7 +396,7 @@ def test_stop_lets_running_jobs_finish(Session: Any, db: sa.Engine, jobs: Jobs) 
     with Session.begin() as session:
         session.enqueue(blocker)
         session.enqueue_many(blocker, [{} for _ in range(5)])
-    worker = Worker(jobs, db, queues=["q"], concurrency=3, listen=False, grace_period=5)
+    worker = make_worker(jobs, db, queues=["q"], concurrency=3, listen=False, grace_period=5)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
     wait_for(started.is_set)
