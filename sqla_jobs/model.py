@@ -9,7 +9,7 @@
 
     class Job(JobMixin, Base):
         __tablename__ = "jobs"                 # any name
-        __table_args__ = {"schema": "work"}    # optional
+        __table_args__ = {"schema": "work"}    # optional: a schema (or MetaData(schema=...))
 
 The table, its partial indexes, its storage parameters and its NOTIFY trigger are created
 by ``metadata.create_all()`` or, better, by ``op.create_jobs_table()`` in an Alembic
@@ -43,7 +43,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql.base import PGDialect
-from sqlalchemy.orm import Mapped, declared_attr, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
 __all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel"]
 
@@ -146,17 +146,15 @@ class JobMixin:
     )
     finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
 
-    @declared_attr.directive
-    @classmethod
-    def __table_args__(cls) -> tuple[Any, ...]:
-        return _table_args(cls.__tablename__)  # type: ignore[attr-defined]
-
     def __init_subclass__(cls, **kw: Any) -> None:
-        # Declarative builds the Table inside super().__init_subclass__; once it exists,
-        # attach the DDL that metadata.create_all() cannot express by itself.
+        # Declarative builds the Table inside super().__init_subclass__. Constraints and
+        # indexes are added to it here rather than through __table_args__, so that a model
+        # can still set its own __table_args__ (a schema, a comment) without losing them.
         super().__init_subclass__(**kw)
         table = cls.__dict__.get("__table__")
-        if isinstance(table, sa.Table):
+        if isinstance(table, sa.Table) and not table.info.get("sqla_jobs"):
+            table.info["sqla_jobs"] = True
+            add_constraints(table)
             attach_ddl(table)
             companion_tables(table)
 
@@ -167,43 +165,34 @@ class JobMixin:
         )
 
 
-def _table_args(tablename: str) -> tuple[Any, ...]:
-    """Constraints and indexes, named after the table so two job tables never collide."""
-    return (
-        sa.CheckConstraint(f"status IN ({_status_list(STATUSES)})", name=f"{tablename}_status"),
-        sa.CheckConstraint("priority >= 0", name=f"{tablename}_priority"),
-        sa.CheckConstraint("max_attempts >= 1", name=f"{tablename}_max_attempts"),
-        sa.CheckConstraint("attempts >= 0", name=f"{tablename}_attempts"),
-        sa.Index(
-            f"{tablename}_claim",
-            "queue",
-            sa.text("priority DESC"),
-            "run_at",
-            "id",
-            postgresql_where=sa.text("status = 'ready'"),
-        ),
-        sa.Index(
-            f"{tablename}_scheduled",
-            "run_at",
-            postgresql_where=sa.text("status = 'scheduled'"),
-        ),
-        sa.Index(
-            f"{tablename}_running",
-            "locked_until",
-            postgresql_where=sa.text("status = 'running'"),
-        ),
-        sa.Index(
-            f"{tablename}_finished",
-            "finished_at",
-            postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
-        ),
-        sa.Index(
-            f"{tablename}_unique",
-            "unique_key",
-            unique=True,
-            postgresql_where=UNIQUE_WHERE,
-        ),
+def add_constraints(table: sa.Table) -> None:
+    """CHECK constraints and partial indexes, named after the table so that two job tables
+    never collide."""
+    name, c = table.name, table.c
+    for constraint in (
+        sa.CheckConstraint(f"status IN ({_status_list(STATUSES)})", name=f"{name}_status"),
+        sa.CheckConstraint("priority >= 0", name=f"{name}_priority"),
+        sa.CheckConstraint("max_attempts >= 1", name=f"{name}_max_attempts"),
+        sa.CheckConstraint("attempts >= 0", name=f"{name}_attempts"),
+    ):
+        table.append_constraint(constraint)
+    # Index() given Column objects attaches itself to their table.
+    sa.Index(
+        f"{name}_claim",
+        c.queue,
+        sa.text("priority DESC"),
+        c.run_at,
+        c.id,
+        postgresql_where=sa.text("status = 'ready'"),
     )
+    sa.Index(f"{name}_scheduled", c.run_at, postgresql_where=sa.text("status = 'scheduled'"))
+    sa.Index(f"{name}_running", c.locked_until, postgresql_where=sa.text("status = 'running'"))
+    sa.Index(
+        f"{name}_finished",
+        c.finished_at,
+        postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
+    )
+    sa.Index(f"{name}_unique", c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
@@ -264,7 +253,6 @@ def attach_ddl(table: sa.Table) -> None:
     if table.info.get("sqla_jobs_ddl"):
         return
     table.info["sqla_jobs_ddl"] = True
-    table.info["sqla_jobs"] = True
 
     def _after_create(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
         for statement in ddl_statements(target):
