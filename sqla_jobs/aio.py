@@ -42,6 +42,7 @@ from .execution import (
     Outcome,
     complete_one_params,
     default_queues,
+    job_log,
     outcome_of,
     outcome_statements,
     reset_current,
@@ -547,11 +548,7 @@ class AsyncWorker:
             return
         for job, task in running:
             if job.id not in kept and not job.cancelled.is_set():
-                log.warning(
-                    "job %s attempt %s: cancelled or lease lost; cancelling it",
-                    job.id,
-                    job.attempts,
-                )
+                job_log(logging.WARNING, job, "cancelled or lease lost; cancelling it")
                 job.cancel("cancelled, or lease lost")
                 task.cancel()
 

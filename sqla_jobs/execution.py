@@ -98,6 +98,25 @@ class Outcome:
     permanent: bool = False
 
 
+def job_log(level: int, job: ClaimedJob, message: str, *args: Any) -> None:
+    """Log about one job: the message is prefixed with its id, task, queue and attempt,
+    which are also passed as ``extra`` fields (``job_id``, ``task``, ``queue``,
+    ``attempt``) for structured log handlers."""
+    if not log.isEnabledFor(level):
+        return
+    log.log(
+        level,
+        "job %s (%s, queue %s, attempt %s/%s): " + message,
+        job.id,
+        job.task,
+        job.queue,
+        job.attempts,
+        job.max_attempts,
+        *args,
+        extra={"job_id": job.id, "task": job.task, "queue": job.queue, "attempt": job.attempts},
+    )
+
+
 def format_error(exc: BaseException) -> str:
     """The exception and its traceback, as kept in ``last_error`` (capped at 64 KiB)."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -118,7 +137,7 @@ def retry_delay(policy: Any, job: ClaimedJob, name: str) -> float:
 def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
     """A job whose task this worker does not know: a failure that follows the default
     retry policy, so a deploy that lags behind loses nothing."""
-    log.error("job %s: unknown task %r, failing it", job.id, job.task)
+    job_log(logging.ERROR, job, "unknown task, failing it")
     return Outcome(
         FAIL,
         job,
@@ -136,15 +155,7 @@ def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None)
         return Outcome(SNOOZE, job, delay=exc.delay)
     if isinstance(exc, PermanentError):
         return Outcome(FAIL, job, error=format_error(exc), permanent=True)
-    log.info(
-        "job %s (%s, queue %s) attempt %s/%s failed: %r",
-        job.id,
-        job.task,
-        job.queue,
-        job.attempts,
-        job.max_attempts,
-        exc,
-    )
+    job_log(logging.INFO, job, "failed: %r", exc)
     return Outcome(
         FAIL, job, error=format_error(exc), delay=retry_delay(task.retry, job, task.name)
     )

@@ -50,6 +50,7 @@ from .execution import (
     complete_one_params,
     current_job,
     default_queues,
+    job_log,
     outcome_of,
     outcome_statements,
     reset_current,
@@ -375,6 +376,7 @@ class Worker:
     ) -> Outcome:
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
+        job_log(logging.DEBUG, job, "%s after %.3fs", outcome.kind, duration)
         events = self.jobs.events
         if job.cancelled.is_set():
             events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
@@ -404,9 +406,7 @@ class Worker:
                 return self._finished(task, job, exc)
             if done is None:
                 session.rollback()
-                log.warning(
-                    "job %s attempt %s: claim lost, rolled back its writes", job.id, job.attempts
-                )
+                job_log(logging.WARNING, job, "claim lost; its writes were rolled back")
                 job.cancel("lease lost: another worker owns this job")
                 self._finished(task, job, None)
                 return Outcome(SETTLED, job)
@@ -531,11 +531,7 @@ class Worker:
             return
         for job in running:
             if job.id not in kept and not job.cancelled.is_set():
-                log.warning(
-                    "job %s attempt %s: cancelled or lease lost; asking it to stop",
-                    job.id,
-                    job.attempts,
-                )
+                job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
                 job.cancel("cancelled, or lease lost")
 
     def _enforce_timeouts(self) -> None:
@@ -557,7 +553,7 @@ class Worker:
                 self._unwritten += 1
         for job in overdue:
             task = self.jobs.tasks[job.task]
-            log.warning("job %s (%s) timed out after %ss", job.id, job.task, task.timeout)
+            job_log(logging.WARNING, job, "timed out after %ss", task.timeout)
             job.cancel(f"timed out after {task.timeout}s")
             self._outbox.put(timed_out(task, job))
 

@@ -545,3 +545,21 @@ def test_events_fire_through_a_jobs_life(Session: Any, db: sa.Engine, jobs: Jobs
     assert names.count("failed") == 2
     assert names.count("retried") == 1 and names.count("dead") == 1
     assert all(d is not None and d >= 0 for n, d in seen if n in ("succeeded", "failed"))
+
+
+def test_job_logs_carry_the_job_context(
+    Session: Any, db: sa.Engine, jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    @jobs.task(queue="q", max_attempts=1)
+    def broken() -> None:
+        raise ValueError("nope")
+
+    with Session.begin() as session:
+        session.enqueue(broken)
+    with caplog.at_level("INFO", logger="sqla_jobs"):
+        Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    (record,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    (job,) = rows(db)
+    assert record.job_id == job.id  # type: ignore[attr-defined]
+    assert (record.task, record.queue, record.attempt) == (broken.name, "q", 1)  # type: ignore[attr-defined]
+    assert f"job {job.id} ({broken.name}, queue q, attempt 1/1): failed" in record.getMessage()
