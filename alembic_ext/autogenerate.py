@@ -1,0 +1,147 @@
+"""Autogenerate: write ``op.create_jobs_table`` / ``op.drop_jobs_table`` for jobs tables.
+
+Alembic's own comparators decide *what* changed; this module only decides *how it is
+written*. A schema-level comparator that runs after the built-in ones rewrites the
+operations they produced:
+
+* a ``CreateTableOp`` for a table whose ``info`` says it is a jobs table (set by
+  :class:`sqla_jobs.JobMixin`), together with the ``CreateIndexOp``\\ s that follow it for
+  the same table, becomes one :class:`~alembic_ext.ops.CreateJobsTableOp`;
+* a ``DropTableOp`` for a table that, in the database, carries the ``<table>_notify``
+  trigger of sqla-jobs, together with the ``DropIndexOp``\\ s before it, becomes one
+  :class:`~alembic_ext.ops.DropJobsTableOp`, whose reverse re-creates the table as it was.
+
+Because nothing is compared here, whatever Alembic filtered out (``include_object``,
+``include_name``, ``include_schemas``) stays out: an index the filter skips is not in the
+rewritten operation either. Changes to an existing jobs table (a column or an index added
+by a newer sqla-jobs) are left as Alembic writes them: plain ``op.add_column`` and
+``op.create_index``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from alembic.autogenerate import comparators
+from alembic.autogenerate.api import AutogenContext
+from alembic.operations import ops
+
+from sqla_jobs.model import STORAGE_PARAMETERS
+
+from .ops import CreateJobsTableOp, DropJobsTableOp
+
+__all__ = ["rewrite_jobs_tables"]
+
+_Key = tuple[str | None, str]
+
+
+def _after_builtin_comparators() -> dict[str, Any]:
+    """Keyword arguments that make a comparator run after Alembic's table comparison.
+
+    Since Alembic 1.18 the built-in comparators come from plugins that are merged *after*
+    the global registry into each run's dispatcher, so a plain registration would run
+    first, before there is anything to rewrite; ``priority=LAST`` puts it after them.
+    Before 1.18 comparators ran in registration order and the built-ins, registered when
+    ``alembic.autogenerate`` is imported, always came first.
+    """
+    try:
+        from alembic.util import DispatchPriority
+    except ImportError:  # pragma: no cover - Alembic < 1.18
+        return {}
+    return {"priority": DispatchPriority.LAST}
+
+
+@comparators.dispatch_for("schema", **_after_builtin_comparators())
+def rewrite_jobs_tables(
+    autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
+) -> None:
+    """Swap the create/drop table and index operations of jobs tables for the jobs ops."""
+    _rewrite_creates(upgrade_ops)
+    _rewrite_drops(autogen_context, upgrade_ops)
+
+
+def _take_index_ops(
+    upgrade_ops: ops.UpgradeOps, tables: set[_Key], kind: type[ops.MigrateOperation]
+) -> dict[_Key, list[Any]]:
+    """Remove the index operations of ``kind`` on ``tables`` from their ModifyTableOps
+    (and the containers left empty); return them by table."""
+    taken: dict[_Key, list[Any]] = {key: [] for key in tables}
+    kept: list[ops.MigrateOperation] = []
+    for op in upgrade_ops.ops:
+        if isinstance(op, ops.ModifyTableOps) and (op.schema, op.table_name) in tables:
+            key = (op.schema, op.table_name)
+            taken[key] += [sub for sub in op.ops if isinstance(sub, kind)]
+            op.ops = [sub for sub in op.ops if not isinstance(sub, kind)]
+            if op.is_empty():
+                continue
+        kept.append(op)
+    upgrade_ops.ops = kept
+    return taken
+
+
+def _rewrite_creates(upgrade_ops: ops.UpgradeOps) -> None:
+    creates = {
+        (op.schema, op.table_name): op
+        for op in upgrade_ops.ops
+        if isinstance(op, ops.CreateTableOp) and op.info.get("sqla_jobs")
+    }
+    if not creates:
+        return
+    index_ops = _take_index_ops(upgrade_ops, set(creates), ops.CreateIndexOp)
+    for i, op in enumerate(upgrade_ops.ops):
+        if isinstance(op, ops.CreateTableOp) and op.info.get("sqla_jobs"):
+            key = (op.schema, op.table_name)
+            op.info = {}  # sqla-jobs' bookkeeping, meaningless in a migration
+            indexes = [index_op.to_index() for index_op in index_ops[key]]
+            upgrade_ops.ops[i] = CreateJobsTableOp(op, indexes)
+
+
+def _is_jobs_table(connection: sa.Connection, schema: str | None, table_name: str) -> bool:
+    """Whether the table carries the notify trigger that ``ddl_statements`` creates.
+
+    A dropped table exists only in the database, so its trigger is the one mark left of
+    its having been a jobs table; a table that merely has the same columns is dropped as
+    any other.
+    """
+    query = sa.text(
+        """
+        SELECT EXISTS (
+            SELECT 1 FROM pg_trigger t
+              JOIN pg_class c ON c.oid = t.tgrelid
+              JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = coalesce(:schema, current_schema())
+               AND c.relname = :table AND t.tgname = :trigger AND NOT t.tgisinternal
+        )
+        """
+    )
+    params = {"schema": schema, "table": table_name, "trigger": f"{table_name}_notify"}
+    return bool(connection.execute(query, params).scalar())
+
+
+def _rewrite_drops(autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps) -> None:
+    connection = autogen_context.connection
+    if connection is None or connection.dialect.name != "postgresql":
+        return
+    drops = {
+        (op.schema, op.table_name): op
+        for op in upgrade_ops.ops
+        if isinstance(op, ops.DropTableOp) and _is_jobs_table(connection, op.schema, op.table_name)
+    }
+    if not drops:
+        return
+    index_ops = _take_index_ops(upgrade_ops, set(drops), ops.DropIndexOp)
+    for i, op in enumerate(upgrade_ops.ops):
+        if isinstance(op, ops.DropTableOp):
+            key = (op.schema, op.table_name)
+            if key not in drops:
+                continue
+            indexes = [index_op.to_index() for index_op in index_ops[key]]
+            table_op = op.reverse()
+            # Reflection reports the storage parameters as postgresql_with; the operation
+            # sets sqla-jobs' own anyway, so they would only be noise in the downgrade.
+            with_ = table_op.kw.get("postgresql_with")
+            if isinstance(with_, dict) and with_.items() <= STORAGE_PARAMETERS.items():
+                del table_op.kw["postgresql_with"]
+            recreate = CreateJobsTableOp(table_op, indexes)
+            upgrade_ops.ops[i] = DropJobsTableOp(op.table_name, schema=op.schema, reverse=recreate)
