@@ -1,0 +1,61 @@
+"""JobMixin's table: what it declares, whatever the model adds."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase
+
+from sqla_jobs import STATUSES, JobMixin
+from sqla_jobs.model import notify_channel
+
+
+def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    class Work(JobMixin, Base):
+        __tablename__ = "work_items"
+        __table_args__ = {"schema": "work", "comment": "our jobs"}
+
+    table = Work.__table__
+    assert table.fullname == "work.work_items"
+    assert table.comment == "our jobs"
+    assert {i.name for i in table.indexes} == {
+        "work_items_claim",
+        "work_items_scheduled",
+        "work_items_running",
+        "work_items_finished",
+        "work_items_unique",
+    }
+    checks = {
+        c.name: str(c.sqltext) for c in table.constraints if isinstance(c, sa.CheckConstraint)
+    }
+    assert set(checks) == {
+        "work_items_status",
+        "work_items_priority",
+        "work_items_max_attempts",
+        "work_items_attempts",
+    }
+    assert all(f"'{s}'" in checks["work_items_status"] for s in STATUSES)
+    assert {t.name for t in Base.metadata.tables.values()} == {
+        "work_items",
+        "work_items_queues",
+        "work_items_schedules",
+    }
+
+
+def test_notify_channels_are_distinct_and_fit_postgres_identifiers() -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    long = "j" * 60
+
+    class A(JobMixin, Base):
+        __tablename__ = long + "a"
+
+    class B(JobMixin, Base):
+        __tablename__ = long + "b"
+
+    a, b = notify_channel(A.__table__), notify_channel(B.__table__)
+    assert a != b
+    assert len(a.encode()) <= 63 and len(b.encode()) <= 63
