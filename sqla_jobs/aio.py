@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from . import maintenance, periodic
 from .errors import EnqueueError
 from .execution import (
+    CANCEL_PAYLOAD,
     FAIL,
     OK,
     ClaimedJob,
@@ -54,7 +55,6 @@ from .execution import (
 from .queries import interval
 from .session import EnqueueMixin
 from .tasks import Jobs, Task
-from .worker import CANCEL_PAYLOAD
 
 __all__ = ["AsyncJobSession", "AsyncWorker"]
 

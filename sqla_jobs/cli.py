@@ -1,34 +1,55 @@
-"""The ``sqla-jobs`` command.
+"""The ``sqla-jobs`` command: run workers, and operate the queue.
 
 .. code-block:: console
 
     $ sqla-jobs worker myapp.tasks:jobs --queues previews,webhooks --concurrency 16
+    $ sqla-jobs stats myapp.tasks:jobs --watch
+    $ sqla-jobs jobs list myapp.tasks:jobs --status dead
+    $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
+    $ sqla-jobs queues pause myapp.tasks:jobs webhooks
 
-The database URL comes from ``--database-url`` or ``DATABASE_URL``; the registry (a
-:class:`~sqla_jobs.Jobs`) from a ``module:attribute`` path, imported from the current
-directory first, as ``python -m`` would. Errors are one line on stderr and a non-zero exit
-code: 2 for bad usage (a bad URL, a path that does not import), 1 for a failure at run time.
+The database URL comes from ``--database-url`` or ``DATABASE_URL``; the jobs from a
+``module:attribute`` path, imported from the current directory first, as ``python -m``
+would. ``worker`` needs the :class:`~sqla_jobs.Jobs` registry (it runs the handlers); the
+operating commands also take the bare ``JobMixin`` model, so they work from a box that
+cannot import the handlers.
+
+Errors are one line on stderr (``sqla-jobs: error: ...``) and a non-zero exit code: 2 for
+bad usage (a bad URL, a path that does not import, a selection that is not allowed, a
+destructive command with no terminal to confirm on and no ``--yes``), 1 for a failure at
+run time (no database, a missing table, an unknown job id). Machine-readable output is
+``--json``; its keys are documented in the README ("Operating it").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import json
 import logging
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
+from . import admin
 from .db import create_engine
+from .model import STATUSES, job_table
 from .tasks import Jobs
 
 __all__ = ["main"]
 
+EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+
+JOBS_HELP = "the Jobs registry or JobMixin model, as module:attribute (e.g. myapp.tasks:jobs)"
 
 
 class CommandError(Exception):
@@ -39,8 +60,10 @@ class CommandError(Exception):
         self.code = code
 
 
-def load_registry(path: str) -> Jobs:
-    """Import ``module:attribute`` and check that it is a :class:`Jobs` registry."""
+# -- loading what the user points at ------------------------------------------------------
+
+
+def _import_path(path: str) -> Any:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise CommandError(f"expected module:attribute (e.g. myapp.tasks:jobs), got {path!r}")
@@ -56,19 +79,87 @@ def load_registry(path: str) -> Jobs:
             obj = getattr(obj, part)
         except AttributeError:
             raise CommandError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_registry(path: str) -> Jobs:
+    """Import ``module:attribute`` and check that it is a :class:`Jobs` registry."""
+    obj = _import_path(path)
     if not isinstance(obj, Jobs):
         raise CommandError(f"{path} is a {type(obj).__name__}, not a sqla_jobs.Jobs registry")
     return obj
 
 
+def load_target(path: str) -> Jobs | type[Any]:
+    """Import ``module:attribute``: a :class:`Jobs` registry or a ``JobMixin`` model."""
+    obj = _import_path(path)
+    if isinstance(obj, Jobs):
+        return obj
+    if isinstance(obj, type):
+        try:
+            job_table(obj)
+        except TypeError:
+            pass
+        else:
+            return obj
+    kind = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+    raise CommandError(f"{path} is a {kind}, not a sqla_jobs.Jobs registry or JobMixin model")
+
+
 def engine_from(args: argparse.Namespace) -> sa.Engine:
-    url = args.database_url or os.environ.get("DATABASE_URL")
+    url = getattr(args, "database_url", None) or os.environ.get("DATABASE_URL")
     if not url:
         raise CommandError("no database: pass --database-url or set DATABASE_URL")
     try:
         return create_engine(url)
     except Exception as exc:
         raise CommandError(f"bad database URL: {exc}") from None
+
+
+def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
+    table = admin.source_table(jobs)
+    try:
+        with engine.connect() as conn:
+            exists = sa.inspect(conn).has_table(table.name, schema=table.schema)
+    except sa.exc.DBAPIError as exc:
+        raise CommandError(
+            f"cannot connect to the database: {exc.orig}".strip(), EXIT_FAILURE
+        ) from None
+    if not exists:
+        raise CommandError(
+            f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
+            EXIT_FAILURE,
+        )
+
+
+@contextlib.contextmanager
+def _database_errors() -> Iterator[None]:
+    """Turn database errors into one clear line and exit code 1."""
+    try:
+        yield
+    except sa.exc.DBAPIError as exc:
+        raise CommandError(_describe(exc), EXIT_FAILURE) from None
+
+
+def _describe(exc: sa.exc.DBAPIError) -> str:
+    import psycopg.errors
+
+    first = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else repr(exc.orig)
+    if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+        return f"{first}: run your migrations (alembic upgrade head)"
+    if isinstance(exc, sa.exc.OperationalError):
+        return f"cannot connect to the database: {first}"
+    return f"database error: {first}"
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Jobs | type[Any], sa.Engine]:
+    target = load_target(args.target)
+    engine = engine_from(args)
+    _check_table(engine, target)
+    return target, engine
+
+
+# -- argument types -----------------------------------------------------------------------
 
 
 def _queues(text: str) -> list[str]:
@@ -98,11 +189,416 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _job_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a job id: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a job id: {text!r}")
+    return value
+
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(text: str) -> float:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (e.g. 90, 90s, 15m, 12h, 7d, 2w)"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, separators=(", ", ": "), default=str), flush=True)
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    print(line(headers))
+    for r in rows:
+        print(line(r))
+
+
+def _when(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 60:
+        return f"{value:.1f}s"
+    total = int(value)
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h{total % 3600 // 60:02d}m"
+    return f"{total // 86400}d{total % 86400 // 3600:02d}h"
+
+
+def _plural(n: int, word: str = "job") -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _error_summary(text: str | None, width: int = 60) -> str:
+    """The last line of a traceback is the exception itself: the part worth a column."""
+    if not text:
+        return ""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    return last if len(last) <= width else last[: width - 1] + "…"
+
+
+# -- stats --------------------------------------------------------------------------------
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    target, engine = _prepare(args)
+    table = admin.source_table(target)
+    clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                with _database_errors(), engine.connect() as conn:
+                    queues = admin.stats(conn, target, window=args.window)
+            except CommandError as exc:
+                if args.watch is None:
+                    raise
+                # A database restart should not end a watch: say so, and try again.
+                print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
+            else:
+                now = datetime.now(timezone.utc)
+                if args.json:
+                    _print_json(
+                        {
+                            "time": now.isoformat(),
+                            "table": table.fullname,
+                            "window_seconds": args.window,
+                            "queues": [q.to_dict() for q in queues],
+                        }
+                    )
+                else:
+                    if clear:
+                        print("\x1b[H\x1b[2J", end="")
+                    elif args.watch is not None:
+                        print()
+                    _print_stats(table.fullname, queues, args.window, now, args.watch)
+            if args.watch is None:
+                return EXIT_OK
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        # Ctrl-C is how a watch ends; it is not a failure.
+        return EXIT_OK
+
+
+def _print_stats(
+    table: str, queues: list[admin.QueueStats], window: float, now: datetime, watch: float | None
+) -> None:
+    span = _span(window)
+    headers = [
+        "QUEUE",
+        "STATE",
+        "READY",
+        "SCHEDULED",
+        "RUNNING",
+        "EXPIRED",
+        "DEAD",
+        "CANCELLED",
+        "DONE",
+        "LAG",
+        f"DONE/{span}",
+        f"DEAD/{span}",
+    ]
+    rows = [
+        [
+            q.queue,
+            "paused" if q.paused else "active",
+            str(q.ready),
+            str(q.scheduled),
+            str(q.running),
+            str(q.lease_expired),
+            str(q.dead),
+            str(q.cancelled),
+            str(q.done),
+            _seconds(q.lag_seconds),
+            "-" if q.done_recent is None else str(q.done_recent),
+            str(q.dead_recent),
+        ]
+        for q in queues
+    ]
+    suffix = f", every {_span(watch)} (Ctrl-C to stop)" if watch is not None else ""
+    print(f"{table} at {_when(now)}{suffix}")
+    if not rows:
+        print("no queues yet")
+        return
+    _print_table(headers, rows, right=set(range(2, len(headers))))
+
+
+def _span(value: float | None) -> str:
+    """A duration as a short label: 5m00s reads better as 5m."""
+    text = _seconds(value)
+    return re.sub(r"(?<=\d)(m00s|h00m|d00h)$", lambda m: m.group(0)[0], text).replace(".0s", "s")
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+
+def cmd_jobs_list(args: argparse.Namespace) -> int:
+    target, engine = _prepare(args)
+    with _database_errors(), engine.connect() as conn:
+        found = admin.list_jobs(
+            conn,
+            target,
+            queue=args.queue,
+            status=args.status,
+            task=args.task,
+            limit=args.limit,
+        )
+    if args.json:
+        _print_json([j.to_dict() for j in found])
+        return EXIT_OK
+    if not found:
+        print("no matching jobs")
+        return EXIT_OK
+    rows = [
+        [
+            str(j.id),
+            j.status,
+            j.queue,
+            j.task,
+            f"{j.attempts}/{j.max_attempts}",
+            _when(j.run_at),
+            _error_summary(j.last_error),
+        ]
+        for j in found
+    ]
+    _print_table(
+        ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"], rows, right={0, 4}
+    )
+    if len(found) == args.limit:
+        print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> int:
+    target, engine = _prepare(args)
+    with _database_errors(), engine.connect() as conn:
+        job = admin.get_job(conn, target, args.id)
+    if job is None:
+        raise CommandError(
+            f"no job with id {args.id} (finished jobs are deleted unless kept)", EXIT_FAILURE
+        )
+    if args.json:
+        _print_json(job.to_dict())
+        return EXIT_OK
+    fields = [
+        ("task", job.task),
+        ("status", job.status),
+        ("queue", job.queue),
+        ("priority", str(job.priority)),
+        ("attempts", f"{job.attempts} of {job.max_attempts}"),
+        ("run_at", _when(job.run_at)),
+        ("created_at", _when(job.created_at)),
+        ("finished_at", _when(job.finished_at)),
+        ("locked_by", job.locked_by or "-"),
+        ("locked_until", _when(job.locked_until)),
+        ("unique_key", job.unique_key or "-"),
+        ("args", json.dumps(job.args, sort_keys=True)),
+    ]
+    print(f"job {job.id}")
+    for name, value in fields:
+        print(f"  {name:<13} {value}")
+    print()
+    if job.last_error:
+        print("last_error:")
+        print(job.last_error.rstrip())
+    else:
+        print("last_error: -")
+    return EXIT_OK
+
+
+#: action name -> (admin function, past tense, the statuses it acts on by default)
+_ACTIONS: dict[str, tuple[Callable[..., int], str, tuple[str, ...]]] = {
+    "retry": (admin.retry_jobs, "retried", admin.RETRYABLE),
+    "cancel": (admin.cancel_jobs, "cancelled", admin.CANCELLABLE),
+    "purge": (admin.purge_jobs, "purged", admin.PURGEABLE_BY_DEFAULT),
+}
+
+
+#: What --status may name, per action, for the help.
+_ACCEPTED = {
+    "retry": "dead, cancelled",
+    "cancel": "scheduled, ready, running",
+    "purge": "done, dead, cancelled, or (deleting unrun work) scheduled, ready",
+}
+
+
+def cmd_jobs_action(args: argparse.Namespace) -> int:
+    action: str = args.action
+    func, done_word, default_statuses = _ACTIONS[action]
+    ids: list[int] | None = list(dict.fromkeys(args.ids)) or None
+    older_than = getattr(args, "older_than", None)
+    selected = args.queue or args.task or args.status or older_than is not None
+    if ids is None and not (selected or args.all):
+        raise CommandError(
+            f"which jobs? give job IDs, or select with --queue/--task/--status "
+            f"(--all to {action} every {' or '.join(default_statuses)} job)"
+        )
+    options: dict[str, Any] = {"queue": args.queue, "task": args.task, "status": args.status}
+    if older_than is not None:
+        options["older_than"] = older_than
+    options["all_jobs"] = args.all
+    target, engine = _prepare(args)
+
+    code = EXIT_OK
+    with _database_errors():
+        with engine.connect() as conn:
+            if ids is not None:
+                code = _check_ids(conn, target, ids, action, args, default_statuses)
+            try:
+                count = func(conn, target, ids, dry_run=True, **options)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+        if args.dry_run:
+            _report(args, action, f"would be {done_word}", count, dry_run=True)
+            return code
+        if count == 0:
+            _report(args, action, done_word, 0, dry_run=False)
+            return code
+        _confirm(args, action, count)
+        with engine.begin() as conn:
+            count = func(conn, target, ids, **options)
+    _report(args, action, done_word, count, dry_run=False)
+    return code
+
+
+def _check_ids(
+    conn: sa.Connection,
+    target: Jobs | type[Any],
+    ids: list[int],
+    action: str,
+    args: argparse.Namespace,
+    default_statuses: tuple[str, ...],
+) -> int:
+    """Unknown ids are an error (nothing is done); ids the action skips are warned about."""
+    found = {j.id: j for j in admin.list_jobs(conn, target, ids=ids, limit=None)}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        listed = ", ".join(map(str, missing))
+        which = f"job with id {listed}" if len(missing) == 1 else f"jobs with ids {listed}"
+        raise CommandError(f"no {which} (nothing was {_ACTIONS[action][1]})", EXIT_FAILURE)
+    statuses = args.status or default_statuses
+    code = EXIT_OK
+    for i in ids:
+        job = found[i]
+        reason = None
+        if job.status not in statuses:
+            reason = f"it is {job.status}; {action} applies to {' or '.join(statuses)} jobs"
+        elif args.queue and job.queue not in args.queue:
+            reason = f"it is in queue {job.queue!r}, not in --queue"
+        elif args.task and job.task not in args.task:
+            reason = f"its task is {job.task!r}, not in --task"
+        if reason:
+            print(f"sqla-jobs: warning: skipping job {i}: {reason}", file=sys.stderr)
+            code = EXIT_FAILURE
+    return code
+
+
+def _confirm(args: argparse.Namespace, action: str, count: int) -> None:
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise CommandError(
+            f"{action} would affect {_plural(count)}; pass --yes to confirm "
+            "(stdin is not a terminal, so there is no one to ask)"
+        )
+    print(f"{action.capitalize()} {_plural(count)}? [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    if answer.strip().lower() not in ("y", "yes"):
+        raise CommandError("aborted: nothing was changed", EXIT_FAILURE)
+
+
+def _report(args: argparse.Namespace, action: str, word: str, count: int, *, dry_run: bool) -> None:
+    if args.json:
+        _print_json({"action": action, "dry_run": dry_run, "count": count})
+    else:
+        print(f"{_plural(count)} {word}" if dry_run else f"{word} {_plural(count)}")
+
+
+# -- queues -------------------------------------------------------------------------------
+
+
+def cmd_queues_list(args: argparse.Namespace) -> int:
+    target, engine = _prepare(args)
+    with _database_errors(), engine.connect() as conn:
+        queues = admin.list_queues(conn, target)
+    if args.json:
+        _print_json([q.to_dict() for q in queues])
+        return EXIT_OK
+    if not queues:
+        print("no queues yet")
+        return EXIT_OK
+    rows = [[q.name, "paused" if q.paused else "active", _when(q.updated_at)] for q in queues]
+    _print_table(["QUEUE", "STATE", "SINCE"], rows, right=set())
+    return EXIT_OK
+
+
+def cmd_queues_pause(args: argparse.Namespace) -> int:
+    target, engine = _prepare(args)
+    paused = args.queues_command == "pause"
+    with _database_errors(), engine.begin() as conn:
+        known = {q.name for q in admin.list_queues(conn, target)}
+        if paused:
+            admin.pause_queue(conn, target, args.name)
+        else:
+            admin.resume_queue(conn, target, args.name)
+    if args.name not in known:
+        print(
+            f"sqla-jobs: warning: no job or task uses queue {args.name!r} yet (a typo?)",
+            file=sys.stderr,
+        )
+    print(f"{'paused' if paused else 'resumed'} queue {args.name!r}")
+    return EXIT_OK
+
+
+# -- worker -------------------------------------------------------------------------------
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from .worker import Worker
 
     jobs = load_registry(args.registry)
     engine = engine_from(args)
+    if args.processes > 1:
+        if args.until_empty:
+            raise CommandError(
+                "--until-empty and --processes do not mix: a supervisor "
+                "restarts the workers that stop"
+            )
+        # Fail here, once, rather than in every child as it restarts.
+        _check_table(engine, jobs)
+        from .supervisor import supervise
+
+        return supervise(_child_argv(args), args.processes, grace_period=args.grace_period)
     worker = Worker(
         jobs,
         engine,
@@ -121,26 +617,70 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_table(engine: sa.Engine, jobs: Jobs) -> None:
-    try:
-        with engine.connect() as conn:
-            exists = sa.inspect(conn).has_table(jobs.table.name, schema=jobs.table.schema)
-    except sa.exc.DBAPIError as exc:
-        raise CommandError(
-            f"cannot connect to the database: {exc.orig}".strip(), EXIT_FAILURE
-        ) from None
-    if not exists:
-        raise CommandError(
-            f"table {jobs.table.fullname!r} does not exist: run your migrations "
-            "(alembic upgrade head)",
-            EXIT_FAILURE,
-        )
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of one supervised worker: these options, one process."""
+    argv = ["-v"] * args.verbose
+    url = getattr(args, "database_url", None)
+    if url:
+        argv += ["--database-url", url]
+    argv += [
+        "worker",
+        args.registry,
+        "--concurrency",
+        str(args.concurrency),
+        "--lease",
+        repr(args.lease),
+        "--poll-interval",
+        repr(args.poll_interval),
+        "--grace-period",
+        repr(args.grace_period),
+    ]
+    if args.queues:
+        argv += ["--queues", ",".join(args.queues)]
+    if args.no_listen:
+        argv.append("--no-listen")
+    return argv
+
+
+# -- the parser ---------------------------------------------------------------------------
+
+
+def _common(target: bool = True) -> argparse.ArgumentParser:
+    """Options every subcommand takes, so they may also come after the subcommand."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--database-url",
+        default=argparse.SUPPRESS,
+        help="PostgreSQL URL (default: $DATABASE_URL)",
+    )
+    if target:
+        parent.add_argument("target", metavar="JOBS", help=JOBS_HELP)
+    return parent
+
+
+def _filters(parser: argparse.ArgumentParser, accepted: str, default: str) -> None:
+    parser.add_argument(
+        "--queue", action="append", metavar="QUEUE", help="only this queue (repeatable)"
+    )
+    parser.add_argument(
+        "--task", action="append", metavar="TASK", help="only this task name (repeatable)"
+    )
+    # Every status is a valid choice for argparse, so that one the action refuses gets the
+    # action's own explanation rather than a bare "invalid choice".
+    parser.add_argument(
+        "--status",
+        action="append",
+        choices=STATUSES,
+        metavar="STATUS",
+        help=f"only this status (repeatable): {accepted}; default: {default}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sqla-jobs",
-        description="A job queue in your own PostgreSQL database.",
+        description="A job queue in your own PostgreSQL database. Exit codes: 0 success, "
+        "1 failure at run time, 2 bad usage.",
     )
     parser.add_argument(
         "--database-url",
@@ -149,8 +689,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_worker(sub)
+    _add_stats(sub)
+    _add_jobs(sub)
+    _add_queues(sub)
+    return parser
+
+
+def _add_worker(sub: Any) -> None:
     worker = sub.add_parser(
         "worker",
+        parents=[_common(target=False)],
         help="run a worker",
         description="Claim and run jobs until SIGINT or SIGTERM, then stop gracefully: "
         "no new claims, running jobs get the grace period, unstarted ones are handed back.",
@@ -192,8 +741,157 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--until-empty", action="store_true", help="stop once no job is ready (scripts, cron)"
     )
+    worker.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=1,
+        help="run this many worker processes under a supervisor that restarts one that dies "
+        "(default: 1, no supervisor); --concurrency applies to each",
+    )
     worker.set_defaults(func=cmd_worker)
-    return parser
+
+
+def _add_stats(sub: Any) -> None:
+    stats = sub.add_parser(
+        "stats",
+        parents=[_common()],
+        help="per-queue counts, lag and pause state",
+        description="Per queue: jobs ready, scheduled, running (EXPIRED: running with a "
+        "lease that has passed), dead, cancelled and done; LAG, how long the oldest ready "
+        "job has been due; and whether the queue is paused. DONE/window is shown only when "
+        "the registry keeps finished jobs (Jobs(keep_done=...)): by default they are "
+        "deleted, so there is nothing to count. Counting reads the whole jobs table.",
+    )
+    stats.add_argument("--json", action="store_true", help="one JSON object (see the README)")
+    stats.add_argument(
+        "--watch",
+        nargs="?",
+        type=_positive_float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C; with --json, one object a line",
+    )
+    stats.add_argument(
+        "--window",
+        type=_duration,
+        default=admin.DEFAULT_WINDOW,
+        metavar="DURATION",
+        help="how far back DONE/ and DEAD/ count (default: 5m; e.g. 90s, 15m, 1h)",
+    )
+    stats.set_defaults(func=cmd_stats)
+
+
+def _add_jobs(sub: Any) -> None:
+    jobs = sub.add_parser(
+        "jobs",
+        help="list, show, retry, cancel or purge jobs",
+        description="Look at jobs and act on them.",
+    )
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+
+    listing = jobs_sub.add_parser(
+        "list",
+        parents=[_common()],
+        help="list jobs, newest first",
+        description="Jobs matching every given filter, newest (highest id) first.",
+    )
+    _filters(listing, ", ".join(STATUSES), "any")
+    listing.add_argument(
+        "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array of jobs")
+    listing.set_defaults(func=cmd_jobs_list)
+
+    show = jobs_sub.add_parser(
+        "show",
+        parents=[_common()],
+        help="one job in full, with its last error",
+        description="One job: its arguments, status, attempts, times, worker and the "
+        "traceback of its last error. Exit code 1 if there is no such job.",
+    )
+    show.add_argument("id", type=_job_id, metavar="ID", help="the job id")
+    show.add_argument("--json", action="store_true", help="a JSON object")
+    show.set_defaults(func=cmd_jobs_show)
+
+    common_help = (
+        " Act on the given IDs, or on every job matching --queue/--task/--status (or --all)."
+        " Shows how many jobs would be affected and asks first, unless --yes; with no"
+        " terminal to ask on and no --yes it refuses (exit 2)."
+    )
+    descriptions = {
+        "retry": (
+            "put dead or cancelled jobs back to ready",
+            "Put dead or cancelled jobs back to ready, due now, with one more attempt "
+            "(attempts is kept, max_attempts raised to at least attempts + 1; last_error is "
+            "kept until the next attempt). Idle workers are woken.",
+        ),
+        "cancel": (
+            "cancel scheduled, ready or running jobs",
+            "Cancel scheduled, ready or running jobs. A running job's worker can no longer "
+            "complete or retry it; its heartbeat notices and tells the handler.",
+        ),
+        "purge": (
+            "delete finished jobs",
+            "Delete done, dead or cancelled jobs. Scheduled or ready jobs are deleted only "
+            "when --status names them; running jobs never (cancel them first).",
+        ),
+    }
+    for action, (short, long) in descriptions.items():
+        p = jobs_sub.add_parser(
+            action, parents=[_common()], help=short, description=long + common_help
+        )
+        p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="job ids")
+        default = " or ".join(_ACTIONS[action][2])
+        _filters(p, _ACCEPTED[action], default)
+        if action == "purge":
+            p.add_argument(
+                "--older-than",
+                type=_duration,
+                metavar="DURATION",
+                help="only jobs finished (unfinished ones: created) longer ago than this "
+                "(e.g. 12h, 7d)",
+            )
+        p.add_argument(
+            "--all", action="store_true", help=f"with no IDs or filters: every {default} job"
+        )
+        p.add_argument("--dry-run", action="store_true", help="only say how many, change nothing")
+        p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+        p.add_argument(
+            "--json", action="store_true", help='print {"action", "dry_run", "count"} as JSON'
+        )
+        p.set_defaults(func=cmd_jobs_action, action=action)
+
+
+def _add_queues(sub: Any) -> None:
+    queues = sub.add_parser(
+        "queues",
+        help="list, pause or resume queues",
+        description="Pause state is kept in the <table>_queues table; workers read it every "
+        "poll interval.",
+    )
+    queues_sub = queues.add_subparsers(dest="queues_command", metavar="ACTION", required=True)
+    listing = queues_sub.add_parser(
+        "list",
+        parents=[_common()],
+        help="every known queue and whether it is paused",
+        description="Every queue that has jobs, is named by a task of the registry, or was "
+        "ever paused, with its state and when that state last changed.",
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array of queues")
+    listing.set_defaults(func=cmd_queues_list)
+    for action, text in (
+        ("pause", "stop workers claiming from a queue (running jobs finish)"),
+        ("resume", "let workers claim from a paused queue again"),
+    ):
+        p = queues_sub.add_parser(
+            action,
+            parents=[_common()],
+            help=text,
+            description=text.capitalize() + ". Workers see the change within their poll interval.",
+        )
+        p.add_argument("name", metavar="NAME", help="the queue")
+        p.set_defaults(func=cmd_queues_pause)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -36,6 +36,9 @@ _MAX_ERROR_CHARS = 65536
 
 OK, FAIL, SNOOZE, SETTLED = "ok", "fail", "snooze", "settled"
 
+#: Payload of a NOTIFY that asks workers to heartbeat now: a running job was cancelled.
+CANCEL_PAYLOAD = "!cancel"
+
 
 @dataclass(eq=False)
 class ClaimedJob:

@@ -207,6 +207,23 @@ def _pending(session: Session, registry: Jobs) -> list[dict[str, Any]]:
     return pending.setdefault(registry, [])
 
 
+def session_registry(session: Session) -> Jobs | None:
+    """The registry a session resolves task names with (its ``jobs=``), if any."""
+    jobs: Jobs | None = _sync(session).info.get(_JOBS_KEY)
+    return jobs
+
+
+def pending_jobs(session: Session) -> dict[Jobs, list[dict[str, Any]]]:
+    """``enqueue_many`` rows still waiting for the session's next flush (read only)."""
+    pending: dict[Jobs, list[dict[str, Any]]] = _sync(session).info.get(_PENDING_KEY) or {}
+    return pending
+
+
+def insert_pending(session: Session) -> None:
+    """INSERT the waiting ``enqueue_many`` rows now, as the next flush would."""
+    _insert_pending(_sync(session))
+
+
 def _announce(session: Session, registry: Jobs, jobs: list[Any]) -> None:
     """Fire ``enqueued`` for these jobs once the session's transaction commits (never for
     a rolled-back one): metrics count jobs that exist."""

@@ -42,8 +42,9 @@ def supervise(child_argv: Sequence[str], processes: int, *, grace_period: float 
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("supervisor: received %s, stopping %d workers",
-                 signal.Signals(signum).name, processes)
+        log.info(
+            "supervisor: received %s, stopping %d workers", signal.Signals(signum).name, processes
+        )
         stopping.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -60,8 +61,12 @@ def supervise(child_argv: Sequence[str], processes: int, *, grace_period: float 
                     quick = now - started[i] < _HEALTHY_AFTER
                     failures[i] = failures[i] + 1 if quick else 0
                     delay = min(30.0, 0.5 * 2 ** (failures[i] - 1)) if failures[i] else 0.0
-                    log.warning("supervisor: worker process %d exited with %s; restarting in %.1fs",
-                                child.pid, child.returncode, delay)
+                    log.warning(
+                        "supervisor: worker process %d exited with %s; restarting in %.1fs",
+                        child.pid,
+                        child.returncode,
+                        delay,
+                    )
                     children[i] = None
                     restart_at[i] = now + delay
                 if children[i] is None and now >= restart_at[i]:

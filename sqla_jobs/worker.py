@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from . import maintenance, periodic
 from .execution import (
+    CANCEL_PAYLOAD,
     FAIL,
     OK,
     SETTLED,
@@ -60,14 +61,12 @@ from .execution import (
     worker_name,
 )
 from .queries import interval
+from .session import insert_pending
 from .tasks import Jobs, Task
 
-__all__ = ["ClaimedJob", "Worker", "current_job"]
+__all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Worker", "current_job"]
 
 log = logging.getLogger("sqla_jobs.worker")
-
-#: Payload prefix of a NOTIFY that asks workers to heartbeat now (a job was cancelled).
-CANCEL_PAYLOAD = "!cancel"
 
 
 def _engine(bind: sa.Engine | str) -> sa.Engine:
@@ -329,7 +328,7 @@ class Worker:
             if job is None:
                 return
             try:
-                outcome = self._execute(job)
+                outcome = self.execute(job)
             except BaseException as exc:  # the worker itself must never die of a handler
                 outcome = outcome_of(self.jobs.tasks.get(job.task) or _ANY, job, exc)
             with self._lock:
@@ -347,8 +346,15 @@ class Worker:
             if wake:
                 self._wake.set()
 
-    def _execute(self, job: ClaimedJob) -> Outcome:
-        """Run one claimed job's handler and say how it ended (fires the events)."""
+    def execute(self, job: ClaimedJob, *, session: Session | None = None) -> Outcome:
+        """Run one claimed job as this worker would, and say how it ended.
+
+        Sets :func:`current_job`, fires the events, and maps exceptions to an outcome; the
+        caller writes the outcome (the worker hands it to its completer). A transactional
+        task runs in a session of the worker's that commits with the job's completion, or,
+        given ``session`` (``sqla_jobs.testing`` does this inside a test's transaction), in
+        that session behind a savepoint that a failure rolls back.
+        """
         task = self.jobs.tasks.get(job.task)
         if task is None:
             return unknown_task(self.jobs, job, self.name)
@@ -359,9 +365,14 @@ class Worker:
         error: BaseException | None = None
         try:
             args, kwargs = task.call_args(job.args)
-            if task.transactional:
+            if task.transactional and session is not None:
+                with session.begin_nested():
+                    task.fn(*args, session=session, **kwargs)
+                    session.flush()
+                    insert_pending(session)
+            elif task.transactional:
                 return self._run_transactional(task, job, args, kwargs)
-            if task.is_async:
+            elif task.is_async:
                 asyncio.run(_with_timeout(task, task.fn(*args, **kwargs)))
             else:
                 task.fn(*args, **kwargs)

@@ -1,0 +1,530 @@
+"""Testing code that enqueues jobs: assertions, a synchronous runner, pytest fixtures.
+
+.. code-block:: python
+
+    from sqla_jobs.testing import assert_enqueued, run_queued_jobs
+
+    def test_signup_sends_a_welcome_email(session):      # an uncommitted test transaction
+        signup(session, email="a@example.com")             # the code under test enqueues
+        assert_enqueued(session, send_welcome, email="a@example.com")
+        summary = run_queued_jobs(session, jobs)           # runs the real handlers, here
+        assert summary.done == 1
+
+Everything here works *inside* the test's transaction, through the session it is given:
+nothing commits, so a test that rolls back at the end leaves no job behind, and jobs
+enqueued by the code under test are visible without a commit.
+
+The pytest plugin (fixtures ``sqla_jobs_engine``, ``sqla_jobs_session`` and friends) is
+opt-in: ``pytest_plugins = ["sqla_jobs.testing"]`` in the top-level ``conftest.py``, or
+``pytest -p sqla_jobs.testing``. It creates tables only when told which ones (the
+``sqla_jobs_metadata`` ini option, or by overriding the fixture of that name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from . import admin
+from .execution import (
+    FAIL,
+    SNOOZE,
+    ClaimedJob,
+    Outcome,
+    outcome_statements,
+)
+from .model import LIVE_STATUSES
+from .queries import interval
+from .session import JobSession, insert_pending, pending_jobs, session_registry
+from .tasks import Jobs, Task
+from .worker import Worker
+
+__all__ = [
+    "EnqueuedJob",
+    "JobRun",
+    "RunSummary",
+    "assert_enqueued",
+    "assert_not_enqueued",
+    "enqueued_jobs",
+    "run_queued_jobs",
+]
+
+_MISSING = object()
+
+
+# -- what is enqueued ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnqueuedJob:
+    """A live job as a test sees it: a row, or one not inserted yet.
+
+    ``id`` is ``None`` for a job still waiting in the session (``enqueue_many`` rows wait
+    for the next flush; ``enqueue`` objects wait for it when autoflush is off).
+    """
+
+    task: str
+    args: dict[str, Any]
+    queue: str
+    status: str
+    id: int | None = None
+    run_at: datetime | None = None
+
+    def describe(self) -> str:
+        where = f"id {self.id}" if self.id is not None else "not flushed yet"
+        return f"{self.task}({_call(self.args)}) [queue {self.queue!r}, {self.status}, {where}]"
+
+
+def enqueued_jobs(session: Session, jobs: Jobs) -> list[EnqueuedJob]:
+    """Every live (scheduled, ready, running) job of ``jobs``' table the session can see.
+
+    Rows are read through the session, so they include what its transaction enqueued and
+    has not committed; the query autoflushes as the session is configured to. Jobs still
+    held by the session are added: ``enqueue_many`` rows before their flush, and
+    ``enqueue`` objects when autoflush is off. Nothing is flushed or written here.
+    """
+    model = jobs.model
+    c = [getattr(model, name) for name in ("id", "task", "args", "queue", "status", "run_at")]
+    stmt = sa.select(*c).where(model.status.in_(LIVE_STATUSES)).order_by(model.id)
+    found = [
+        EnqueuedJob(r.task, dict(r.args), r.queue, r.status, r.id, r.run_at)
+        for r in session.execute(stmt)
+    ]
+    for obj in session.new:
+        if isinstance(obj, model) and obj.status in (None, *LIVE_STATUSES):
+            found.append(EnqueuedJob(obj.task, dict(obj.args), obj.queue, obj.status or "ready"))
+    pending = pending_jobs(session)
+    for registry, rows in pending.items():
+        if registry.table is jobs.table:
+            found.extend(
+                EnqueuedJob(r["task"], dict(r["args"]), r["queue"], r["status"]) for r in rows
+            )
+    return found
+
+
+def assert_enqueued(
+    session: Session, task: Task[Any, Any] | str, /, *, queue: str | None = None, **args: Any
+) -> list[EnqueuedJob]:
+    """Fail unless a live job of ``task`` whose arguments include ``args`` is enqueued.
+
+    Only the arguments given are compared (a subset match), after a JSON round trip, as
+    they are stored: a tuple matches the list it became. Returns the matching jobs, so a
+    test can also check how many. The failure message lists what *was* enqueued.
+
+    :param task: the task, or its name (the session must then have a registry:
+        ``sessionmaker(..., jobs=jobs)``).
+    :param queue: also require this queue.
+    :param args: handler arguments by parameter name; a name the handler does not take
+        is an error, not a silent mismatch.
+    """
+    __tracebackhide__ = True
+    registry, name, expected = _expectation(session, task, args)
+    everything = enqueued_jobs(session, registry)
+    matching = [j for j in everything if _matches(j, name, queue, expected)]
+    if not matching:
+        wanted = _wanted(name, queue, expected)
+        raise AssertionError(f"no job {wanted} was enqueued.\n{_listing(everything)}")
+    return matching
+
+
+def assert_not_enqueued(
+    session: Session, task: Task[Any, Any] | str, /, *, queue: str | None = None, **args: Any
+) -> None:
+    """Fail if a live job of ``task`` whose arguments include ``args`` is enqueued.
+
+    With no ``args``, any job of that task fails it.
+    """
+    __tracebackhide__ = True
+    registry, name, expected = _expectation(session, task, args)
+    matching = [j for j in enqueued_jobs(session, registry) if _matches(j, name, queue, expected)]
+    if matching:
+        wanted = _wanted(name, queue, expected)
+        lines = "\n".join(f"  - {j.describe()}" for j in matching)
+        raise AssertionError(f"expected no job {wanted}, found {len(matching)}:\n{lines}")
+
+
+def _expectation(
+    session: Session, task: Task[Any, Any] | str, args: dict[str, Any]
+) -> tuple[Jobs, str, dict[str, Any]]:
+    if isinstance(task, Task):
+        resolved: Task[Any, Any] = task
+    elif isinstance(task, str):
+        registry = session_registry(session)
+        if not isinstance(registry, Jobs):
+            raise TypeError(
+                f"cannot resolve task name {task!r}: pass the task itself, or create the "
+                "session with sessionmaker(..., jobs=jobs)"
+            )
+        resolved = registry.get(task)
+    else:
+        raise TypeError(f"expected a task or a task name, got {task!r}")
+    params = resolved.signature.parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in args if k not in params)
+    if unknown and not takes_kwargs:
+        raise TypeError(
+            f"task {resolved.name!r} takes no parameter(s) {', '.join(unknown)}; "
+            f"its parameters are {', '.join(params) or '(none)'}"
+        )
+    expected = {k: json.loads(json.dumps(v)) for k, v in args.items()}
+    return resolved.registry, resolved.name, expected
+
+
+def _matches(job: EnqueuedJob, task: str, queue: str | None, expected: dict[str, Any]) -> bool:
+    if job.task != task or (queue is not None and job.queue != queue):
+        return False
+    return all(job.args.get(k, _MISSING) == v for k, v in expected.items())
+
+
+def _wanted(task: str, queue: str | None, expected: dict[str, Any]) -> str:
+    text = f"{task}({_call(expected)})" if expected else f"of task {task!r}"
+    return text + (f" on queue {queue!r}" if queue is not None else "")
+
+
+def _listing(jobs: list[EnqueuedJob]) -> str:
+    if not jobs:
+        return "Nothing is enqueued."
+    lines = "\n".join(f"  - {j.describe()}" for j in jobs)
+    return f"Enqueued ({len(jobs)}):\n{lines}"
+
+
+def _call(args: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
+# -- running jobs in the test -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One attempt run by :func:`run_queued_jobs`.
+
+    ``outcome`` is ``"done"``, ``"retry"`` (failed; another attempt is scheduled),
+    ``"dead"`` (failed; none is left, or the failure was permanent) or ``"snoozed"``.
+    """
+
+    id: int
+    task: str
+    queue: str
+    attempt: int
+    outcome: str
+    error: str | None = None
+
+
+@dataclass
+class RunSummary:
+    """What :func:`run_queued_jobs` did, attempt by attempt."""
+
+    runs: list[JobRun] = field(default_factory=list)
+
+    @property
+    def ran(self) -> int:
+        """Attempts run (a job retried within the run counts once per attempt)."""
+        return len(self.runs)
+
+    @property
+    def done(self) -> int:
+        return self._count("done")
+
+    @property
+    def failed(self) -> int:
+        """Failed attempts, whether they will be retried or not."""
+        return self._count("retry") + self._count("dead")
+
+    @property
+    def retried(self) -> int:
+        return self._count("retry")
+
+    @property
+    def dead(self) -> int:
+        return self._count("dead")
+
+    @property
+    def snoozed(self) -> int:
+        return self._count("snoozed")
+
+    @property
+    def errors(self) -> list[str]:
+        """The tracebacks of the failed attempts, in order."""
+        return [r.error or "" for r in self.runs if r.outcome in ("retry", "dead")]
+
+    def raise_errors(self) -> None:
+        """Fail the test with the tracebacks of the failed attempts, if there were any."""
+        __tracebackhide__ = True
+        failed = [r for r in self.runs if r.outcome in ("retry", "dead")]
+        if failed:
+            parts = [
+                f"job {r.id} ({r.task}) attempt {r.attempt} failed ({r.outcome}):\n{r.error}"
+                for r in failed
+            ]
+            raise AssertionError("\n".join(parts))
+
+    def _count(self, outcome: str) -> int:
+        return sum(1 for r in self.runs if r.outcome == outcome)
+
+    def __str__(self) -> str:
+        return (
+            f"ran {self.ran}: {self.done} done, {self.retried} to retry, {self.dead} dead, "
+            f"{self.snoozed} snoozed"
+        )
+
+
+def run_queued_jobs(
+    session: Session,
+    jobs: Jobs,
+    queues: Sequence[str] | None = None,
+    *,
+    include_scheduled: bool = False,
+    max_runs: int = 1000,
+) -> RunSummary:
+    """Run queued jobs in this process, one at a time, until none is ready.
+
+    The jobs go through the real statements (``jobs.queries.claim``, then ``complete``,
+    ``fail`` or ``snooze``), on the session's own connection, so jobs the test enqueued
+    without committing are found, and what the run changes rolls back with the test.
+    Handlers run as a worker runs them (the worker's own code; :func:`~sqla_jobs.current_job`
+    works, events fire), except that a transactional task gets *this* session, inside a
+    savepoint: its writes and its completion land in the test's transaction together, and
+    a failure rolls back its writes only.
+
+    Jobs a handler enqueues are run too, within the same call. Paused queues are skipped,
+    as a worker skips them.
+
+    Time does not pass inside a transaction (``now()`` is when it began), so a failed
+    attempt's retry and a delayed job stay scheduled: they show in the summary and in the
+    table, and do not run. ``include_scheduled=True`` runs them anyway, as if their time had
+    come, which runs a failing job through all its attempts until it is dead.
+
+    Handlers that open their own connections do not see the test's uncommitted rows, and
+    must not write rows the test transaction has written (they would wait on its locks
+    forever); a transactional task, which gets the session, has neither problem. An
+    ``async def`` handler is run with ``asyncio.run``, so call this from a synchronous test.
+
+    :param queues: only these queues (default: every queue with ready jobs).
+    :param max_runs: give up (``RuntimeError``) after this many attempts: a job that keeps
+        enqueueing itself, or snoozing under ``include_scheduled``, would never end.
+    """
+    bind = session.get_bind()
+    engine = bind if isinstance(bind, sa.Engine) else bind.engine
+    worker = Worker(
+        jobs, engine, queues=list(queues) if queues else None, concurrency=1, listen=False
+    )
+    worker.name = "sqla_jobs.testing"
+    q = jobs.queries
+    table = jobs.table
+    summary = RunSummary()
+    while True:
+        conn = _flushed_connection(session)
+        conn.execute(q.promote, {"limit": 10000}).all()
+        if include_scheduled:
+            _make_scheduled_due(conn, table, queues)
+        paused = admin.paused_queues(conn, jobs)
+        names = [n for n in (queues or _ready_queues(conn, table)) if n not in paused]
+        claimed = False
+        for name in names:
+            row = conn.execute(
+                q.claim,
+                {"queue_name": name, "limit": 1, "lease": interval(3600), "worker": worker.name},
+            ).first()
+            if row is None:
+                continue
+            claimed = True
+            if summary.ran >= max_runs:
+                raise RuntimeError(
+                    f"run_queued_jobs: still running jobs after {max_runs} attempts ({summary}); "
+                    "a job may enqueue itself, or snooze, forever"
+                )
+            job = ClaimedJob(*row, worker=worker.name)  # type: ignore[misc]
+            outcome = _run(worker, session, job)
+            summary.runs.append(_record(session, q, outcome))
+        if not claimed:
+            break
+    _expire_jobs(session, jobs)
+    return summary
+
+
+def _flushed_connection(session: Session) -> sa.Connection:
+    """The session's connection, with everything it holds written (jobs included)."""
+    session.flush()
+    insert_pending(session)
+    return session.connection()
+
+
+def _ready_queues(conn: sa.Connection, table: sa.Table) -> list[str]:
+    c = table.c
+    stmt = sa.select(c.queue).where(c.status == "ready").distinct().order_by(c.queue)
+    return list(conn.execute(stmt).scalars())
+
+
+def _make_scheduled_due(conn: sa.Connection, table: sa.Table, queues: Sequence[str] | None) -> None:
+    c = table.c
+    stmt = (
+        sa.update(table).where(c.status == "scheduled").values(status="ready", run_at=sa.func.now())
+    )
+    if queues:
+        stmt = stmt.where(c.queue.in_(list(queues)))
+    conn.execute(stmt)
+
+
+def _run(worker: Worker, session: Session, job: ClaimedJob) -> Outcome:
+    # A transactional task joins the test's transaction (behind a savepoint) instead of
+    # committing a session of its own; everything else is exactly the worker's path.
+    return worker.execute(job, session=session)
+
+
+def _record(session: Session, q: Any, outcome: Outcome) -> JobRun:
+    """Write one outcome with the real statements, and say what it did."""
+    job = outcome.job
+    conn = session.connection()
+    # A settled outcome (written by the worker's own path) was a success.
+    result = "snoozed" if outcome.kind == SNOOZE else "done"
+    for statement, params in outcome_statements(q, [outcome]):
+        row = conn.execute(statement, params).first()
+        if outcome.kind == FAIL:
+            result = "dead" if row is not None and row.status == "dead" else "retry"
+    return JobRun(job.id, job.task, job.queue, job.attempts, result, outcome.error)
+
+
+def _expire_jobs(session: Session, jobs: Jobs) -> None:
+    """Job objects in the session are stale now (their rows changed or were deleted)."""
+    for obj in list(session.identity_map.values()):
+        if isinstance(obj, jobs.model):
+            session.expire(obj)
+
+
+# -- the pytest plugin --------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "sqla_jobs_metadata",
+        "module:attribute of the MetaData (or declarative Base) whose tables the "
+        "sqla_jobs_engine fixture creates; unset: it creates nothing",
+        default="",
+    )
+    parser.addini(
+        "sqla_jobs_registry",
+        "module:attribute of the Jobs registry that sqla_jobs_session resolves task names with",
+        default="",
+    )
+
+
+def _ini(config: pytest.Config, name: str) -> str:
+    try:
+        value = config.getini(name)
+    except ValueError:  # the plugin's options are not registered (fixtures imported)
+        return ""
+    return str(value or "").strip()
+
+
+def _import(path: str) -> Any:
+    import importlib
+
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise pytest.UsageError(f"expected module:attribute, got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.fixture(scope="session")
+def sqla_jobs_database_url() -> str:
+    """``DATABASE_URL``, or a throwaway embedded PostgreSQL started for this test run."""
+    from .db import embedded_url
+
+    return os.environ.get("DATABASE_URL") or embedded_url()
+
+
+@pytest.fixture(scope="session")
+def sqla_jobs_metadata(pytestconfig: pytest.Config) -> sa.MetaData | None:
+    """The tables to create: from the ``sqla_jobs_metadata`` ini option, or override me.
+
+    ``None`` (the default) creates nothing: the tables are then the user's business
+    (migrations run beforehand, or a fixture of their own).
+    """
+    path = _ini(pytestconfig, "sqla_jobs_metadata")
+    if not path:
+        return None
+    obj = _import(path)
+    metadata = obj if isinstance(obj, sa.MetaData) else getattr(obj, "metadata", None)
+    if not isinstance(metadata, sa.MetaData):
+        raise pytest.UsageError(f"sqla_jobs_metadata: {path} is not a MetaData or a Base")
+    return metadata
+
+
+@pytest.fixture(scope="session")
+def sqla_jobs_registry(pytestconfig: pytest.Config) -> Jobs | None:
+    """The registry ``sqla_jobs_session`` resolves task names with (ini option or override)."""
+    path = _ini(pytestconfig, "sqla_jobs_registry")
+    if not path:
+        return None
+    obj = _import(path)
+    if not isinstance(obj, Jobs):
+        raise pytest.UsageError(f"sqla_jobs_registry: {path} is not a sqla_jobs.Jobs registry")
+    return obj
+
+
+@pytest.fixture(scope="session")
+def sqla_jobs_engine(
+    sqla_jobs_database_url: str, sqla_jobs_metadata: sa.MetaData | None
+) -> Iterator[sa.Engine]:
+    """An engine on the test database, with ``sqla_jobs_metadata``'s tables if it names any.
+
+    Tables (and their schemas) are created if missing, never dropped: on a shared
+    database they may be someone else's. Each test's changes are rolled back by
+    ``sqla_jobs_connection``, so they need no cleaning.
+    """
+    from .db import create_engine
+
+    engine = create_engine(sqla_jobs_database_url)
+    if sqla_jobs_metadata is not None:
+        schemas = {t.schema for t in sqla_jobs_metadata.tables.values() if t.schema}
+        with engine.begin() as conn:
+            quote = conn.dialect.identifier_preparer.quote_schema
+            for schema in sorted(schemas):
+                conn.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quote(schema)}")
+            sqla_jobs_metadata.create_all(conn)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def sqla_jobs_connection(sqla_jobs_engine: sa.Engine) -> Iterator[sa.Connection]:
+    """A connection inside a transaction that is rolled back after the test."""
+    with sqla_jobs_engine.connect() as conn:
+        transaction = conn.begin()
+        try:
+            yield conn
+        finally:
+            if transaction.is_active:
+                transaction.rollback()
+
+
+@pytest.fixture
+def sqla_jobs_session(
+    sqla_jobs_connection: sa.Connection, sqla_jobs_registry: Jobs | None
+) -> Iterator[JobSession]:
+    """A :class:`~sqla_jobs.JobSession` in the test's transaction.
+
+    The code under test may ``commit()``: it releases a savepoint, and everything still
+    rolls back after the test.
+    """
+    session = JobSession(
+        bind=sqla_jobs_connection,
+        join_transaction_mode="create_savepoint",
+        jobs=sqla_jobs_registry,
+    )
+    try:
+        yield session
+    finally:
+        session.close()

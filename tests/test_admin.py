@@ -1,0 +1,289 @@
+"""``sqla_jobs.admin``: stats, listing, retry, cancel, purge and pausing, on a real
+PostgreSQL, checked against the claim/complete statements the workers use."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs, admin
+from sqla_jobs.queries import interval
+
+from . import app
+from .helpers import count
+
+
+def add(engine: sa.Engine, n: int = 1, **values: Any) -> list[int]:
+    """Insert ``n`` job rows directly (any status), returning their ids."""
+    row = {"task": "t", "queue": "q", **values}
+    with engine.begin() as conn:
+        return list(
+            conn.execute(sa.insert(app.Job).values([row] * n).returning(app.Job.id)).scalars()
+        )
+
+
+def claim(engine: sa.Engine, jobs: Jobs, queue: str = "q") -> Any:
+    with engine.begin() as conn:
+        return conn.execute(
+            jobs.queries.claim,
+            {"queue_name": queue, "limit": 1, "lease": interval(30), "worker": "w"},
+        ).one()
+
+
+def fail(engine: sa.Engine, jobs: Jobs, job: Any, *, permanent: bool = True) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            jobs.queries.fail,
+            {
+                "job_id": job.id,
+                "attempt": job.attempts,
+                "error": "Traceback ...\nValueError: boom",
+                "delay": interval(0),
+                "permanent": permanent,
+            },
+        )
+
+
+def job(engine: sa.Engine, job_id: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(app.Job.__table__).where(app.Job.id == job_id)).one()
+
+
+@pytest.fixture
+def listening(database_url: str, jobs: Jobs) -> Callable[[], Any]:
+    """Start a connection LISTENing on the table's channel, as an idle worker would.
+
+    Started by the test once its rows are in place, so that the INSERT trigger's own
+    notifications are not heard.
+    """
+
+    @contextlib.contextmanager
+    def listen() -> Iterator[psycopg.Connection[Any]]:
+        url = sa.make_url(database_url).set(drivername="postgresql")
+        dsn = url.render_as_string(hide_password=False)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'LISTEN "{jobs.queries.channel}"')
+            yield conn
+
+    return listen
+
+
+def payloads(conn: psycopg.Connection[Any], expected: int) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + 5
+    while len(got) < expected and time.monotonic() < deadline:
+        got.extend(n.payload for n in conn.notifies(timeout=0.2))
+    got.extend(n.payload for n in conn.notifies(timeout=0.05))  # and nothing more
+    return sorted(got)
+
+
+def test_stats_per_queue(db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="idle")
+    def nothing() -> None: ...
+
+    with db.begin() as conn:
+        conn.execute(sa.text("SELECT 1"))
+    add(db, 3, run_at=sa.func.now() - timedelta(seconds=30))
+    add(db, 1)  # ready, due now
+    add(db, 2, status="scheduled", run_at=sa.func.now() + timedelta(hours=1))
+    add(db, 1, status="running", attempts=1, locked_until=sa.func.now() + timedelta(minutes=1))
+    add(db, 1, status="running", attempts=1, locked_until=sa.func.now() - timedelta(minutes=1))
+    add(db, 2, status="dead", attempts=5, finished_at=sa.func.now())
+    add(db, 1, status="dead", attempts=5, finished_at=sa.func.now() - timedelta(hours=1))
+    add(db, 1, status="cancelled", finished_at=sa.func.now())
+    add(db, 4, status="done", attempts=1, finished_at=sa.func.now())
+    add(db, 1, queue="other", status="dead", finished_at=sa.func.now())
+    with db.begin() as conn:
+        admin.pause_queue(conn, jobs, "held")
+
+    with db.connect() as conn:
+        by_queue = {s.queue: s for s in admin.stats(conn, jobs)}
+        kept = Jobs(app.Job, keep_done=timedelta(days=1))
+        with_done = {s.queue: s for s in admin.stats(conn, kept, window=60)}
+        from_model = {s.queue: s for s in admin.stats(conn, app.Job)}
+
+    assert sorted(by_queue) == ["held", "idle", "other", "q"]
+    q = by_queue["q"]
+    assert (q.ready, q.scheduled, q.running, q.lease_expired) == (4, 2, 2, 1)
+    assert (q.dead, q.cancelled, q.done, q.dead_recent) == (3, 1, 4, 2)
+    assert q.lag_seconds is not None and 29 <= q.lag_seconds < 120
+    assert not q.paused
+    # Finished jobs are deleted by default: no row is left to count, so it is unknown.
+    assert q.done_recent is None and from_model["q"].done_recent is None
+    assert with_done["q"].done_recent == 4
+    assert by_queue["held"].paused and by_queue["held"].ready == 0
+    assert by_queue["idle"].lag_seconds is None and by_queue["idle"].ready == 0
+    assert by_queue["other"].lag_seconds is None and by_queue["other"].dead == 1
+    assert "idle" not in from_model, "only the registry knows its tasks' queues"
+    assert q.to_dict()["lease_expired"] == 1
+
+
+def test_list_and_get_jobs(db: sa.Engine, jobs: Jobs) -> None:
+    ready = add(db, 3)
+    dead = add(db, 2, status="dead", task="other", last_error="boom", finished_at=sa.func.now())
+    add(db, 1, queue="elsewhere")
+    with db.connect() as conn:
+        assert [j.id for j in admin.list_jobs(conn, jobs, queue="q")] == [*dead[::-1], *ready[::-1]]
+        assert [j.id for j in admin.list_jobs(conn, jobs, status="dead")] == dead[::-1]
+        assert [j.id for j in admin.list_jobs(conn, app.Job, task=["other"], limit=1)] == [dead[1]]
+        both = admin.list_jobs(conn, jobs, status=["ready", "dead"], queue=["q"], task="t")
+        assert [j.id for j in both] == ready[::-1]
+        found = admin.get_job(conn, jobs, dead[0])
+        assert found is not None and found.last_error == "boom" and found.status == "dead"
+        assert found.to_dict()["finished_at"].endswith("+00:00")
+        assert admin.get_job(conn, jobs, 999) is None
+        with pytest.raises(ValueError, match="unknown status 'deadd'"):
+            admin.list_jobs(conn, jobs, status="deadd")
+
+
+def test_retry_keeps_attempts_grants_one_more_and_wakes_workers(
+    db: sa.Engine, jobs: Jobs, listening: Any
+) -> None:
+    [job_id] = add(db, max_attempts=1)
+    first = claim(db, jobs)
+    fail(db, jobs, first, permanent=False)
+    before = job(db, job_id)
+    assert (before.status, before.attempts, before.max_attempts) == ("dead", 1, 1)
+
+    with listening() as listener:
+        with db.begin() as conn:
+            assert admin.retry_jobs(conn, jobs, [job_id], dry_run=True) == 1
+            assert admin.retry_jobs(conn, jobs, [job_id]) == 1
+        assert payloads(listener, 1) == ["q"]
+    after = job(db, job_id)
+    assert (after.status, after.attempts, after.max_attempts) == ("ready", 1, 2)
+    assert after.finished_at is None and after.locked_by is None
+    assert after.last_error == before.last_error, "the error stays until the next attempt"
+    assert after.run_at > before.run_at
+
+    # The old claim's late completion matches nothing; the new claim is attempt 2.
+    with db.begin() as conn:
+        stale = {"ids": [job_id], "attempt_list": [1]}
+        assert conn.execute(jobs.queries.complete, stale).all() == []
+    second = claim(db, jobs)
+    assert second.attempts == 2
+    with db.begin() as conn:
+        assert conn.execute(jobs.queries.complete, {"ids": [job_id], "attempt_list": [2]}).all()
+    assert count(db) == 0
+
+
+def test_retry_selects_dead_and_cancelled_only(db: sa.Engine, jobs: Jobs) -> None:
+    dead = add(db, 2, status="dead", attempts=5, max_attempts=5, finished_at=sa.func.now())
+    cancelled = add(db, 1, status="cancelled", finished_at=sa.func.now())
+    other = add(db, 1, status="dead", queue="other", finished_at=sa.func.now())
+    add(db, 2)  # ready: never touched
+    with db.begin() as conn:
+        with pytest.raises(ValueError, match="select the jobs"):
+            admin.retry_jobs(conn, jobs)
+        with pytest.raises(ValueError, match="retry applies to dead, cancelled jobs"):
+            admin.retry_jobs(conn, jobs, status="ready")
+        assert admin.retry_jobs(conn, jobs, queue="q", status="cancelled") == 1
+        assert admin.retry_jobs(conn, jobs, queue="q") == 2
+        assert admin.retry_jobs(conn, jobs, all_jobs=True) == 1
+    assert {job(db, i).status for i in dead + cancelled + other} == {"ready"}
+    assert job(db, dead[0]).max_attempts == 6
+    assert count(db, status="ready") == 6
+
+
+def test_retry_respects_unique_keys(db: sa.Engine, jobs: Jobs) -> None:
+    older, newer = add(db, 2, status="dead", unique_key="k1", finished_at=sa.func.now())
+    [blocked] = add(db, status="dead", unique_key="k2", finished_at=sa.func.now())
+    add(db, unique_key="k2")  # a live job holds k2
+    with db.begin() as conn:
+        # (Any iterable of ids will do, a generator included.)
+        assert admin.retry_jobs(conn, jobs, (i for i in (older, newer, blocked))) == 1
+    assert job(db, newer).status == "ready"
+    assert job(db, older).status == job(db, blocked).status == "dead"
+
+
+def test_cancel_ready_scheduled_and_running(db: sa.Engine, jobs: Jobs, listening: Any) -> None:
+    [ready, running] = add(db, 2)
+    [scheduled] = add(db, status="scheduled", run_at=sa.func.now() + timedelta(hours=1))
+    [dead] = add(db, status="dead", finished_at=sa.func.now())
+    claimed = claim(db, jobs)
+    assert claimed.id == ready
+    with listening() as listener:
+        with db.begin() as conn:
+            assert admin.cancel_jobs(conn, jobs, [scheduled, dead]) == 1
+        assert payloads(listener, 0) == [], "no running job was cancelled: no one to tell"
+        with db.begin() as conn:
+            with pytest.raises(ValueError, match="cancel applies to"):
+                admin.cancel_jobs(conn, jobs, status="dead")
+            assert admin.cancel_jobs(conn, jobs, queue="q", dry_run=True) == 2
+            assert admin.cancel_jobs(conn, jobs, queue="q") == 2
+        # Workers are asked to heartbeat now.
+        assert payloads(listener, 1) == ["!cancel"]
+    for i in (ready, running, scheduled):
+        row = job(db, i)
+        assert row.status == "cancelled" and row.finished_at is not None
+        assert row.locked_until is None
+    assert job(db, dead).status == "dead"
+    # The running worker's heartbeat and completion match nothing.
+    params = {"ids": [claimed.id], "attempt_list": [claimed.attempts]}
+    with db.begin() as conn:
+        assert conn.execute(jobs.queries.heartbeat, {**params, "lease": interval(30)}).all() == []
+        assert conn.execute(jobs.queries.complete, params).all() == []
+    assert job(db, claimed.id).status == "cancelled"
+
+
+def test_purge(db: sa.Engine, jobs: Jobs) -> None:
+    old_dead = add(db, 2, status="dead", finished_at=sa.func.now() - timedelta(days=10))
+    new_dead = add(db, 1, status="dead", finished_at=sa.func.now())
+    done = add(db, 1, status="done", finished_at=sa.func.now())
+    ready = add(db, 2)
+    add(db, 1, status="running", attempts=1, locked_until=sa.func.now())
+    with db.begin() as conn:
+        with pytest.raises(ValueError, match="refusing to purge running jobs"):
+            admin.purge_jobs(conn, jobs, status="running")
+        with pytest.raises(ValueError, match="select the jobs"):
+            admin.purge_jobs(conn, jobs)
+        assert admin.purge_jobs(conn, jobs, older_than=timedelta(days=7), dry_run=True) == 2
+        assert admin.purge_jobs(conn, jobs, older_than=timedelta(days=7)) == 2
+        # IDs of live jobs are left alone unless their status is named.
+        assert admin.purge_jobs(conn, jobs, [*new_dead, *ready]) == 1
+        assert admin.purge_jobs(conn, jobs, ready[:1], status="ready") == 1
+        assert admin.purge_jobs(conn, jobs, all_jobs=True) == len(done)
+    with db.connect() as conn:
+        left = admin.list_jobs(conn, jobs)
+    assert sorted(r.status for r in left) == ["ready", "running"]
+    assert not set(old_dead) & {r.id for r in left}
+
+
+def test_pause_resume_and_list_queues(
+    Session: Any, jobs: Jobs, listening: Any, db: sa.Engine
+) -> None:
+    @jobs.task(queue="mail")
+    def send() -> None: ...
+
+    add(db, 1, queue="q")
+    # A Session works as well as a Connection, and nothing commits behind the caller.
+    with Session() as session:
+        admin.pause_queue(session, jobs, "mail")
+        admin.pause_queue(session, jobs, "mail")  # idempotent
+        admin.pause_queue(session, jobs, "future")
+        assert admin.paused_queues(session, jobs) == {"mail", "future"}
+        session.rollback()
+    with Session.begin() as session:
+        admin.pause_queue(session, jobs, "mail")
+    with db.begin() as conn:
+        assert admin.paused_queues(conn, app.Job) == {"mail"}
+        queues = {q.name: q for q in admin.list_queues(conn, jobs)}
+        assert sorted(queues) == ["mail", "q"]
+        assert queues["mail"].paused and queues["mail"].updated_at is not None
+        assert not queues["q"].paused and queues["q"].updated_at is None
+        with pytest.raises(ValueError, match="queue name"):
+            admin.pause_queue(conn, jobs, "")
+    with listening() as listener:
+        with db.begin() as conn:
+            admin.resume_queue(conn, jobs, "mail")
+        assert payloads(listener, 1) == ["mail"], "resuming wakes the queue's idle workers"
+    with db.connect() as conn:
+        assert admin.paused_queues(conn, jobs) == set()
+        assert [q.to_dict()["paused"] for q in admin.list_queues(conn, jobs)] == [False, False]

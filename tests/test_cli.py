@@ -1,0 +1,408 @@
+"""The operating commands of ``sqla-jobs``, each run as a real process.
+
+Output is checked as an operator reads it (tables) and as a script reads it (``--json``),
+with the exit codes: 0 success, 1 failure at run time, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import JobSession
+from sqla_jobs.model import companion_tables, job_table
+
+from . import app
+from .helpers import count, rows, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = "tests.app:jobs"
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sqla_jobs.cli", *args]
+
+
+def environment(extra: dict[str, str] | None = None, drop: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(extra or {})}
+    if drop:
+        env.pop(drop, None)
+    return env
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command(*args),
+        cwd=ROOT,
+        env=env or environment(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def in_parallel(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Independent read-only invocations, run side by side to keep the suite quick."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(lambda argv: cli(*argv), argvs))
+
+
+def add(engine: sa.Engine, n: int = 1, **values: Any) -> list[int]:
+    row = {"task": "tests.app.record_run", "queue": "records", **values}
+    with engine.begin() as conn:
+        stmt = sa.insert(app.Job).values([row] * n).returning(app.Job.id)
+        return list(conn.execute(stmt).scalars())
+
+
+def status_of(engine: sa.Engine, job_id: int) -> str:
+    with engine.connect() as conn:
+        return str(conn.execute(sa.select(app.Job.status).where(app.Job.id == job_id)).scalar())
+
+
+def dead(engine: sa.Engine, n: int = 1, **values: Any) -> list[int]:
+    error = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: boom'
+    return add(
+        engine,
+        n,
+        status="dead",
+        attempts=5,
+        finished_at=sa.func.now(),
+        last_error=error,
+        **values,
+    )
+
+
+HELP = {
+    (): ["worker", "stats", "jobs", "queues", "--database-url"],
+    ("worker",): ["--concurrency", "--until-empty", "--processes", "--database-url"],
+    ("stats",): ["--json", "--watch", "--window", "JOBS", "keep_done"],
+    ("jobs",): ["list", "show", "retry", "cancel", "purge"],
+    ("jobs", "list"): ["--queue", "--status", "--task", "--limit", "--json"],
+    ("jobs", "show"): ["ID", "--json", "last error"],
+    ("jobs", "retry"): [
+        "--yes",
+        "--dry-run",
+        "--all",
+        "max_attempts",
+        "STATUS only this status (repeatable): dead, cancelled;",
+    ],
+    ("jobs", "cancel"): ["--yes", "--dry-run", "scheduled or ready or running"],
+    ("jobs", "purge"): ["--older-than", "--yes", "running jobs never", "default: done or dead"],
+    ("queues",): ["list", "pause", "resume"],
+    ("queues", "list"): ["--json", "JOBS"],
+    ("queues", "pause"): ["NAME", "JOBS", "running jobs finish"],
+    ("queues", "resume"): ["NAME", "JOBS"],
+}
+
+
+def test_every_help_is_there() -> None:
+    results = in_parallel(*((*argv, "--help") for argv in HELP))
+    for (argv, words), result in zip(HELP.items(), results, strict=True):
+        assert result.returncode == 0, (argv, result.stderr)
+        text = " ".join(result.stdout.split())  # argparse wraps lines
+        for word in words:
+            assert word in text, (argv, word, result.stdout)
+
+
+def test_stats(db: sa.Engine) -> None:
+    add(db, 2, run_at=sa.func.now() - timedelta(seconds=90))
+    dead(db, 1, queue="webhooks")
+    queues, _ = companion_tables(job_table(app.Job))
+    with db.begin() as conn:
+        conn.execute(sa.insert(queues).values(name="webhooks", paused=True))
+    table, as_json, from_model = in_parallel(
+        ("stats", JOBS), ("stats", JOBS, "--json", "--window", "1h"), ("stats", "tests.app:Job")
+    )
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].startswith(f"{app.SCHEMA}.jobs at ")
+    assert lines[1].split() == [
+        "QUEUE", "STATE", "READY", "SCHEDULED", "RUNNING", "EXPIRED", "DEAD", "CANCELLED",
+        "DONE", "LAG", "DONE/5m", "DEAD/5m",
+    ]  # fmt: skip
+    records = lines[2].split()
+    assert records[:9] == ["records", "active", "2", "0", "0", "0", "0", "0", "0"]
+    assert records[9].startswith("1m3") and records[10:] == ["-", "0"]
+    assert lines[3].split()[:2] == ["webhooks", "paused"]
+
+    data = json.loads(as_json.stdout)
+    assert set(data) == {"time", "table", "window_seconds", "queues"}
+    assert data["window_seconds"] == 3600 and data["table"] == f"{app.SCHEMA}.jobs"
+    by_queue = {q["queue"]: q for q in data["queues"]}
+    assert set(by_queue["records"]) == {
+        "queue", "paused", "scheduled", "ready", "running", "lease_expired", "done", "dead",
+        "cancelled", "lag_seconds", "done_recent", "dead_recent",
+    }  # fmt: skip
+    assert by_queue["records"]["ready"] == 2 and by_queue["records"]["done_recent"] is None
+    assert by_queue["webhooks"] == {**by_queue["webhooks"], "paused": True, "dead_recent": 1}
+    assert by_queue["webhooks"]["lag_seconds"] is None
+    assert from_model.returncode == 0 and "records" in from_model.stdout
+
+
+def test_stats_watch_json_prints_a_line_per_refresh_until_ctrl_c(db: sa.Engine) -> None:
+    add(db, 1)
+    proc = subprocess.Popen(
+        command("stats", JOBS, "--watch", "0.05", "--json"),
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        add(db, 2)
+        for _ in range(100):  # refreshes until the new jobs show, bounded
+            latest = json.loads(proc.stdout.readline())
+            if latest["queues"][0]["ready"] == 3:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert first["queues"][0]["ready"] == 1
+    assert latest["queues"][0]["ready"] == 3
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_jobs_list_and_show(db: sa.Engine) -> None:
+    ready = add(db, 2)
+    [failed] = dead(db, 1, args={"n": 7})
+    add(db, 1, queue="other", task="tests.app.slow_record", args={"seconds": 1})
+    listing, filtered, as_json, show, show_json, missing = in_parallel(
+        ("jobs", "list", JOBS),
+        ("jobs", "list", JOBS, "--status", "dead", "--status", "ready", "--queue", "records"),
+        ("jobs", "list", JOBS, "--task", "tests.app.slow_record", "--json", "--limit", "1"),
+        ("jobs", "show", JOBS, str(failed)),
+        ("jobs", "show", "tests.app:Job", str(failed), "--json"),
+        ("jobs", "show", JOBS, "999"),
+    )
+    lines = listing.stdout.splitlines()
+    assert lines[0].split() == ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"]
+    assert [line.split()[0] for line in lines[1:]] == ["4", "3", "2", "1"], "newest first"
+    assert lines[2].split()[1:5] == ["dead", "records", "tests.app.record_run", "5/5"]
+    assert lines[2].endswith("ValueError: boom")
+    assert [line.split()[0] for line in filtered.stdout.splitlines()[1:]] == [
+        str(i) for i in [failed, *ready[::-1]]
+    ]
+
+    [only] = json.loads(as_json.stdout)
+    assert set(only) == {
+        "id", "queue", "task", "status", "args", "priority", "attempts", "max_attempts",
+        "run_at", "created_at", "finished_at", "locked_until", "locked_by", "unique_key",
+        "last_error",
+    }  # fmt: skip
+    assert only["args"] == {"seconds": 1} and only["queue"] == "other"
+
+    assert show.returncode == 0, show.stderr
+    assert f"job {failed}" in show.stdout and "attempts      5 of 5" in show.stdout
+    assert 'args          {"n": 7}' in show.stdout
+    assert show.stdout.rstrip().endswith(
+        'last_error:\nTraceback (most recent call last):\n  File "x.py", line 1\nValueError: boom'
+    )
+    detail = json.loads(show_json.stdout)
+    assert detail["id"] == failed and detail["status"] == "dead"
+    assert detail["last_error"].endswith("ValueError: boom")
+    assert detail["finished_at"].endswith("+00:00")
+
+    assert missing.returncode == 1
+    assert (
+        missing.stderr
+        == "sqla-jobs: error: no job with id 999 (finished jobs are deleted unless kept)\n"
+    )
+
+
+def test_retry_cancel_purge_confirm_or_refuse(db: sa.Engine) -> None:
+    failed = dead(db, 2)
+    [ready] = add(db, 1)
+
+    refused = cli("jobs", "retry", JOBS, "--status", "dead")
+    assert refused.returncode == 2
+    assert "retry would affect 2 jobs; pass --yes to confirm" in refused.stderr
+    assert {status_of(db, i) for i in failed} == {"dead"}, "nothing changed"
+
+    dry = cli("jobs", "retry", JOBS, "--queue", "records", "--dry-run")
+    assert (dry.returncode, dry.stdout) == (0, "2 jobs would be retried\n")
+
+    retried = cli("jobs", "retry", JOBS, str(failed[0]), "--yes", "--json")
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(retried.stdout) == {"action": "retry", "dry_run": False, "count": 1}
+    assert status_of(db, failed[0]) == "ready"
+
+    # An id the action does not apply to is skipped with a warning, and the exit code says so.
+    mixed = cli("jobs", "retry", JOBS, str(failed[1]), str(ready), "--yes")
+    assert mixed.returncode == 1
+    assert mixed.stdout == "retried 1 job\n"
+    assert f"skipping job {ready}: it is ready; retry applies to dead or cancelled" in mixed.stderr
+
+    unknown = cli("jobs", "cancel", JOBS, str(ready), "999", "1000", "--yes")
+    assert unknown.returncode == 1
+    assert "no jobs with ids 999, 1000 (nothing was cancelled)" in unknown.stderr
+    assert status_of(db, ready) == "ready"
+
+    cancelled = cli("jobs", "cancel", JOBS, "--queue", "records", "--yes")
+    assert (cancelled.returncode, cancelled.stdout) == (0, "cancelled 3 jobs\n")
+    nothing = cli("jobs", "cancel", JOBS, "--queue", "records", "--yes")
+    assert (nothing.returncode, nothing.stdout) == (0, "cancelled 0 jobs\n")
+
+    unselected = cli("jobs", "purge", JOBS, "--yes")
+    assert unselected.returncode == 2 and "which jobs?" in unselected.stderr
+    running = cli("jobs", "purge", JOBS, "--status", "running", "--yes")
+    assert running.returncode == 2
+    assert "refusing to purge running jobs: cancel them first" in running.stderr
+    kept = cli("jobs", "purge", JOBS, "--older-than", "1d", "--yes", "--json")
+    assert json.loads(kept.stdout)["count"] == 0
+    purged = cli("jobs", "purge", JOBS, "--all", "--yes")
+    assert (purged.returncode, purged.stdout) == (0, "purged 3 jobs\n")
+    assert count(db) == 0
+
+
+def answer(argv: tuple[str, ...], reply: str) -> tuple[int, str]:
+    """Run with a terminal as stdin, type ``reply``, return (exit code, stderr)."""
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            command(*argv),
+            cwd=ROOT,
+            env=environment(),
+            stdin=follower,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.write(leader, reply.encode() + b"\n")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    return proc.returncode, err
+
+
+def test_a_terminal_is_asked_first(db: sa.Engine) -> None:
+    failed = dead(db, 2)
+    code, err = answer(("jobs", "retry", JOBS, "--status", "dead"), "n")
+    assert code == 1
+    assert "Retry 2 jobs? [y/N]" in err and "aborted: nothing was changed" in err
+    assert {status_of(db, i) for i in failed} == {"dead"}
+    code, err = answer(("jobs", "retry", JOBS, "--status", "dead"), "y")
+    assert code == 0, err
+    assert {status_of(db, i) for i in failed} == {"ready"}
+
+
+def test_queues(db: sa.Engine) -> None:
+    add(db, 1, queue="records")
+    pause = cli("queues", "pause", JOBS, "records")
+    assert (pause.returncode, pause.stdout, pause.stderr) == (0, "paused queue 'records'\n", "")
+    typo = cli("queues", "pause", "tests.app:Job", "recrods")
+    assert typo.returncode == 0 and "no job or task uses queue 'recrods'" in typo.stderr
+    listing, as_json = in_parallel(("queues", "list", JOBS), ("queues", "list", JOBS, "--json"))
+    lines = listing.stdout.splitlines()
+    assert lines[0].split() == ["QUEUE", "STATE", "SINCE"]
+    assert [line.split()[:2] for line in lines[1:]] == [
+        ["records", "paused"],
+        ["recrods", "paused"],
+    ]
+    data = json.loads(as_json.stdout)
+    assert [set(q) for q in data] == [{"name", "paused", "updated_at"}] * 2
+    resume = cli("queues", "resume", JOBS, "records")
+    assert (resume.returncode, resume.stdout) == (0, "resumed queue 'records'\n")
+    after = json.loads(cli("queues", "list", JOBS, "--json").stdout)
+    assert [(q["name"], q["paused"]) for q in after] == [("records", False), ("recrods", True)]
+
+
+def test_errors_are_one_clear_line(db: sa.Engine) -> None:
+    cases: list[tuple[tuple[str, ...], int, str]] = [
+        (("stats", "tests.nope:jobs"), 2, "cannot import 'tests.nope'"),
+        (("stats", "tests.app"), 2, "expected module:attribute"),
+        (("stats", "tests.app:Link"), 2, "is a Link, not a sqla_jobs.Jobs registry or JobMixin"),
+        (("stats", JOBS, "--database-url", "mysql://x/y"), 2, "needs PostgreSQL"),
+        (
+            ("--database-url", "postgresql://nobody@127.0.0.1:1/x", "jobs", "list", JOBS),
+            1,
+            "cannot connect",
+        ),
+        (("jobs", "show", JOBS, "abc"), 2, "not a job id: 'abc'"),
+        (("jobs", "list", JOBS, "--status", "deadd"), 2, "invalid choice: 'deadd'"),
+        (("jobs", "purge", JOBS, "--older-than", "soon", "--all"), 2, "not a duration"),
+        (("stats", JOBS, "--watch", "0"), 2, "must be > 0"),
+        (("worker", JOBS, "--processes", "2", "--until-empty"), 2, "do not mix"),
+    ]
+    results = in_parallel(*(argv for argv, _, _ in cases))
+    for (argv, code, message), result in zip(cases, results, strict=True):
+        assert result.returncode == code, (argv, result.stderr)
+        assert message in result.stderr, (argv, result.stderr)
+        assert "Traceback" not in result.stderr, argv
+    no_url = cli("stats", JOBS, env=environment(drop="DATABASE_URL"))
+    assert no_url.returncode == 2
+    assert no_url.stderr == (
+        "sqla-jobs: error: no database: pass --database-url or set DATABASE_URL\n"
+    )
+
+
+@pytest.fixture
+def partly_migrated(db: sa.Engine) -> Any:
+    """A schema with the jobs table but not its companion tables (an older migration)."""
+    schema = "sqla_jobs_cli_partial"
+    metadata = sa.MetaData()
+    job_table(app.Job).to_metadata(metadata, schema=schema)
+    with db.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        metadata.tables[f"{schema}.jobs"].create(conn)
+    yield schema
+    with db.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def test_missing_tables_say_run_your_migrations(partly_migrated: str) -> None:
+    no_schema = environment({"SQLA_JOBS_TEST_SCHEMA": "no_such_schema"})
+    partial = environment({"SQLA_JOBS_TEST_SCHEMA": partly_migrated})
+    missing = cli("stats", JOBS, env=no_schema)
+    assert missing.returncode == 1
+    assert "table 'no_such_schema.jobs' does not exist: run your migrations" in missing.stderr
+    for argv in (("queues", "list", JOBS), ("queues", "pause", JOBS, "q"), ("stats", JOBS)):
+        result = cli(*argv, env=partial)
+        assert result.returncode == 1, (argv, result.stderr)
+        assert f'relation "{partly_migrated}.jobs_queues" does not exist' in result.stderr
+        assert "run your migrations (alembic upgrade head)" in result.stderr
+    ok = cli("jobs", "list", JOBS, "--json", env=partial)
+    assert (ok.returncode, ok.stdout) == (0, "[]\n"), "what does not need the table works"
+
+
+def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
+    with JobSession(db) as session:
+        session.enqueue_many(app.slow_record, [{"seconds": 3.0}, {"seconds": 3.0}])
+        session.commit()
+    proc = subprocess.Popen(
+        command("worker", JOBS, "--queues", "records", "--concurrency", "1", "--processes", "2"),
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # One slot per process: while one runs its 3-second job, the other takes the next.
+        wait_for(lambda: count(db) == 0, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    pids = {r.pid for r in rows(db, app.Run)}
+    assert len(pids) == 2 and proc.pid not in pids, out
+    assert "all worker processes stopped" in out
