@@ -406,3 +406,53 @@ def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
     pids = {r.pid for r in rows(db, app.Run)}
     assert len(pids) == 2 and proc.pid not in pids, out
     assert "all worker processes stopped" in out
+
+
+def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engine) -> None:
+    with JobSession(db) as session:
+        session.enqueue_many(app.slow_record, [{"seconds": 30.0}, {"seconds": 30.0}])
+        session.commit()
+    proc = subprocess.Popen(
+        command(
+            "worker",
+            JOBS,
+            "--queues",
+            "records",
+            "--concurrency",
+            "1",
+            "--processes",
+            "2",
+            "--grace-period",
+            "1",
+            "--lease",
+            "5",
+        ),
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # Each child runs one long job: their pids are in the runs table.
+        first = wait_for(
+            lambda: {r.pid for r in rows(db, app.Run)} if count(db, app.Run) == 2 else None
+        )
+        victim, survivor = sorted(first)
+        os.kill(victim, signal.SIGKILL)
+        # The replacement child takes the next job (the survivor is busy).
+        with JobSession(db) as session:
+            session.enqueue(app.record_run)
+            session.commit()
+        third = wait_for(lambda: {r.pid for r in rows(db, app.Run)} - first, timeout=30)
+        (replacement,) = third
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"worker process {victim} exited" in out
+    assert f"started worker process {replacement}" in out
+    for pid in (survivor, replacement):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
