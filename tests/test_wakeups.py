@@ -156,3 +156,41 @@ def test_paused_queue_is_not_claimed_until_resumed(
     with db.begin() as conn:
         conn.execute(sa.update(queues).values(paused=False))
     assert worker.run_until_empty(timeout=10) == 1
+
+
+def test_asyncio_worker_is_woken_by_notify(
+    Session: Any, jobs: Jobs, database_url: str, started: dict[int, float]
+) -> None:
+    import asyncio
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncWorker
+
+    async def main() -> float:
+        engine = create_async_engine(database_url)
+        worker = AsyncWorker(jobs, engine, queues=["mine"], poll_interval=60)
+        runner = asyncio.create_task(worker.run(install_signal_handlers=False))
+        try:
+            while not getattr(worker, "listening", None) or not worker.listening.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+
+            def enqueue() -> tuple[int, float]:
+                with Session.begin() as session:
+                    job = session.enqueue("mark")
+                    session.flush()
+                    job_id = job.id
+                return job_id, time.monotonic()
+
+            job_id, committed = await asyncio.to_thread(enqueue)
+            for _ in range(500):
+                if job_id in started:
+                    break
+                await asyncio.sleep(0.01)
+            return started[job_id] - committed
+        finally:
+            worker.stop()
+            await runner
+            await engine.dispose()
+
+    assert asyncio.run(main()) < 1.0
