@@ -88,12 +88,12 @@ class AsyncJobSession(EnqueueMixin, AsyncSession):
         return await self.run_sync(run)
 
 
-def _engine(bind: AsyncEngine | str) -> AsyncEngine:
+def _engine(bind: AsyncEngine | str, concurrency: int) -> AsyncEngine:
     if isinstance(bind, AsyncEngine):
         return bind
     from .db import create_async_engine
 
-    return create_async_engine(bind)
+    return create_async_engine(bind, pool_size=min(concurrency, 32) + 4)
 
 
 class AsyncWorker:
@@ -122,7 +122,7 @@ class AsyncWorker:
         if lease <= 0 or poll_interval <= 0 or grace_period < 0 or claim_limit < 1:
             raise ValueError("lease, poll_interval and claim_limit must be > 0, grace_period >= 0")
         self.jobs = jobs
-        self.engine = _engine(bind)
+        self.engine = _engine(bind, concurrency)
         self.queues = default_queues(jobs, queues)
         self.concurrency = concurrency
         self.lease = lease

@@ -69,12 +69,14 @@ __all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Worker", "current_job"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
-def _engine(bind: sa.Engine | str) -> sa.Engine:
+def _engine(bind: sa.Engine | str, concurrency: int) -> sa.Engine:
     if isinstance(bind, sa.Engine):
         return bind
     from .db import create_engine
 
-    return create_engine(bind)
+    # Fetch, completer, heartbeat and maintenance each hold a connection briefly, and a
+    # transactional task holds one while it runs.
+    return create_engine(bind, pool_size=min(concurrency, 32) + 4)
 
 
 class Worker:
@@ -120,7 +122,7 @@ class Worker:
         if lease <= 0 or poll_interval <= 0 or grace_period < 0 or claim_limit < 1:
             raise ValueError("lease, poll_interval and claim_limit must be > 0, grace_period >= 0")
         self.jobs = jobs
-        self.engine = _engine(bind)
+        self.engine = _engine(bind, concurrency)
         self.queues = default_queues(jobs, queues)
         self.concurrency = concurrency
         self.lease = lease
