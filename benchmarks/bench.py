@@ -100,7 +100,7 @@ from sqla_jobs import JobMixin, Jobs, JobSession, Task, Worker, create_engine
 from sqla_jobs.model import notify_channel
 
 #: Worker settings found best by ``--sweep`` on a 2-core machine (see the module docstring).
-DEFAULT_CONCURRENCY = 32
+DEFAULT_CONCURRENCY = 128
 DEFAULT_CLAIM_LIMIT = 100
 DEFAULT_COMPLETION_BATCH = 200
 

@@ -386,7 +386,7 @@ class AsyncWorker:
         self._running.pop(job.id, None)
         self._free += 1
         self.processed += 1
-        if outcome is not None and not job.cancelled.is_set():
+        if outcome is not None and not job.is_cancelled:
             self._outbox.append(outcome)
             self._outbox_ready.set()
             self._written.clear()
@@ -442,7 +442,7 @@ class AsyncWorker:
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
         events = self.jobs.events
-        if cancelled or job.cancelled.is_set():
+        if cancelled or job.is_cancelled:
             events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
         elif outcome.kind == OK:
             events.fire("succeeded", job, duration=duration)
@@ -547,7 +547,14 @@ class AsyncWorker:
             log.warning("worker %s: heartbeat failed: %s", self.name, exc)
             return
         for job, task in running:
-            if job.id not in kept and not job.cancelled.is_set():
+            # A job that finished while the statement ran is not lost.
+            still = self._running.get(job.id)
+            if (
+                job.id not in kept
+                and still is not None
+                and still[0] is job
+                and not job.is_cancelled
+            ):
                 job_log(logging.WARNING, job, "cancelled or lease lost; cancelling it")
                 job.cancel("cancelled, or lease lost")
                 task.cancel()

@@ -93,12 +93,12 @@ class Queries:
         if keep_done:
             self.complete: sa.Executable = (
                 sa.update(t)
-                .where(guard, c.status == _S["running"])
+                .where(guard, c.status == _RUNNING_VIA_PK)
                 .values(status="done", locked_until=None, finished_at=sa.func.now())
                 .returning(c.id)
             )
         else:
-            self.complete = sa.delete(t).where(guard, c.status == _S["running"]).returning(c.id)
+            self.complete = sa.delete(t).where(guard, c.status == _RUNNING_VIA_PK).returning(c.id)
 
         # Fail one attempt: retry after :delay (scheduled), or dead once attempts are used
         # up or the failure is permanent. The error and its traceback stay in last_error.
@@ -108,7 +108,7 @@ class Queries:
             .where(
                 c.id == sa.bindparam("job_id"),
                 c.attempts == sa.bindparam("attempt"),
-                c.status == _S["running"],
+                c.status == _RUNNING_VIA_PK,
             )
             .values(
                 status=sa.case((dead, "dead"), else_="scheduled"),
@@ -130,7 +130,7 @@ class Queries:
             .where(
                 c.id == sa.bindparam("job_id"),
                 c.attempts == sa.bindparam("attempt"),
-                c.status == _S["running"],
+                c.status == _RUNNING_VIA_PK,
             )
             .values(
                 status="scheduled",
@@ -149,7 +149,7 @@ class Queries:
             .where(
                 c.id == batch.c.id,
                 c.attempts == batch.c.attempts,
-                c.status == _S["running"],
+                c.status == _RUNNING_VIA_PK,
             )
             .values(
                 status="ready",
@@ -165,7 +165,7 @@ class Queries:
         batch = _batch()
         self.heartbeat = (
             sa.update(t)
-            .where(c.id == batch.c.id, c.attempts == batch.c.attempts, c.status == _S["running"])
+            .where(c.id == batch.c.id, c.attempts == batch.c.attempts, c.status == _RUNNING_VIA_PK)
             .values(locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval))
             .returning(c.id)
         )
@@ -283,6 +283,36 @@ class Queries:
             .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
         )
 
+        # The same for a run of rows that differ only in their arguments and unique keys
+        # (what one enqueue_many call adds): the shared values go as scalars, so two arrays
+        # are built, sent and unnested instead of eight.
+        each = (
+            sa.func.unnest(
+                sa.bindparam("args", type_=ARRAY(sa.Text)),
+                sa.bindparam("unique_key", type_=ARRAY(sa.Text)),
+            )
+            .table_valued("args", "unique_key")
+            .render_derived(name="rows")
+        )
+        shared = {name: sa.bindparam(name, type_=type_) for name, type_ in cols}
+        self.bulk_insert_shared = (
+            pg_insert(t)
+            .from_select(
+                [name for name, _ in cols],
+                sa.select(
+                    shared["task"],
+                    shared["queue"],
+                    sa.cast(each.c.args, JSONB),
+                    shared["priority"],
+                    shared["max_attempts"],
+                    shared["status"],
+                    sa.func.coalesce(shared["run_at"], sa.func.now()),
+                    each.c.unique_key,
+                ),
+            )
+            .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+        )
+
         # Unique enqueue: one live job per key, enforced by <table>_unique. DO NOTHING
         # returns no row on a conflict; live_by_key then finds the holder.
         self.insert_unique = (
@@ -310,6 +340,17 @@ class Queries:
 _S: dict[str, sa.ColumnElement[str]] = {
     status: sa.literal_column(f"'{status}'", sa.Text) for status in STATUSES
 }
+
+#: ``(SELECT 'running')``, for the statements that find their rows by id (complete,
+#: heartbeat, hand back, fail, snooze). A bare ``'running'`` matches the partial index
+#: <table>_running, whose row estimate comes from the last ANALYZE, when few jobs (often
+#: none) were running: the planner then walks every running row, and for a batch
+#: ``unnest(:ids, :attempt_list)`` re-scans the whole batch for each (nested loop,
+#: O(running x batch)); it keeps that generic plan once psycopg has prepared the
+#: statement. A completer that falls behind makes every later batch slower, until one
+#: takes seconds. Behind an InitPlan the predicate cannot match the partial index, so the
+#: rows are found through the primary key: O(batch), whatever the backlog.
+_RUNNING_VIA_PK = sa.select(_S["running"]).scalar_subquery()
 
 
 def _batch() -> Any:

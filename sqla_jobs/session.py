@@ -24,6 +24,7 @@ unit of work, so they do no I/O and need no ``await``.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
@@ -33,7 +34,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .errors import EnqueueError
-from .tasks import Jobs, Task
+from .tasks import Jobs, Task, _utcnow
 
 __all__ = ["EnqueueMixin", "JobSession"]
 
@@ -134,6 +135,9 @@ class EnqueueMixin:
         from its task and arguments, and one equal to a live job is silently skipped.
         """
         registry = _registry(self, task)
+        # One clock reading for the whole batch: with a delay, every row gets the same
+        # run_at, so the batch stays one run of bulk_insert_shared.
+        now = _utcnow() if delay is not None else None
         rows = [
             registry.job_values(
                 task,
@@ -145,6 +149,7 @@ class EnqueueMixin:
                 delay=delay,
                 max_attempts=max_attempts,
                 unique=unique,
+                now=now,
             )
             for kwargs in arguments
         ]
@@ -253,8 +258,28 @@ def _insert_pending(session: Session) -> None:
     session.info[_PENDING_KEY] = {}
     connection = session.connection()
     for registry, rows in pending.items():
-        if rows:
-            connection.execute(registry.queries.bulk_insert, bulk_parameters(rows))
+        statement = registry.queries.bulk_insert_shared
+        for shared, run in itertools.groupby(rows, key=_shared_values):
+            same = list(run)
+            params = dict(zip(_SHARED, shared, strict=True))
+            params["args"] = [_dumps(r["args"]) for r in same]
+            params["unique_key"] = [r.get("unique_key") for r in same]
+            connection.execute(statement, params)
+
+
+_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at")
+
+
+def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What the rows of one enqueue_many call have in common."""
+    return (
+        row["task"],
+        row["queue"],
+        row["priority"],
+        row["max_attempts"],
+        row["status"],
+        row.get("run_at"),
+    )
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:
@@ -276,12 +301,16 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         session.info.pop(_PENDING_KEY, None)
 
 
+#: One encoder for every row: ``json.dumps(..., separators=...)`` builds one per call.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def bulk_parameters(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Column-wise arrays for :attr:`Queries.bulk_insert`."""
     return {
         "task": [r["task"] for r in rows],
         "queue": [r["queue"] for r in rows],
-        "args": [json.dumps(r["args"], separators=(",", ":")) for r in rows],
+        "args": [_dumps(r["args"]) for r in rows],
         "priority": [r["priority"] for r in rows],
         "max_attempts": [r["max_attempts"] for r in rows],
         "status": [r["status"] for r in rows],

@@ -79,6 +79,40 @@ def _engine(bind: sa.Engine | str, concurrency: int) -> sa.Engine:
     return create_engine(bind, pool_size=min(concurrency, 32) + 4)
 
 
+class _HeldConnection:
+    """A pooled connection that one worker thread keeps between statements, in autocommit.
+
+    The claim and the batch completion are single statements, atomic by themselves.
+    Through ``engine.begin()`` each one costs four round trips: the pool's pre-ping
+    (``create_engine`` turns ``pool_pre_ping`` on), BEGIN, the statement, COMMIT. The
+    fetch loop claims hundreds of times a second, so it keeps one connection in autocommit
+    and pays one round trip per claim. After an error the connection is dropped and the
+    next use takes a fresh one from the pool.
+    """
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+
+    def execute(self, statement: sa.Executable, params: dict[str, Any]) -> sa.CursorResult[Any]:
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self._conn = self._engine.connect().execution_options(
+                isolation_level="AUTOCOMMIT"
+            )
+        try:
+            return conn.execute(statement, params)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
 class Worker:
     """Runs the jobs of some queues of one :class:`~sqla_jobs.Jobs` registry.
 
@@ -139,6 +173,8 @@ class Worker:
         self.name = name or worker_name()
         self.q = jobs.queries
         self._lease = interval(lease)
+        self._claim_conn = _HeldConnection(self.engine)
+        self._write_conn = _HeldConnection(self.engine)
 
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)
@@ -256,23 +292,23 @@ class Worker:
         n = len(queues)
         start = self._turn % n
         self._turn = start + 1
-        with self.engine.begin() as conn:
-            for i in range(n):
-                want = min(free - len(claimed), self.claim_limit)
-                if want <= 0:
-                    break
-                rows = conn.execute(
-                    self.q.claim,
-                    {
-                        "queue_name": queues[(start + i) % n],
-                        "limit": want,
-                        "lease": self._lease,
-                        "worker": self.name,
-                    },
-                ).all()
-                claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[misc]
-                if len(rows) == want:
-                    self._more = True
+        for i in range(n):
+            want = min(free - len(claimed), self.claim_limit)
+            if want <= 0:
+                break
+            # One statement in autocommit: it has committed when it returns.
+            rows = self._claim_conn.execute(
+                self.q.claim,
+                {
+                    "queue_name": queues[(start + i) % n],
+                    "limit": want,
+                    "lease": self._lease,
+                    "worker": self.name,
+                },
+            ).all()
+            claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[call-arg]
+            if len(rows) == want:
+                self._more = True
         # Only now, after COMMIT: a completion written before the claim is visible would
         # find the row still 'ready' and match nothing.
         if claimed:
@@ -340,7 +376,7 @@ class Worker:
                 wake = self._saturated or self._until_empty
                 self._saturated = False
                 # A run that timed out or was cancelled already has its outcome written.
-                record = outcome.kind != SETTLED and not job.cancelled.is_set()
+                record = outcome.kind != SETTLED and not job.is_cancelled
                 if record:
                     self._unwritten += 1
             if record:
@@ -391,7 +427,7 @@ class Worker:
         duration = time.monotonic() - job.started
         job_log(logging.DEBUG, job, "%s after %.3fs", outcome.kind, duration)
         events = self.jobs.events
-        if job.cancelled.is_set():
+        if job.is_cancelled:
             events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
         elif outcome.kind == OK:
             events.fire("succeeded", job, duration=duration)
@@ -466,9 +502,13 @@ class Worker:
         failures = 0
         while True:
             try:
-                with self.engine.begin() as conn:
-                    for statement, params in statements:
-                        conn.execute(statement, params)
+                if len(statements) == 1:
+                    # The common case, every job done: one statement, atomic by itself.
+                    self._write_conn.execute(*statements[0])
+                else:
+                    with self.engine.begin() as conn:
+                        for statement, params in statements:
+                            conn.execute(statement, params)
                 break
             except sa.exc.DBAPIError as exc:
                 failures += 1
@@ -542,8 +582,12 @@ class Worker:
         except sa.exc.DBAPIError as exc:
             log.warning("worker %s: heartbeat failed: %s", self.name, exc)
             return
-        for job in running:
-            if job.id not in kept and not job.cancelled.is_set():
+        with self._lock:
+            # A job that finished while the statement ran (its completion may be written
+            # already) is not lost: only those still running here are.
+            lost = [j for j in running if j.id not in kept and self._running.get(j.id) is j]
+        for job in lost:
+            if not job.is_cancelled:
                 job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
                 job.cancel("cancelled, or lease lost")
 
@@ -556,7 +600,7 @@ class Worker:
                 j
                 for j in self._running.values()
                 if j.started
-                and not j.cancelled.is_set()
+                and not j.is_cancelled
                 and (t := self.jobs.tasks.get(j.task)) is not None
                 and t.timeout is not None
                 and now - j.started > t.timeout
@@ -631,6 +675,8 @@ class Worker:
             self._shutdown()
             self._outbox.put(None)
             completer.join()
+            self._claim_conn.close()
+            self._write_conn.close()
             self._beat_now.set()
             heartbeat.join(timeout=2.0)
             if listener is not None:
