@@ -34,15 +34,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from . import maintenance, periodic
+from ._base import WorkerBase
 from .errors import EnqueueError
 from .execution import (
     CANCEL_PAYLOAD,
-    FAIL,
-    OK,
     ClaimedJob,
     Outcome,
     complete_one_params,
-    default_queues,
     job_log,
     outcome_of,
     outcome_statements,
@@ -50,9 +48,7 @@ from .execution import (
     set_current,
     timed_out,
     unknown_task,
-    worker_name,
 )
-from .queries import interval
 from .session import EnqueueMixin
 from .tasks import Jobs, Task
 
@@ -96,7 +92,7 @@ def _engine(bind: AsyncEngine | str, concurrency: int) -> AsyncEngine:
     return create_async_engine(bind, pool_size=min(concurrency, 32) + 4)
 
 
-class AsyncWorker:
+class AsyncWorker(WorkerBase):
     """The asyncio twin of :class:`~sqla_jobs.Worker`; the parameters mean the same."""
 
     def __init__(
@@ -117,34 +113,24 @@ class AsyncWorker:
         listen: bool = True,
         name: str | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        if lease <= 0 or poll_interval <= 0 or grace_period < 0 or claim_limit < 1:
-            raise ValueError("lease, poll_interval and claim_limit must be > 0, grace_period >= 0")
-        self.jobs = jobs
-        self.engine = _engine(bind, concurrency)
-        self.queues = default_queues(jobs, queues)
-        self.concurrency = concurrency
-        self.lease = lease
-        self.poll_interval = poll_interval
-        self.grace_period = grace_period
-        self.claim_limit = claim_limit
-        self.completion_batch = completion_batch
-        self.completion_interval = completion_interval
-        self.rescue_interval = (
-            rescue_interval if rescue_interval is not None else min(5.0, lease / 2)
+        super().__init__(
+            jobs,
+            queues=queues,
+            concurrency=concurrency,
+            lease=lease,
+            poll_interval=poll_interval,
+            grace_period=grace_period,
+            claim_limit=claim_limit,
+            completion_batch=completion_batch,
+            completion_interval=completion_interval,
+            rescue_interval=rescue_interval,
+            prune_interval=prune_interval,
+            listen=listen,
+            name=name,
         )
-        self.prune_interval = prune_interval
-        self.listen = listen
-        self.name = name or worker_name()
-        self.q = jobs.queries
-        self._lease = interval(lease)
+        self.engine = _engine(bind, concurrency)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_requested = False
-        self.processed = 0
-
-    def __repr__(self) -> str:
-        return f"<AsyncWorker {self.name} queues={self.queues} concurrency={self.concurrency}>"
 
     # -- public control -------------------------------------------------------------------
 
@@ -190,13 +176,8 @@ class AsyncWorker:
         self._outbox_ready = asyncio.Event()
         self._running: dict[int, tuple[ClaimedJob, asyncio.Task[None]]] = {}
         self._free = self.concurrency
-        self._next_refresh = self._next_rescue = self._next_prune = 0.0
-        self._next_due: float | None = None
-        self._paused: frozenset[str] = frozenset()
-        self._turn = 0
+        self._reset_schedule()
         self._until_empty = until_empty
-        self._saturated = False
-        self._more = False
         self.listening = asyncio.Event()
         self._beat_now = asyncio.Event()
         if self._stop_requested:
@@ -297,27 +278,13 @@ class AsyncWorker:
         if free <= 0:
             self._saturated = True
             return 0
-        queues = [q for q in self.queues if q not in self._paused]
-        if not queues:
-            return 0
         claimed: list[ClaimedJob] = []
-        n = len(queues)
-        start = self._turn % n
-        self._turn = start + 1
         async with self.engine.begin() as conn:
-            for i in range(n):
+            for queue in self._claim_order():
                 want = min(free - len(claimed), self.claim_limit)
                 if want <= 0:
                     break
-                result = await conn.execute(
-                    self.q.claim,
-                    {
-                        "queue_name": queues[(start + i) % n],
-                        "limit": want,
-                        "lease": self._lease,
-                        "worker": self.name,
-                    },
-                )
+                result = await conn.execute(self.q.claim, self._claim_params(queue, want))
                 rows = result.all()
                 claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[misc]
                 if len(rows) == want:
@@ -330,21 +297,13 @@ class AsyncWorker:
         return len(claimed)
 
     async def _maintain(self) -> None:
-        now = time.monotonic()
-        due = self._next_due is not None and now >= self._next_due
-        if now < self._next_refresh and not due:
+        refresh, rescue = self._refresh_due()
+        if not refresh:
             return
-        rescue = now >= self._next_rescue
         async with self.engine.begin() as conn:
             result = await conn.run_sync(partial(maintenance.refresh, q=self.q, rescue=rescue))
             await conn.run_sync(periodic.enqueue_due, self.jobs)
-        if rescue:
-            self._next_rescue = now + self.rescue_interval
-        self._paused = result.paused
-        self._next_refresh = now + self.poll_interval
-        self._next_due = None if result.due_in is None else now + max(0.0, result.due_in)
-        if now >= self._next_prune:
-            self._next_prune = now + self.prune_interval
+        if self._refreshed(result, rescue):
             await self._prune()
 
     async def _prune(self) -> None:
@@ -358,17 +317,6 @@ class AsyncWorker:
                     return
                 if deleted < maintenance.BATCH:
                     break
-
-    def _sleep_for(self) -> float:
-        sleep = min(self.poll_interval, max(0.0, self._next_refresh - time.monotonic()))
-        if self._next_due is not None:
-            sleep = min(sleep, max(0.0, self._next_due - time.monotonic()) + 0.001)
-        return sleep
-
-    def _due_soon(self, within: float) -> bool:
-        if within <= 0 or self._next_due is None:
-            return False
-        return self._next_due - time.monotonic() <= within
 
     # -- running one job ------------------------------------------------------------------
 
@@ -413,44 +361,23 @@ class AsyncWorker:
                     await asyncio.wait_for(call, task.timeout)
                 except asyncio.TimeoutError:
                     job.cancel(f"timed out after {task.timeout}s")
-                    self._fire_end(task, job, None, cancelled=True)
+                    self._finished(task, job, None, cancelled=True)
                     return timed_out(task, job)
             else:
                 await call
         except asyncio.CancelledError:
-            self._fire_end(task, job, None, cancelled=True)
+            self._finished(task, job, None, cancelled=True)
             raise
         except Exception as exc:
             error = exc
         finally:
             reset_current(token)
-        return self._fire_end(task, job, error)
+        return self._finished(task, job, error)
 
     def _call(self, task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if task.is_async:
             return task.fn(*args, **kwargs)
         return asyncio.to_thread(task.fn, *args, **kwargs)
-
-    def _fire_end(
-        self,
-        task: Task[Any, Any],
-        job: ClaimedJob,
-        error: BaseException | None,
-        *,
-        cancelled: bool = False,
-    ) -> Outcome:
-        outcome = outcome_of(task, job, error)
-        duration = time.monotonic() - job.started
-        events = self.jobs.events
-        if cancelled or job.is_cancelled:
-            events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
-        elif outcome.kind == OK:
-            events.fire("succeeded", job, duration=duration)
-        elif outcome.kind == FAIL:
-            events.fire("failed", job, duration=duration, error=error)
-            dead = outcome.permanent or job.attempts >= job.max_attempts
-            events.fire("dead" if dead else "retried", job, duration=duration, error=error)
-        return outcome
 
     async def _transactional(
         self, task: Task[Any, Any], job: ClaimedJob, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -465,14 +392,14 @@ class AsyncWorker:
                 done = (await session.execute(self.q.complete, complete_one_params(job))).first()
             except Exception as exc:
                 await session.rollback()
-                return self._fire_end(task, job, exc)
+                return self._finished(task, job, exc)
             if done is None:
                 await session.rollback()
                 job.cancel("lease lost: another worker owns this job")
-                self._fire_end(task, job, None)
+                self._finished(task, job, None)
                 return None
             await session.commit()
-        self._fire_end(task, job, None)
+        self._finished(task, job, None)
         return None
 
     # -- completer and heartbeat ----------------------------------------------------------
@@ -507,11 +434,7 @@ class AsyncWorker:
                 await asyncio.sleep(min(10.0, 0.1 * 2**failures))
                 continue
             del self._outbox[: len(batch)]
-            for o in batch:
-                if o.kind != OK:
-                    due = time.monotonic() + o.delay
-                    if self._next_due is None or due < self._next_due:
-                        self._next_due = due
+            self._note_due(batch)
         self._written.set()
 
     async def _wait_written(self) -> None:

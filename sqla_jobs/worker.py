@@ -41,16 +41,14 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from . import maintenance, periodic
+from ._base import WorkerBase
 from .execution import (
     CANCEL_PAYLOAD,
-    FAIL,
-    OK,
     SETTLED,
     ClaimedJob,
     Outcome,
     complete_one_params,
     current_job,
-    default_queues,
     job_log,
     outcome_of,
     outcome_statements,
@@ -58,9 +56,7 @@ from .execution import (
     set_current,
     timed_out,
     unknown_task,
-    worker_name,
 )
-from .queries import interval
 from .session import insert_pending
 from .tasks import Jobs, Task
 
@@ -113,7 +109,7 @@ class _HeldConnection:
                 conn.close()
 
 
-class Worker:
+class Worker(WorkerBase):
     """Runs the jobs of some queues of one :class:`~sqla_jobs.Jobs` registry.
 
     :param jobs: the registry: handlers and the jobs table.
@@ -151,28 +147,22 @@ class Worker:
         listen: bool = True,
         name: str | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        if lease <= 0 or poll_interval <= 0 or grace_period < 0 or claim_limit < 1:
-            raise ValueError("lease, poll_interval and claim_limit must be > 0, grace_period >= 0")
-        self.jobs = jobs
-        self.engine = _engine(bind, concurrency)
-        self.queues = default_queues(jobs, queues)
-        self.concurrency = concurrency
-        self.lease = lease
-        self.poll_interval = poll_interval
-        self.grace_period = grace_period
-        self.claim_limit = claim_limit
-        self.completion_batch = completion_batch
-        self.completion_interval = completion_interval
-        self.rescue_interval = (
-            rescue_interval if rescue_interval is not None else min(5.0, lease / 2)
+        super().__init__(
+            jobs,
+            queues=queues,
+            concurrency=concurrency,
+            lease=lease,
+            poll_interval=poll_interval,
+            grace_period=grace_period,
+            claim_limit=claim_limit,
+            completion_batch=completion_batch,
+            completion_interval=completion_interval,
+            rescue_interval=rescue_interval,
+            prune_interval=prune_interval,
+            listen=listen,
+            name=name,
         )
-        self.prune_interval = prune_interval
-        self.listen = listen
-        self.name = name or worker_name()
-        self.q = jobs.queries
-        self._lease = interval(lease)
+        self.engine = _engine(bind, concurrency)
         self._claim_conn = _HeldConnection(self.engine)
         self._write_conn = _HeldConnection(self.engine)
 
@@ -189,22 +179,9 @@ class Worker:
         #: Set while the listener holds its LISTEN (tests and health checks wait on it).
         self.listening = threading.Event()
         self._executors: list[threading.Thread] = []
-        self._next_due: float | None = None
-        self._next_refresh = 0.0
-        self._next_rescue = 0.0
-        self._next_prune = 0.0
-        self._paused: frozenset[str] = frozenset()
-        self._turn = 0
-        self._more = False
-        self._saturated = False
         self._until_empty = False
         self._last_beat = 0.0
         self._cancel_requested = False
-        #: Jobs this worker has finished running, whatever their outcome.
-        self.processed = 0
-
-    def __repr__(self) -> str:
-        return f"<Worker {self.name} queues={self.queues} concurrency={self.concurrency}>"
 
     # -- public control -------------------------------------------------------------------
 
@@ -285,27 +262,13 @@ class Worker:
         if free <= 0:
             self._saturated = True
             return 0
-        queues = [q for q in self.queues if q not in self._paused]
-        if not queues:
-            return 0
         claimed: list[ClaimedJob] = []
-        n = len(queues)
-        start = self._turn % n
-        self._turn = start + 1
-        for i in range(n):
+        for queue in self._claim_order():
             want = min(free - len(claimed), self.claim_limit)
             if want <= 0:
                 break
             # One statement in autocommit: it has committed when it returns.
-            rows = self._claim_conn.execute(
-                self.q.claim,
-                {
-                    "queue_name": queues[(start + i) % n],
-                    "limit": want,
-                    "lease": self._lease,
-                    "worker": self.name,
-                },
-            ).all()
+            rows = self._claim_conn.execute(self.q.claim, self._claim_params(queue, want)).all()
             claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[call-arg]
             if len(rows) == want:
                 self._more = True
@@ -322,41 +285,21 @@ class Worker:
         return len(claimed)
 
     def _maintain(self) -> None:
-        """Run the shared maintenance when it is due: every poll interval, or when the
-        known next due time has passed."""
-        now = time.monotonic()
-        due = self._next_due is not None and now >= self._next_due
-        if now < self._next_refresh and not due:
+        """Run the shared maintenance when it is due (see :meth:`WorkerBase._refresh_due`)."""
+        refresh, rescue = self._refresh_due()
+        if not refresh:
             return
-        rescue = now >= self._next_rescue
         with self.engine.begin() as conn:
             result = maintenance.refresh(conn, self.q, rescue=rescue)
             periodic.enqueue_due(conn, self.jobs)
-        if rescue:
-            self._next_rescue = now + self.rescue_interval
-        self._paused = result.paused
-        self._next_refresh = now + self.poll_interval
-        self._next_due = None if result.due_in is None else now + max(0.0, result.due_in)
-        if now >= self._next_prune:
-            self._next_prune = now + self.prune_interval
+        if self._refreshed(result, rescue):
             pruned = maintenance.prune(self.engine, self.jobs)
             if pruned:
                 log.info("worker %s: pruned %d finished jobs", self.name, pruned)
 
-    def _sleep_for(self) -> float:
-        sleep = min(self.poll_interval, max(0.0, self._next_refresh - time.monotonic()))
-        if self._next_due is not None:
-            sleep = min(sleep, max(0.0, self._next_due - time.monotonic()) + 0.001)
-        return sleep
-
     def _idle(self) -> bool:
         with self._lock:
             return self._free == self.concurrency
-
-    def _due_soon(self, within: float) -> bool:
-        if within <= 0 or self._next_due is None:
-            return False
-        return self._next_due - time.monotonic() <= within
 
     # -- executors ------------------------------------------------------------------------
 
@@ -419,23 +362,6 @@ class Worker:
         finally:
             reset_current(token)
         return self._finished(task, job, error)
-
-    def _finished(
-        self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None
-    ) -> Outcome:
-        outcome = outcome_of(task, job, error)
-        duration = time.monotonic() - job.started
-        job_log(logging.DEBUG, job, "%s after %.3fs", outcome.kind, duration)
-        events = self.jobs.events
-        if job.is_cancelled:
-            events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
-        elif outcome.kind == OK:
-            events.fire("succeeded", job, duration=duration)
-        elif outcome.kind == FAIL:
-            events.fire("failed", job, duration=duration, error=error)
-            dead = outcome.permanent or job.attempts >= job.max_attempts
-            events.fire("dead" if dead else "retried", job, duration=duration, error=error)
-        return outcome
 
     def _run_transactional(
         self, task: Task[Any, Any], job: ClaimedJob, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -526,15 +452,7 @@ class Worker:
                     "worker %s: completion failed, retrying in %.1fs: %s", self.name, pause, exc
                 )
                 time.sleep(pause)
-        for o in batch:
-            if o.kind != OK:
-                self._note_due(o.delay)
-
-    def _note_due(self, delay: float) -> None:
-        """A retry or snooze was scheduled: make sure the fetch loop wakes for it."""
-        due = time.monotonic() + delay
-        if self._next_due is None or due < self._next_due:
-            self._next_due = due
+        self._note_due(batch)
 
     # -- heartbeat ------------------------------------------------------------------------
 
