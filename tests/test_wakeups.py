@@ -194,3 +194,29 @@ def test_asyncio_worker_is_woken_by_notify(
             await engine.dispose()
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_a_transaction_notifies_once_per_queue(
+    Session: Any, jobs: Jobs, database_url: str, started: dict[int, float]
+) -> None:
+    import psycopg
+
+    @jobs.task(queue="other")
+    def other() -> None:
+        pass
+
+    libpq = database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(libpq, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{jobs.queries.channel}"')
+        with Session.begin() as session:
+            for _ in range(3):
+                session.enqueue("mark")
+                session.flush()  # three INSERT statements...
+            session.enqueue_many("mark", [{} for _ in range(100)])  # ...and a bulk one
+            session.enqueue(other)
+            session.enqueue("mark", delay=60)  # scheduled: nobody to wake for it
+        with Session.begin() as session:
+            session.enqueue("mark")
+        payloads = [n.payload for n in listener.notifies(timeout=0.5)]
+    # One per queue for the first transaction, folded by PostgreSQL; one for the second.
+    assert sorted(payloads) == ["mine", "mine", "other"]
