@@ -262,27 +262,30 @@ class Worker(WorkerBase):
         if free <= 0:
             self._saturated = True
             return 0
-        claimed: list[ClaimedJob] = []
+        total = 0
         for queue in self._claim_order():
-            want = min(free - len(claimed), self.claim_limit)
+            want = min(free - total, self.claim_limit)
             if want <= 0:
                 break
-            # One statement in autocommit: it has committed when it returns.
+            # One statement in autocommit: it has committed when it returns. Only now may
+            # the jobs start: a completion written before the claim is visible would find
+            # the row still 'ready' and match nothing.
             rows = self._claim_conn.execute(self.q.claim, self._claim_params(queue, want)).all()
-            claimed.extend(ClaimedJob(*row, worker=self.name) for row in rows)  # type: ignore[call-arg]
             if len(rows) == want:
                 self._more = True
-        # Only now, after COMMIT: a completion written before the claim is visible would
-        # find the row still 'ready' and match nothing.
-        if claimed:
-            with self._lock:
-                self._free -= len(claimed)
-                self._saturated = self._free <= 0
-                for job in claimed:
-                    self._running[job.id] = job
+            if rows:
+                self._dispatch([ClaimedJob(*row, worker=self.name) for row in rows])  # type: ignore[call-arg]
+                total += len(rows)
+        return total
+
+    def _dispatch(self, claimed: list[ClaimedJob]) -> None:
+        with self._lock:
+            self._free -= len(claimed)
+            self._saturated = self._free <= 0
             for job in claimed:
-                self._inbox.put(job)
-        return len(claimed)
+                self._running[job.id] = job
+        for job in claimed:
+            self._inbox.put(job)
 
     def _maintain(self) -> None:
         """Run the shared maintenance when it is due (see :meth:`WorkerBase._refresh_due`)."""
