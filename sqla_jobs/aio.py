@@ -366,7 +366,9 @@ class AsyncWorker(WorkerBase):
         self._running.pop(job.id, None)
         self._free += 1
         self.processed += 1
-        if outcome is not None and not job.is_cancelled:
+        # None: cancelled, lost, or settled by a transactional run. A timed-out run does
+        # return its outcome (the failure to record), though its job is marked cancelled.
+        if outcome is not None:
             self._outbox.append(outcome)
             self._outbox_ready.set()
             self._written.clear()

@@ -337,7 +337,7 @@ def test_a_running_handler_sees_that_it_was_cancelled(
 
 
 def test_sync_handler_timeout_fails_the_job_and_tells_the_handler(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     stopped = threading.Event()
 
@@ -349,14 +349,16 @@ def test_sync_handler_timeout_fails_the_job_and_tells_the_handler(
 
     with Session.begin() as session:
         session.enqueue(slow)
-    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
     assert stopped.is_set()
     (job,) = rows(db)
     assert job.status == "dead"
     assert "ran longer than its timeout of 0.3s" in job.last_error
 
 
-def test_async_handler_timeout_cancels_it(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+def test_async_handler_timeout_cancels_it(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
     cancelled = threading.Event()
 
     @jobs.task(queue="q", timeout=0.2, max_attempts=1)
@@ -369,7 +371,7 @@ def test_async_handler_timeout_cancels_it(Session: Any, db: sa.Engine, jobs: Job
 
     with Session.begin() as session:
         session.enqueue(slow)
-    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
     assert cancelled.is_set()
     (job,) = rows(db)
     assert job.status == "dead"
@@ -380,7 +382,7 @@ def test_async_handler_timeout_cancels_it(Session: Any, db: sa.Engine, jobs: Job
 
 
 def test_transactional_handler_commits_with_its_completion(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     @jobs.task(queue="q", transactional=True, max_attempts=2)
     def create_link(code: str, session: Any) -> None:
@@ -393,7 +395,7 @@ def test_transactional_handler_commits_with_its_completion(
     with Session.begin() as session:
         session.enqueue(create_link, "ok")
         session.enqueue(create_link, "boom")
-    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=20)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=20)
     assert [r.code for r in rows(db, app.Link)] == ["ok"]  # the failing run's write rolled back
     (dead,) = rows(db)
     assert dead.status == "dead" and dead.args == {"code": "boom"}
@@ -514,7 +516,9 @@ def test_claim_stays_on_the_index_with_100k_scheduled_and_1k_dead(
 # -- events -----------------------------------------------------------------------------
 
 
-def test_events_fire_through_a_jobs_life(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+def test_events_fire_through_a_jobs_life(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
     seen: list[tuple[str, Any]] = []
     for name in ("enqueued", "started", "succeeded", "failed", "retried", "dead"):
         jobs.events.connect(name, lambda e: seen.append((e.name, e.duration)))
@@ -538,7 +542,7 @@ def test_events_fire_through_a_jobs_life(Session: Any, db: sa.Engine, jobs: Jobs
         session.enqueue(flaky, False)
         session.enqueue(flaky, True)
     assert [n for n, _ in seen] == ["enqueued", "enqueued"]
-    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=20)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=20)
     names = [n for n, _ in seen]
     assert names.count("started") == 3
     assert names.count("succeeded") == 1
