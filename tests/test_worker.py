@@ -412,14 +412,16 @@ def test_stop_lets_running_jobs_finish(
 
 
 def test_worker_survives_losing_its_database_connections(
-    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, make_worker: Any
 ) -> None:
     @jobs.task(queue="q")
     def task(n: int) -> None:
         pass
 
-    engine = create_engine(database_url, connect_args={"application_name": "victim"})
-    worker = Worker(jobs, engine, queues=["q"], poll_interval=0.05)
+    # The application name rides the URL, so that the asyncio worker's engine has it too.
+    url = sa.make_url(database_url).update_query_dict({"application_name": "victim"})
+    engine = create_engine(url)
+    worker = make_worker(jobs, engine, queues=["q"], poll_interval=0.05)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
     try:
