@@ -96,6 +96,26 @@ class AsyncWorkerInThread:
     def run(self, **kw: object) -> None:
         self._run("run", **kw)
 
+    @property
+    def listening(self) -> object:
+        """A stand-in for ``Worker.listening`` with a blocking ``wait(timeout)``."""
+        adapter = self
+
+        class Waiter:
+            def wait(self, timeout: float) -> bool:
+                import time
+
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    worker = adapter._worker
+                    event = getattr(worker, "listening", None)
+                    if event is not None and event.is_set():
+                        return True
+                    time.sleep(0.01)
+                return False
+
+        return Waiter()
+
     def stop(self) -> None:
         import time
 

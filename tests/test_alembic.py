@@ -83,7 +83,7 @@ else:
             context.run_migrations()
 '''
 
-MODELS_PY = '''\
+MODELS_PY = """\
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -101,16 +101,16 @@ class Job(JobMixin, Base):
 class Link(Base):
     __tablename__ = "links"
     code: Mapped[str] = mapped_column(sa.Text, primary_key=True)
-'''
+"""
 
-EMPTY_MODELS_PY = '''\
+EMPTY_MODELS_PY = """\
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase
 
 
 class Base(DeclarativeBase):
     metadata = sa.MetaData(schema={schema!r})
-'''
+"""
 
 
 class Project:
@@ -224,8 +224,9 @@ class Project:
         if self.explicit_schema:
             opts = {
                 "include_schemas": True,
-                "include_name": lambda name, type_, parents: type_ != "schema"
-                or name == self.schema,
+                "include_name": lambda name, type_, parents: (
+                    type_ != "schema" or name == self.schema
+                ),
                 "version_table_schema": self.schema,
             }
         with self.engine.connect() as conn:
@@ -560,7 +561,7 @@ def test_hand_written_migration(make_project: Any) -> None:
     project.exclude = "links"
     project.write_ini()
     (project.root / "migrations" / "versions" / "0001_jobs.py").write_text(
-        f'''\
+        f"""\
 from alembic import op
 
 import alembic_ext  # noqa: F401
@@ -577,7 +578,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_jobs_table("jobs", schema={project.schema!r})
-'''
+"""
     )
     project.upgrade()
     assert_queue_objects(project)

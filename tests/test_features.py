@@ -302,7 +302,7 @@ def test_runtime_schedules_are_checked_and_picked_up_without_restart(
 
 
 def test_a_running_handler_sees_that_it_was_cancelled(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     seen = threading.Event()
     started = threading.Event()
@@ -318,7 +318,7 @@ def test_a_running_handler_sees_that_it_was_cancelled(
 
     with Session.begin() as session:
         session.enqueue(long)
-    worker = Worker(jobs, db, queues=["q"], lease=30)
+    worker = make_worker(jobs, db, queues=["q"], lease=30)
     with running(worker):
         assert worker.listening.wait(10)
         assert started.wait(10)
