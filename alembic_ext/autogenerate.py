@@ -27,7 +27,7 @@ from alembic.autogenerate import comparators
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
 
-from sqla_jobs.model import STORAGE_PARAMETERS
+from sqla_jobs.model import STORAGE_PARAMETERS, derived_name
 
 from .ops import CreateJobsTableOp, DropJobsTableOp
 
@@ -115,7 +115,7 @@ def _is_jobs_table(connection: sa.Connection, schema: str | None, table_name: st
         )
         """
     )
-    params = {"schema": schema, "table": table_name, "trigger": f"{table_name}_notify"}
+    params = {"schema": schema, "table": table_name, "trigger": derived_name(table_name, "notify")}
     return bool(connection.execute(query, params).scalar())
 
 

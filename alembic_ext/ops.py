@@ -328,4 +328,3 @@ def render_drop_jobs_table(autogen_context: AutogenContext, op: DropJobsTableOp)
     prefix = autogen_context.opts["alembic_module_prefix"] or ""
     schema = f", schema={op.schema!r}" if op.schema else ""
     return f"{prefix}drop_jobs_table({op.table_name!r}{schema})"
-

@@ -110,6 +110,22 @@ def notify_channel(table: sa.Table) -> str:
     return name
 
 
+def derived_name(table_name: str, suffix: str) -> str:
+    """``<table>_<suffix>``, the name of an index, constraint, trigger or companion table.
+
+    PostgreSQL cuts identifiers at 63 bytes, which would make two long names collide
+    (``..._claim`` and ``..._claim2`` cut to the same prefix). A name that would not fit
+    keeps a prefix of the table name and a short hash of all of it instead.
+    """
+    name = f"{table_name}_{suffix}"
+    if len(name.encode()) <= 63:
+        return name
+    digest = hashlib.sha1(table_name.encode()).hexdigest()[:8]
+    room = 63 - len(suffix) - len(digest) - 2
+    prefix = table_name.encode()[:room].decode(errors="ignore")
+    return f"{prefix}_{digest}_{suffix}"
+
+
 def _status_list(statuses: tuple[str, ...]) -> str:
     return ", ".join(f"'{s}'" for s in statuses)
 
@@ -177,29 +193,37 @@ def add_constraints(table: sa.Table) -> None:
     never collide."""
     name, c = table.name, table.c
     for constraint in (
-        sa.CheckConstraint(f"status IN ({_status_list(STATUSES)})", name=f"{name}_status"),
-        sa.CheckConstraint("priority >= 0", name=f"{name}_priority"),
-        sa.CheckConstraint("max_attempts >= 1", name=f"{name}_max_attempts"),
-        sa.CheckConstraint("attempts >= 0", name=f"{name}_attempts"),
+        sa.CheckConstraint(
+            f"status IN ({_status_list(STATUSES)})", name=derived_name(name, "status")
+        ),
+        sa.CheckConstraint("priority >= 0", name=derived_name(name, "priority")),
+        sa.CheckConstraint("max_attempts >= 1", name=derived_name(name, "max_attempts")),
+        sa.CheckConstraint("attempts >= 0", name=derived_name(name, "attempts")),
     ):
         table.append_constraint(constraint)
     # Index() given Column objects attaches itself to their table.
     sa.Index(
-        f"{name}_claim",
+        derived_name(name, "claim"),
         c.queue,
         sa.text("priority DESC"),
         c.run_at,
         c.id,
         postgresql_where=sa.text("status = 'ready'"),
     )
-    sa.Index(f"{name}_scheduled", c.run_at, postgresql_where=sa.text("status = 'scheduled'"))
-    sa.Index(f"{name}_running", c.locked_until, postgresql_where=sa.text("status = 'running'"))
     sa.Index(
-        f"{name}_finished",
+        derived_name(name, "scheduled"), c.run_at, postgresql_where=sa.text("status = 'scheduled'")
+    )
+    sa.Index(
+        derived_name(name, "running"),
+        c.locked_until,
+        postgresql_where=sa.text("status = 'running'"),
+    )
+    sa.Index(
+        derived_name(name, "finished"),
         c.finished_at,
         postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
     )
-    sa.Index(f"{name}_unique", c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
+    sa.Index(derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
@@ -217,7 +241,7 @@ def _qualified(table: sa.Table, name: str | None = None) -> str:
 
 def trigger_function_name(table: sa.Table) -> str:
     """The schema-qualified name of the table's notify trigger function."""
-    return _qualified(table, f"{table.name}_notify")
+    return _qualified(table, derived_name(table.name, "notify"))
 
 
 def ddl_statements(table: sa.Table) -> list[str]:
@@ -231,7 +255,7 @@ def ddl_statements(table: sa.Table) -> list[str]:
     """
     qualified = _qualified(table)
     function = trigger_function_name(table)
-    trigger = _quote(f"{table.name}_notify")
+    trigger = _quote(derived_name(table.name, "notify"))
     channel = notify_channel(table).replace("'", "''")
     params = ", ".join(f"{k} = {v}" for k, v in STORAGE_PARAMETERS.items())
     return [
@@ -289,7 +313,7 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         return existing  # type: ignore[no-any-return]
     metadata, schema, name = table.metadata, table.schema, table.name
     queues = sa.Table(
-        f"{name}_queues",
+        derived_name(name, "queues"),
         metadata,
         sa.Column("name", sa.Text, primary_key=True),
         sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
@@ -299,7 +323,7 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         schema=schema,
     )
     schedules = sa.Table(
-        f"{name}_schedules",
+        derived_name(name, "schedules"),
         metadata,
         sa.Column("name", sa.Text, primary_key=True),
         sa.Column("task", sa.Text, nullable=False),
@@ -317,7 +341,9 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         sa.Column(
             "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),
-        sa.Index(f"{name}_schedules_due", "next_run_at", postgresql_where=sa.text("enabled")),
+        sa.Index(
+            derived_name(name, "schedules_due"), "next_run_at", postgresql_where=sa.text("enabled")
+        ),
         schema=schema,
     )
     table.info["sqla_jobs_companions"] = (queues, schedules)

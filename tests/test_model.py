@@ -59,3 +59,24 @@ def test_notify_channels_are_distinct_and_fit_postgres_identifiers() -> None:
     a, b = notify_channel(A.__table__), notify_channel(B.__table__)
     assert a != b
     assert len(a.encode()) <= 63 and len(b.encode()) <= 63
+
+
+def test_long_table_names_get_distinct_fitting_derived_names() -> None:
+    from sqla_jobs.model import derived_name
+
+    class Base(DeclarativeBase):
+        pass
+
+    long = "a_very_long_jobs_table_name_that_goes_on_and_on_for_ages_x"  # 58 bytes
+
+    class A(JobMixin, Base):
+        __tablename__ = long + "1"
+
+    class B(JobMixin, Base):
+        __tablename__ = long + "2"
+
+    names_a = {i.name for i in A.__table__.indexes} | {derived_name(A.__tablename__, "notify")}
+    names_b = {i.name for i in B.__table__.indexes} | {derived_name(B.__tablename__, "notify")}
+    assert all(len(str(n).encode()) <= 63 for n in names_a | names_b)
+    assert not names_a & names_b
+    assert derived_name("jobs", "claim") == "jobs_claim"  # short names stay readable
