@@ -119,23 +119,8 @@ def add_schedule(
     :raises EnqueueError: an unknown task or arguments that do not fit it.
     """
     values = _values(jobs, name, task, cron, args, queue, priority, datetime.now(timezone.utc))
-    table = jobs.queries.schedules_table
-    stmt = pg_insert(table).values(**values, enabled=enabled, origin="runtime")
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[table.c.name],
-        set_={
-            "task": stmt.excluded.task,
-            "args": stmt.excluded.args,
-            "cron": stmt.excluded.cron,
-            "queue": stmt.excluded.queue,
-            "priority": stmt.excluded.priority,
-            "enabled": stmt.excluded.enabled,
-            "next_run_at": stmt.excluded.next_run_at,
-            "last_error": None,
-            "origin": "runtime",
-        },
-    )
-    session.execute(stmt)
+    values["enabled"] = enabled
+    _upsert(session, jobs, values, origin="runtime")
 
 
 def remove_schedule(session: sa.orm.Session | sa.Connection, jobs: Jobs, name: str) -> bool:
@@ -150,6 +135,33 @@ def list_schedules(session: sa.orm.Session | sa.Connection, jobs: Jobs) -> list[
     return list(session.execute(sa.select(table).order_by(table.c.name)))
 
 
+def _upsert(
+    session: sa.orm.Session | sa.Connection, jobs: Jobs, values: dict[str, Any], *, origin: str
+) -> None:
+    """Insert or update one schedule row.
+
+    A run-time schedule is replaced whole (its operator just said what it should be). A
+    code-declared one keeps its place in time unless its expression changed, so that
+    restarting workers never skips or repeats a tick, and keeps ``enabled`` as an operator
+    may have set it.
+    """
+    table = jobs.queries.schedules_table
+    stmt = pg_insert(table).values(**values, origin=origin)
+    new = stmt.excluded
+    changes: dict[str, Any] = {
+        name: new[name] for name in ("task", "args", "cron", "queue", "priority")
+    }
+    changes["origin"] = origin
+    if origin == "code":
+        changes["next_run_at"] = sa.case(
+            (table.c.cron.is_distinct_from(new.cron), new.next_run_at),
+            else_=sa.func.coalesce(table.c.next_run_at, new.next_run_at),
+        )
+    else:
+        changes.update(enabled=new.enabled, next_run_at=new.next_run_at, last_error=None)
+    session.execute(stmt.on_conflict_do_update(index_elements=[table.c.name], set_=changes))
+
+
 def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
     """Make the rows of code-declared schedules match the code (run at worker start).
 
@@ -162,24 +174,7 @@ def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
     declared = list(jobs.schedules.values())
     for s in declared:
         values = _values(jobs, s.name, s.task, s.cron, s.args, s.queue, s.priority, now)
-        stmt = pg_insert(table).values(**values, enabled=True, origin="code")
-        cron_changed = table.c.cron.is_distinct_from(stmt.excluded.cron)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[table.c.name],
-            set_={
-                "task": stmt.excluded.task,
-                "args": stmt.excluded.args,
-                "cron": stmt.excluded.cron,
-                "queue": stmt.excluded.queue,
-                "priority": stmt.excluded.priority,
-                "origin": "code",
-                "next_run_at": sa.case(
-                    (cron_changed, stmt.excluded.next_run_at),
-                    else_=sa.func.coalesce(table.c.next_run_at, stmt.excluded.next_run_at),
-                ),
-            },
-        )
-        conn.execute(stmt)
+        _upsert(conn, jobs, values, origin="code")
     conn.execute(
         sa.delete(table).where(
             table.c.origin == "code", table.c.name.not_in([s.name for s in declared])
