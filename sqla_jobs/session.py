@@ -105,12 +105,13 @@ class EnqueueMixin:
             unique=unique,
             unique_key=unique_key,
         )
+        inserted = True
         if "unique_key" in values:
-            job = insert_unique(_sync(self), registry, values)
+            job, inserted = insert_unique(_sync(self), registry, values)
         else:
             job = registry.model(**values)
             self.add(job)
-        if registry.events.wants("enqueued"):
+        if inserted and registry.events.wants("enqueued"):
             _announce(_sync(self), registry, [job])
         return job
 
@@ -176,19 +177,21 @@ def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
     return jobs  # type: ignore[no-any-return]
 
 
-def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> Any:
-    """INSERT a unique job now; return it, or the live job that holds its key."""
+def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
+    """INSERT a unique job now; return it (or the live job holding its key) and whether it
+    is new."""
     q = registry.queries
     connection = session.connection()
     for _ in range(5):
         job_id = connection.execute(q.insert_unique, values).scalar()
-        if job_id is None:
+        inserted = job_id is not None
+        if not inserted:
             # The key is held by a live job (committed: ON CONFLICT waits for an
             # uncommitted one to settle). It may finish before we look: then insert.
             job_id = connection.execute(q.live_by_key, {"key": values["unique_key"]}).scalar()
         if job_id is not None:
             with session.no_autoflush:
-                return session.get(registry.model, job_id)
+                return session.get(registry.model, job_id), inserted
     raise EnqueueError(f"unique key {values['unique_key']!r} keeps changing hands; try again")
 
 

@@ -567,3 +567,17 @@ def test_job_logs_carry_the_job_context(
     assert record.job_id == job.id  # type: ignore[attr-defined]
     assert (record.task, record.queue, record.attempt) == (broken.name, "q", 1)  # type: ignore[attr-defined]
     assert f"job {job.id} ({broken.name}, queue q, attempt 1/1): failed" in record.getMessage()
+
+
+def test_enqueued_fires_once_for_a_unique_job(Session: Any, jobs: Jobs) -> None:
+    seen: list[int] = []
+    jobs.events.connect("enqueued", lambda e: seen.append(e.job.id))
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(refresh, 1, unique=True)
+        session.enqueue(refresh, 1, unique=True)  # the same live job, handed back
+    assert len(seen) == 1
