@@ -40,6 +40,8 @@ compiled cache, psycopg's prepared statements, the server's buffers).
    back empty. Plain does no bookkeeping at all (no leases kept, no heartbeat, no
    per-job guard), so it is the ceiling for this claim/complete protocol. After each
    drain the table must be empty: every completion was written, not just run.
+   3b (information): the same drain by :class:`~sqla_jobs.aio.AsyncWorker` with the same
+   settings, over ``async def`` no-op jobs, next to the same plain figure.
 4. **idle pickup latency** (ms, p50/p95/p99): from the enqueuing ``COMMIT`` returning to the
    handler starting, both clocks ``time.perf_counter()`` in this process. The enqueue is
    the same plain psycopg ``INSERT; COMMIT`` for both sides, one job at a time, 2-5 ms
@@ -139,6 +141,7 @@ class App:
     jobs: Jobs
     noop: Task[Any, Any]
     ping: Task[Any, Any]
+    anoop: Task[Any, Any]
     #: Filled by the ``ping`` handler: sample number -> perf_counter() at handler start.
     started: dict[int, float] = field(default_factory=dict)
     arrived: threading.Condition = field(default_factory=threading.Condition)
@@ -174,9 +177,13 @@ def build_app(schema: str) -> App:
             app.started[n] = now
             app.arrived.notify_all()
 
+    async def anoop(i: int) -> None:
+        """The async twin of ``noop``, for the asyncio worker's drain (row 3b)."""
+
     noop_task: Task[Any, Any] = jobs.task(noop, name="bench.noop")
     ping_task: Task[Any, Any] = jobs.task(ping, name="bench.ping", queue="latency")
-    app = App(schema, Base.metadata, BenchJob, jobs, noop_task, ping_task)
+    anoop_task: Task[Any, Any] = jobs.task(anoop, name="bench.anoop", queue="async")
+    app = App(schema, Base.metadata, BenchJob, jobs, noop_task, ping_task, anoop_task)
     return app
 
 
@@ -212,7 +219,9 @@ def check_empty(admin: psycopg.Connection[Any], app: App) -> None:
         raise RuntimeError(f"{left} jobs left in the table after a drain")
 
 
-def preload(admin: psycopg.Connection[Any], app: App, n: int, queue: str = "default") -> None:
+def preload(
+    admin: psycopg.Connection[Any], app: App, n: int, queue: str = "default", task: str = ""
+) -> None:
     """``n`` ready no-op jobs in one statement, then vacuumed so both sides start alike."""
     reset(admin, app)
     admin.execute(
@@ -220,7 +229,7 @@ def preload(admin: psycopg.Connection[Any], app: App, n: int, queue: str = "defa
             "INSERT INTO {} (task, queue, args) "
             "SELECT %s, %s, jsonb_build_object('i', g) FROM generate_series(1, %s) AS g"
         ).format(app.qualified),
-        (app.noop.name, queue, n),
+        (task or app.noop.name, queue, n),
     )
     admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
 
@@ -420,6 +429,43 @@ def drain_ours(
         if timeout is not None:
             return -done / seconds
         raise RuntimeError(f"the worker ran {done} jobs, expected {n}")
+    return n / seconds
+
+
+def drain_ours_async(app: App, url: str, n: int, settings: tuple[int, int, int]) -> float:
+    """jobs/s of one ``AsyncWorker.run_until_empty()`` over ``n`` async no-op jobs."""
+    import asyncio
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncWorker
+
+    concurrency, claim_limit, completion_batch = settings
+
+    async def run() -> int:
+        engine = create_async_engine(url)
+        try:
+            worker = AsyncWorker(
+                app.jobs,
+                engine,
+                queues=["async"],
+                concurrency=concurrency,
+                claim_limit=claim_limit,
+                completion_batch=completion_batch,
+                listen=False,
+            )
+            return await worker.run_until_empty()
+        finally:
+            await engine.dispose()
+
+    done = 0
+
+    def go() -> None:
+        nonlocal done
+        done = asyncio.run(run())
+
+    seconds = timed(go)
+    if done != n:
+        raise RuntimeError(f"the asyncio worker ran {done} jobs, expected {n}")
     return n / seconds
 
 
@@ -922,6 +968,18 @@ def run_all(
             both(ours_drain, plain_drain, drain, k)
         rows.append(drain)
         progress(drain)
+
+        adrain = Row(f"3b. (info) drain {n:,} async no-op jobs with the AsyncWorker", "jobs/s")
+        adrain.plain = list(drain.plain)
+        sa_url = engine.url.render_as_string(hide_password=False)
+        preload(admin, app, warm, queue="async", task=app.anoop.name)
+        drain_ours_async(app, sa_url, warm, settings)
+        for _ in range(size.repeat):
+            preload(admin, app, n, queue="async", task=app.anoop.name)
+            adrain.ours.append(drain_ours_async(app, sa_url, n, settings))
+            check_empty(admin, app)
+        rows.append(adrain)
+        progress(adrain)
 
     if "5" in only:
         n = size.drain_jobs
