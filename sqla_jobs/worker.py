@@ -314,7 +314,10 @@ class Worker(WorkerBase):
             try:
                 outcome = self.execute(job)
             except BaseException as exc:  # the worker itself must never die of a handler
-                outcome = outcome_of(self.jobs.tasks.get(job.task) or _ANY, job, exc)
+                task = self.jobs.tasks.get(job.task)
+                outcome = (
+                    outcome_of(task, job, exc) if task else unknown_task(self.jobs, job, self.name)
+                )
             with self._lock:
                 self._running.pop(job.id, None)
                 self._free += 1
@@ -682,16 +685,3 @@ async def _with_timeout(task: Task[Any, Any], coro: Any) -> Any:
     if task.timeout is None:
         return await coro
     return await asyncio.wait_for(coro, task.timeout)
-
-
-class _AnyTask:
-    """Stand-in for outcome_of when a job's task vanished mid-run (never in practice)."""
-
-    name = "?"
-
-    @staticmethod
-    def retry(attempt: int) -> float:
-        return 60.0
-
-
-_ANY: Any = _AnyTask()
