@@ -232,9 +232,9 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             .values(next_run_at=following, last_run_at=latest, last_error=None)
         )
     if rows:
-        from .session import bulk_parameters
+        from .session import insert_rows
 
-        conn.execute(jobs.queries.bulk_insert, bulk_parameters(rows))
+        insert_rows(conn, jobs, rows)
     return len(rows)
 
 

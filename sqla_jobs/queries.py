@@ -246,46 +246,11 @@ class Queries:
         self.queues_table = queues_table
         self.paused = sa.select(queues_table.c.name).where(queues_table.c.paused)
 
-        # Is there anything left to do in these queues? (run_until_empty)
-        queues = sa.bindparam("queues", type_=ARRAY(sa.Text))
-        self.pending = sa.select(
-            sa.exists().where(
-                c.status.in_([_S["ready"], _S["running"]]), c.queue == sa.func.any(queues)
-            )
-        )
-
-        # Bulk enqueue: INSERT ... SELECT FROM unnest(:task, :queue, ...), one array per
-        # column, so the statement is the same whatever the batch size and is compiled
-        # once. ON CONFLICT skips rows whose unique key belongs to a live job
-        # (<table>_unique).
-        cols = _BULK_COLUMNS
-        rows = (
-            sa.func.unnest(*(sa.bindparam(name, type_=ARRAY(type_)) for name, type_ in cols))
-            .table_valued(*(name for name, _ in cols))
-            .render_derived(name="rows")
-        )
-        r = rows.c
-        self.bulk_insert = (
-            pg_insert(t)
-            .from_select(
-                [name for name, _ in cols],
-                sa.select(
-                    r.task,
-                    r.queue,
-                    sa.cast(r.args, JSONB),
-                    r.priority,
-                    r.max_attempts,
-                    r.status,
-                    sa.func.coalesce(r.run_at, sa.func.now()),
-                    r.unique_key,
-                ),
-            )
-            .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
-        )
-
-        # The same for a run of rows that differ only in their arguments and unique keys
-        # (what one enqueue_many call adds): the shared values go as scalars, so two arrays
-        # are built, sent and unnested instead of eight.
+        # Bulk enqueue of a run of jobs that differ only in their arguments and unique keys
+        # (what one enqueue_many call adds): INSERT ... SELECT FROM unnest(:args,
+        # :unique_key), the shared values as scalars. The statement is the same whatever
+        # the batch size, so it is compiled once, and only two arrays are built and sent.
+        # ON CONFLICT skips rows whose unique key belongs to a live job (<table>_unique).
         each = (
             sa.func.unnest(
                 sa.bindparam("args", type_=ARRAY(sa.Text)),
@@ -294,11 +259,11 @@ class Queries:
             .table_valued("args", "unique_key")
             .render_derived(name="rows")
         )
-        shared = {name: sa.bindparam(name, type_=type_) for name, type_ in cols}
-        self.bulk_insert_shared = (
+        shared = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
+        self.bulk_insert = (
             pg_insert(t)
             .from_select(
-                [name for name, _ in cols],
+                [name for name, _ in _BULK_COLUMNS],
                 sa.select(
                     shared["task"],
                     shared["queue"],

@@ -137,7 +137,7 @@ class EnqueueMixin:
         """
         registry = _registry(self, task)
         # One clock reading for the whole batch: with a delay, every row gets the same
-        # run_at, so the batch stays one run of bulk_insert_shared.
+        # run_at, so the batch stays one run of the bulk INSERT.
         now = _utcnow() if delay is not None else None
         rows = [
             registry.job_values(
@@ -261,13 +261,19 @@ def _insert_pending(session: Session) -> None:
     session.info[_PENDING_KEY] = {}
     connection = session.connection()
     for registry, rows in pending.items():
-        statement = registry.queries.bulk_insert_shared
-        for shared, run in itertools.groupby(rows, key=_shared_values):
-            same = list(run)
-            params = dict(zip(_SHARED, shared, strict=True))
-            params["args"] = [_dumps(r["args"]) for r in same]
-            params["unique_key"] = [r.get("unique_key") for r in same]
-            connection.execute(statement, params)
+        insert_rows(connection, registry, rows)
+
+
+def insert_rows(connection: Any, registry: Jobs, rows: list[dict[str, Any]]) -> None:
+    """INSERT checked job rows (from :meth:`Jobs.job_values`), one statement per run of
+    rows that share task, queue and options: one statement for an ``enqueue_many`` call."""
+    statement = registry.queries.bulk_insert
+    for shared, run in itertools.groupby(rows, key=_shared_values):
+        same = list(run)
+        params = dict(zip(_SHARED, shared, strict=True))
+        params["args"] = [_dumps(r["args"]) for r in same]
+        params["unique_key"] = [r.get("unique_key") for r in same]
+        connection.execute(statement, params)
 
 
 _SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at")
@@ -306,17 +312,3 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
 
 #: One encoder for every row: ``json.dumps(..., separators=...)`` builds one per call.
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
-
-
-def bulk_parameters(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Column-wise arrays for :attr:`Queries.bulk_insert`."""
-    return {
-        "task": [r["task"] for r in rows],
-        "queue": [r["queue"] for r in rows],
-        "args": [_dumps(r["args"]) for r in rows],
-        "priority": [r["priority"] for r in rows],
-        "max_attempts": [r["max_attempts"] for r in rows],
-        "status": [r["status"] for r in rows],
-        "run_at": [r.get("run_at") for r in rows],
-        "unique_key": [r.get("unique_key") for r in rows],
-    }
