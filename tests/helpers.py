@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -39,3 +41,16 @@ def count(engine: sa.Engine, model: Any = app.Job, **where: Any) -> int:
         stmt = stmt.where(t.c[key] == value)
     with engine.connect() as conn:
         return int(conn.execute(stmt).scalar_one())
+
+
+@contextlib.contextmanager
+def running(worker: Any) -> Iterator[Any]:
+    """A worker's ``run()`` in a thread for the duration of the block, stopped after it."""
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(15)
+        assert not thread.is_alive()

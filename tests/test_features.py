@@ -5,10 +5,8 @@ past), never waited for."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -31,20 +29,7 @@ from sqla_jobs.queries import interval
 from sqla_jobs.worker import CANCEL_PAYLOAD
 
 from . import app
-from .helpers import count, rows, wait_for
-
-
-@contextlib.contextmanager
-def running(worker: Worker) -> Iterator[Worker]:
-    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(15)
-        assert not thread.is_alive()
-
+from .helpers import count, rows, running, wait_for
 
 # -- unique jobs ------------------------------------------------------------------------
 

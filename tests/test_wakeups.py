@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -15,7 +13,7 @@ import sqlalchemy as sa
 from sqla_jobs import Jobs, Worker, current_job
 from sqla_jobs.queries import interval
 
-from .helpers import count, rows, wait_for
+from .helpers import count, rows, running, wait_for
 
 
 @pytest.fixture
@@ -28,17 +26,6 @@ def started(jobs: Jobs) -> dict[int, float]:
         times[current_job().id] = time.monotonic()
 
     return times
-
-
-@contextlib.contextmanager
-def running(worker: Worker) -> Iterator[Worker]:
-    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(10)
 
 
 @pytest.fixture
