@@ -48,6 +48,7 @@ from sqlalchemy.orm import Session
 
 from .execution import CANCEL_PAYLOAD
 from .model import LIVE_STATUSES, STATUSES, companion_tables, job_table, notify_channel
+from .queries import status_literal as _lit
 from .tasks import Jobs
 
 __all__ = [
@@ -550,11 +551,6 @@ def _registry_queues(jobs: JobSource) -> set[str]:
 
 def _execute(bind: Bind, stmt: sa.Executable, params: Mapping[str, Any] | None = None) -> Any:
     return bind.execute(stmt, dict(params or {}))
-
-
-def _lit(status: str) -> sa.ColumnElement[str]:
-    # A literal, not a bound parameter, so that the planner can match a partial index.
-    return sa.literal_column(f"'{status}'", sa.Text)
 
 
 def _names(value: OneOrMany, what: str) -> list[str] | None:

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from croniter import croniter
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from .cron import Schedule, check_cron, next_tick
 from .errors import EnqueueError
+from .queries import insert_rows
 
 if TYPE_CHECKING:
     from .tasks import Jobs, Task
@@ -44,34 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Schedule", "add_schedule", "check_cron", "list_schedules", "remove_schedule"]
 
 log = logging.getLogger("sqla_jobs.periodic")
-
-
-def check_cron(expression: str) -> str:
-    """Return the expression if croniter accepts it as five-field cron; raise otherwise."""
-    if not isinstance(expression, str) or len(expression.split()) != 5:
-        raise ValueError(f"invalid cron expression {expression!r}: expected five fields")
-    if not croniter.is_valid(expression):
-        raise ValueError(f"invalid cron expression {expression!r}")
-    return expression
-
-
-def next_tick(expression: str, after: datetime) -> datetime:
-    """The first tick strictly after ``after`` (UTC)."""
-    result = croniter(expression, after.astimezone(timezone.utc)).get_next(datetime)
-    assert isinstance(result, datetime)
-    return result
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A schedule declared in code with :meth:`Jobs.periodic`."""
-
-    name: str
-    task: str
-    cron: str
-    args: Mapping[str, Any] = field(default_factory=dict)
-    queue: str | None = None
-    priority: int | None = None
 
 
 def _values(
@@ -86,7 +57,7 @@ def _values(
 ) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"schedule name must be a non-empty string, got {name!r}")
-    check_cron(cron)
+    check_cron(cron, now=now)
     # The same checks as an enqueue: a schedule that could never make a valid job is
     # refused when it is stored.
     values = jobs.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
@@ -115,51 +86,23 @@ def add_schedule(
 ) -> None:
     """Add or replace the run-time schedule ``name`` (in the caller's transaction).
 
-    :raises ValueError: an invalid cron expression.
+    :raises ValueError: an invalid cron expression, or one that never fires.
     :raises EnqueueError: an unknown task or arguments that do not fit it.
     """
     values = _values(jobs, name, task, cron, args, queue, priority, datetime.now(timezone.utc))
-    values["enabled"] = enabled
-    _upsert(session, jobs, values, origin="runtime")
+    values.update(enabled=enabled, origin="runtime")
+    session.execute(jobs.queries.upsert_runtime_schedule, values)
 
 
 def remove_schedule(session: sa.orm.Session | sa.Connection, jobs: Jobs, name: str) -> bool:
     """Delete a schedule; True if there was one. Jobs it already enqueued stay."""
-    table = jobs.queries.schedules_table
-    result = session.execute(sa.delete(table).where(table.c.name == name).returning(table.c.name))
+    result = session.execute(jobs.queries.delete_schedule, {"schedule": name})
     return result.first() is not None
 
 
 def list_schedules(session: sa.orm.Session | sa.Connection, jobs: Jobs) -> list[Any]:
-    table = jobs.queries.schedules_table
-    return list(session.execute(sa.select(table).order_by(table.c.name)))
-
-
-def _upsert(
-    session: sa.orm.Session | sa.Connection, jobs: Jobs, values: dict[str, Any], *, origin: str
-) -> None:
-    """Insert or update one schedule row.
-
-    A run-time schedule is replaced whole (its operator just said what it should be). A
-    code-declared one keeps its place in time unless its expression changed, so that
-    restarting workers never skips or repeats a tick, and keeps ``enabled`` as an operator
-    may have set it.
-    """
-    table = jobs.queries.schedules_table
-    stmt = pg_insert(table).values(**values, origin=origin)
-    new = stmt.excluded
-    changes: dict[str, Any] = {
-        name: new[name] for name in ("task", "args", "cron", "queue", "priority")
-    }
-    changes["origin"] = origin
-    if origin == "code":
-        changes["next_run_at"] = sa.case(
-            (table.c.cron.is_distinct_from(new.cron), new.next_run_at),
-            else_=sa.func.coalesce(table.c.next_run_at, new.next_run_at),
-        )
-    else:
-        changes.update(enabled=new.enabled, next_run_at=new.next_run_at, last_error=None)
-    session.execute(stmt.on_conflict_do_update(index_elements=[table.c.name], set_=changes))
+    """Every schedule row (code-declared and run-time), by name."""
+    return list(session.execute(jobs.queries.list_schedules))
 
 
 def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
@@ -169,17 +112,19 @@ def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
     so restarting workers never skips or repeats a tick. Code schedules that the code no
     longer declares are deleted.
     """
-    table = jobs.queries.schedules_table
-    now = conn.execute(sa.select(sa.func.now())).scalar_one()
+    q = jobs.queries
+    now = conn.execute(q.now).scalar_one()
     declared = list(jobs.schedules.values())
     for s in declared:
-        values = _values(jobs, s.name, s.task, s.cron, s.args, s.queue, s.priority, now)
-        _upsert(conn, jobs, values, origin="code")
-    conn.execute(
-        sa.delete(table).where(
-            table.c.origin == "code", table.c.name.not_in([s.name for s in declared])
-        )
-    )
+        try:
+            values = _values(jobs, s.name, s.task, s.cron, s.args, s.queue, s.priority, now)
+        except (ValueError, EnqueueError) as exc:
+            # Checked at declaration already; a worker must start even if one is broken.
+            log.error("schedule %r: %s; skipped", s.name, exc)
+            continue
+        values["origin"] = "code"
+        conn.execute(q.upsert_code_schedule, values)
+    conn.execute(q.delete_undeclared, {"declared": [s.name for s in declared]})
 
 
 def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
@@ -187,22 +132,18 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
 
     Runs in the caller's transaction; the row locks (SKIP LOCKED) keep two workers from
     handling the same schedule, and the guarded ``next_run_at`` keeps a tick from firing
-    twice. Returns how many jobs were enqueued.
+    twice. A schedule that cannot be enqueued (a row written around the API, a task this
+    worker does not know) is logged, keeps its row with the reason in ``last_error``, and
+    waits for its next tick: it never stops the worker. Returns how many jobs were
+    enqueued.
     """
-    table = jobs.queries.schedules_table
-    now = conn.execute(sa.select(sa.func.now())).scalar_one()
-    due = conn.execute(
-        sa.select(table)
-        .where(table.c.enabled, table.c.next_run_at <= now)
-        .order_by(table.c.next_run_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True, key_share=True)
-    ).all()
+    q = jobs.queries
+    now = conn.execute(q.now).scalar_one()
     rows: list[dict[str, Any]] = []
-    for row in due:
+    for row in conn.execute(q.due_schedules, {"now": now, "limit": limit}).all():
         tick: datetime = row.next_run_at
         try:
-            check_cron(row.cron)
+            check_cron(row.cron, now=now)
             following = next_tick(row.cron, now)
             # The latest missed tick: walk forward from the due one (bounded).
             latest = tick
@@ -215,31 +156,30 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
                 row.task, (), dict(row.args), queue=row.queue, priority=row.priority
             )
         except (ValueError, EnqueueError) as exc:
-            # A row someone wrote around the API, or a task this worker does not know:
-            # keep the schedule, say why on it, and try again at the next tick.
             log.error("schedule %r: %s", row.name, exc)
             conn.execute(
-                sa.update(table)
-                .where(table.c.name == row.name)
-                .values(last_error=str(exc), next_run_at=_safe_next(row.cron, now))
+                q.schedule_failed,
+                {"schedule": row.name, "error": str(exc), "following": _safe_next(row.cron, now)},
             )
             continue
-        values["unique_key"] = f"periodic:{row.name}:{latest.isoformat()}"
+        values["unique_key"] = periodic_key(row.name, latest)
         rows.append(values)
         conn.execute(
-            sa.update(table)
-            .where(table.c.name == row.name, table.c.next_run_at == tick)
-            .values(next_run_at=following, last_run_at=latest, last_error=None)
+            q.advance_schedule,
+            {"schedule": row.name, "tick": tick, "following": following, "latest": latest},
         )
     if rows:
-        from .session import insert_rows
-
-        insert_rows(conn, jobs, rows)
+        insert_rows(conn, q, rows)
     return len(rows)
+
+
+def periodic_key(name: str, tick: datetime) -> str:
+    """The unique key of the job of one tick: a replayed tick cannot make a second job."""
+    return f"periodic:{name}:{tick.isoformat()}"
 
 
 def _safe_next(cron: str, now: datetime) -> datetime | None:
     try:
-        return next_tick(check_cron(cron), now)
+        return next_tick(check_cron(cron, now=now), now)
     except ValueError:
         return None

@@ -24,8 +24,6 @@ unit of work, so they do no I/O and need no ``await``.
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -34,6 +32,7 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .errors import EnqueueError
+from .queries import insert_rows
 from .tasks import Jobs, Task, _utcnow
 
 __all__ = ["EnqueueMixin", "JobSession"]
@@ -261,34 +260,7 @@ def _insert_pending(session: Session) -> None:
     session.info[_PENDING_KEY] = {}
     connection = session.connection()
     for registry, rows in pending.items():
-        insert_rows(connection, registry, rows)
-
-
-def insert_rows(connection: Any, registry: Jobs, rows: list[dict[str, Any]]) -> None:
-    """INSERT checked job rows (from :meth:`Jobs.job_values`), one statement per run of
-    rows that share task, queue and options: one statement for an ``enqueue_many`` call."""
-    statement = registry.queries.bulk_insert
-    for shared, run in itertools.groupby(rows, key=_shared_values):
-        same = list(run)
-        params = dict(zip(_SHARED, shared, strict=True))
-        params["args"] = [_dumps(r["args"]) for r in same]
-        params["unique_key"] = [r.get("unique_key") for r in same]
-        connection.execute(statement, params)
-
-
-_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at")
-
-
-def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What the rows of one enqueue_many call have in common."""
-    return (
-        row["task"],
-        row["queue"],
-        row["priority"],
-        row["max_attempts"],
-        row["status"],
-        row.get("run_at"),
-    )
+        insert_rows(connection, registry.queries, rows)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:
@@ -308,7 +280,3 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         # Committed rows were inserted already; rolled-back ones must not leak into the
         # session's next transaction.
         session.info.pop(_PENDING_KEY, None)
-
-
-#: One encoder for every row: ``json.dumps(..., separators=...)`` builds one per call.
-_dumps = json.JSONEncoder(separators=(",", ":")).encode

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 
+from .cron import Schedule, check_cron
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
 from .model import job_table
 
 if TYPE_CHECKING:
-    from .periodic import Schedule
     from .queries import Queries
 
 __all__ = ["Backoff", "Jobs", "RetryPolicy", "Task"]
@@ -283,8 +283,6 @@ class Jobs:
         Stack it on ``@jobs.task``. The expression and the arguments are checked here, at
         declaration: a bad one fails at import, not at 3 a.m. See :mod:`sqla_jobs.periodic`.
         """
-        from .periodic import Schedule, check_cron
-
         check_cron(cron)
 
         def register(task: Task[P, R]) -> Task[P, R]:

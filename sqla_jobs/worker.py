@@ -57,6 +57,7 @@ from .execution import (
     timed_out,
     unknown_task,
 )
+from .queries import batch_params
 from .session import insert_pending
 from .tasks import Jobs, Task
 
@@ -646,13 +647,8 @@ class Worker(WorkerBase):
     def _hand_back(self, jobs: list[ClaimedJob]) -> None:
         try:
             with self.engine.begin() as conn:
-                rows = conn.execute(
-                    self.q.hand_back,
-                    {"ids": [j.id for j in jobs], "attempt_list": [j.attempts for j in jobs]},
-                ).all()
-                for queue_name in {r.queue for r in rows}:
-                    conn.execute(sa.select(sa.func.pg_notify(self.q.channel, queue_name)))
-            log.info("worker %s: handed back %d unstarted jobs", self.name, len(rows))
+                rows = conn.execute(self.q.hand_back, batch_params(jobs)).all()
+            log.info("worker %s: handed back %d unstarted jobs", self.name, sum(r.n for r in rows))
         except sa.exc.DBAPIError as exc:
             log.warning(
                 "worker %s: could not hand back %d jobs (%s); they will be retried when "
