@@ -35,7 +35,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from . import maintenance, periodic
 from ._base import WorkerBase
-from .errors import EnqueueError
 from .execution import (
     CANCEL_PAYLOAD,
     ClaimedJob,
@@ -49,39 +48,12 @@ from .execution import (
     timed_out,
     unknown_task,
 )
-from .session import EnqueueMixin
+from .session import AsyncJobSession
 from .tasks import Jobs, Task
 
 __all__ = ["AsyncJobSession", "AsyncWorker"]
 
 log = logging.getLogger("sqla_jobs.worker")
-
-
-class AsyncJobSession(EnqueueMixin, AsyncSession):
-    """An ``AsyncSession`` with ``enqueue``; ``async_sessionmaker(..., class_=AsyncJobSession,
-    jobs=jobs)``.
-
-    A unique job must be inserted at once to know whether it is new, which on asyncio
-    means awaiting: use :meth:`enqueue_unique` for those.
-    """
-
-    def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("unique") or kwargs.get("unique_key") is not None:
-            raise EnqueueError(
-                "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
-                "on an AsyncSession"
-            )
-        return super().enqueue(task, *args, **kwargs)
-
-    async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-        """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited."""
-        if kwargs.get("unique_key") is None:
-            kwargs["unique"] = True
-
-        def run(sync_session: Any) -> Any:
-            return EnqueueMixin.enqueue(sync_session, task, *args, **kwargs)
-
-        return await self.run_sync(run)
 
 
 def _engine(bind: AsyncEngine | str, concurrency: int) -> AsyncEngine:

@@ -18,7 +18,7 @@ behalf.
 ``INSERT ... SELECT FROM unnest(...)`` statement, right after the session's next flush or,
 at the latest, when it commits, in the caller's transaction either way.
 
-Both work on ``AsyncSession`` (:class:`sqla_jobs.aio.AsyncJobSession`) too: they only add to the
+Both work on ``AsyncSession`` (:class:`AsyncJobSession`) too: they only add to the
 unit of work, so they do no I/O and need no ``await``.
 """
 
@@ -35,7 +35,7 @@ from .errors import EnqueueError
 from .queries import insert_rows
 from .tasks import Jobs, Task, _utcnow
 
-__all__ = ["EnqueueMixin", "JobSession"]
+__all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
 _JOBS_KEY = "sqla_jobs.jobs"
 _PENDING_KEY = "sqla_jobs.pending"
@@ -162,6 +162,41 @@ class EnqueueMixin:
 
 class JobSession(EnqueueMixin, Session):
     """A ``Session`` with ``enqueue``; ``sessionmaker(engine, class_=JobSession, jobs=jobs)``."""
+
+
+try:
+    from sqlalchemy.ext.asyncio import AsyncSession
+except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jobs[asyncio]'
+    pass
+else:
+
+    class AsyncJobSession(EnqueueMixin, AsyncSession):
+        """An ``AsyncSession`` with ``enqueue``; ``async_sessionmaker(...,
+        class_=AsyncJobSession, jobs=jobs)``.
+
+        ``enqueue`` and ``enqueue_many`` are plain methods, not coroutines: they only add to
+        the unit of work, and the INSERT happens at the (awaited) flush or commit. A unique
+        job must be inserted at once to know whether it is new, which on asyncio means
+        awaiting: use :meth:`enqueue_unique` for those.
+        """
+
+        def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("unique") or kwargs.get("unique_key") is not None:
+                raise EnqueueError(
+                    "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
+                    "on an AsyncSession"
+                )
+            return super().enqueue(task, *args, **kwargs)
+
+        async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
+            """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited."""
+            if kwargs.get("unique_key") is None:
+                kwargs["unique"] = True
+
+            def run(sync_session: Any) -> Any:
+                return EnqueueMixin.enqueue(sync_session, task, *args, **kwargs)
+
+            return await self.run_sync(run)
 
 
 def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:

@@ -291,7 +291,7 @@ def test_pytest_plugin_creates_the_tables_it_is_pointed_at_and_rolls_back(
     schema = f"sqla_jobs_plugin_{uuid.uuid4().hex[:8]}"
     (tmp_path / "user_app.py").write_text(USER_APP.format(schema=schema))
     (tmp_path / "test_user.py").write_text(USER_TESTS)
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["sqla_jobs.testing"]\n')
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["sqla_jobs.pytest_plugin"]\n')
     try:
         # Not pointed at any metadata: the plugin creates nothing.
         result = run_user_suite(tmp_path, "")
@@ -305,6 +305,16 @@ def test_pytest_plugin_creates_the_tables_it_is_pointed_at_and_rolls_back(
         )
         assert result.returncode == 0, result.stdout + result.stderr
         assert "2 passed" in result.stdout
+
+        # The plugin's former name still works, with a warning that says where it went.
+        (tmp_path / "conftest.py").write_text('pytest_plugins = ["sqla_jobs.testing"]\n')
+        result = run_user_suite(
+            tmp_path,
+            "sqla_jobs_metadata = user_app:Base\nsqla_jobs_registry = user_app:jobs\n",
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "2 passed" in result.stdout
+        assert "sqla_jobs.pytest_plugin" in result.stdout, result.stdout
     finally:
         with db.begin() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

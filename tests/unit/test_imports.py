@@ -1,0 +1,31 @@
+"""What a core install can import: no pytest, no greenlet (the extras are optional)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def import_without(module: str, blocked: str) -> subprocess.CompletedProcess[str]:
+    # A None entry in sys.modules makes any import of that name fail, as if not installed.
+    code = f"import sys; sys.modules[{blocked!r}] = None; import {module}; print('ok')"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked"),
+    [
+        ("sqla_jobs", "greenlet"),
+        ("sqla_jobs.testing", "pytest"),
+        ("sqla_jobs.testing", "greenlet"),
+        ("sqla_jobs.cli", "greenlet"),
+    ],
+)
+def test_imports_without_optional_packages(module: str, blocked: str) -> None:
+    result = import_without(module, blocked)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
