@@ -10,11 +10,18 @@ whose job was lost. Workers claim jobs with ``FOR NO KEY UPDATE SKIP LOCKED``.
 from __future__ import annotations
 
 from .db import create_async_engine, create_engine
-from .errors import EnqueueError, JobsError, PermanentError, Snooze, UnknownTaskError
+from .errors import (
+    EnqueueError,
+    JobsError,
+    PermanentError,
+    Snooze,
+    UnknownTaskError,
+    WorkerError,
+)
 from .model import STATUSES, JobMixin, JobStatus
 from .session import EnqueueMixin, JobSession
 from .tasks import Backoff, Jobs, Task
-from .worker import ClaimedJob, Worker, current_job
+from .worker import ClaimedJob, Worker, WorkerSettings, current_job
 
 __all__ = [
     "STATUSES",
@@ -32,6 +39,8 @@ __all__ = [
     "Task",
     "UnknownTaskError",
     "Worker",
+    "WorkerError",
+    "WorkerSettings",
     "create_async_engine",
     "create_engine",
     "current_job",

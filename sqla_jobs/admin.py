@@ -46,10 +46,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from .execution import CANCEL_PAYLOAD
 from .model import LIVE_STATUSES, STATUSES, companion_tables, job_table, notify_channel
 from .queries import status_literal as _lit
 from .tasks import Jobs
+from .worker.job import CANCEL_PAYLOAD
 
 __all__ = [
     "CANCELLABLE",

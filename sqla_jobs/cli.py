@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -32,6 +33,7 @@ import os
 import re
 import sys
 import time
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
@@ -40,8 +42,10 @@ import sqlalchemy as sa
 
 from . import admin
 from .db import create_engine
+from .errors import WorkerError
 from .model import STATUSES, job_table
 from .tasks import Jobs
+from .worker.settings import WorkerSettings
 
 __all__ = ["main"]
 
@@ -584,10 +588,9 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from .worker import Worker
-
     jobs = load_registry(args.registry)
     engine = engine_from(args)
+    settings = _worker_settings(args)
     if args.processes > 1:
         if args.until_empty:
             raise CommandError(
@@ -596,50 +599,107 @@ def cmd_worker(args: argparse.Namespace) -> int:
             )
         # Fail here, once, rather than in every child as it restarts.
         _check_table(engine, jobs)
-        from .supervisor import supervise
+        from .worker.supervisor import supervise
 
-        return supervise(_child_argv(args), args.processes, grace_period=args.grace_period)
-    worker = Worker(
-        jobs,
-        engine,
-        queues=args.queues,
-        concurrency=args.concurrency,
-        lease=args.lease,
-        poll_interval=args.poll_interval,
-        grace_period=args.grace_period,
-        listen=not args.no_listen,
-    )
+        child = ["-v"] * args.verbose
+        url = getattr(args, "database_url", None)
+        if url:
+            child += ["--database-url", url]
+        child += ["worker", args.registry, *settings.to_argv()]
+        if args.asyncio:
+            child.append("--asyncio")
+        return supervise(child, args.processes, grace_period=settings.grace_period)
     _check_table(engine, jobs)
-    if args.until_empty:
-        worker.run_until_empty()
-    else:
-        worker.run()
-    return 0
+    try:
+        if args.asyncio:
+            _run_async_worker(jobs, engine.url, settings, until_empty=args.until_empty)
+        else:
+            from .worker import Worker
+
+            worker = Worker(jobs, engine, settings)
+            if args.until_empty:
+                worker.run_until_empty()
+            else:
+                worker.run()
+    except WorkerError as exc:
+        raise CommandError(str(exc), EXIT_FAILURE) from None
+    return EXIT_OK
 
 
-def _child_argv(args: argparse.Namespace) -> list[str]:
-    """The command line of one supervised worker: these options, one process."""
-    argv = ["-v"] * args.verbose
-    url = getattr(args, "database_url", None)
-    if url:
-        argv += ["--database-url", url]
-    argv += [
-        "worker",
-        args.registry,
-        "--concurrency",
-        str(args.concurrency),
-        "--lease",
-        repr(args.lease),
-        "--poll-interval",
-        repr(args.poll_interval),
-        "--grace-period",
-        repr(args.grace_period),
-    ]
-    if args.queues:
-        argv += ["--queues", ",".join(args.queues)]
-    if args.no_listen:
-        argv.append("--no-listen")
-    return argv
+def _run_async_worker(
+    jobs: Jobs, url: sa.URL, settings: WorkerSettings, *, until_empty: bool
+) -> None:
+    import asyncio
+
+    from .db import create_async_engine
+    from .worker.aio import AsyncWorker
+
+    async def main() -> None:
+        engine = create_async_engine(url, pool_size=min(settings.concurrency, 32) + 4)
+        try:
+            worker = AsyncWorker(jobs, engine, settings)
+            if until_empty:
+                await worker.run_until_empty()
+            else:
+                await worker.run()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """The settings the command line gave (it has no defaults of its own)."""
+    given = {f.name: getattr(args, f.name) for f in _SETTING_FIELDS if hasattr(args, f.name)}
+    try:
+        return WorkerSettings(**given)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+_SETTING_FIELDS = dataclasses.fields(WorkerSettings)
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per WorkerSettings field, with its help and default from the field."""
+    hints = typing.get_type_hints(WorkerSettings)
+    for f in _SETTING_FIELDS:
+        flag = "--" + (f.metadata["cli"] or f.name.replace("_", "-"))
+        hint = hints[f.name]
+        help_text = f.metadata["help"]
+        if hint is bool:
+            # The only boolean setting defaults to True; its flag turns it off.
+            parser.add_argument(flag, dest=f.name, action="store_false", help=help_text)
+            continue
+        if f.default is not None:
+            help_text += (
+                f" (default: {f.default:g})"
+                if isinstance(f.default, float)
+                else (f" (default: {f.default})")
+            )
+        args = set(typing.get_args(hint)) - {type(None)} or {hint}
+        if any(typing.get_origin(a) is tuple for a in args):
+            convert: Callable[[str], Any] = _queues
+            metavar = "NAMES"
+        elif int in args:
+            convert, metavar = _number(int), "N"
+        elif float in args:
+            convert, metavar = _number(float), "SECONDS"
+        else:
+            convert, metavar = str, f.name.upper()
+        parser.add_argument(flag, dest=f.name, type=convert, metavar=metavar, help=help_text)
+
+
+def _number(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            word = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {word}: {text!r}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
 
 
 # -- the parser ---------------------------------------------------------------------------
@@ -702,44 +762,24 @@ def _add_worker(sub: Any) -> None:
         parents=[_common(target=False)],
         help="run a worker",
         description="Claim and run jobs until SIGINT or SIGTERM, then stop gracefully: "
-        "no new claims, running jobs get the grace period, unstarted ones are handed back.",
+        "no new claims, unstarted jobs are handed back, running jobs get the grace period "
+        "(then they are handed back too). Exit code 1 if a duty of the worker kept failing.",
+        argument_default=argparse.SUPPRESS,
     )
     worker.add_argument("registry", help="the Jobs registry, as module:attribute")
+    _add_setting_flags(worker)
     worker.add_argument(
-        "--queues",
-        type=_queues,
-        default=None,
-        help="comma-separated queues to serve (default: every queue of the registry's tasks)",
+        "--asyncio",
+        action="store_true",
+        default=False,
+        help="run the asyncio worker (async def handlers on one event loop; plain functions "
+        "in threads); needs pip install 'sqla-jobs[asyncio]'",
     )
     worker.add_argument(
-        "--concurrency",
-        type=_positive_int,
-        default=10,
-        help="handlers running at once (default: 10)",
-    )
-    worker.add_argument(
-        "--lease",
-        type=_positive_float,
-        default=30.0,
-        help="seconds a claim is held between heartbeats (default: 30)",
-    )
-    worker.add_argument(
-        "--poll-interval",
-        type=_positive_float,
-        default=1.0,
-        help="longest sleep between claims without a NOTIFY (default: 1)",
-    )
-    worker.add_argument(
-        "--grace-period",
-        type=float,
-        default=30.0,
-        help="seconds running jobs get to finish on stop (default: 30)",
-    )
-    worker.add_argument(
-        "--no-listen", action="store_true", help="poll only (for PgBouncer transaction pooling)"
-    )
-    worker.add_argument(
-        "--until-empty", action="store_true", help="stop once no job is ready (scripts, cron)"
+        "--until-empty",
+        action="store_true",
+        default=False,
+        help="stop once no job is ready (scripts, cron)",
     )
     worker.add_argument(
         "--processes",

@@ -8,6 +8,7 @@ __all__ = [
     "PermanentError",
     "Snooze",
     "UnknownTaskError",
+    "WorkerError",
 ]
 
 
@@ -21,6 +22,15 @@ class EnqueueError(JobsError, ValueError):
 
 class UnknownTaskError(EnqueueError, LookupError):
     """No task of that name is registered."""
+
+
+class WorkerError(JobsError):
+    """A worker stopped because one of its duties kept failing (see the log for why).
+
+    Raised by ``Worker.run()`` after the graceful shutdown; ``sqla-jobs worker`` exits
+    with code 1, so that a supervisor (systemd, Kubernetes, ``--processes``) starts a fresh
+    process instead of leaving one whose heartbeat or completer is dead.
+    """
 
 
 class Snooze(Exception):

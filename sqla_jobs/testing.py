@@ -32,18 +32,12 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from . import admin
-from .execution import (
-    FAIL,
-    SNOOZE,
-    ClaimedJob,
-    Outcome,
-    outcome_statements,
-)
-from .model import LIVE_STATUSES
-from .queries import interval
+from .model import LIVE_STATUSES, JobStatus
+from .queries import claim_params, interval
 from .session import insert_pending, pending_jobs, session_registry
 from .tasks import Jobs, Task
 from .worker import Worker
+from .worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_statements
 
 __all__ = [
     "EnqueuedJob",
@@ -205,8 +199,9 @@ def _call(args: dict[str, Any]) -> str:
 class JobRun:
     """One attempt run by :func:`run_queued_jobs`.
 
-    ``outcome`` is ``"done"``, ``"retry"`` (failed; another attempt is scheduled),
-    ``"dead"`` (failed; none is left, or the failure was permanent) or ``"snoozed"``.
+    ``outcome`` is named as the events are (:mod:`sqla_jobs.events`): ``"succeeded"``,
+    ``"retried"`` (failed; another attempt is scheduled), ``"dead"`` (failed; none is
+    left, or the failure was permanent) or ``"snoozed"``.
     """
 
     id: int
@@ -229,17 +224,22 @@ class RunSummary:
         return len(self.runs)
 
     @property
+    def succeeded(self) -> int:
+        return self._count("succeeded")
+
+    @property
     def done(self) -> int:
-        return self._count("done")
+        """Deprecated name of :attr:`succeeded` (0.1)."""
+        return self.succeeded
 
     @property
     def failed(self) -> int:
         """Failed attempts, whether they will be retried or not."""
-        return self._count("retry") + self._count("dead")
+        return self._count("retried") + self._count("dead")
 
     @property
     def retried(self) -> int:
-        return self._count("retry")
+        return self._count("retried")
 
     @property
     def dead(self) -> int:
@@ -252,12 +252,12 @@ class RunSummary:
     @property
     def errors(self) -> list[str]:
         """The tracebacks of the failed attempts, in order."""
-        return [r.error or "" for r in self.runs if r.outcome in ("retry", "dead")]
+        return [r.error or "" for r in self.runs if r.outcome in ("retried", "dead")]
 
     def raise_errors(self) -> None:
         """Fail the test with the tracebacks of the failed attempts, if there were any."""
         __tracebackhide__ = True
-        failed = [r for r in self.runs if r.outcome in ("retry", "dead")]
+        failed = [r for r in self.runs if r.outcome in ("retried", "dead")]
         if failed:
             parts = [
                 f"job {r.id} ({r.task}) attempt {r.attempt} failed ({r.outcome}):\n{r.error}"
@@ -270,8 +270,8 @@ class RunSummary:
 
     def __str__(self) -> str:
         return (
-            f"ran {self.ran}: {self.done} done, {self.retried} to retry, {self.dead} dead, "
-            f"{self.snoozed} snoozed"
+            f"ran {self.ran}: {self.succeeded} succeeded, {self.retried} retried, "
+            f"{self.dead} dead, {self.snoozed} snoozed"
         )
 
 
@@ -312,10 +312,7 @@ def run_queued_jobs(
     """
     bind = session.get_bind()
     engine = bind if isinstance(bind, sa.Engine) else bind.engine
-    worker = Worker(
-        jobs, engine, queues=list(queues) if queues else None, concurrency=1, listen=False
-    )
-    worker.name = "sqla_jobs.testing"
+    worker = Worker(jobs, engine, concurrency=1, listen=False, name="sqla_jobs.testing")
     q = jobs.queries
     table = jobs.table
     summary = RunSummary()
@@ -328,10 +325,8 @@ def run_queued_jobs(
         names = [n for n in (queues or _ready_queues(conn, table)) if n not in paused]
         claimed = False
         for name in names:
-            row = conn.execute(
-                q.claim,
-                {"queue_name": name, "limit": 1, "lease": interval(3600), "worker": worker.name},
-            ).first()
+            params = claim_params(name, 1, interval(3600), worker.name)
+            row = conn.execute(q.claim, dict(params)).first()
             if row is None:
                 continue
             claimed = True
@@ -358,14 +353,16 @@ def _flushed_connection(session: Session) -> sa.Connection:
 
 def _ready_queues(conn: sa.Connection, table: sa.Table) -> list[str]:
     c = table.c
-    stmt = sa.select(c.queue).where(c.status == "ready").distinct().order_by(c.queue)
+    stmt = sa.select(c.queue).where(c.status == JobStatus.READY).distinct().order_by(c.queue)
     return list(conn.execute(stmt).scalars())
 
 
 def _make_scheduled_due(conn: sa.Connection, table: sa.Table, queues: Sequence[str] | None) -> None:
     c = table.c
     stmt = (
-        sa.update(table).where(c.status == "scheduled").values(status="ready", run_at=sa.func.now())
+        sa.update(table)
+        .where(c.status == JobStatus.SCHEDULED)
+        .values(status=JobStatus.READY, run_at=sa.func.now())
     )
     if queues:
         stmt = stmt.where(c.queue.in_(list(queues)))
@@ -383,11 +380,11 @@ def _record(session: Session, q: Any, outcome: Outcome) -> JobRun:
     job = outcome.job
     conn = session.connection()
     # A settled outcome (written by the worker's own path) was a success.
-    result = "snoozed" if outcome.kind == SNOOZE else "done"
+    result = "snoozed" if outcome.kind is OutcomeKind.SNOOZED else "succeeded"
     for statement, params in outcome_statements(q, [outcome]):
         row = conn.execute(statement, params).first()
-        if outcome.kind == FAIL:
-            result = "dead" if row is not None and row.status == "dead" else "retry"
+        if outcome.kind is OutcomeKind.FAILED:
+            result = "dead" if row is not None and row.status == "dead" else "retried"
     return JobRun(job.id, job.task, job.queue, job.attempts, result, outcome.error)
 
 

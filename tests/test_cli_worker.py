@@ -111,7 +111,12 @@ def test_worker_errors_are_clear(db: sa.Engine, database_url: str) -> None:
             1,
             "cannot connect",
         ),
-        (["worker", "tests.app:jobs", "--concurrency", "0"], None, 2, "must be >= 1"),
+        (
+            ["worker", "tests.app:jobs", "--concurrency", "0"],
+            None,
+            2,
+            "concurrency must be an integer >= 1",
+        ),
     ]
     for argv, env, code, message in cases:
         result = subprocess.run(

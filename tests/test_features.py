@@ -23,10 +23,10 @@ from sqla_jobs import (
     current_job,
 )
 from sqla_jobs.events import JobEvent
-from sqla_jobs.maintenance import prune
 from sqla_jobs.periodic import add_schedule, enqueue_due, remove_schedule, sync_declared
 from sqla_jobs.queries import interval
 from sqla_jobs.worker import CANCEL_PAYLOAD
+from sqla_jobs.worker.db import prune
 
 from . import app
 from .helpers import count, rows, running, wait_for

@@ -167,13 +167,13 @@ def test_failures_retries_and_dead_jobs(Session: Any, jobs: Jobs) -> None:
         # Time stands still in a transaction: the retry and the snooze wait.
         assert (first.ran, first.retried, first.dead, first.snoozed) == (3, 1, 1, 1), first
         assert "ValueError: partner API down" in first.errors[0]
-        with pytest.raises(AssertionError, match="attempt 1 failed \\(retry\\)"):
+        with pytest.raises(AssertionError, match="attempt 1 failed \\(retried\\)"):
             first.raise_errors()
 
         # The snoozed job (which would snooze forever) is cancelled, the retry made due.
         admin.cancel_jobs(session, jobs, task=later.name)
         rest = run_queued_jobs(session, jobs, include_scheduled=True)
-        assert [r.outcome for r in rest.runs] == ["retry", "dead"]
+        assert [r.outcome for r in rest.runs] == ["retried", "dead"]
         assert calls == [1, 2, 3]
         [dead] = admin.list_jobs(session, jobs, task=flaky.name)
         assert (dead.status, dead.attempts) == ("dead", 3)

@@ -6,6 +6,7 @@ retries, the dead state, the attempts guard, unknown tasks, handler signals.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -14,7 +15,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import Backoff, Jobs, PermanentError, Snooze, Worker, create_engine, current_job
+from sqla_jobs import (
+    Backoff,
+    Jobs,
+    PermanentError,
+    Snooze,
+    Worker,
+    WorkerSettings,
+    create_engine,
+    current_job,
+)
 from sqla_jobs.queries import interval
 
 from . import app
@@ -359,8 +369,9 @@ def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
     assert count(db) == 0
 
 
+@pytest.mark.parametrize("driver", ["threads", "asyncio"])
 def test_stop_hands_back_claimed_jobs_that_never_started(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, driver: str
 ) -> None:
     @jobs.task(queue="q", max_attempts=3)
     def task() -> None:
@@ -368,18 +379,54 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
 
     with Session.begin() as session:
         session.enqueue_many(task, [{} for _ in range(4)])
-    worker = Worker(jobs, db, queues=["q"], concurrency=2, listen=False, grace_period=0)
-    # Claim without executors running: the two jobs wait in the worker's inbox, as they
-    # would if the stop came between the claim and their start.
-    assert worker._claim_free_slots() == 2
-    assert count(db, status="running") == 2
-    worker._shutdown()
+    notified = listen_for(db, jobs)
+    settings = WorkerSettings(queues=("q",), concurrency=2, listen=False, grace_period=0)
+    # The core's own claim and shutdown, driven with no handler running: the claimed jobs
+    # wait to start, as they would if the stop came between their claim and their start.
+    if driver == "threads":
+        worker = Worker(jobs, db, settings)
+        assert worker._drive(worker.core._claim()) == 2
+        assert count(db, status="running") == 2
+        worker._drive(worker.core.shutdown())
+        worker._claim_conn.close()
+    else:
+        from sqla_jobs import create_async_engine
+        from sqla_jobs.aio import AsyncWorker
+
+        async def main() -> None:
+            engine = create_async_engine(database_url)
+            worker = AsyncWorker(jobs, engine, settings)
+            assert await worker._drive(worker.core._claim()) == 2
+            assert count(db, status="running") == 2
+            await worker._drive(worker.core.shutdown())
+            await worker._claim_conn.close()
+            await engine.dispose()
+
+        asyncio.run(main())
     assert count(db, status="running") == 0
     handed_back = [r for r in rows(db) if r.attempts == 1]
     assert len(handed_back) == 2
-    # Ready at once, not after the lease, and the claim did not use up an attempt.
+    # Ready at once, not after the lease, the claim did not use up an attempt, and idle
+    # workers of the queue were woken.
     assert {(r.status, r.max_attempts, r.locked_by) for r in handed_back} == {("ready", 4, None)}
+    assert "q" in notified()
     assert len(claim(db, jobs, "q", limit=10)) == 4
+
+
+def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
+    """Start listening on the jobs channel; return a function that collects payloads."""
+    conn = engine.raw_connection()
+    raw: Any = conn.driver_connection
+    raw.autocommit = True
+    raw.execute(f'LISTEN "{jobs.queries.channel}"')
+
+    def collect() -> set[str]:
+        try:
+            return {n.payload for n in raw.notifies(timeout=1.0, stop_after=1)}
+        finally:
+            conn.close()
+
+    return collect
 
 
 def test_stop_lets_running_jobs_finish(
@@ -446,7 +493,9 @@ def test_worker_survives_losing_its_database_connections(
 
 
 def test_worker_rejects_bad_settings(jobs: Jobs, db: sa.Engine) -> None:
-    with pytest.raises(ValueError, match="concurrency"):
+    with pytest.raises(ValueError, match="concurrency must be an integer >= 1"):
         Worker(jobs, db, concurrency=0)
+    with pytest.raises(TypeError, match="unknown worker setting"):
+        Worker(jobs, db, concurrence=3)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="queue names"):
         Worker(jobs, db, queues=[""])

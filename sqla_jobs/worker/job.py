@@ -1,14 +1,16 @@
-"""What running one job means, shared by the threaded and the asyncio worker.
+"""One claimed job, and how a run of it ends.
 
 A worker claims rows; each becomes a :class:`ClaimedJob`. Running it yields an
-:class:`Outcome` (done, failed, snoozed), which the worker's completer turns into
-statements with :func:`outcome_statements`. Keeping this here means the two workers
-differ only in how they wait, never in what a job's result does to its row.
+:class:`Outcome`, which the worker's completer turns into statements
+(:func:`outcome_statements`). The names of the outcomes are those of the events
+(:mod:`sqla_jobs.events`) and of :class:`sqla_jobs.testing.JobRun`: a run *succeeded*,
+*failed* (and was then *retried* or is *dead*), was *snoozed*, or was *cancelled*.
 """
 
 from __future__ import annotations
 
 import contextvars
+import enum
 import logging
 import os
 import socket
@@ -22,22 +24,37 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .errors import PermanentError, Snooze
-from .queries import Queries, interval
+from ..errors import PermanentError, Snooze
+from ..queries import Queries, batch_params, fail_params, snooze_params
 
 if TYPE_CHECKING:
-    from .tasks import Jobs, Task
+    from ..tasks import Jobs, RetryPolicy, Task
 
-__all__ = ["ClaimedJob", "Outcome", "current_job"]
+__all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Outcome", "OutcomeKind", "current_job"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
 _MAX_ERROR_CHARS = 65536
 
-OK, FAIL, SNOOZE, SETTLED = "ok", "fail", "snooze", "settled"
-
 #: Payload of a NOTIFY that asks workers to heartbeat now: a running job was cancelled.
 CANCEL_PAYLOAD = "!cancel"
+
+
+class OutcomeKind(str, enum.Enum):
+    """How a run ended, as the completer records it."""
+
+    #: The handler returned: the job is done.
+    SUCCEEDED = "succeeded"
+    #: The handler raised (or ran out of time): retried later, or dead.
+    FAILED = "failed"
+    #: The handler raised :class:`~sqla_jobs.Snooze`: again later, the attempt not counted.
+    SNOOZED = "snoozed"
+    #: Nothing left to write: a transactional run committed (or rolled back) its own
+    #: completion, or the run was cancelled and its row is no longer this worker's.
+    SETTLED = "settled"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(eq=False)
@@ -58,13 +75,22 @@ class ClaimedJob:
     cancel_reason: str | None = field(default=None, repr=False)
     #: ``time.monotonic()`` when the handler started (0 until then).
     started: float = field(default=0.0, repr=False)
+    #: Set by the worker once this claim's fate is decided (its outcome recorded, handed
+    #: back, or committed by a transactional run): no later event may decide it again.
+    settled: bool = field(default=False, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(id, attempts)``: this claim of this job, as the guard names it."""
+        return (self.id, self.attempts)
 
     @property
     def cancelled(self) -> threading.Event:
         """Set when this run should stop: the job was cancelled, its lease was lost to
-        another worker, or it ran out of time. A long handler checks it between steps (or
-        waits on it) and returns early; whatever it returns afterwards is ignored.
+        another worker, it ran out of time, or the worker is stopping and the grace period
+        is over. A long handler checks it between steps (or waits on it) and returns
+        early; whatever it returns afterwards is ignored.
 
         Made on first use: the fetch loop builds a ClaimedJob per claimed row, and a
         ``threading.Event`` (a Condition and a Lock) per row cost a fifth of the drain's
@@ -117,11 +143,16 @@ def reset_current(token: contextvars.Token[ClaimedJob]) -> None:
 class Outcome:
     """The result of one run, as the completer writes it."""
 
-    kind: str
+    kind: OutcomeKind
     job: ClaimedJob
     error: str | None = None
     delay: float = 0.0
     permanent: bool = False
+
+    @property
+    def dead(self) -> bool:
+        """A failure that leaves no attempt (or was permanent)."""
+        return self.kind is OutcomeKind.FAILED and (self.permanent or self.job.is_last_attempt)
 
 
 def job_log(level: int, job: ClaimedJob, message: str, *args: Any) -> None:
@@ -151,7 +182,7 @@ def format_error(exc: BaseException) -> str:
     return text
 
 
-def retry_delay(policy: Any, job: ClaimedJob, name: str) -> float:
+def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
     """Seconds before the next attempt; a broken retry policy must not lose the job."""
     try:
         return max(0.0, float(policy(job.attempts)))
@@ -165,7 +196,7 @@ def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
     retry policy, so a deploy that lags behind loses nothing."""
     job_log(logging.ERROR, job, "unknown task, failing it")
     return Outcome(
-        FAIL,
+        OutcomeKind.FAILED,
         job,
         error=f"unknown task {job.task!r}: no handler of that name is registered in "
         f"worker {worker}",
@@ -176,20 +207,23 @@ def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
 def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None) -> Outcome:
     """Map how a handler ended to an outcome."""
     if exc is None:
-        return Outcome(OK, job)
+        return Outcome(OutcomeKind.SUCCEEDED, job)
     if isinstance(exc, Snooze):
-        return Outcome(SNOOZE, job, delay=exc.delay)
+        return Outcome(OutcomeKind.SNOOZED, job, delay=exc.delay)
     if isinstance(exc, PermanentError):
-        return Outcome(FAIL, job, error=format_error(exc), permanent=True)
+        return Outcome(OutcomeKind.FAILED, job, error=format_error(exc), permanent=True)
     job_log(logging.INFO, job, "failed: %r", exc)
     return Outcome(
-        FAIL, job, error=format_error(exc), delay=retry_delay(task.retry, job, task.name)
+        OutcomeKind.FAILED,
+        job,
+        error=format_error(exc),
+        delay=retry_delay(task.retry, job, task.name),
     )
 
 
 def timed_out(task: Task[Any, Any], job: ClaimedJob) -> Outcome:
     return Outcome(
-        FAIL,
+        OutcomeKind.FAILED,
         job,
         error=f"TimeoutError: task {task.name!r} ran longer than its timeout of {task.timeout}s",
         delay=retry_delay(task.retry, job, task.name),
@@ -197,56 +231,23 @@ def timed_out(task: Task[Any, Any], job: ClaimedJob) -> Outcome:
 
 
 def outcome_statements(
-    q: Queries, batch: Iterable[Outcome]
+    queries: Queries, batch: Iterable[Outcome]
 ) -> list[tuple[sa.Executable, dict[str, Any]]]:
-    """The statements that record a batch: one for all completions, one per failure."""
+    """The statements that record a batch: one for all successes, one per failure or
+    snooze. Each is guarded, so running them again after a partial failure is harmless."""
     statements: list[tuple[sa.Executable, dict[str, Any]]] = []
-    ok = [o.job for o in batch if o.kind == OK]
-    if ok:
-        statements.append(
-            (q.complete, {"ids": [j.id for j in ok], "attempt_list": [j.attempts for j in ok]})
-        )
+    done = [o.job for o in batch if o.kind is OutcomeKind.SUCCEEDED]
+    if done:
+        statements.append((queries.complete, dict(batch_params(done))))
     for o in batch:
-        if o.kind == FAIL:
-            statements.append(
-                (
-                    q.fail,
-                    {
-                        "job_id": o.job.id,
-                        "attempt": o.job.attempts,
-                        "error": o.error,
-                        "delay": interval(o.delay),
-                        "permanent": o.permanent,
-                    },
-                )
-            )
-        elif o.kind == SNOOZE:
-            statements.append(
-                (
-                    q.snooze,
-                    {"job_id": o.job.id, "attempt": o.job.attempts, "delay": interval(o.delay)},
-                )
-            )
+        if o.kind is OutcomeKind.FAILED:
+            params = fail_params(o.job, o.error or "", o.delay, permanent=o.permanent)
+            statements.append((queries.fail, dict(params)))
+        elif o.kind is OutcomeKind.SNOOZED:
+            statements.append((queries.snooze, dict(snooze_params(o.job, o.delay))))
     return statements
-
-
-def complete_one_params(job: ClaimedJob) -> dict[str, Any]:
-    """Parameters of the batch completion, for a batch of one (transactional tasks)."""
-    return {"ids": [job.id], "attempt_list": [job.attempts]}
 
 
 def worker_name() -> str:
     """Unique per worker: host, pid and a random suffix (several workers per process)."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def default_queues(jobs: Jobs, queues: Iterable[str] | None) -> list[str]:
-    names = (
-        list(queues)
-        if queues
-        else sorted({t.queue for t in jobs.tasks.values()} or {jobs.default_queue})
-    )
-    for name in names:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"queue names must be non-empty strings, got {name!r}")
-    return names

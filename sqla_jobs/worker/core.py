@@ -1,0 +1,914 @@
+"""Every decision a worker makes, once, for both the threaded and the asyncio worker.
+
+The core does no I/O and never waits. Its loops (the fetch loop and the side duties) are
+generators that *yield steps*: "run this statement function on the claim connection",
+"sleep until woken or 0.4 s", "give me the next batch of outcomes". A driver
+(:mod:`.threaded` or :mod:`.aio`) carries each step out in its own way (blocking calls in
+threads, or awaits on an event loop) and sends the result back in, or throws the error
+in. So what to claim, when to sleep, how long to back off, which jobs were lost, what a
+timeout means, what to hand back at shutdown: all of it lives here, and the two workers
+cannot drift apart. A driver keeps only how it waits, how it runs a handler, and how it
+stops.
+
+The statement functions the steps name are in :mod:`.db`; they take a plain
+``Connection``, and the asyncio driver runs them through ``AsyncConnection.run_sync``
+(SQLAlchemy's own bridge, and the same greenlet switch that ``AsyncConnection.execute``
+makes anyway).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import sqlalchemy as sa
+
+from ..errors import WorkerError
+from ..queries import claim_params, interval
+from . import db
+from .job import (
+    CANCEL_PAYLOAD,
+    ClaimedJob,
+    Outcome,
+    OutcomeKind,
+    job_log,
+    outcome_of,
+    reset_current,
+    set_current,
+    timed_out,
+    unknown_task,
+    worker_name,
+)
+from .settings import WorkerSettings, check_queue_name
+
+if TYPE_CHECKING:
+    import contextvars
+
+    from ..tasks import Jobs, Task
+    from .db import Refresh
+
+__all__ = ["Driver", "WorkerCore"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+#: Consecutive unexpected (non-database) errors after which a duty stops the worker.
+MAX_DUTY_FAILURES = 5
+
+
+# -- steps: what a driver is asked to do ------------------------------------------------
+
+
+class Conn(enum.Enum):
+    """Where a statement function runs."""
+
+    #: The fetch loop's held autocommit connection: one round trip per claim.
+    CLAIM = "claim"
+    #: The completer's held autocommit connection: one round trip per batch.
+    WRITE = "write"
+    #: A pooled connection in a transaction of its own, committed when the function returns.
+    TX = "tx"
+
+
+@dataclass(frozen=True, slots=True)
+class Io:
+    """Run ``fn(connection, *args)`` and send back what it returns."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    on: Conn
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait until woken (a NOTIFY, a freed slot, a stop) or ``seconds`` pass."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Wait ``seconds`` (cut short by a stop when ``stoppable``)."""
+
+    seconds: float
+    stoppable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WaitWritten:
+    """Wait until every recorded outcome has been written."""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOutcomes:
+    """Wait for outcomes; then up to ``within`` seconds more to gather up to ``limit``.
+    Sends back the batch, or None once the worker is stopping and nothing is left."""
+
+    limit: int
+    within: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Wait ``seconds`` or until poked; send back whether poked, or None to end the duty
+    (the worker stops and nothing runs any more)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WaitIdle:
+    """Wait until no handler runs, at most ``seconds``; send back whether idle."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Open the dedicated connection and LISTEN on ``channel``."""
+
+    channel: str
+
+
+@dataclass(frozen=True, slots=True)
+class Notifications:
+    """Send back the payloads that arrive within ``timeout`` (returns at the first)."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class CallHandler:
+    """Call the running job's handler with the transactional session (``session=``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OnSession:
+    """Run ``fn(session, *args)`` on the transactional session."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Commit the transactional session."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Roll the transactional session back."""
+
+
+Step = (
+    Io
+    | Sleep
+    | Pause
+    | WaitWritten
+    | TakeOutcomes
+    | Tick
+    | WaitIdle
+    | Listen
+    | Notifications
+    | CallHandler
+    | OnSession
+    | Commit
+    | Rollback
+)
+Steps = Generator[Step, Any, Any]
+
+
+class Driver(Protocol):
+    """What a driver does for the core without waiting (called from any of its threads)."""
+
+    def dispatch(self, claimed: list[ClaimedJob]) -> None:
+        """Start running these claims (their rows are committed as running)."""
+
+    def record(self, outcome: Outcome) -> None:
+        """Hand an outcome to the completer."""
+
+    def interrupt(self, job: ClaimedJob) -> None:
+        """Stop this job's handler if the driver can (an asyncio task can be cancelled;
+        a thread cannot, and is left to notice ``job.cancelled``)."""
+
+    def wake(self) -> None:
+        """Wake the fetch loop from its :class:`Sleep`."""
+
+    def poke(self) -> None:
+        """End the heartbeat's :class:`Tick` now."""
+
+    def written(self) -> None:
+        """Outcomes were written (ends :class:`WaitWritten` when none is left)."""
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """Errors the database or the pool raise, which a worker waits out: never fatal.
+
+    Everything SQLAlchemy raises, including a pool ``TimeoutError`` (not a ``DBAPIError``).
+    """
+    return isinstance(exc, sa.exc.SQLAlchemyError)
+
+
+def describe(exc: BaseException) -> str:
+    """One line about an error, without the SQL statement SQLAlchemy puts in its message."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+        text = str(exc.orig).strip() or type(exc.orig).__name__
+        return f"{type(exc.orig).__name__}: {text.splitlines()[0]}"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def retry_pause(failures: int, exc: BaseException) -> float:
+    """Seconds to wait after ``failures`` consecutive database errors.
+
+    The first failure of a held connection that the server dropped (a restart, a
+    terminated backend) is retried at once on a fresh one. Failures to reach the server
+    back off to at most a second, so a worker is back within about a second of the server
+    accepting connections again; other errors (a missing table) back off to 30 s.
+    """
+    if failures <= 1 and getattr(exc, "connection_invalidated", False):
+        return 0.0
+    reach = isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError))
+    cap = 1.0 if reach else 30.0
+    return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))
+
+
+def default_queues(jobs: Jobs, queues: Iterable[str] | None) -> list[str]:
+    """The queues to serve: those given, or every queue a registered task names."""
+    names = (
+        list(queues)
+        if queues
+        else sorted({t.queue for t in jobs.tasks.values()} or {jobs.default_queue})
+    )
+    for name in names:
+        check_queue_name(name)
+    return names
+
+
+# -- the core ---------------------------------------------------------------------------
+
+
+class WorkerCore:
+    """The state of one worker and every decision about it."""
+
+    def __init__(self, jobs: Jobs, settings: WorkerSettings, driver: Driver) -> None:
+        self.jobs = jobs
+        self.settings = settings
+        self.driver = driver
+        self.queries = jobs.queries
+        self.name = settings.name or worker_name()
+        self.queues = default_queues(jobs, settings.queues)
+        self.lease = interval(settings.lease)
+        #: Set while the listener holds its LISTEN (tests and health checks wait on it).
+        self.listening = threading.Event()
+        #: Jobs whose handler has ended, whatever their outcome.
+        self.processed = 0
+        self.stopping = False
+        self.until_empty = False
+        self._lock = threading.Lock()
+        self._running: dict[tuple[int, int], ClaimedJob] = {}
+        self._free = settings.concurrency
+        self._unwritten = 0
+        self._poked = False
+        self._last_beat = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh schedule state for a new run (a worker may be run more than once)."""
+        self.stopping = False
+        self.more = False
+        self._saturated = False
+        self._next_due: float | None = None
+        self._next_refresh = 0.0
+        self._next_rescue = 0.0
+        self._next_prune = 0.0
+        self._paused: frozenset[str] = frozenset()
+        self._turn = 0
+
+    # -- slots and the running set -----------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    @property
+    def idle(self) -> bool:
+        """No handler runs (every slot is free)."""
+        return self._free == self.settings.concurrency
+
+    @property
+    def unwritten(self) -> int:
+        return self._unwritten
+
+    @property
+    def running(self) -> int:
+        """Claims this worker is running and has not settled."""
+        return len(self._running)
+
+    def claimed(self, rows: Iterable[Any]) -> list[ClaimedJob]:
+        """Claimed rows become running jobs, each holding a slot."""
+        claimed = [ClaimedJob(*row, worker=self.name) for row in rows]  # type: ignore[misc]
+        with self._lock:
+            self._free -= len(claimed)
+            self._saturated = self._free <= 0
+            for job in claimed:
+                self._running[job.key] = job
+        return claimed
+
+    def finished(self, job: ClaimedJob, outcome: Outcome | None) -> None:
+        """A handler ended (or its task did). Frees the slot, and records the outcome
+        unless the claim was settled meanwhile (timed out, cancelled, handed back, or
+        committed by its transactional run)."""
+        with self._lock:
+            if self._running.get(job.key) is job:
+                del self._running[job.key]
+            self._free += 1
+            self.processed += 1
+            wake = self._saturated or self.until_empty
+            self._saturated = False
+            record = (
+                outcome is not None
+                and outcome.kind is not OutcomeKind.SETTLED
+                and not job.settled
+                and not job.is_cancelled
+            )
+            if record:
+                job.settled = True
+                self._unwritten += 1
+        if record:
+            assert outcome is not None
+            self.driver.record(outcome)
+        if wake:
+            self.driver.wake()
+
+    def _take(self, which: Callable[[ClaimedJob], bool]) -> list[ClaimedJob]:
+        """Remove matching unsettled claims from the running set, settled."""
+        with self._lock:
+            taken = [j for j in self._running.values() if not j.settled and which(j)]
+            for job in taken:
+                del self._running[job.key]
+                job.settled = True
+        return taken
+
+    # -- running one job ---------------------------------------------------------------
+
+    def start(self, job: ClaimedJob) -> Run | Outcome | None:
+        """Called by the driver just before it runs a handler.
+
+        Returns a :class:`Run` to carry out, an outcome to record at once (an unknown
+        task), or None when the claim was handed back before it started (skip it).
+        """
+        with self._lock:
+            if job.settled:
+                return None
+            job.started = time.monotonic()
+        task = self.jobs.tasks.get(job.task)
+        if task is None:
+            return unknown_task(self.jobs, job, self.name)
+        token = set_current(job)
+        self.jobs.events.fire("started", job)
+        return Run(self, task, job, token)
+
+    def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
+        """The outcome of a run, with its events fired and a debug line logged."""
+        with self._lock:
+            settled = job.settled
+        if settled:  # a timeout or a shutdown decided this claim already, events and all
+            return Outcome(OutcomeKind.SETTLED, job)
+        outcome = outcome_of(task, job, error)
+        duration = time.monotonic() - job.started
+        job_log(logging.DEBUG, job, "%s after %.3fs", outcome.kind, duration)
+        events = self.jobs.events
+        if job.is_cancelled:
+            events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+        else:
+            self._fire_outcome(outcome, duration, error)
+        return outcome
+
+    def _fire_outcome(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
+        events, job = self.jobs.events, outcome.job
+        if outcome.kind is OutcomeKind.SUCCEEDED:
+            events.fire("succeeded", job, duration=duration)
+        elif outcome.kind is OutcomeKind.FAILED:
+            events.fire("failed", job, duration=duration, error=error)
+            name = "dead" if outcome.dead else "retried"
+            events.fire(name, job, duration=duration, error=error)
+
+    def settle(self, job: ClaimedJob) -> bool:
+        """A transactional run is about to COMMIT its completion: from now on the
+        heartbeat must not take the job's disappearing row for a lost lease. False if the
+        claim was settled already (timed out, handed back): then roll back instead."""
+        with self._lock:
+            if job.settled:
+                return False
+            job.settled = True
+            return True
+
+    def unsettle(self, job: ClaimedJob) -> None:
+        """The COMMIT failed: the claim is open again, and its failure must be recorded."""
+        with self._lock:
+            job.settled = False
+
+    def transactional(self, run: Run) -> Generator[Step, Any, Outcome]:
+        """A transactional task: the handler's writes and the job's completion commit in
+        one transaction, on a session the driver opens for this run.
+
+        The completion is guarded by (id, attempts) like any other: if this claim was lost
+        (the lease passed and another worker took the job, or it was cancelled), it matches
+        no row, and the handler's writes roll back with it. Database effects happen
+        exactly once.
+        """
+        job = run.job
+        try:
+            yield CallHandler()
+            done = yield OnSession(db.complete_in, (self.queries, job))
+        except BaseException as exc:  # the handler's own, or a database error
+            yield Rollback()
+            return run.end(exc)
+        if not done:
+            yield Rollback()
+            return run.lost()
+        if not self.settle(job):
+            yield Rollback()  # timed out or handed back meanwhile: that decision stands
+            return run.end(None)
+        try:
+            yield Commit()
+        except BaseException as exc:
+            self.unsettle(job)
+            return run.end(exc)
+        return run.committed()
+
+    # -- the fetch loop ----------------------------------------------------------------
+
+    def fetch(self, *, wait_scheduled: float = 0.0, deadline: float | None = None) -> Steps:
+        """Claim, run maintenance, sleep; until stopped (or, ``until_empty``, until no job is
+        ready or running here and none falls due within ``wait_scheduled`` seconds)."""
+        failures = 0
+        while not self.stopping:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            try:
+                yield from self._maintain()
+                yield from self._claim()
+                if self.until_empty and not self.more and self.idle:
+                    # Outcomes may still be in flight (a retry not yet scheduled): write
+                    # them, refresh, and look once more before calling it empty.
+                    yield WaitWritten()
+                    self._next_refresh = 0.0
+                    yield from self._maintain()
+                    if not (yield from self._claim()) and not self._due_soon(wait_scheduled):
+                        return
+                failures = 0
+            except Exception as exc:
+                if not is_database_error(exc):
+                    raise
+                failures += 1
+                pause = retry_pause(failures, exc)
+                log.warning(
+                    "worker %s: database error, retrying in %.2fs: %s",
+                    self.name,
+                    pause,
+                    describe(exc),
+                )
+                yield Pause(pause)
+                continue
+            if not self.more:
+                yield Sleep(self._sleep_for())
+
+    def _claim_order(self) -> list[str]:
+        """The queues to claim from this round: unpaused ones, starting from a rotating one
+        so that no queue always goes first."""
+        queues = [q for q in self.queues if q not in self._paused]
+        if not queues:
+            return []
+        start = self._turn % len(queues)
+        self._turn = start + 1
+        return queues[start:] + queues[:start]
+
+    def _claim(self) -> Generator[Step, Any, int]:
+        """Claim up to the free slots, queue by queue; dispatch each claim at once.
+
+        Sets ``more`` when a queue gave as many jobs as asked (there may be more right
+        now), and marks the worker saturated when no slot is left (a finishing job must
+        then wake the loop). Otherwise the queues are drained for the moment.
+        """
+        self.more = False
+        free = self._free
+        if free <= 0:
+            with self._lock:
+                self._saturated = True
+            return 0
+        total = 0
+        for queue in self._claim_order():
+            want = min(free - total, self.settings.claim_limit)
+            if want <= 0:
+                break
+            # One statement in autocommit: it has committed when it returns. Only now may
+            # the jobs start: a completion written before the claim is visible would find
+            # the row still 'ready' and match nothing.
+            params = claim_params(queue, want, self.lease, self.name)
+            rows = yield Io(db.claim, (self.queries, params), Conn.CLAIM)
+            if len(rows) == want:
+                self.more = True
+            if rows:
+                self.driver.dispatch(self.claimed(rows))
+                total += len(rows)
+        return total
+
+    def maintain(self) -> Steps:
+        """Run the maintenance now, whatever its schedule says."""
+        self._next_refresh = 0.0
+        yield from self._maintain()
+
+    def _maintain(self) -> Steps:
+        """The shared maintenance, when due: every poll interval, or once a known due time
+        has passed. Retention runs every ``prune_interval`` in one elected worker."""
+        now = time.monotonic()
+        due = self._next_due is not None and now >= self._next_due
+        if now < self._next_refresh and not due:
+            return
+        rescue = now >= self._next_rescue
+        result: Refresh = yield Io(db.refresh, (self.jobs, rescue), Conn.TX)
+        now = time.monotonic()
+        if rescue:
+            self._next_rescue = now + self.settings.rescue_every
+        self._paused = result.paused
+        self._next_refresh = now + self.settings.poll_interval
+        self._next_due = None if result.due_in is None else now + max(0.0, result.due_in)
+        if now >= self._next_prune:
+            self._next_prune = now + self.settings.prune_interval
+            pruned = yield from self.prune()
+            if pruned:
+                log.info("worker %s: pruned %d finished jobs", self.name, pruned)
+
+    def prune(self, *, max_batches: int = 20) -> Generator[Step, Any, int]:
+        """Retention, in batches of their own short transactions; stops at once if another
+        worker holds the pruner lock. Returns how many rows were deleted."""
+        total = 0
+        for statement, age in db.prune_work(self.jobs):
+            for _ in range(max_batches):
+                deleted = yield Io(db.prune_batch, (self.jobs, statement, age), Conn.TX)
+                if deleted is None:
+                    return total
+                total += deleted
+                if deleted < db.PRUNE_BATCH:
+                    break
+        return total
+
+    def _sleep_for(self) -> float:
+        """How long the idle fetch loop may sleep: to the next refresh or due time."""
+        now = time.monotonic()
+        sleep = min(self.settings.poll_interval, max(0.0, self._next_refresh - now))
+        if self._next_due is not None:
+            sleep = min(sleep, max(0.0, self._next_due - now) + 0.001)
+        return sleep
+
+    def _due_soon(self, within: float) -> bool:
+        if within <= 0 or self._next_due is None:
+            return False
+        return self._next_due - time.monotonic() <= within
+
+    def _note_due(self, batch: Iterable[Outcome]) -> None:
+        """Retries and snoozes were scheduled: make sure the fetch loop wakes for them."""
+        for o in batch:
+            if o.kind is not OutcomeKind.SUCCEEDED:
+                due = time.monotonic() + o.delay
+                if self._next_due is None or due < self._next_due:
+                    self._next_due = due
+
+    # -- side duties -------------------------------------------------------------------
+
+    def duties(self, *, listen: bool) -> dict[str, Callable[[], Steps]]:
+        """The named side duties a worker runs beside its fetch loop, each a ``run_once``."""
+        duties: dict[str, Callable[[], Steps]] = {
+            "completer": self.complete_once,
+            "heartbeat": self.heartbeat_once,
+        }
+        if listen:
+            duties["listener"] = self.listen_once
+        return duties
+
+    def complete_once(self) -> Steps:
+        """Write one batch of outcomes, retrying through database errors. Returns False
+        once the worker stopped and every outcome is written."""
+        s = self.settings
+        batch: list[Outcome] | None = yield TakeOutcomes(s.completion_batch, s.completion_interval)
+        if batch is None:
+            return False
+        try:
+            yield from self._write(batch)
+        finally:
+            # Written, given up on, or dropped by a bug (logged by the supervisor): either
+            # way nobody may wait for these any longer.
+            with self._lock:
+                self._unwritten -= len(batch)
+            self.driver.written()
+        return True
+
+    def _write(self, batch: list[Outcome]) -> Steps:
+        failures = 0
+        while True:
+            try:
+                yield Io(db.write_outcomes, (self.queries, batch), Conn.WRITE)
+                break
+            except Exception as exc:
+                if not is_database_error(exc):
+                    raise
+                failures += 1
+                if self.stopping and failures > 5:
+                    log.error(
+                        "worker %s: could not record %d outcomes (%s); their jobs will run "
+                        "again once their leases pass",
+                        self.name,
+                        len(batch),
+                        describe(exc),
+                    )
+                    return
+                pause = retry_pause(failures, exc)
+                log.warning(
+                    "worker %s: writing %d outcomes failed, retrying in %.2fs: %s",
+                    self.name,
+                    len(batch),
+                    pause,
+                    describe(exc),
+                )
+                yield Pause(pause, stoppable=False)
+        self._note_due(batch)
+
+    def heartbeat_once(self) -> Steps:
+        """Enforce timeouts; every third of the lease (or when poked by a cancellation),
+        extend the leases of all running claims in one statement and stop lost ones.
+        Returns False once the worker stopped and nothing runs any more."""
+        every = self.settings.lease / 3
+        poked = yield Tick(min(every, 0.1))
+        if poked is None:
+            return False
+        self.enforce_timeouts()
+        if poked or self._poked or time.monotonic() - self._last_beat >= every:
+            self._poked = False
+            yield from self.beat()
+        return True
+
+    def beat(self) -> Steps:
+        """Extend the leases of every running claim, in one statement.
+
+        A claim that does not come back is no longer this worker's: the job was
+        cancelled, or its lease passed and another worker took it. Its handler is told to
+        stop. A database error is logged and the beat tried again at the next tick.
+        """
+        self._last_beat = time.monotonic()
+        with self._lock:
+            running = [j for j in self._running.values() if not j.settled]
+        if not running:
+            return
+        try:
+            kept = yield Io(db.beat, (self.queries, running, self.lease), Conn.TX)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            log.warning("worker %s: heartbeat failed: %s", self.name, describe(exc))
+            self._last_beat = 0.0  # try again at the next tick
+            return
+        with self._lock:
+            # A claim settled while the statement ran (its completion may be written
+            # already) is not lost: only those still running and open are.
+            lost = [
+                j
+                for j in running
+                if j.key not in kept and self._running.get(j.key) is j and not j.settled
+            ]
+        for job in lost:
+            if not job.is_cancelled:
+                job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
+                job.cancel("cancelled, or lease lost")
+                self.driver.interrupt(job)
+
+    def enforce_timeouts(self) -> None:
+        """Past its task's timeout, a run has failed: record that now, stop extending its
+        lease, and stop the handler (an asyncio task is cancelled; a thread cannot be, and
+        is told through ``job.cancelled``). Its slot frees when the handler ends."""
+        now = time.monotonic()
+        tasks = self.jobs.tasks
+        overdue: list[tuple[ClaimedJob, Task[Any, Any]]] = []
+        with self._lock:
+            for job in self._running.values():
+                task = tasks.get(job.task)
+                if (
+                    task is not None
+                    and task.timeout is not None
+                    and job.started
+                    and not job.settled
+                    and now - job.started > task.timeout
+                ):
+                    overdue.append((job, task))
+            for job, _ in overdue:
+                del self._running[job.key]
+                job.settled = True
+                self._unwritten += 1
+        for job, task in overdue:
+            job_log(logging.WARNING, job, "timed out after %ss", task.timeout)
+            job.cancel(f"timed out after {task.timeout}s")
+            outcome = timed_out(task, job)
+            error = TimeoutError(outcome.error)
+            self._fire_outcome(outcome, now - job.started, error)
+            self.driver.record(outcome)
+            self.driver.interrupt(job)
+
+    def listen_once(self) -> Steps:
+        """Hold a LISTEN connection and pass notifications on, until the worker stops or
+        the connection fails (the supervisor then starts this again after a pause).
+
+        A notification names a queue that has new ready jobs (the fetch loop wakes only
+        for its own queues), or asks for a heartbeat now because a running job was
+        cancelled."""
+        try:
+            yield Listen(self.queries.channel)
+            self.listening.set()
+            self.driver.wake()  # catch anything enqueued while we were not listening
+            wanted = set(self.queues)
+            while not self.stopping:
+                for payload in (yield Notifications(0.5)):
+                    if payload in wanted:
+                        self.driver.wake()
+                    elif payload == CANCEL_PAYLOAD:
+                        self._poked = True
+                        self.driver.poke()
+            return False
+        finally:
+            # The driver closes the connection when this run ends, however it ends.
+            self.listening.clear()
+
+    def supervise(self, name: str, failures: int, exc: BaseException) -> float:
+        """A duty raised: log it, and say how long to wait before running it again.
+
+        Database errors are waited out for ever (with the pause of :func:`retry_pause`);
+        anything else (a bug, an exhausted resource) is logged with its traceback and
+        retried with backoff, and after :data:`MAX_DUTY_FAILURES` in a row the worker
+        stops loudly (:class:`~sqla_jobs.errors.WorkerError`): a side duty that is dead
+        for good would let leases lapse and jobs run twice.
+        """
+        if is_database_error(exc):
+            pause = retry_pause(failures, exc)
+            log.warning(
+                "worker %s: %s: database error, again in %.2fs: %s",
+                self.name,
+                name,
+                pause,
+                describe(exc),
+            )
+            return pause
+        if failures >= MAX_DUTY_FAILURES:
+            log.critical(
+                "worker %s: %s failed %d times in a row; stopping the worker",
+                self.name,
+                name,
+                failures,
+                exc_info=exc,
+            )
+            raise WorkerError(f"worker {self.name}: {name} kept failing: {describe(exc)}") from exc
+        pause = min(5.0, 0.1 * 2.0 ** (failures - 1)) * random.uniform(0.8, 1.2)
+        log.error(
+            "worker %s: %s failed unexpectedly; restarting it in %.2fs",
+            self.name,
+            name,
+            pause,
+            exc_info=exc,
+        )
+        return pause
+
+    # -- starting and stopping ---------------------------------------------------------
+
+    def starting(self) -> Steps:
+        """Before the first claim: make the code-declared schedules' rows match the code."""
+        from .. import periodic
+
+        yield Io(periodic.sync_declared, (self.jobs,), Conn.TX)
+        log.info(
+            "worker %s started: queues %s, concurrency %d",
+            self.name,
+            self.queues,
+            self.settings.concurrency,
+        )
+
+    def signalled(self, name: str) -> None:
+        log.info("worker %s: received %s, stopping", self.name, name)
+
+    def stopped(self) -> None:
+        log.info("worker %s stopped", self.name)
+
+    def shutdown(self) -> Steps:
+        """The one stop policy: hand back claims that never started (at once), give running
+        handlers the grace period, then stop the ones still running and hand them back too.
+        A handed-back job is ready again at once (the claim not counted) and its queue's
+        workers are woken."""
+        self.stopping = True
+        self.driver.wake()
+        unstarted = self._take(lambda j: not j.started)
+        with self._lock:
+            self._free += len(unstarted)
+        if unstarted:
+            yield from self._hand_back(unstarted, "unstarted")
+        if (yield WaitIdle(self.settings.grace_period)):
+            return
+        late = self._take(lambda j: True)
+        for job in late:
+            job.cancel("worker stopping: grace period over")
+            self.jobs.events.fire("cancelled", job, reason=job.cancel_reason)
+            self.driver.interrupt(job)
+        if late:
+            yield from self._hand_back(late, "cut off by the grace period")
+            yield WaitIdle(1.0)  # cancelled tasks end at once; threads cannot be made to
+
+    def _hand_back(self, claims: list[ClaimedJob], what: str) -> Steps:
+        try:
+            count = yield Io(db.hand_back, (self.queries, claims), Conn.TX)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            log.warning(
+                "worker %s: could not hand back %d %s jobs (%s); they will run again once "
+                "their leases pass",
+                self.name,
+                len(claims),
+                what,
+                describe(exc),
+            )
+        else:
+            log.info("worker %s: handed back %d %s jobs", self.name, count, what)
+
+
+class Run:
+    """One run of a handler, from :meth:`WorkerCore.start` to its outcome."""
+
+    __slots__ = ("_token", "core", "job", "task")
+
+    def __init__(
+        self,
+        core: WorkerCore,
+        task: Task[Any, Any],
+        job: ClaimedJob,
+        token: contextvars.Token[ClaimedJob],
+    ) -> None:
+        self.core, self.task, self.job, self._token = core, task, job, token
+
+    def args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The handler's arguments, from the stored JSON."""
+        return self.task.call_args(self.job.args)
+
+    def end(self, error: BaseException | None) -> Outcome:
+        """The handler is done (``error`` is what it raised, if anything)."""
+        reset_current(self._token)
+        return self.core.end(self.task, self.job, error)
+
+    def committed(self) -> Outcome:
+        """A transactional run committed its writes with its completion: nothing is left
+        to record."""
+        reset_current(self._token)
+        duration = time.monotonic() - self.job.started
+        self.core.jobs.events.fire("succeeded", self.job, duration=duration)
+        return Outcome(OutcomeKind.SETTLED, self.job)
+
+    def lost(self) -> Outcome:
+        """A transactional run's guarded completion matched no row: the claim was lost
+        (the lease passed, or the job was cancelled), and its writes were rolled back."""
+        reset_current(self._token)
+        job = self.job
+        job_log(logging.WARNING, job, "claim lost; its writes were rolled back")
+        job.cancel("lease lost, or cancelled: this claim is no longer this worker's")
+        duration = time.monotonic() - job.started
+        self.core.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+        return Outcome(OutcomeKind.SETTLED, job)
+
+
+class DutyState:
+    """A supervisor's memory of one duty: how often it failed in a row.
+
+    A duty that ran for a while before it failed counts as healthy again: the listener's
+    ``run_once`` holds its connection for hours, and one dropped connection a day is not
+    "failing repeatedly".
+    """
+
+    HEALTHY_AFTER = 5.0
+
+    def __init__(self, core: WorkerCore, name: str) -> None:
+        self.core, self.name = core, name
+        self.failures = 0
+        self._since = time.monotonic()
+
+    def starting(self) -> None:
+        self._since = time.monotonic()
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def failed(self, exc: BaseException) -> float:
+        """Seconds to wait before the next run; raises WorkerError to stop the worker."""
+        if time.monotonic() - self._since >= self.HEALTHY_AFTER:
+            self.failures = 0
+        self.failures += 1
+        return self.core.supervise(self.name, self.failures, exc)

@@ -1,0 +1,184 @@
+"""The worker's statement I/O, written once, as functions of a plain ``Connection``.
+
+The threaded worker calls them directly; the asyncio worker calls the very same functions
+through ``AsyncConnection.run_sync``. Each runs one statement or a few from
+:class:`~sqla_jobs.queries.Queries` with the parameters its typed builders make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+
+from .. import periodic
+from ..queries import ClaimParams, Queries, batch_params, heartbeat_params
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from ..tasks import Jobs
+    from .job import ClaimedJob, Outcome
+
+__all__ = [
+    "HeldConnection",
+    "Refresh",
+    "beat",
+    "claim",
+    "complete_in",
+    "hand_back",
+    "prune",
+    "prune_batch",
+    "refresh",
+    "write_outcomes",
+]
+
+T = TypeVar("T")
+
+#: Rows per promotion, rescue and retention batch.
+BATCH = PRUNE_BATCH = 1000
+
+
+def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
+    """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
+    return list(conn.execute(queries.claim, dict(params)).all())
+
+
+def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> None:
+    """Record a batch of outcomes: one statement for all successes, one per failure.
+
+    Run in autocommit, each statement is atomic by itself; if a later one fails, the
+    completer writes the whole batch again, and the guard makes the repeated ones match
+    nothing.
+    """
+    from .job import outcome_statements
+
+    for statement, params in outcome_statements(queries, batch):
+        conn.execute(statement, params)
+
+
+def beat(
+    conn: sa.Connection, queries: Queries, claims: list[ClaimedJob], lease: timedelta
+) -> set[tuple[int, int]]:
+    """Extend the leases of these claims; the ``(id, attempts)`` of those still held."""
+    rows = conn.execute(queries.heartbeat, dict(heartbeat_params(claims, lease)))
+    return {(r.id, r.attempts) for r in rows}
+
+
+def hand_back(conn: sa.Connection, queries: Queries, claims: list[ClaimedJob]) -> int:
+    """Make these claims ready again (the attempt not counted) and NOTIFY their queues;
+    how many were still this worker's."""
+    rows = conn.execute(queries.hand_back, dict(batch_params(claims))).all()
+    return sum(int(r.n) for r in rows)
+
+
+def complete_in(session: Session | sa.Connection, queries: Queries, job: ClaimedJob) -> bool:
+    """The guarded completion of one claim, in the caller's transaction (a transactional
+    task's). False if the claim is no longer this worker's."""
+    return session.execute(queries.complete, dict(batch_params([job]))).first() is not None
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """What a worker learns from :func:`refresh`."""
+
+    #: Seconds until the next scheduled job is due (None: nothing scheduled).
+    due_in: float | None
+    paused: frozenset[str]
+
+
+def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
+    """Every worker's maintenance, each poll interval, in one transaction: rescue expired
+    leases (if asked), promote due jobs, enqueue due cron ticks, and read the pause state
+    and the next due time.
+
+    Doing it in every worker means no leader has to be alive for retries to happen; it is
+    a few index lookups, and SKIP LOCKED keeps concurrent runs apart.
+    """
+    queries = jobs.queries
+    if rescue:
+        conn.execute(queries.rescue, {"limit": BATCH}).all()
+    conn.execute(queries.promote, {"limit": BATCH}).all()
+    periodic.enqueue_due(conn, jobs)
+    paused = frozenset(conn.execute(queries.paused).scalars())
+    due_in = conn.execute(queries.next_due).scalar()
+    return Refresh(None if due_in is None else float(due_in), paused)
+
+
+def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
+    """What retention deletes: dead and cancelled after ``keep_dead``, done after
+    ``keep_done``."""
+    queries = jobs.queries
+    return [
+        (queries.prune_dead, jobs.keep_dead),
+        (queries.prune_done, jobs.keep_done or timedelta(0)),
+    ]
+
+
+def prune_batch(
+    conn: sa.Connection, jobs: Jobs, statement: sa.Delete, age: timedelta
+) -> int | None:
+    """Delete one batch (in its own short transaction); None if another worker is pruning."""
+    if not conn.execute(jobs.queries.try_lock).scalar():
+        return None
+    return int(conn.execute(statement, {"age": age, "limit": PRUNE_BATCH}).rowcount)
+
+
+def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
+    """Run retention now; how many rows were deleted. Does nothing while another worker
+    holds the pruner lock. (Workers do this by themselves every ``prune_interval``.)"""
+    total = 0
+    for statement, age in prune_work(jobs):
+        for _ in range(max_batches):
+            with engine.begin() as conn:
+                deleted = prune_batch(conn, jobs, statement, age)
+            if deleted is None:
+                return total
+            total += deleted
+            if deleted < PRUNE_BATCH:
+                break
+    return total
+
+
+def listen_sql(channel: str) -> str:
+    """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
+    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+class HeldConnection:
+    """A pooled connection that one duty keeps between statements, in autocommit.
+
+    The claim and an outcome batch are atomic statements by themselves. Through
+    ``engine.begin()`` each would cost four round trips: the pool's pre-ping
+    (``create_engine`` turns ``pool_pre_ping`` on), BEGIN, the statement, COMMIT. The fetch
+    loop claims hundreds of times a second, so it keeps one connection in autocommit and
+    pays one round trip per claim. After any error the connection is dropped, and the next
+    call takes a fresh one from the pool (whose pre-ping weeds out connections that died
+    with a database restart).
+    """
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self._conn = self._engine.connect().execution_options(
+                isolation_level="AUTOCOMMIT"
+            )
+        try:
+            return fn(conn, *args)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()

@@ -1,0 +1,195 @@
+"""Worker settings, in one place: defaults, validation, help text and the command line.
+
+.. code-block:: python
+
+    settings = WorkerSettings(queues=("previews",), concurrency=16)
+    Worker(jobs, engine, settings)                  # or Worker(jobs, engine, concurrency=16)
+    AsyncWorker(jobs, async_engine, settings)
+
+Both workers take the same :class:`WorkerSettings`, the ``sqla-jobs worker`` command makes
+one flag per field (its help and default come from here, so the command line has no
+defaults of its own), and a supervisor hands its children the same settings with
+:meth:`WorkerSettings.to_argv`. A new setting is one new field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+__all__ = ["WorkerOptions", "WorkerSettings"]
+
+#: Longest queue name, in UTF-8 bytes: the claim index must hold it, and so must a NOTIFY
+#: payload. Enqueueing checks the same limit.
+MAX_QUEUE_BYTES = 128
+
+
+def _setting(default: Any, help: str, *, cli: str | None = None) -> Any:
+    """A field with its help text; ``cli`` overrides the flag's name."""
+    return field(default=default, metadata={"help": help, "cli": cli})
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """How a worker runs. Every field is checked when the settings are made.
+
+    Frozen, so one object can be shared by several workers and handed to processes.
+    """
+
+    queues: tuple[str, ...] | None = _setting(
+        None, "queues to serve (default: every queue a registered task names)"
+    )
+    concurrency: int = _setting(10, "handlers running at once (threads, or asyncio tasks)")
+    lease: float = _setting(
+        30.0,
+        "seconds a claim is held without a heartbeat; the heartbeat renews it every third "
+        "of that, so it only has to outlast a stall of the worker itself",
+    )
+    poll_interval: float = _setting(
+        1.0,
+        "longest sleep between claims when no NOTIFY arrives; also how often maintenance "
+        "runs (promote due jobs, rescue expired leases, cron ticks, pause state)",
+    )
+    grace_period: float = _setting(
+        30.0, "on stop, seconds running handlers get to finish before they are handed back"
+    )
+    claim_limit: int = _setting(100, "most jobs one claim statement takes")
+    completion_batch: int = _setting(500, "most outcomes one completion write records")
+    completion_interval: float = _setting(0.005, "seconds the completer waits to fill a batch")
+    rescue_interval: float | None = _setting(
+        None, "seconds between passes that rescue expired leases (default: lease / 2, at most 5)"
+    )
+    prune_interval: float = _setting(
+        60.0, "seconds between retention passes (one elected worker prunes)"
+    )
+    listen: bool = _setting(
+        True,
+        "LISTEN for new jobs on a dedicated connection (off: poll only, for PgBouncer's "
+        "transaction pooling)",
+        cli="no-listen",
+    )
+    name: str | None = _setting(
+        None, "this worker's name in locked_by and logs (default: host:pid:random)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.queues is not None:
+            if isinstance(self.queues, str) or not isinstance(self.queues, Iterable):
+                raise ValueError(f"queues must be a sequence of names, got {self.queues!r}")
+            names = tuple(self.queues)
+            if not names:
+                raise ValueError("queues must name at least one queue (or be None for all)")
+            for queue in names:
+                check_queue_name(queue)
+            object.__setattr__(self, "queues", names)
+        _int(self, "concurrency", 1)
+        _int(self, "claim_limit", 1)
+        _int(self, "completion_batch", 1)
+        _seconds(self, "lease", positive=True)
+        _seconds(self, "poll_interval", positive=True)
+        _seconds(self, "grace_period", positive=False)
+        _seconds(self, "completion_interval", positive=False)
+        _seconds(self, "prune_interval", positive=True)
+        if self.rescue_interval is not None:
+            _seconds(self, "rescue_interval", positive=True)
+        if not isinstance(self.listen, bool):
+            raise ValueError(f"listen must be True or False, got {self.listen!r}")
+        if self.name is not None and (
+            not isinstance(self.name, str) or not self.name or "\x00" in self.name
+        ):
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+
+    @property
+    def rescue_every(self) -> float:
+        """Seconds between rescue passes: the setting, or half the lease (at most 5 s)."""
+        return (
+            self.rescue_interval if self.rescue_interval is not None else min(5.0, self.lease / 2)
+        )
+
+    def replace(self, **changes: Any) -> WorkerSettings:
+        """A copy with some fields changed (checked like any other)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown worker setting(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_argv(self) -> list[str]:
+        """The ``sqla-jobs worker`` flags that make these settings (defaults left out)."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + (f.metadata["cli"] or f.name.replace("_", "-"))
+            if isinstance(value, bool):
+                argv.append(flag)  # the only boolean flag turns a default True off
+            elif isinstance(value, tuple):
+                argv += [flag, ",".join(value)]
+            else:
+                argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+        return argv
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class WorkerOptions(TypedDict, total=False):
+    """The keyword form of :class:`WorkerSettings`, for ``Worker(jobs, bind, **options)``.
+
+    Kept in step with the dataclass by a test.
+    """
+
+    queues: Iterable[str] | None
+    concurrency: int
+    lease: float
+    poll_interval: float
+    grace_period: float
+    claim_limit: int
+    completion_batch: int
+    completion_interval: float
+    rescue_interval: float | None
+    prune_interval: float
+    listen: bool
+    name: str | None
+
+
+def resolve(settings: WorkerSettings | None, options: Mapping[str, Any]) -> WorkerSettings:
+    """``settings`` (or the defaults) with keyword overrides applied."""
+    base = settings if settings is not None else WorkerSettings()
+    if not isinstance(base, WorkerSettings):
+        raise TypeError(f"settings must be a WorkerSettings, got {base!r}")
+    return base.replace(**options) if options else base
+
+
+def check_queue_name(queue: object) -> str:
+    """A queue name must be a non-empty string of at most 128 UTF-8 bytes, without NUL."""
+    if not isinstance(queue, str) or not queue:
+        raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
+    if "\x00" in queue:
+        raise ValueError(f"queue name {queue!r} contains a NUL character")
+    if len(queue.encode("utf-8", "surrogatepass")) > MAX_QUEUE_BYTES:
+        raise ValueError(f"queue name {queue[:40]!r}... is longer than {MAX_QUEUE_BYTES} bytes")
+    return queue
+
+
+def _int(settings: WorkerSettings, name: str, minimum: int) -> None:
+    value = getattr(settings, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _seconds(settings: WorkerSettings, name: str, *, positive: bool) -> None:
+    value = getattr(settings, name)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value > 0 if positive else value >= 0)
+    )
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    object.__setattr__(settings, name, float(value))
