@@ -18,14 +18,12 @@ makes anyway).
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -46,6 +44,29 @@ from .job import (
     worker_name,
 )
 from .settings import WorkerSettings, check_queue_name
+from .steps import (
+    END,
+    CallHandler,
+    Commit,
+    Conn,
+    Driver,
+    EndDuties,
+    Io,
+    Listen,
+    Notifications,
+    OnSession,
+    Pause,
+    Rollback,
+    Sleep,
+    StartDuties,
+    Step,
+    Steps,
+    TakeOutcomes,
+    Tick,
+    Unlisten,
+    WaitIdle,
+    WaitWritten,
+)
 
 if TYPE_CHECKING:
     import contextvars
@@ -59,151 +80,6 @@ log = logging.getLogger("sqla_jobs.worker")
 
 #: Consecutive unexpected (non-database) errors after which a duty stops the worker.
 MAX_DUTY_FAILURES = 5
-
-
-# -- steps: what a driver is asked to do ------------------------------------------------
-
-
-class Conn(enum.Enum):
-    """Where a statement function runs."""
-
-    #: The fetch loop's held autocommit connection: one round trip per claim.
-    CLAIM = "claim"
-    #: The completer's held autocommit connection: one round trip per batch.
-    WRITE = "write"
-    #: A pooled connection in a transaction of its own, committed when the function returns.
-    TX = "tx"
-
-
-@dataclass(frozen=True, slots=True)
-class Io:
-    """Run ``fn(connection, *args)`` and send back what it returns."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    on: Conn
-
-
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait until woken (a NOTIFY, a freed slot, a stop) or ``seconds`` pass."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Pause:
-    """Wait ``seconds`` (cut short by a stop when ``stoppable``)."""
-
-    seconds: float
-    stoppable: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class WaitWritten:
-    """Wait until every recorded outcome has been written."""
-
-
-@dataclass(frozen=True, slots=True)
-class TakeOutcomes:
-    """Wait for outcomes; then up to ``within`` seconds more to gather up to ``limit``.
-    Sends back the batch, or None once the worker is stopping and nothing is left."""
-
-    limit: int
-    within: float
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    """Wait ``seconds`` or until poked; send back whether poked, or None to end the duty
-    (the worker stops and nothing runs any more)."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class WaitIdle:
-    """Wait until no handler runs, at most ``seconds``; send back whether idle."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Listen:
-    """Open the dedicated connection and LISTEN on ``channel``."""
-
-    channel: str
-
-
-@dataclass(frozen=True, slots=True)
-class Notifications:
-    """Send back the payloads that arrive within ``timeout`` (returns at the first)."""
-
-    timeout: float
-
-
-@dataclass(frozen=True, slots=True)
-class CallHandler:
-    """Call the running job's handler with the transactional session (``session=``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OnSession:
-    """Run ``fn(session, *args)`` on the transactional session."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Commit:
-    """Commit the transactional session."""
-
-
-@dataclass(frozen=True, slots=True)
-class Rollback:
-    """Roll the transactional session back."""
-
-
-Step = (
-    Io
-    | Sleep
-    | Pause
-    | WaitWritten
-    | TakeOutcomes
-    | Tick
-    | WaitIdle
-    | Listen
-    | Notifications
-    | CallHandler
-    | OnSession
-    | Commit
-    | Rollback
-)
-Steps = Generator[Step, Any, Any]
-
-
-class Driver(Protocol):
-    """What a driver does for the core without waiting (called from any of its threads)."""
-
-    def dispatch(self, claimed: list[ClaimedJob]) -> None:
-        """Start running these claims (their rows are committed as running)."""
-
-    def record(self, outcome: Outcome) -> None:
-        """Hand an outcome to the completer."""
-
-    def interrupt(self, job: ClaimedJob) -> None:
-        """Stop this job's handler if the driver can (an asyncio task can be cancelled;
-        a thread cannot, and is left to notice ``job.cancelled``)."""
-
-    def wake(self) -> None:
-        """Wake the fetch loop from its :class:`Sleep`."""
-
-    def poke(self) -> None:
-        """End the heartbeat's :class:`Tick` now."""
-
-    def written(self) -> None:
-        """Outcomes were written (ends :class:`WaitWritten` when none is left)."""
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -276,11 +152,15 @@ class WorkerCore:
         self._unwritten = 0
         self._poked = False
         self._last_beat = 0.0
+        #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
+        self.fatal: WorkerError | None = None
         self.reset()
 
     def reset(self) -> None:
-        """Fresh schedule state for a new run (a worker may be run more than once)."""
-        self.stopping = False
+        """Fresh schedule state for a new run (a worker may be run more than once). A stop
+        asked for before the run stands: the run then only starts and shuts down."""
+        self.fatal = None
+        self._ended = False
         self.more = False
         self._saturated = False
         self._next_due: float | None = None
@@ -372,7 +252,12 @@ class WorkerCore:
             return unknown_task(self.jobs, job, self.name)
         token = set_current(job)
         self.jobs.events.fire("started", job)
-        return Run(self, task, job, token)
+        run = Run(self, task, job, token)
+        try:
+            run.args, run.kwargs = task.call_args(job.args)
+        except Exception as exc:  # stored arguments that no longer fit the handler
+            return run.end(exc)
+        return run
 
     def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
         """The outcome of a run, with its events fired and a debug line logged."""
@@ -596,9 +481,8 @@ class WorkerCore:
     def complete_once(self) -> Steps:
         """Write one batch of outcomes, retrying through database errors. Returns False
         once the worker stopped and every outcome is written."""
-        s = self.settings
-        batch: list[Outcome] | None = yield TakeOutcomes(s.completion_batch, s.completion_interval)
-        if batch is None:
+        batch = yield from self._take_batch()
+        if not batch:
             return False
         try:
             yield from self._write(batch)
@@ -609,6 +493,27 @@ class WorkerCore:
                 self._unwritten -= len(batch)
             self.driver.written()
         return True
+
+    def _take_batch(self) -> Generator[Step, Any, list[Outcome]]:
+        """The next batch: wait for a first outcome, then up to ``completion_interval``
+        more for others, up to ``completion_batch``. Empty once the run has ended."""
+        s = self.settings
+        batch: list[Outcome] = []
+        deadline: float | None = None
+        if self._ended:
+            return batch
+        while len(batch) < s.completion_batch:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            taken = yield TakeOutcomes(s.completion_batch - len(batch), timeout)
+            if END in taken:
+                self._ended = True
+                taken = [o for o in taken if o is not END]
+            batch.extend(taken)
+            if self._ended or (deadline is not None and not taken):
+                break
+            if deadline is None:
+                deadline = time.monotonic() + s.completion_interval
+        return batch
 
     def _write(self, batch: list[Outcome]) -> Steps:
         failures = 0
@@ -740,8 +645,70 @@ class WorkerCore:
                         self.driver.poke()
             return False
         finally:
-            # The driver closes the connection when this run ends, however it ends.
+            # The supervisor has the driver close the connection (Unlisten) after each run.
             self.listening.clear()
+
+    def run(
+        self,
+        *,
+        listen: bool,
+        until_empty: bool,
+        wait_scheduled: float = 0.0,
+        deadline: float | None = None,
+    ) -> Steps:
+        """A worker's whole run: start, the fetch loop beside the side duties, then the
+        graceful shutdown. Raises :class:`~sqla_jobs.errors.WorkerError` at the end if a
+        duty kept failing."""
+        self.reset()
+        self.until_empty = until_empty
+        yield from self.starting()
+        yield StartDuties(tuple(self.duties(listen=listen)))
+        try:
+            yield from self.supervised(
+                "fetch loop", lambda: self.fetch(wait_scheduled=wait_scheduled, deadline=deadline)
+            )
+        finally:
+            self.driver.stop()
+            yield from self.shutdown()
+            yield EndDuties()
+            self.stopping = False  # ready for another run
+            log.info("worker %s stopped", self.name)
+        if self.fatal is not None:
+            raise self.fatal
+
+    def supervised(self, name: str, run_once: Callable[[], Steps] | None = None) -> Steps:
+        """Run a duty (``run_once`` again and again) until it says it is done; when it raises,
+        run it again after the pause :meth:`supervise` decides, or stop the worker.
+
+        The completer and the heartbeat outlive the stop (outcomes must be written, and
+        leases kept while handlers finish): they end by themselves, once nothing is left.
+        """
+        run_once = run_once or self.duties(listen=True)[name]
+        outlives_stop = name in ("completer", "heartbeat")
+        state = DutyState(self, name)
+        while True:
+            state.starting()
+            error: Exception | None = None
+            try:
+                more = yield from run_once()
+            except Exception as exc:
+                error = exc
+            if name == "listener":
+                yield Unlisten()
+            if error is None:
+                if more is not True:
+                    return
+                state.succeeded()
+                continue
+            try:
+                pause = state.failed(error)
+            except WorkerError as fatal:
+                self.fatal = fatal
+                self.driver.stop()
+                return
+            yield Pause(pause, stoppable=not outlives_stop)
+            if self.stopping and not outlives_stop:
+                return
 
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
         """A duty raised: log it, and say how long to wait before running it again.
@@ -798,9 +765,6 @@ class WorkerCore:
     def signalled(self, name: str) -> None:
         log.info("worker %s: received %s, stopping", self.name, name)
 
-    def stopped(self) -> None:
-        log.info("worker %s stopped", self.name)
-
     def shutdown(self) -> Steps:
         """The one stop policy: hand back claims that never started (at once), give running
         handlers the grace period, then stop the ones still running and hand them back too.
@@ -843,9 +807,18 @@ class WorkerCore:
 
 
 class Run:
-    """One run of a handler, from :meth:`WorkerCore.start` to its outcome."""
+    """One run of a handler, from :meth:`WorkerCore.start` to its outcome.
 
-    __slots__ = ("_token", "core", "job", "task")
+    A driver calls the handler inside ``with run:``, which ends the run whatever happens
+    (the worker itself must never die of a handler, not even of its ``SystemExit``) and
+    leaves the outcome in :attr:`outcome`::
+
+        with run:
+            run.task.fn(*run.args, **run.kwargs)
+        return run.outcome
+    """
+
+    __slots__ = ("_token", "args", "core", "job", "kwargs", "outcome", "task")
 
     def __init__(
         self,
@@ -855,10 +828,17 @@ class Run:
         token: contextvars.Token[ClaimedJob],
     ) -> None:
         self.core, self.task, self.job, self._token = core, task, job, token
+        #: The handler's arguments, from the stored JSON.
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.outcome: Outcome | None = None
 
-    def args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The handler's arguments, from the stored JSON."""
-        return self.task.call_args(self.job.args)
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        self.outcome = self.end(error)
+        return True
 
     def end(self, error: BaseException | None) -> Outcome:
         """The handler is done (``error`` is what it raised, if anything)."""

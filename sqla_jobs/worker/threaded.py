@@ -7,8 +7,9 @@
     worker.run_until_empty()  # tests and scripts: until no ready job is left
 
 The thread that calls ``run`` runs the fetch loop; ``concurrency`` executor threads run
-handlers, outside any transaction; the completer, the heartbeat and the listener each
-have a thread of their own, supervised. What they do is decided in :mod:`.core`.
+handlers, outside any transaction; the completer, the heartbeat and the listener each have
+a thread of their own. What they do is decided in :mod:`.core`; this module only decides
+how to wait, how to run a handler, and how to stop.
 """
 
 from __future__ import annotations
@@ -21,121 +22,67 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from ..session import insert_pending
 from . import db
-from .core import (
-    CallHandler,
-    Commit,
-    Conn,
-    DutyState,
-    Io,
-    Listen,
-    Notifications,
-    OnSession,
-    Pause,
-    Rollback,
-    Run,
-    Sleep,
-    Step,
-    Steps,
-    TakeOutcomes,
-    Tick,
-    WaitIdle,
-    WaitWritten,
-    WorkerCore,
-)
+from . import steps as s
+from .core import Run
+from .driver import DriverBase, Events, pool_size
 from .job import ClaimedJob, Outcome, OutcomeKind
-from .settings import WorkerSettings, resolve
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
-    from ..errors import WorkerError
-    from ..tasks import Jobs
-    from .settings import WorkerOptions
 
 __all__ = ["Worker"]
 
 
-class Worker:
+class Worker(DriverBase[sa.Engine]):
     """Runs the jobs of some queues of one :class:`~sqla_jobs.Jobs` registry, with threads.
 
-    :param jobs: the registry: handlers and the jobs table.
-    :param bind: an ``Engine`` or a database URL. The worker uses a few pooled
-        connections (claims, completions, heartbeat, maintenance, transactional tasks)
-        and one dedicated LISTEN connection.
-    :param settings: a :class:`WorkerSettings`; keyword arguments override its fields
-        (``Worker(jobs, engine, concurrency=16)``), which are described there.
+    ``Worker(jobs, bind, settings=None, **options)``: ``bind`` is an ``Engine`` or a
+    database URL; ``settings`` a :class:`~sqla_jobs.WorkerSettings`, whose fields keyword
+    arguments override. The worker uses a few pooled connections (claims, completions,
+    heartbeat, maintenance, transactional tasks) and one dedicated LISTEN connection.
     """
 
-    def __init__(
-        self,
-        jobs: Jobs,
-        bind: sa.Engine | str,
-        settings: WorkerSettings | None = None,
-        **options: Unpack[WorkerOptions],
-    ) -> None:
-        self.settings = resolve(settings, options)
-        self.jobs = jobs
-        self.core = WorkerCore(jobs, self.settings, self)
-        self.engine = _engine(bind, self.settings.concurrency)
-        #: Set while the listener holds its LISTEN (tests and health checks wait on it).
-        self.listening = self.core.listening
+    _events: Events[threading.Event]
+
+    def _make_engine(self, bind: sa.Engine | str) -> sa.Engine:
+        if isinstance(bind, sa.Engine):
+            return bind
+        from ..db import create_engine
+
+        return create_engine(bind, pool_size=pool_size(self.settings.concurrency))
+
+    def _prepare(self) -> None:
         self._claim_conn = db.HeldConnection(self.engine)
         self._write_conn = db.HeldConnection(self.engine)
-        self._listen_conn: Any = None
+        self._events = Events(threading.Event)
         self._inbox: queue_mod.SimpleQueue[ClaimedJob | None] = queue_mod.SimpleQueue()
         self._outbox: queue_mod.SimpleQueue[Outcome | None] = queue_mod.SimpleQueue()
-        self._written = threading.Condition()
-        self._wake = threading.Event()
-        self._poke = threading.Event()
-        self._stop = threading.Event()
-        self._done = False
-        self._fatal: WorkerError | None = None
         self._executors: list[threading.Thread] = []
+        self._duties: list[threading.Thread] = []
         self._coroutines: dict[tuple[int, int], tuple[asyncio.AbstractEventLoop, Any]] = {}
-
-    def __repr__(self) -> str:
-        c = self.core
-        return f"<Worker {c.name} queues={c.queues} concurrency={self.settings.concurrency}>"
-
-    @property
-    def name(self) -> str:
-        return self.core.name
-
-    @property
-    def queues(self) -> list[str]:
-        return self.core.queues
-
-    @property
-    def processed(self) -> int:
-        """Jobs this worker has finished running, whatever their outcome."""
-        return self.core.processed
+        self._done = False
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    # -- public control -------------------------------------------------------------------
+        return self.core.stopping
 
     def stop(self) -> None:
         """Ask the worker to stop: no new claims, then a graceful shutdown. Thread-safe."""
         self.core.stopping = True
-        self._stop.set()
-        self._wake.set()
+        self._events.stopping.set()
+        self._events.wake.set()
 
     def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully.
 
-        :raises WorkerError: a duty kept failing (after the shutdown).
+        :raises WorkerError: a duty kept failing (raised after the shutdown).
         """
         with self._signals(install_signal_handlers):
-            self._run(listen=self.settings.listen, until_empty=False, fetch={})
+            self._run(listen=self.settings.listen, until_empty=False)
 
     def run_until_empty(self, *, wait_scheduled: float = 0.0, timeout: float | None = None) -> int:
         """Run until no job of these queues is ready or running here; return how many ran.
@@ -146,221 +93,140 @@ class Worker:
         """
         before = self.processed
         deadline = None if timeout is None else time.monotonic() + timeout
-        fetch = {"wait_scheduled": wait_scheduled, "deadline": deadline}
-        self._run(listen=False, until_empty=True, fetch=fetch)
+        self._run(listen=False, until_empty=True, wait_scheduled=wait_scheduled, deadline=deadline)
         return self.processed - before
 
     def run_duty_once(self, name: str) -> Any:
-        """Run one round of a side duty (``completer``, ``heartbeat``, ``listener``) or of
-        ``maintenance`` here and now, and return what it returned: for tests and tools."""
-        duties = self.core.duties(listen=True)
-        steps = self.core.maintain() if name == "maintenance" else duties[name]()
-        return self._drive(steps)
-
-    # -- the run --------------------------------------------------------------------------
-
-    def _run(self, *, listen: bool, until_empty: bool, fetch: dict[str, Any]) -> None:
+        """One round of a side duty (``completer``, ``heartbeat``, ``listener``) or of the
+        ``maintenance``, here and now; what it returned. For tests and tools."""
         core = self.core
-        core.reset()
-        core.until_empty = until_empty
-        self._inbox = queue_mod.SimpleQueue()
-        self._outbox = queue_mod.SimpleQueue()
-        self._stop.clear()
-        self._wake.clear()
-        self._done = False
-        self._fatal = None
-        self._drive(core.starting())
-        n = self.settings.concurrency
-        self._executors = [self._thread(self._executor, f"executor-{i}") for i in range(n)]
-        duties = [
-            self._thread(self._supervised, name, name, run_once)
-            for name, run_once in core.duties(listen=listen).items()
-        ]
+        return self._drive(
+            core.maintain() if name == "maintenance" else core.duties(listen=True)[name]()
+        )
+
+    def _run(self, **how: Any) -> None:
+        self._prepare()
         try:
-            self._supervised("fetch loop", lambda: core.fetch(**fetch))
+            self._drive(self.core.run(**how))
         finally:
-            self.stop()
-            self._drive(core.shutdown())
-            self._done = True
-            self._poke.set()
-            self._outbox.put(None)
-            for thread in duties:
-                thread.join(timeout=None if thread.name.endswith("completer") else 2.0)
             self._claim_conn.close()
             self._write_conn.close()
-            core.stopped()
-        if self._fatal is not None:
-            raise self._fatal
-
-    def _thread(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, name=f"sqla-jobs-{name}", daemon=True)
-        thread.start()
-        return thread
-
-    def _supervised(self, name: str, run_once: Callable[[], Steps]) -> None:
-        """Run a duty until it says it is done; restart it when it raises (the core says
-        how soon, or that the worker must stop)."""
-        state = DutyState(self.core, name)
-        while True:
-            state.starting()
-            try:
-                if self._drive(run_once()) is not True:
-                    return
-                state.succeeded()
-            except Exception as exc:
-                try:
-                    pause = state.failed(exc)
-                except Exception as fatal:
-                    self._fatal = fatal  # type: ignore[assignment]
-                    self.stop()
-                    return
-                if name in ("completer", "heartbeat"):
-                    time.sleep(pause)  # they must outlive the stop: outcomes, leases
-                elif self._stop.wait(pause):
-                    return
-            finally:
-                if name == "listener":
-                    self._close_listener()
 
     # -- carrying out steps ----------------------------------------------------------------
 
     def _drive(
-        self,
-        steps: Steps,
-        handler: Callable[[], Any] | None = None,
-        session: Session | None = None,
+        self, steps: s.Steps, handler: Callable[[], Any] | None = None, session: Any = None
     ) -> Any:
-        """Carry out a core generator's steps; return what it returns. Every error of a
-        step, the handler's included, is thrown back into the generator to decide on."""
-        result: Any = None
-        error: BaseException | None = None
-        while True:
+        """Carry out a core generator's steps; return what it returns."""
+        stepper = s.Stepper(steps)
+        while (step := stepper.next()) is not None:
             try:
-                step = steps.throw(error) if error is not None else steps.send(result)
-            except StopIteration as done:
-                return done.value
-            result = error = None
-            try:
-                result = self._do(step, handler, session)
+                stepper.result = self._do(step, handler, session)
             except BaseException as exc:
-                error = exc
+                stepper.error = exc
+        return stepper.value
 
-    def _do(self, step: Step, handler: Callable[[], Any] | None, session: Session | None) -> Any:
+    def _do(self, step: s.Step, handler: Callable[[], Any] | None, session: Any) -> Any:
+        events = self._events
         match step:
-            case CallHandler():
-                assert handler is not None
-                return handler()
-            case OnSession(fn, args):
-                return fn(session, *args)
-            case Commit():
-                assert session is not None
-                session.commit()
-            case Rollback():
-                assert session is not None
-                session.rollback()
-            case Io(fn, args, Conn.CLAIM):
+            case s.Io(fn, args, s.Conn.CLAIM):
                 return self._claim_conn.run(fn, *args)
-            case Io(fn, args, Conn.WRITE):
+            case s.Io(fn, args, s.Conn.WRITE):
                 return self._write_conn.run(fn, *args)
-            case Io(fn, args, _):
+            case s.Io(fn, args, _):
                 with self.engine.begin() as conn:
                     return fn(conn, *args)
-            case Sleep(seconds):
-                self._wake.wait(seconds)
-                self._wake.clear()
-            case Pause(seconds, stoppable):
-                if stoppable:
-                    self._stop.wait(seconds)
-                else:
-                    time.sleep(seconds)
-            case WaitWritten():
-                with self._written:
-                    self._written.wait_for(lambda: self.core.unwritten <= 0)
-            case TakeOutcomes(limit, within):
-                return self._take_outcomes(limit, within)
-            case Tick(seconds):
-                poked = self._poke.wait(seconds)
-                self._poke.clear()
+            case s.Sleep(seconds):
+                events.wake.wait(seconds)
+                events.wake.clear()
+            case s.Pause(seconds, stoppable):
+                (events.stopping.wait if stoppable else time.sleep)(seconds)
+            case s.WaitWritten():
+                while self.core.unwritten > 0:
+                    events.written.clear()
+                    if self.core.unwritten > 0:
+                        events.written.wait(0.1)
+            case s.TakeOutcomes(limit, timeout):
+                return self._take_outcomes(limit, timeout)
+            case s.Tick(seconds):
+                poked = events.poke.wait(seconds)
+                events.poke.clear()
                 return None if self._done else poked
-            case WaitIdle(seconds):
-                deadline = time.monotonic() + seconds
-                for _ in self._executors:
-                    self._inbox.put(None)
-                for thread in self._executors:
-                    thread.join(timeout=max(0.0, deadline - time.monotonic()))
-                return not any(t.is_alive() for t in self._executors)
-            case Listen(channel):
-                self._listen(channel)
-            case Notifications(timeout):
+            case s.WaitIdle(seconds):
+                return self._wait_idle(seconds)
+            case s.Listen(channel):
+                # A connection of the engine's own (same URL, same connect args), taken out
+                # of the pool for good: LISTEN belongs to one session.
+                pooled = self.engine.raw_connection()
+                self._listen_conn = raw = pooled.driver_connection
+                pooled.detach()
+                raw.rollback()  # type: ignore[union-attr]
+                raw.autocommit = True  # type: ignore[union-attr]
+                raw.execute(db.listen_sql(channel))  # type: ignore[union-attr]
+            case s.Notifications(timeout):
                 notes = self._listen_conn.notifies(timeout=timeout, stop_after=1)
                 return [n.payload for n in notes]
+            case s.Unlisten():
+                conn, self._listen_conn = self._listen_conn, None
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+            case s.StartDuties(names):
+                n = self.settings.concurrency
+                self._executors = [_thread(f"executor-{i}", self._executor) for i in range(n)]
+                self._duties = [
+                    _thread(name, self._drive, self.core.supervised(name)) for name in names
+                ]
+            case s.EndDuties():
+                self._done = True
+                events.poke.set()
+                self._outbox.put(None)  # the completer ends once it has written the rest
+                for thread in self._duties:
+                    thread.join(timeout=None if thread.name.endswith("completer") else 2.0)
+            case s.CallHandler():
+                return handler() if handler is not None else None
+            case s.OnSession(fn, args):
+                return fn(session, *args)
+            case s.Commit():
+                session.commit()
+            case s.Rollback():
+                session.rollback()
         return None
 
-    def _listen(self, channel: str) -> None:
-        # A connection of the engine's own (same URL, same connect args), taken out of the
-        # pool for good: LISTEN belongs to one session.
-        pooled = self.engine.raw_connection()
-        raw: Any = pooled.driver_connection
-        self._listen_conn = raw
-        pooled.detach()
-        raw.rollback()
-        raw.autocommit = True
-        raw.execute(db.listen_sql(channel))
+    def _take_outcomes(self, limit: int, timeout: float | None) -> list[Outcome | None]:
+        outbox = self._outbox
+        try:
+            taken = [outbox.get(timeout=timeout) if timeout != 0 else outbox.get_nowait()]
+        except queue_mod.Empty:
+            return []
+        with contextlib.suppress(queue_mod.Empty):
+            while len(taken) < limit:
+                taken.append(outbox.get_nowait())
+        return taken
 
-    def _take_outcomes(self, limit: int, within: float) -> list[Outcome] | None:
-        first = self._outbox.get()
-        if first is None:
-            return None
-        batch = [first]
-        deadline = time.monotonic() + within
-        while len(batch) < limit:
-            remaining = deadline - time.monotonic()
-            try:
-                item = (
-                    self._outbox.get(timeout=remaining)
-                    if remaining > 0
-                    else self._outbox.get_nowait()
-                )
-            except queue_mod.Empty:
-                break
-            if item is None:
-                self._outbox.put(None)  # end after this batch
-                break
-            batch.append(item)
-        return batch
+    def _wait_idle(self, seconds: float) -> bool:
+        """Let the executors finish what they run, at most ``seconds``: whether they did."""
+        deadline = time.monotonic() + seconds
+        for _ in self._executors:
+            self._inbox.put(None)
+        for thread in self._executors:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._executors)
 
-    def _close_listener(self) -> None:
-        conn, self._listen_conn = self._listen_conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    # -- the core's driver interface -------------------------------------------------------
+    # -- the core's callbacks --------------------------------------------------------------
 
     def dispatch(self, claimed: list[ClaimedJob]) -> None:
         for job in claimed:
             self._inbox.put(job)
 
-    def record(self, outcome: Outcome) -> None:
-        self._outbox.put(outcome)
-
     def interrupt(self, job: ClaimedJob) -> None:
-        # Threads cannot be stopped; a coroutine run by an executor thread can.
+        # A thread cannot be stopped (it is told through job.cancelled); a coroutine that an
+        # executor thread runs can be cancelled on its loop.
         entry = self._coroutines.get(job.key)
         if entry is not None:
             loop, task = entry
             with contextlib.suppress(RuntimeError):  # its loop just closed
                 loop.call_soon_threadsafe(task.cancel)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def poke(self) -> None:
-        self._poke.set()
-
-    def written(self) -> None:
-        with self._written:
-            self._written.notify_all()
 
     # -- running handlers ------------------------------------------------------------------
 
@@ -385,24 +251,17 @@ class Worker:
         run = self.core.start(job)
         if not isinstance(run, Run):
             return run  # an unknown task's failure, or None: handed back before it started
-        try:
-            args, kwargs = run.args()
-            task = run.task
-            if task.transactional:
-                return self._transactional(run, args, kwargs, session)
-            if task.is_async:
-                asyncio.run(self._coroutine(job, task.fn(*args, **kwargs)))
-            else:
-                task.fn(*args, **kwargs)
-        except BaseException as exc:  # the worker itself must never die of a handler
-            return run.end(exc)
-        return run.end(None)
+        if run.task.transactional:
+            return self._transactional(run, session)
+        with run:
+            result = run.task.fn(*run.args, **run.kwargs)
+            if run.task.is_async:
+                asyncio.run(self._coroutine(job, result))
+        return run.outcome
 
     async def _coroutine(self, job: ClaimedJob, coro: Any) -> Any:
-        """Await an ``async def`` handler, cancellable from the heartbeat (a timeout, a
-        lost lease) through :meth:`interrupt`."""
-        task = asyncio.current_task()
-        self._coroutines[job.key] = (asyncio.get_running_loop(), task)
+        """Await an ``async def`` handler, cancellable by :meth:`interrupt`."""
+        self._coroutines[job.key] = (asyncio.get_running_loop(), asyncio.current_task())
         try:
             if job.is_cancelled:
                 coro.close()
@@ -411,26 +270,22 @@ class Worker:
         finally:
             self._coroutines.pop(job.key, None)
 
-    def _transactional(
-        self, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], session: Session | None
-    ) -> Outcome:
+    def _transactional(self, run: Run, session: Session | None) -> Outcome:
+        fn, args, kwargs = run.task.fn, run.args, run.kwargs
         if session is None:
             with Session(self.engine) as own:
-                return self._drive(  # type: ignore[no-any-return]
-                    self.core.transactional(run),
-                    lambda: run.task.fn(*args, session=own, **kwargs),
-                    own,
+                outcome: Outcome = self._drive(
+                    self.core.transactional(run), lambda: fn(*args, session=own, **kwargs), own
                 )
+                return outcome
         # The test's session (sqla_jobs.testing), behind a savepoint that a failure rolls
-        # back; the test's own run writes the outcome.
-        try:
-            with session.begin_nested():
-                run.task.fn(*args, session=session, **kwargs)
-                session.flush()
-                insert_pending(session)
-        except BaseException as exc:
-            return run.end(exc)
-        return run.end(None)
+        # back; the test writes the outcome with the real statements.
+        with run, session.begin_nested():
+            fn(*args, session=session, **kwargs)
+            session.flush()
+            insert_pending(session)
+        assert run.outcome is not None
+        return run.outcome
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:
@@ -450,11 +305,7 @@ class Worker:
                 signal.signal(sig, old)
 
 
-def _engine(bind: sa.Engine | str, concurrency: int) -> sa.Engine:
-    if isinstance(bind, sa.Engine):
-        return bind
-    from ..db import create_engine
-
-    # Claims, completions, heartbeat and maintenance each hold a connection briefly, and a
-    # transactional task holds one while it runs.
-    return create_engine(bind, pool_size=min(concurrency, 32) + 4)
+def _thread(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, name=f"sqla-jobs-{name}", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,136 @@
+"""What the two drivers share: the face a user sees, and the core's callbacks.
+
+A driver owns a :class:`~.core.WorkerCore` and carries out its steps. This base holds what
+does not depend on how the driver waits: the settings and the names a user reads
+(``name``, ``queues``, ``processed``, ``listening``), and the callbacks that only set an
+event or queue an item (``record``, ``wake``, ``poke``, ``written``). The events are
+``threading.Event`` in the threaded worker and ``asyncio.Event`` in the asyncio one; both
+have ``set``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from .core import WorkerCore
+from .settings import resolve
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..tasks import Jobs
+    from .job import ClaimedJob, Outcome
+    from .settings import WorkerOptions, WorkerSettings
+
+__all__ = ["DriverBase", "Events"]
+
+E = TypeVar("E")
+
+
+class _Event(Protocol):
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+
+EventT = TypeVar("EventT", bound=_Event)
+
+
+class Events(Generic[EventT]):
+    """The events the steps wait on: ``threading.Event`` or ``asyncio.Event``."""
+
+    def __init__(self, make: Callable[[], EventT]) -> None:
+        #: The fetch loop's wake-up: a NOTIFY, a freed slot, a stop.
+        self.wake = make()
+        #: The heartbeat's: a cancellation to look at now.
+        self.poke = make()
+        self.stopping = make()
+        #: The completer wrote outcomes.
+        self.written = make()
+
+
+class DriverBase(Generic[E]):
+    """The base of :class:`~sqla_jobs.Worker` and :class:`~sqla_jobs.worker.AsyncWorker`.
+
+    :param jobs: the registry: handlers and the jobs table.
+    :param bind: an engine, or a database URL to make one from.
+    :param settings: a :class:`~sqla_jobs.WorkerSettings`; keyword arguments override its
+        fields (``Worker(jobs, engine, concurrency=16)``), which are described there.
+    """
+
+    _events: Events[Any]
+    _outbox: Any
+
+    def __init__(
+        self,
+        jobs: Jobs,
+        bind: E | str,
+        settings: WorkerSettings | None = None,
+        **options: Unpack[WorkerOptions],
+    ) -> None:
+        self.settings = resolve(settings, options)
+        self.jobs = jobs
+        self.core = WorkerCore(jobs, self.settings, self)
+        self.engine: E = self._make_engine(bind)
+        #: Set while the listener holds its LISTEN (a ``threading.Event``, so that any
+        #: thread can wait on it: tests, health checks).
+        self.listening = self.core.listening
+        self._listen_conn: Any = None
+        self._prepare()
+
+    def _make_engine(self, bind: E | str) -> E:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """The driver's own primitives (made again at the start of each run)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        c = self.core
+        kind = type(self).__name__
+        return f"<{kind} {c.name} queues={c.queues} concurrency={self.settings.concurrency}>"
+
+    @property
+    def name(self) -> str:
+        return self.core.name
+
+    @property
+    def queues(self) -> list[str]:
+        return self.core.queues
+
+    @property
+    def processed(self) -> int:
+        """Jobs this worker has finished running, whatever their outcome."""
+        return self.core.processed
+
+    # -- the core's callbacks (see steps.Driver) ------------------------------------------
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def dispatch(self, claimed: list[ClaimedJob]) -> None:
+        raise NotImplementedError
+
+    def interrupt(self, job: ClaimedJob) -> None:
+        raise NotImplementedError
+
+    def record(self, outcome: Outcome) -> None:
+        self._outbox.put_nowait(outcome)
+
+    def wake(self) -> None:
+        self._events.wake.set()
+
+    def poke(self) -> None:
+        self._events.poke.set()
+
+    def written(self) -> None:
+        self._events.written.set()
+
+
+def pool_size(concurrency: int) -> int:
+    """Connections a worker made from a URL pools: claims, completions, heartbeat and
+    maintenance each hold one briefly, and a transactional task holds one while it runs."""
+    return min(concurrency, 32) + 4
