@@ -27,6 +27,8 @@ def figures(scenario: str, **values: Any) -> str:
             return f"{v:.2f}"
         if isinstance(v, (list, tuple)):
             return "[" + ",".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{fmt(x)}" for k, x in v.items()) + "}"
         if v is None:
             return "-"
         return str(v)
