@@ -69,9 +69,10 @@ class WorkerProcess:
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
-    def started(self) -> bool:
-        """The worker logged that it started (with ``--processes``: every child did)."""
-        return "started: queues" in self.log()
+    def starts(self) -> int:
+        """How many workers logged their start in this log (a supervisor's children share
+        its log)."""
+        return self.log().count("started: queues")
 
     def kill(self) -> None:
         """SIGKILL the process (and, for a supervisor, its whole process group)."""
@@ -156,10 +157,11 @@ class WorkerGroup:
             self.slots = [self._spawn(i) for i in range(n)]
             return list(self.slots)
 
-    def wait_started(self, timeout: float = 30.0) -> None:
-        """Wait until every live process has logged its start."""
+    def wait_started(self, timeout: float = 30.0, per_process: int = 1) -> None:
+        """Wait until every live process has logged its start (``per_process`` starts for
+        a supervisor of that many children)."""
         deadline = time.monotonic() + timeout
-        while not all(p.started() for p in self.slots):
+        while not all(p.starts() >= per_process for p in self.slots):
             dead = [p for p in self.slots if not p.alive]
             if dead:
                 raise AssertionError(f"worker exited at start:\n{dead[0].log_tail()}")
