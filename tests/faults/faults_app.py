@@ -148,7 +148,7 @@ def order_job(order_id: int, slot: int) -> None:
 # -- poison --------------------------------------------------------------------------------
 
 
-@jobs.task(name="faults.poison_raise", queue="poison", max_attempts=3)
+@jobs.task(name="faults.poison_raise", queue="steady", max_attempts=3)
 def poison_raise(i: int) -> None:
     record(item=i)
     raise ValueError(f"poison #{i} raised on purpose")
