@@ -15,6 +15,7 @@ then lost in an immediate stop, and the tests count on "committed" meaning commi
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -88,7 +89,13 @@ class CrashablePostgres:
         self.stopped_at: float | None = None
         #: (stopped_at, ready_at) of every restart, for the figures.
         self.outages: list[tuple[float, float]] = []
-        self._initdb()
+        # However the test run ends (even without its fixtures' teardown), nothing is left.
+        atexit.register(self.cleanup)
+        try:
+            self._initdb()
+        except BaseException:
+            self.cleanup()
+            raise
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -210,7 +217,8 @@ class CrashablePostgres:
         return stopped, self.start()
 
     def cleanup(self) -> None:
-        """Stop the server however it can be stopped, and delete its directory."""
+        """Stop the server however it can be stopped, and delete its directory (safe to
+        call more than once)."""
         try:
             if self.running:
                 try:

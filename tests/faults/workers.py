@@ -13,6 +13,7 @@ instrumentation.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -143,6 +144,8 @@ class WorkerGroup:
         self.all: list[WorkerProcess] = []
         self.killed: set[int] = set()
         self._lock = threading.Lock()
+        # A worker outliving the test run would retry its database forever.
+        atexit.register(self.close)
 
     def _spawn(self, slot: int) -> WorkerProcess:
         url = self.pg.url_for(f"{self.app}-{slot}")
