@@ -27,10 +27,12 @@ def test_kill_storm_loses_nothing_and_repeats_only_killed_work(
     faults_db: sa.Engine, FaultsSession: Any, workers: Callable[..., WorkerGroup]
 ) -> None:
     booked = [i for i in range(JOBS) if i % BOOK_EVERY == 0]
-    plain = [i for i in range(JOBS) if i % BOOK_EVERY]
     with FaultsSession.begin() as session:
-        session.enqueue_many(app.work, [{"i": i} for i in plain])
-        session.enqueue_many(app.book, [{"i": i} for i in booked])
+        # Mixed: blocks of 100 items, a quarter of each transactional, in claim (id) order.
+        for start in range(0, JOBS, 100):
+            block = range(start, start + 100)
+            session.enqueue_many(app.work, [{"i": i} for i in block if i % BOOK_EVERY])
+            session.enqueue_many(app.book, [{"i": i} for i in block if i % BOOK_EVERY == 0])
 
     group = workers(queues=["work"], concurrency=8, lease=LEASE, poll_interval=0.2)
     started = time.monotonic()
