@@ -36,7 +36,8 @@ def figures(scenario: str, **values: Any) -> str:
     line = (
         "FAULTS: scenario=" + scenario + " " + " ".join(f"{k}={fmt(v)}" for k, v in values.items())
     )
-    print(line, flush=True)
+    # On a line of its own, after pytest's progress dots (with -s).
+    print("\n" + line, flush=True)
     FIGURES.append(line)
     return line
 
