@@ -116,7 +116,9 @@ def test_workers_resume_promptly_after_postgres_restarts(
     # a 5 s outage comes 3.2 s, then 6.4 s, after the one before; and the claim's
     # _HeldConnection keeps its pre-outage connection (it is only replaced after an error on
     # itself), so the first claim after the restart fails on it ("server closed the
-    # connection unexpectedly") and earns one more, doubled, pause.
+    # connection unexpectedly") and earns one more, doubled, pause. Which of the two a
+    # worker hits first after the crash is a race, so today this fails in most runs, not
+    # in every one.
     assert max(worst) <= RECOVERY_TARGET, (
         f"KNOWN FAILURE until the worker's reconnection fix lands: every worker must run a "
         f"new job within {RECOVERY_TARGET}s of PostgreSQL accepting connections again; "
