@@ -1,0 +1,188 @@
+"""The application the fault tests run: its own metadata, a jobs table, business tables,
+and tasks that leave a trace of every run.
+
+Worker processes load it as ``faults_app:jobs`` (their working directory is this folder);
+the tests import it as ``tests.faults.faults_app``. Every task has an explicit name, so
+the two imports agree on what a job's ``task`` column means.
+
+Every task first records its run (job id, attempt, pid, worker, wall and monotonic time,
+and its business key) into ``runs``, through a connection of its own, committed before the
+handler goes on: a run that was recorded happened, whatever became of the job after.
+Transactional tasks then write their business row with the job's session, so that row
+commits with the job's completion or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from sqla_jobs import Backoff, JobMixin, Jobs, current_job
+
+SCHEMA = "faults"
+#: The URL the handlers record their runs through (set by the tests for worker processes).
+RECORD_URL_ENV = "FAULTS_RECORD_URL"
+
+#: Attempts for the ordinary tasks. The scenarios inject infrastructure faults (killed
+#: workers, a crashed server, cut connections), each of which may cost a job an attempt;
+#: the point is that no job is lost, so ordinary jobs do not run out of attempts. The
+#: poison tasks below set small limits of their own.
+ATTEMPTS = 50
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(schema=SCHEMA)
+
+
+class Job(JobMixin, Base):
+    __tablename__ = "jobs"
+
+
+class Run(Base):
+    """One row per handler run that got as far as recording itself."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    task: Mapped[str] = mapped_column(sa.Text)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    worker: Mapped[str] = mapped_column(sa.Text)
+    #: time.time() and time.monotonic() when the handler started.
+    at: Mapped[float] = mapped_column(sa.Float)
+    mono: Mapped[float] = mapped_column(sa.Float)
+    #: The producer's time.monotonic() when it enqueued the job (from the job's args).
+    enq: Mapped[float | None] = mapped_column(sa.Float)
+    #: The business key the job carries (an item number, or an order id) and its slot.
+    item: Mapped[int | None] = mapped_column(sa.BigInteger)
+    slot: Mapped[int | None] = mapped_column(sa.Integer)
+
+
+class Ledger(Base):
+    """The business effect of a transactional task: exactly one row per item, if the
+    exactly-once promise holds. Deliberately no unique constraint: a second row must be
+    visible, not refused."""
+
+    __tablename__ = "ledger"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    item: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+
+
+class Order(Base):
+    """A producer's business row; ``slots`` lists the jobs its transaction kept."""
+
+    __tablename__ = "orders"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    producer: Mapped[int] = mapped_column(sa.Integer)
+    slots: Mapped[list[int]] = mapped_column(JSONB)
+
+
+jobs = Jobs(Job, max_attempts=ATTEMPTS, retry=Backoff(base=0.05, factor=2.0, cap=0.5, jitter=0.2))
+
+_ENGINE: sa.Engine | None = None
+
+
+def _engine() -> sa.Engine:
+    global _ENGINE
+    if _ENGINE is None:
+        from sqla_jobs import create_engine
+
+        _ENGINE = create_engine(os.environ[RECORD_URL_ENV], pool_size=4, max_overflow=16)
+    return _ENGINE
+
+
+def record(item: int | None = None, slot: int | None = None, enq: float | None = None) -> None:
+    """Record this run, committed, through the recorder's own connection."""
+    job = current_job()
+    mono, at = time.monotonic(), time.time()
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.insert(Run).values(
+                job_id=job.id,
+                task=job.task,
+                attempt=job.attempts,
+                pid=os.getpid(),
+                worker=job.worker,
+                at=at,
+                mono=mono,
+                enq=enq,
+                item=item,
+                slot=slot,
+            )
+        )
+
+
+# -- ordinary tasks ------------------------------------------------------------------------
+
+
+@jobs.task(name="faults.work", queue="work")
+def work(i: int, enq: float | None = None, sleep: float = 0.0) -> None:
+    """Record the run, then take ``sleep`` seconds."""
+    record(item=i, enq=enq)
+    if sleep:
+        time.sleep(sleep)
+
+
+@jobs.task(name="faults.book", queue="work", transactional=True)
+def book(i: int, session: Session) -> None:
+    """Record the run, then write one ledger row that commits with the job's completion."""
+    record(item=i)
+    job = current_job()
+    session.add(Ledger(item=i, job_id=job.id, attempt=job.attempts, pid=os.getpid()))
+
+
+@jobs.task(name="faults.order_job", queue="orders")
+def order_job(order_id: int, slot: int) -> None:
+    record(item=order_id, slot=slot)
+
+
+# -- poison --------------------------------------------------------------------------------
+
+
+@jobs.task(name="faults.poison_raise", queue="steady", max_attempts=3)
+def poison_raise(i: int) -> None:
+    record(item=i)
+    raise ValueError(f"poison #{i} raised on purpose")
+
+
+@jobs.task(name="faults.poison_sys_exit", queue="steady", max_attempts=2)
+def poison_sys_exit(i: int) -> None:
+    record(item=i)
+    sys.exit(3)
+
+
+@jobs.task(name="faults.poison_os_exit", queue="poison", max_attempts=2)
+def poison_os_exit(i: int) -> None:
+    record(item=i)
+    os._exit(1)
+
+
+@jobs.task(name="faults.poison_timeout", queue="steady", max_attempts=2, timeout=0.5)
+def poison_timeout(i: int, seconds: float) -> None:
+    """Runs past its timeout, and does not look at ``current_job().cancelled``."""
+    record(item=i)
+    time.sleep(seconds)
+
+
+@jobs.task(name="faults.long_job", queue="steady")
+def long_job(i: int, seconds: float) -> None:
+    """Runs for several leases; the worker's heartbeat must keep its claim."""
+    record(item=i)
+    time.sleep(seconds)
+
+
+@jobs.task(name="faults.huge", queue="poison")
+def huge(i: int, blob: list[Any], size: int) -> None:
+    """Huge arguments: check they arrived whole, record their length as the slot."""
+    if len(blob) != size:
+        raise ValueError(f"blob of {len(blob)} items, expected {size}")
+    record(item=i, slot=len(blob))
