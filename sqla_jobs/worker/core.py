@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import sqlalchemy as sa
 
 from ..errors import WorkerError
@@ -83,18 +84,17 @@ MAX_DUTY_FAILURES = 5
 
 
 def is_database_error(exc: BaseException) -> bool:
-    """Errors the database or the pool raise, which a worker waits out: never fatal.
-
-    Everything SQLAlchemy raises, including a pool ``TimeoutError`` (not a ``DBAPIError``).
-    """
-    return isinstance(exc, sa.exc.SQLAlchemyError)
+    """Errors the database, the driver or the pool raise, which a worker waits out: never
+    fatal. Everything SQLAlchemy raises (a pool ``TimeoutError`` included, though it is no
+    ``DBAPIError``), and psycopg's own errors from the LISTEN connection, which is used
+    without SQLAlchemy."""
+    return isinstance(exc, (sa.exc.SQLAlchemyError, psycopg.Error))
 
 
 def describe(exc: BaseException) -> str:
     """One line about an error, without the SQL statement SQLAlchemy puts in its message."""
     if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
-        text = str(exc.orig).strip() or type(exc.orig).__name__
-        return f"{type(exc.orig).__name__}: {text.splitlines()[0]}"
+        exc = exc.orig
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
@@ -109,7 +109,16 @@ def retry_pause(failures: int, exc: BaseException) -> float:
     """
     if failures <= 1 and getattr(exc, "connection_invalidated", False):
         return 0.0
-    reach = isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError))
+    reach = isinstance(
+        exc,
+        (
+            sa.exc.OperationalError,
+            sa.exc.InterfaceError,
+            sa.exc.TimeoutError,
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+        ),
+    )
     cap = 1.0 if reach else 30.0
     return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))
 
