@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase
 
@@ -80,3 +81,15 @@ def test_long_table_names_get_distinct_fitting_derived_names() -> None:
     assert all(len(str(n).encode()) <= 63 for n in names_a | names_b)
     assert not names_a & names_b
     assert derived_name("jobs", "claim") == "jobs_claim"  # short names stay readable
+
+
+def test_backoff_grows_is_capped_and_jitters_within_bounds() -> None:
+    from sqla_jobs import Backoff
+
+    plain = Backoff(base=2, factor=3, cap=50, jitter=0)
+    assert [plain(n) for n in (1, 2, 3, 4, 5)] == [2, 6, 18, 50, 50]
+    jittery = Backoff(base=10, jitter=0.1)
+    assert all(9 <= jittery(1) <= 11 for _ in range(200))
+    for bad in ({"base": -1}, {"factor": 0.5}, {"jitter": 2}):
+        with pytest.raises(ValueError, match="invalid Backoff"):
+            Backoff(**bad)  # type: ignore[arg-type]

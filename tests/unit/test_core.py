@@ -1,0 +1,330 @@
+"""The worker core's decisions, without a database or a thread: a fake driver records
+what the core asks of it, and the tests send the core's steps the answers."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Backoff, Jobs, PermanentError, Snooze, WorkerError, WorkerSettings
+from sqla_jobs.worker import core as core_mod
+from sqla_jobs.worker import steps as s
+from sqla_jobs.worker.core import WorkerCore, describe, retry_pause
+from sqla_jobs.worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_of
+
+from .. import app
+
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.dispatched: list[ClaimedJob] = []
+        self.recorded: list[Outcome] = []
+        self.interrupted: list[ClaimedJob] = []
+        self.wakes = self.pokes = self.stops = 0
+
+    def dispatch(self, claimed: list[ClaimedJob]) -> None:
+        self.dispatched += claimed
+
+    def record(self, outcome: Outcome) -> None:
+        self.recorded.append(outcome)
+
+    def interrupt(self, job: ClaimedJob) -> None:
+        self.interrupted.append(job)
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+    def poke(self) -> None:
+        self.pokes += 1
+
+    def written(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def make(**settings: Any) -> tuple[WorkerCore, FakeDriver, Jobs]:
+    jobs = Jobs(app.Job, retry=Backoff(base=1, jitter=0))
+
+    @jobs.task(queue="a", name="work")
+    def work(n: int = 0) -> None: ...
+
+    @jobs.task(queue="a", name="slow", timeout=0.5)
+    def slow() -> None: ...
+
+    driver = FakeDriver()
+    core = WorkerCore(jobs, WorkerSettings(**settings), driver)
+    return core, driver, jobs
+
+
+def row(job_id: int, task: str = "work", attempts: int = 1, queue: str = "a") -> tuple[Any, ...]:
+    now = datetime.now(timezone.utc)
+    return (job_id, queue, task, {}, attempts, 3, 0, now, now)
+
+
+def run_steps(steps: s.Steps, answer: Any) -> tuple[list[s.Step], Any]:
+    """Drive a generator, answering each step with ``answer(step)``; the steps and the
+    return value."""
+    seen: list[s.Step] = []
+    stepper = s.Stepper(steps)
+    while (step := stepper.next()) is not None:
+        seen.append(step)
+        try:
+            stepper.result = answer(step)
+        except BaseException as exc:
+            stepper.error = exc
+    return seen, stepper.value
+
+
+# -- claiming -----------------------------------------------------------------------------
+
+
+def test_claims_rotate_over_unpaused_queues_and_never_exceed_free_slots() -> None:
+    core, driver, _ = make(queues=("a", "b", "c"), concurrency=5, claim_limit=3)
+    core._paused = frozenset({"b"})
+    asked: list[tuple[str, int]] = []
+    ids = iter(range(1, 100))
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io) and step.on is s.Conn.CLAIM
+        params = step.args[1]
+        asked.append((params["queue_name"], params["limit"]))
+        return [row(next(ids)) for _ in range(params["limit"])]
+
+    _, total = run_steps(core._claim(), answer)
+    assert asked == [("a", 3), ("c", 2)]  # b is paused; 5 slots in all
+    assert total == 5 and core.free == 0 and core.more
+    assert len(driver.dispatched) == 5
+    # No free slot: no statement at all, and the worker notes it is saturated.
+    seen, total = run_steps(core._claim(), answer)
+    assert seen == [] and total == 0
+    # The next round starts from the next queue.
+    core.finished(driver.dispatched[0], Outcome(OutcomeKind.SUCCEEDED, driver.dispatched[0]))
+    assert driver.wakes == 1  # a finishing job wakes a saturated fetch loop
+    asked.clear()
+    run_steps(core._claim(), answer)
+    assert asked == [("c", 1)]
+
+
+def test_a_queue_that_gives_less_than_asked_means_no_more_for_now() -> None:
+    core, _, _ = make(queues=("a",), concurrency=10)
+    run_steps(core._claim(), lambda step: [row(1)])
+    assert not core.more
+
+
+# -- the running set, keyed by claim --------------------------------------------------------
+
+
+def test_a_late_first_attempt_does_not_touch_the_retrys_claim() -> None:
+    core, driver, _ = make(concurrency=2)
+    (first,) = core.claimed([row(7, "slow", attempts=1)])
+    first.started = time.monotonic() - 1  # past its 0.5 s timeout
+    core.enforce_timeouts()
+    assert [o.kind for o in driver.recorded] == [OutcomeKind.FAILED]
+    assert driver.interrupted == [first]
+    (retry,) = core.claimed([row(7, "slow", attempts=2)])
+    # The first attempt's thread returns late: the retry's claim stays running, heartbeated.
+    core.finished(first, Outcome(OutcomeKind.SUCCEEDED, first))
+    assert core.running == 1
+    assert len(driver.recorded) == 1  # nothing more recorded for the first attempt
+    seen, _ = run_steps(core.beat(), lambda step: {(7, 2)})
+    assert seen[0].args[1] == [retry]
+
+
+def test_timeouts_fire_failed_then_dead_not_cancelled() -> None:
+    core, _, jobs = make()
+    events: list[str] = []
+    for name in ("failed", "dead", "retried", "cancelled"):
+        jobs.events.connect(name, lambda e: events.append(e.name))
+    (job,) = core.claimed([row(1, "slow", attempts=3)])
+    job.started = time.monotonic() - 1
+    core.enforce_timeouts()
+    assert events == ["failed", "dead"]
+    assert job.is_cancelled and job.settled
+
+
+def test_heartbeat_stops_lost_claims_but_not_settling_ones() -> None:
+    core, driver, _ = make()
+    lost, committing, kept = core.claimed([row(1), row(2), row(3)])
+    assert core.settle(committing)  # a transactional run is committing its completion
+    _, _ = run_steps(core.beat(), lambda step: {(3, 1)})
+    assert driver.interrupted == [lost]
+    assert lost.is_cancelled and not committing.is_cancelled and not kept.is_cancelled
+
+
+def test_a_failed_beat_is_logged_and_retried_at_the_next_tick(caplog: Any) -> None:
+    core, _, _ = make()
+    core.claimed([row(1)])
+
+    def fail(step: s.Step) -> Any:
+        raise sa.exc.OperationalError("UPDATE jobs SET ...", {}, psycopg.OperationalError("gone"))
+
+    run_steps(core.beat(), fail)
+    assert core._last_beat == 0.0
+    assert "heartbeat failed: OperationalError: gone" in caplog.text
+    assert "UPDATE" not in caplog.text
+
+
+# -- outcomes and the completer --------------------------------------------------------------
+
+
+def test_outcome_of_maps_how_a_handler_ended() -> None:
+    core, _, jobs = make()
+    (job,) = core.claimed([row(1)])
+    task = jobs.tasks["work"]
+    assert outcome_of(task, job, None).kind is OutcomeKind.SUCCEEDED
+    snoozed = outcome_of(task, job, Snooze(5))
+    assert (snoozed.kind, snoozed.delay) == (OutcomeKind.SNOOZED, 5.0)
+    permanent = outcome_of(task, job, PermanentError("no"))
+    assert permanent.kind is OutcomeKind.FAILED and permanent.permanent and permanent.dead
+    failed = outcome_of(task, job, ValueError("x"))
+    assert failed.delay == 1.0 and not failed.dead and "ValueError: x" in (failed.error or "")
+
+
+def test_the_completer_batches_within_its_interval_and_ends_after_the_last() -> None:
+    core, driver, _ = make(completion_batch=3, completion_interval=0.01)
+    jobs_ = core.claimed([row(i) for i in range(1, 6)])
+    for j in jobs_:
+        core.finished(j, Outcome(OutcomeKind.SUCCEEDED, j))
+    waiting = [*driver.recorded, s.END]
+    writes: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.TakeOutcomes):
+            taken, waiting[:] = waiting[: step.limit], waiting[step.limit :]
+            return taken
+        assert isinstance(step, s.Io) and step.on is s.Conn.WRITE
+        writes.append(len(step.args[1]))
+        return None
+
+    assert run_steps(core.complete_once(), answer)[1] is True
+    assert run_steps(core.complete_once(), answer)[1] is True
+    assert run_steps(core.complete_once(), answer)[1] is False
+    assert writes == [3, 2] and core.unwritten == 0
+
+
+# -- errors and supervision ------------------------------------------------------------------
+
+
+def test_retry_pause_is_at_once_for_a_dropped_held_connection_and_short_for_an_outage() -> None:
+    dropped = sa.exc.OperationalError("SELECT 1", {}, Exception("x"), connection_invalidated=True)
+    assert retry_pause(1, dropped) == 0.0
+    down = sa.exc.OperationalError("SELECT 1", {}, Exception("refused"))
+    assert [retry_pause(n, down) for n in (1, 2, 3, 8, 50)] == [0.05, 0.1, 0.2, 1.0, 1.0]
+    missing = sa.exc.ProgrammingError("SELECT 1", {}, Exception("no table"))
+    assert retry_pause(20, missing) == 30.0
+
+
+def test_describe_never_prints_the_statement() -> None:
+    exc = sa.exc.OperationalError(
+        "WITH next_jobs AS (SELECT ...) UPDATE jobs ...",
+        {"limit": 1},
+        psycopg.OperationalError("server closed\nmore"),
+    )
+    assert describe(exc) == "OperationalError: server closed"
+
+
+def test_database_errors_are_waited_out_and_bugs_stop_the_worker_after_five() -> None:
+    core, _, _ = make()
+    db_error = psycopg.OperationalError("consuming input failed")
+    assert core.supervise("listener", 100, db_error) <= 1.0
+    for n in range(1, core_mod.MAX_DUTY_FAILURES):
+        assert core.supervise("heartbeat", n, RuntimeError("bug")) > 0
+    with pytest.raises(WorkerError, match="heartbeat kept failing: RuntimeError: bug"):
+        core.supervise("heartbeat", core_mod.MAX_DUTY_FAILURES, RuntimeError("bug"))
+
+
+def test_a_duty_that_keeps_raising_stops_the_worker_and_one_that_recovers_runs_on() -> None:
+    core, driver, _ = make()
+    calls = 0
+
+    def flaky() -> s.Steps:
+        nonlocal calls
+        calls += 1
+        yield s.Tick(0)
+        if calls < 3:
+            raise RuntimeError("transient bug")
+        return calls < 4  # done after the fourth round
+
+    steps, _ = run_steps(core.supervised("heartbeat", flaky), lambda step: None)
+    assert calls == 4 and core.fatal is None
+    assert sum(isinstance(st, s.Pause) for st in steps) == 2
+
+    def broken() -> s.Steps:
+        yield s.Tick(0)
+        raise RuntimeError("always")
+
+    run_steps(core.supervised("completer", broken), lambda step: None)
+    assert isinstance(core.fatal, WorkerError) and driver.stops == 1
+
+
+# -- shutdown ----------------------------------------------------------------------------------
+
+
+def test_shutdown_hands_back_unstarted_claims_then_late_ones() -> None:
+    core, driver, jobs = make(concurrency=4, grace_period=5)
+    cancelled: list[int] = []
+    jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
+    unstarted, running = core.claimed([row(1), row(2)])
+    running.started = time.monotonic()
+    handed: list[list[int]] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Io):
+            handed.append([j.id for j in step.args[1]])
+            return len(step.args[1])
+        if isinstance(step, s.WaitIdle):
+            return False  # the running handler did not finish within the grace period
+        return None
+
+    steps, _ = run_steps(core.shutdown(), answer)
+    assert handed == [[1], [2]]
+    assert [type(st) for st in steps] == [s.Io, s.WaitIdle, s.Io, s.WaitIdle]
+    assert core.start(unstarted) is None  # it will never start here
+    assert running.is_cancelled and driver.interrupted == [running] and cancelled == [2]
+
+
+def test_until_empty_writes_outcomes_and_looks_again_before_stopping() -> None:
+    core, _, _ = make(queues=("a",))
+    core.until_empty = True
+    seen, _ = run_steps(
+        core.fetch(),
+        lambda step: [] if isinstance(step, s.Io) and step.on is s.Conn.CLAIM else _refresh(step),
+    )
+    kinds = [type(st).__name__ for st in seen]
+    assert "WaitWritten" in kinds and kinds[-1] == "Io"  # refresh and claim once more, then end
+
+
+def _refresh(step: s.Step) -> Any:
+    from sqla_jobs.worker.db import Refresh
+
+    if isinstance(step, s.Io) and step.fn.__name__ == "refresh":
+        return Refresh(None, frozenset())
+    if isinstance(step, s.Io):
+        return 0  # prune: nothing to delete
+    return None
+
+
+def test_notifications_wake_for_own_queues_and_poke_for_cancellations() -> None:
+    core, driver, _ = make(queues=("a",))
+    payloads = iter([["b"], ["a"], ["!cancel"]])
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Notifications):
+            try:
+                return next(payloads)
+            except StopIteration:
+                core.stopping = True
+                return []
+        return None
+
+    steps, more = run_steps(core.listen_once(), answer)
+    assert isinstance(steps[0], s.Listen) and more is False
+    assert driver.wakes == 2  # once on LISTEN, once for queue a; none for b
+    assert driver.pokes == 1 and not core.listening.is_set()

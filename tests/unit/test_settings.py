@@ -1,0 +1,90 @@
+"""WorkerSettings: one place for defaults, checks and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import pytest
+
+from sqla_jobs import WorkerSettings
+from sqla_jobs.cli import CommandError, _worker_settings, build_parser
+from sqla_jobs.worker.settings import WorkerOptions
+
+
+def test_the_keyword_form_names_every_field() -> None:
+    fields = {f.name for f in dataclasses.fields(WorkerSettings)}
+    assert set(typing.get_type_hints(WorkerOptions)) == fields
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("concurrency", 0, "concurrency must be an integer >= 1"),
+        ("concurrency", 2.5, "concurrency must be an integer"),
+        ("concurrency", True, "concurrency must be an integer"),
+        ("claim_limit", 0, "claim_limit must be an integer >= 1"),
+        ("completion_batch", -1, "completion_batch must be an integer >= 1"),
+        ("lease", 0, "lease must be a finite number of seconds > 0"),
+        ("lease", float("inf"), "lease must be a finite"),
+        ("poll_interval", -1, "poll_interval must be"),
+        ("grace_period", -0.5, "grace_period must be a finite number of seconds >= 0"),
+        ("completion_interval", float("nan"), "completion_interval must be"),
+        ("prune_interval", 0, "prune_interval must be"),
+        ("rescue_interval", 0, "rescue_interval must be"),
+        ("listen", "yes", "listen must be True or False"),
+        ("name", "", "name must be a non-empty string"),
+        ("queues", "mail", "queues must be a sequence of names"),
+        ("queues", (), "queues must name at least one queue"),
+        ("queues", ("",), "queue names must be non-empty strings"),
+        ("queues", ("a\x00b",), "contains a NUL character"),
+        ("queues", ("q" * 129,), "longer than 128 bytes"),
+    ],
+)
+def test_every_field_is_checked(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerSettings(**{field: value})
+
+
+def test_defaults_and_derived_values() -> None:
+    settings = WorkerSettings(queues=["a", "b"], lease=4)
+    assert settings.queues == ("a", "b") and settings.lease == 4.0
+    assert settings.rescue_every == 2.0
+    assert WorkerSettings(lease=60).rescue_every == 5.0
+    assert settings.replace(concurrency=3).concurrency == 3
+    with pytest.raises(TypeError, match="unknown worker setting"):
+        settings.replace(concurency=3)
+
+
+def test_the_command_line_has_a_flag_per_setting_and_no_defaults_of_its_own() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["worker", "app:jobs"])
+    assert _worker_settings(args) == WorkerSettings()
+    help_text = parser._subparsers._group_actions[0].choices["worker"].format_help()  # type: ignore[union-attr]
+    for f in dataclasses.fields(WorkerSettings):
+        assert "--" + (f.metadata["cli"] or f.name.replace("_", "-")) in help_text
+    assert "(default: 30)" in help_text  # the lease's default, read from the field
+
+
+def test_to_argv_round_trips_through_the_command_line() -> None:
+    settings = WorkerSettings(
+        queues=("mail", "hooks"),
+        concurrency=16,
+        lease=12.5,
+        completion_interval=0.01,
+        rescue_interval=3,
+        listen=False,
+        name="w1",
+    )
+    argv = ["worker", "app:jobs", *settings.to_argv()]
+    assert _worker_settings(build_parser().parse_args(argv)) == settings
+    assert WorkerSettings().to_argv() == []
+
+
+def test_a_bad_value_on_the_command_line_is_one_clear_error() -> None:
+    args = build_parser().parse_args(["worker", "app:jobs", "--lease", "0"])
+    with pytest.raises(CommandError, match="lease must be a finite number of seconds > 0"):
+        _worker_settings(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "app:jobs", "--concurrency", "many"])
