@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -64,66 +65,37 @@ def Session(db: sa.Engine, jobs: Jobs) -> sa.orm.sessionmaker[JobSession]:
 
 class AsyncWorkerInThread:
     """Drives an :class:`AsyncWorker` with the threaded worker's blocking API, so that the
-    same tests run against both (each call runs its own event loop and async engine)."""
+    same tests run against both: each call runs its own event loop, and disposes of the
+    engine's connections when it ends (an asyncio connection belongs to its loop)."""
 
-    def __init__(self, jobs: Jobs, url: str, **kw: object) -> None:
+    def __init__(self, jobs: Jobs, url: str, **kw: Any) -> None:
         from sqla_jobs.aio import AsyncWorker
 
-        self._jobs, self._url, self._kw = jobs, url, kw
-        self._worker: AsyncWorker | None = None
-        self.processed = 0
-        self._make = AsyncWorker
+        self.worker = AsyncWorker(jobs, url, **kw)
+        self.listening = self.worker.listening
 
-    def _run(self, method: str, **kw: object) -> object:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+    def _run(self, method: str, **kw: Any) -> Any:
         import asyncio
 
-        from sqla_jobs import create_async_engine
-
-        async def main() -> object:
-            engine = create_async_engine(self._url)
-            worker = self._worker = self._make(self._jobs, engine, **self._kw)  # type: ignore[arg-type]
+        async def main() -> Any:
             try:
-                return await getattr(worker, method)(**kw)
+                return await getattr(self.worker, method)(**kw)
             finally:
-                self.processed += worker.processed
-                await engine.dispose()
+                await self.worker.engine.dispose()
 
         return asyncio.run(main())
 
-    def run_until_empty(self, **kw: object) -> int:
-        return int(self._run("run_until_empty", **kw))  # type: ignore[call-overload]
+    def run_until_empty(self, **kw: Any) -> int:
+        return int(self._run("run_until_empty", **kw))
 
-    def run(self, **kw: object) -> None:
+    def run(self, **kw: Any) -> None:
         self._run("run", **kw)
 
-    @property
-    def listening(self) -> object:
-        """A stand-in for ``Worker.listening`` with a blocking ``wait(timeout)``."""
-        adapter = self
-
-        class Waiter:
-            def wait(self, timeout: float) -> bool:
-                import time
-
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    worker = adapter._worker
-                    event = getattr(worker, "listening", None)
-                    if event is not None and event.is_set():
-                        return True
-                    time.sleep(0.01)
-                return False
-
-        return Waiter()
-
     def stop(self) -> None:
-        import time
-
-        deadline = time.monotonic() + 10
-        while self._worker is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self._worker is not None
-        self._worker.stop()
+        self.worker.stop()
 
 
 @pytest.fixture(params=["threads", "asyncio"])

@@ -161,6 +161,8 @@ class WorkerCore:
         self._unwritten = 0
         self._poked = False
         self._last_beat = 0.0
+        self._listened = False
+        self._unwritten_batch: list[Outcome] = []
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
         self.fatal: WorkerError | None = None
         self.reset()
@@ -490,17 +492,20 @@ class WorkerCore:
     def complete_once(self) -> Steps:
         """Write one batch of outcomes, retrying through database errors. Returns False
         once the worker stopped and every outcome is written."""
-        batch = yield from self._take_batch()
+        batch = self._unwritten_batch or (yield from self._take_batch())
+        self._unwritten_batch = []
         if not batch:
             return False
         try:
             yield from self._write(batch)
-        finally:
-            # Written, given up on, or dropped by a bug (logged by the supervisor): either
-            # way nobody may wait for these any longer.
-            with self._lock:
-                self._unwritten -= len(batch)
-            self.driver.written()
+        except Exception:
+            # A bug, not the database: the supervisor logs it and runs this again after a
+            # pause, with the same batch, or stops the worker if it keeps failing.
+            self._unwritten_batch = batch
+            raise
+        with self._lock:
+            self._unwritten -= len(batch)
+        self.driver.written()
         return True
 
     def _take_batch(self) -> Generator[Step, Any, list[Outcome]]:
@@ -642,6 +647,7 @@ class WorkerCore:
         cancelled."""
         try:
             yield Listen(self.queries.channel)
+            self._listened = True
             self.listening.set()
             self.driver.wake()  # catch anything enqueued while we were not listening
             wanted = set(self.queues)
@@ -696,7 +702,7 @@ class WorkerCore:
         outlives_stop = name in ("completer", "heartbeat")
         state = DutyState(self, name)
         while True:
-            state.starting()
+            self._listened = False
             error: Exception | None = None
             try:
                 more = yield from run_once()
@@ -709,6 +715,8 @@ class WorkerCore:
                     return
                 state.succeeded()
                 continue
+            if self._listened:
+                state.succeeded()
             try:
                 pause = state.failed(error)
             except WorkerError as fatal:
@@ -877,27 +885,19 @@ class Run:
 class DutyState:
     """A supervisor's memory of one duty: how often it failed in a row.
 
-    A duty that ran for a while before it failed counts as healthy again: the listener's
-    ``run_once`` holds its connection for hours, and one dropped connection a day is not
-    "failing repeatedly".
+    A round that ends normally resets it. So does a listener round that got as far as its
+    LISTEN: that round holds its connection for hours, and one connection dropped a day is
+    not "failing repeatedly".
     """
-
-    HEALTHY_AFTER = 5.0
 
     def __init__(self, core: WorkerCore, name: str) -> None:
         self.core, self.name = core, name
         self.failures = 0
-        self._since = time.monotonic()
-
-    def starting(self) -> None:
-        self._since = time.monotonic()
 
     def succeeded(self) -> None:
         self.failures = 0
 
     def failed(self, exc: BaseException) -> float:
         """Seconds to wait before the next run; raises WorkerError to stop the worker."""
-        if time.monotonic() - self._since >= self.HEALTHY_AFTER:
-            self.failures = 0
         self.failures += 1
         return self.core.supervise(self.name, self.failures, exc)
