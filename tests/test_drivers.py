@@ -1,0 +1,200 @@
+"""The threaded and the asyncio worker behave the same where they used to differ, and the
+claim, not the job, is what a worker keeps track of."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs, current_job
+from sqla_jobs.events import JobEvent
+from sqla_jobs.worker import db as worker_db
+
+from . import app
+from .helpers import count, rows, running, wait_for
+
+
+def test_an_asyncio_worker_has_its_attributes_before_it_runs(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    from sqla_jobs.aio import AsyncWorker
+
+    worker = AsyncWorker(jobs, database_url, queues=["q"])
+    assert not worker.listening.is_set()
+    assert worker.processed == 0 and worker.queues == ["q"] and worker.name
+    worker.stop()  # before run: harmless, and the next run then only starts and stops
+    assert asyncio.run(worker.run_until_empty()) == 0
+    asyncio.run(worker.engine.dispose())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_handler_cut_off_by_the_grace_period_is_handed_back_with_a_notify(
+    kind: str,
+    Session: Any,
+    db: sa.Engine,
+    jobs: Jobs,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started = threading.Event()
+    if kind == "sync":
+
+        @jobs.task(queue="q", name="slow")
+        def slow() -> None:
+            started.set()
+            current_job().cancelled.wait(10)  # a cooperative handler returns when told
+
+    else:
+
+        @jobs.task(queue="q", name="slow")
+        async def slow() -> None:  # type: ignore[misc]
+            started.set()
+            await asyncio.sleep(10)
+
+    events: list[str] = []
+    jobs.events.connect("cancelled", lambda e: events.append(e.reason or ""))
+    with Session.begin() as session:
+        session.enqueue(slow)
+    notified = listen_for(db, jobs)
+    worker = make_worker(jobs, db, queues=["q"], grace_period=0.2, poll_interval=0.05)
+    with caplog.at_level("INFO", logger="sqla_jobs"), running(worker):
+        assert started.wait(10)
+    (job,) = rows(db)
+    assert (job.status, job.attempts, job.max_attempts, job.locked_by) == ("ready", 1, 6, None)
+    assert "q" in notified()
+    assert "handed back 1 cut off by the grace period jobs" in caplog.text
+    assert events == ["worker stopping: grace period over"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_timed_out_job_times_out_again_on_its_retry_by_the_same_worker(
+    kind: str, Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """Each attempt has its own claim: the first attempt's late return must not end the
+    retry's bookkeeping (its timeout and heartbeat)."""
+    runs: list[int] = []
+    if kind == "sync":
+
+        @jobs.task(queue="q", name="sleepy", timeout=0.3, max_attempts=3)
+        def sleepy() -> None:
+            runs.append(current_job().attempts)
+            time.sleep(0.6)  # ignores the cancellation, as a blocking call would
+
+    else:
+
+        @jobs.task(queue="q", name="sleepy", timeout=0.3, max_attempts=3)
+        async def sleepy() -> None:  # type: ignore[misc]
+            runs.append(current_job().attempts)
+            await asyncio.sleep(0.6)
+
+    seen: list[str] = []
+    for name in ("failed", "retried", "dead", "cancelled", "succeeded"):
+        jobs.events.connect(name, lambda e: seen.append(e.name))
+    with Session.begin() as session:
+        session.enqueue(sleepy)
+    worker = make_worker(jobs, db, queues=["q"], concurrency=3, poll_interval=0.05)
+    worker.run_until_empty(wait_scheduled=5, timeout=30)
+    wait_for(lambda: rows(db)[0].status == "dead", timeout=10)
+    (job,) = rows(db)
+    assert (job.status, job.attempts) == ("dead", 3)
+    assert "ran longer than its timeout of 0.3s" in job.last_error
+    assert runs == [1, 2, 3]
+    assert seen == ["failed", "retried", "failed", "retried", "failed", "dead"]
+
+
+def test_both_completers_say_when_a_write_is_retried(
+    Session: Any,
+    db: sa.Engine,
+    jobs: Jobs,
+    make_worker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    @jobs.task(queue="q")
+    def task() -> None:
+        pass
+
+    original = worker_db.write_outcomes
+    failures: list[int] = []
+
+    def flaky(conn: Any, *args: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise sa.exc.OperationalError("DELETE FROM jobs ...", {}, Exception("dropped"))
+        return original(conn, *args)
+
+    monkeypatch.setattr(worker_db, "write_outcomes", flaky)
+    with Session.begin() as session:
+        session.enqueue(task)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    assert count(db) == 0
+    assert "writing 1 outcomes failed, retrying in" in caplog.text
+    assert "DELETE" not in caplog.text  # no SQL in warnings
+
+
+def test_both_workers_prune_and_say_so(
+    db: sa.Engine, make_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    jobs = Jobs(app.Job, keep_dead=timedelta(days=1))
+
+    @jobs.task(queue="q")
+    def noop() -> None:
+        pass
+
+    old = sa.func.now() - timedelta(days=2)
+    with db.begin() as conn:
+        for _ in range(3):
+            conn.execute(
+                sa.insert(app.Job).values(task=noop.name, queue="q", status="dead", finished_at=old)
+            )
+    with caplog.at_level("INFO", logger="sqla_jobs"):
+        make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    assert count(db) == 0
+    assert "pruned 3 finished jobs" in caplog.text
+
+
+def test_a_committed_transactional_job_is_never_taken_for_a_lost_one(
+    Session: Any,
+    db: sa.Engine,
+    jobs: Jobs,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The heartbeat beats every few milliseconds here, so it often runs between a
+    transactional run's COMMIT and the end of its run: it must not cancel the job."""
+    seen: list[JobEvent] = []
+    jobs.events.connect("cancelled", seen.append)
+
+    @jobs.task(queue="q", transactional=True)
+    def write(n: int, session: Any) -> None:
+        session.add(app.Link(code=str(n), url="u"))
+
+    with Session.begin() as session:
+        session.enqueue_many(write, [{"n": i} for i in range(200)])
+    worker = make_worker(jobs, db, queues=["q"], lease=0.03, listen=False, concurrency=8)
+    assert worker.run_until_empty(timeout=60) == 200
+    assert count(db, app.Link) == 200 and count(db) == 0
+    assert not seen
+    assert "lease lost" not in caplog.text
+
+
+def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
+    """Start listening on the jobs channel; a function that returns what arrived."""
+    conn = engine.raw_connection()
+    raw: Any = conn.driver_connection
+    raw.autocommit = True
+    raw.execute(f'LISTEN "{jobs.queries.channel}"')
+
+    def collect() -> set[str]:
+        try:
+            return {n.payload for n in raw.notifies(timeout=2.0, stop_after=1)}
+        finally:
+            conn.close()
+
+    return collect
