@@ -11,9 +11,7 @@ import pytest
 def import_without(module: str, blocked: str) -> subprocess.CompletedProcess[str]:
     # A None entry in sys.modules makes any import of that name fail, as if not installed.
     code = f"import sys; sys.modules[{blocked!r}] = None; import {module}; print('ok')"
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize(
