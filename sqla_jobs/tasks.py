@@ -14,6 +14,7 @@ the web request that made it instead of a worker an hour later.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import random
@@ -83,6 +84,8 @@ class Backoff:
 #: ``ensure_ascii=False`` keeps the text as it is, so the encoding also shows where to look
 #: for what PostgreSQL cannot store (see :meth:`Task.bind_args`).
 _check_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False).encode
+#: The canonical form of a task and its arguments, for derived unique keys.
+_canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
 
 #: A retry policy maps the number of the attempt that just failed to seconds to wait.
 RetryPolicy = Callable[[int], float]
@@ -454,8 +457,23 @@ class Jobs:
 
 
 def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:
-    """A key equal for equal task and arguments, whatever the keyword order."""
-    return f"{task}:{json.dumps(arguments, sort_keys=True, separators=(',', ':'))}"
+    """``<task>:<sha256 hex>``: a key equal for equal task and arguments, whatever the keyword
+    order, and short whatever their size (the unique index holds about 2.7 kB a row).
+
+    The digest is of the canonical JSON (sorted keys, no spaces) of ``[task, arguments]``.
+    The task name in front is for people reading the table; one over 200 bytes is cut
+    there (the digest covers all of it).
+    """
+    digest = hashlib.sha256(_canonical_json([task, arguments]).encode()).hexdigest()
+    prefix = task
+    if len(task) > _KEY_PREFIX_MAX_BYTES // 4:
+        encoded = task.encode()
+        if len(encoded) > _KEY_PREFIX_MAX_BYTES:
+            prefix = encoded[:_KEY_PREFIX_MAX_BYTES].decode(errors="ignore")
+    return f"{prefix}:{digest}"
+
+
+_KEY_PREFIX_MAX_BYTES = 200
 
 
 def check_schedule_name(name: str, hint: str = "") -> None:

@@ -7,6 +7,8 @@ the same transaction still commit, and no job does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -16,6 +18,7 @@ import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession, admin
 from sqla_jobs.periodic import add_schedule, enqueue_due, periodic_key
+from sqla_jobs.tasks import derive_unique_key
 
 from . import app
 from .helpers import count, rows
@@ -198,6 +201,34 @@ def test_limits_are_inclusive(Session: Any, db: sa.Engine, store: Any) -> None:
     assert len(r[3].unique_key) == 1024
     assert r[4].run_at == far and r[4].status == "scheduled"
     assert r[5].run_at.year > 3000
+
+
+def test_unique_true_works_for_arguments_of_any_size(
+    Session: Any, db: sa.Engine, store: Any
+) -> None:
+    big = {"text": "x" * 100_000, "items": list(range(5_000))}
+    with Session.begin() as session:
+        first = session.enqueue(store, big, unique=True)
+        again = session.enqueue(store, payload=big, unique=True)
+        other = session.enqueue(store, {**big, "text": "y"}, unique=True)
+        assert first is again and other is not first
+        added = session.enqueue_many(store, [{"payload": big}, {"payload": [1]}], unique=True)
+        assert added == 2
+    keys = sorted(r.unique_key for r in rows(db))
+    assert len(keys) == 3  # the enqueue_many copy of big was a live duplicate
+    assert all(k.startswith("store:") and len(k) == len("store:") + 64 for k in keys)
+
+
+def test_the_derived_unique_key_is_a_digest_of_task_and_canonical_arguments() -> None:
+    a = derive_unique_key("t", {"x": 1, "y": [1, 2]})
+    assert a == derive_unique_key("t", {"y": [1, 2], "x": 1})  # keyword order is irrelevant
+    assert a != derive_unique_key("u", {"x": 1, "y": [1, 2]})
+    assert a != derive_unique_key("t", {"x": 1, "y": [2, 1]})
+    canonical = json.dumps(["t", {"x": 1, "y": [1, 2]}], sort_keys=True, separators=(",", ":"))
+    assert a == "t:" + hashlib.sha256(canonical.encode()).hexdigest()
+    # A task name of any length still makes a key the index can hold.
+    long = derive_unique_key("n" * 5000, {})
+    assert len(long.encode()) <= 300 and long != derive_unique_key("n" * 5001, {})
 
 
 # -- declarations -----------------------------------------------------------------------
