@@ -21,7 +21,10 @@ Missed ticks: if no worker ran for a while, the schedule fires **once** for the 
 missed tick, then continues from the next one in the future (no burst of catch-up jobs).
 
 Expressions are standard five-field cron (croniter's syntax), evaluated in UTC. An invalid
-expression is an error when it is declared or stored, never at tick time.
+expression, or one that never fires (``0 0 31 2 *``), is an error when it is declared or
+stored, never at tick time. A row that holds one anyway (written around the API) is
+logged and skipped by :func:`enqueue_due` and :func:`sync_declared`, never raised into the
+worker.
 """
 
 from __future__ import annotations
