@@ -456,3 +456,15 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
     for pid in (survivor, replacement):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_heroku_style_url_works(db: sa.Engine, database_url: str) -> None:
+    heroku = sa.make_url(database_url).set(drivername="postgres")
+    url = heroku.render_as_string(hide_password=False)
+    assert url.startswith("postgres://")
+    add(db, 1)
+    by_option = cli("--database-url", url, "stats", JOBS, "--json")
+    assert by_option.returncode == 0, by_option.stderr
+    assert json.loads(by_option.stdout)["queues"][0]["ready"] == 1
+    by_env = cli("queues", "list", JOBS, env=environment({"DATABASE_URL": url}))
+    assert by_env.returncode == 0, by_env.stderr
