@@ -134,11 +134,15 @@ def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
 
 @contextlib.contextmanager
 def _database_errors() -> Iterator[None]:
-    """Turn database errors into one clear line and exit code 1."""
+    """Around the calls into :mod:`sqla_jobs.admin`: database errors become one clear line
+    and exit code 1; what ``admin`` refuses (``ValueError``: an empty queue name, a filter
+    with an empty value) becomes one line and exit code 2."""
     try:
         yield
     except sa.exc.DBAPIError as exc:
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
 
 
 def _describe(exc: sa.exc.DBAPIError) -> str:
@@ -278,7 +282,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 with _database_errors(), engine.connect() as conn:
                     queues = admin.stats(conn, target, window=args.window)
             except CommandError as exc:
-                if args.watch is None:
+                if args.watch is None or exc.code != EXIT_FAILURE:
                     raise
                 # A database restart should not end a watch: say so, and try again.
                 print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
