@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 import sqlalchemy as sa
 
@@ -122,9 +122,7 @@ def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
         with engine.connect() as conn:
             exists = sa.inspect(conn).has_table(table.name, schema=table.schema)
     except sa.exc.DBAPIError as exc:
-        raise CommandError(
-            f"cannot connect to the database: {exc.orig}".strip(), EXIT_FAILURE
-        ) from None
+        raise CommandError(_describe(exc), EXIT_FAILURE) from None
     if not exists:
         raise CommandError(
             f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
@@ -148,12 +146,41 @@ def _database_errors() -> Iterator[None]:
 def _describe(exc: sa.exc.DBAPIError) -> str:
     import psycopg.errors
 
-    first = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else repr(exc.orig)
+    first = _first_line(exc)
     if isinstance(exc.orig, psycopg.errors.UndefinedTable):
         return f"{first}: run your migrations (alembic upgrade head)"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of the driver's error behind ``exc`` (or of ``exc`` itself).
+
+    SQLAlchemy's text of a database error carries the whole SQL statement, its parameters
+    and a link, and the driver's own text often runs over several lines.
+    """
+    orig = exc.orig if isinstance(exc, sa.exc.StatementError) else None
+    source: BaseException = orig if isinstance(orig, BaseException) else exc
+    text = str(source).strip()
+    return text.splitlines()[0] if text else type(source).__name__
+
+
+class _OneLineDatabaseErrors(logging.Filter):
+    """A database error in a log record (a worker's "database error, retrying" warning)
+    is shown as :func:`_first_line` of it: one line per event, no SQL."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(_is_database_error(a) for a in args):
+            record.args = tuple(_first_line(a) if _is_database_error(a) else a for a in args)
+        return True
+
+
+def _is_database_error(value: object) -> TypeGuard[BaseException]:
+    import psycopg
+
+    return isinstance(value, (sa.exc.SQLAlchemyError, psycopg.Error))
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Jobs | type[Any], sa.Engine]:
@@ -902,7 +929,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.addFilter(_OneLineDatabaseErrors())
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=[handler]
+    )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

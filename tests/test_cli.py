@@ -489,3 +489,16 @@ def test_what_admin_refuses_is_a_one_line_usage_error(db: sa.Engine) -> None:
         assert result.stderr.count("\n") == 1, (argv, result.stderr)
     listed = json.loads(cli("queues", "list", JOBS, "--json").stdout)
     assert [(q["name"], q["paused"]) for q in listed] == [("records", False)], "nothing paused"
+
+
+def test_an_unreachable_database_is_one_line(db: sa.Engine) -> None:
+    nowhere = "postgresql://nobody@127.0.0.1:1/x"
+    results = in_parallel(
+        ("--database-url", nowhere, "stats", JOBS),
+        ("--database-url", nowhere, "queues", "pause", JOBS, "q"),
+        ("--database-url", nowhere.replace("postgresql:", "postgres:"), "jobs", "list", JOBS),
+    )
+    for result in results:
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith("sqla-jobs: error: cannot connect to the database: ")
+        assert result.stderr.count("\n") == 1, result.stderr
