@@ -46,6 +46,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from .limits import QUEUE_MAX_BYTES, check_name
 from .model import LIVE_STATUSES, STATUSES, companion_tables, job_table, notify_channel
 from .queries import status_literal as _lit
 from .tasks import Jobs
@@ -516,6 +517,7 @@ def list_queues(bind: Bind, jobs: JobSource) -> list[QueueInfo]:
 def _set_paused(bind: Bind, jobs: JobSource, name: str, paused: bool) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"queue name must be a non-empty string, got {name!r}")
+    check_name(name, "queue", QUEUE_MAX_BYTES)
     q = _queues_table(_table(jobs))
     stmt = (
         pg_insert(q)

@@ -45,6 +45,7 @@ from .db import create_engine
 from .errors import WorkerError
 from .model import STATUSES, job_table
 from .tasks import Jobs
+from .worker.core import describe
 from .worker.settings import WorkerSettings
 
 __all__ = ["main"]
@@ -126,9 +127,7 @@ def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
         with engine.connect() as conn:
             exists = sa.inspect(conn).has_table(table.name, schema=table.schema)
     except sa.exc.DBAPIError as exc:
-        raise CommandError(
-            f"cannot connect to the database: {exc.orig}".strip(), EXIT_FAILURE
-        ) from None
+        raise CommandError(_describe(exc), EXIT_FAILURE) from None
     if not exists:
         raise CommandError(
             f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
@@ -138,22 +137,32 @@ def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
 
 @contextlib.contextmanager
 def _database_errors() -> Iterator[None]:
-    """Turn database errors into one clear line and exit code 1."""
+    """Around the calls into :mod:`sqla_jobs.admin`: database errors become one clear line
+    and exit code 1; what ``admin`` refuses (``ValueError``: an empty queue name, a filter
+    with an empty value) becomes one line and exit code 2."""
     try:
         yield
     except sa.exc.DBAPIError as exc:
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
 
 
 def _describe(exc: sa.exc.DBAPIError) -> str:
     import psycopg.errors
 
-    first = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else repr(exc.orig)
+    first = _first_line(exc)
     if isinstance(exc.orig, psycopg.errors.UndefinedTable):
         return f"{first}: run your migrations (alembic upgrade head)"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of the driver's error behind ``exc``: SQLAlchemy's text of a database
+    error carries the whole SQL statement, its parameters and a link."""
+    return describe(exc).partition(": ")[2] or describe(exc)
 
 
 def _prepare(args: argparse.Namespace) -> tuple[Jobs | type[Any], sa.Engine]:
@@ -282,7 +291,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 with _database_errors(), engine.connect() as conn:
                     queues = admin.stats(conn, target, window=args.window)
             except CommandError as exc:
-                if args.watch is None:
+                if args.watch is None or exc.code != EXIT_FAILURE:
                     raise
                 # A database restart should not end a watch: say so, and try again.
                 print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)

@@ -29,17 +29,17 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
         parsed = sa.make_url(url)
     except Exception as exc:
         raise ValueError(f"not a database URL: {url!r} ({exc})") from None
-    backend = parsed.get_backend_name()
-    if backend in ("postgres", "postgresql"):
-        driver = parsed.get_driver_name()
-        if backend == "postgres" or driver in ("psycopg2", ""):
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        elif driver not in ("psycopg", "psycopg_async"):
-            raise ValueError(
-                f"sqla-jobs needs psycopg 3, not {driver!r}: use postgresql+psycopg://"
-            )
-        return parsed
-    raise ValueError(f"sqla-jobs needs PostgreSQL, got a {backend!r} URL")
+    # Read from the name itself: asking SQLAlchemy (get_driver_name) loads the dialect, and
+    # there is no dialect called "postgres"; nor does a bare postgresql:// name the same
+    # driver in every SQLAlchemy version.
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend not in ("postgres", "postgresql"):
+        raise ValueError(f"sqla-jobs needs PostgreSQL, got a {backend!r} URL")
+    if driver in ("", "psycopg2"):
+        driver = "psycopg"
+    elif driver not in ("psycopg", "psycopg_async"):
+        raise ValueError(f"sqla-jobs needs psycopg 3, not {driver!r}: use postgresql+psycopg://")
+    return parsed.set(drivername=f"postgresql+{driver}")
 
 
 def create_engine(url: str | sa.URL, **kw: Any) -> sa.Engine:

@@ -9,7 +9,9 @@
 Events, in a job's life:
 
 ``enqueued``
-    after the enqueueing transaction commits (``event.job`` is the ``Job`` row object);
+    after the enqueueing transaction commits (the outermost one: releasing a savepoint
+    fires nothing, and a job whose savepoint rolled back never fires); ``event.job`` is the
+    ``Job`` object, or the row's values (a dict) for ``enqueue_many``;
 ``started``
     a worker is about to call the handler;
 ``succeeded``
@@ -49,7 +51,8 @@ class JobEvent:
     """What a listener receives."""
 
     name: str
-    #: A :class:`~sqla_jobs.ClaimedJob` in a worker; the ``Job`` object for ``enqueued``.
+    #: A :class:`~sqla_jobs.ClaimedJob` in a worker; for ``enqueued``, the ``Job`` object
+    #: (``enqueue``) or the row's values as a dict (``enqueue_many``).
     job: Any
     #: Seconds the handler ran (succeeded, failed, retried, dead, cancelled).
     duration: float | None = None

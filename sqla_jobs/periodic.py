@@ -21,7 +21,10 @@ Missed ticks: if no worker ran for a while, the schedule fires **once** for the 
 missed tick, then continues from the next one in the future (no burst of catch-up jobs).
 
 Expressions are standard five-field cron (croniter's syntax), evaluated in UTC. An invalid
-expression is an error when it is declared or stored, never at tick time.
+expression, or one that never fires (``0 0 31 2 *``), is an error when it is declared or
+stored, never at tick time. A row that holds one anyway (written around the API) is
+logged and skipped by :func:`enqueue_due` and :func:`sync_declared`, never raised into the
+worker.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import sqlalchemy as sa
 from .cron import Schedule, check_cron, next_tick
 from .errors import EnqueueError
 from .queries import insert_rows
+from .tasks import check_schedule_name
 
 if TYPE_CHECKING:
     from .tasks import Jobs, Task
@@ -57,6 +61,7 @@ def _values(
 ) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"schedule name must be a non-empty string, got {name!r}")
+    check_schedule_name(name)
     check_cron(cron, now=now)
     # The same checks as an enqueue: a schedule that could never make a valid job is
     # refused when it is stored.
@@ -143,6 +148,8 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
     for row in conn.execute(q.due_schedules, {"now": now, "limit": limit}).all():
         tick: datetime = row.next_run_at
         try:
+            # A row written around the API may have a name whose job key would not fit.
+            check_schedule_name(row.name)
             check_cron(row.cron, now=now)
             following = next_tick(row.cron, now)
             # The latest missed tick: walk forward from the due one (bounded).
@@ -174,7 +181,11 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
 
 
 def periodic_key(name: str, tick: datetime) -> str:
-    """The unique key of the job of one tick: a replayed tick cannot make a second job."""
+    """The unique key of the job of one tick: a replayed tick cannot make a second job.
+
+    Schedule names are at most 200 bytes of UTF-8 (checked when declared or stored, and
+    again before a row is enqueued), so the key stays well inside the unique index.
+    """
     return f"periodic:{name}:{tick.isoformat()}"
 
 

@@ -11,12 +11,23 @@
 ``enqueue`` checks the job at once (arguments against the handler's signature, options),
 adds a ``Job`` object to the session and returns it. Like any object added to a session,
 it is INSERTed at the next flush, is visible to workers only once the caller commits, and
-is gone if the transaction rolls back. Nothing here flushes or commits on the caller's
-behalf.
+is gone if the transaction rolls back. Nothing here commits on the caller's behalf, or
+flushes the session's objects where the caller's own commit would not.
 
 ``enqueue_many`` is for bulk: the rows are kept on the session and inserted by one
-``INSERT ... SELECT FROM unnest(...)`` statement, right after the session's next flush or,
-at the latest, when it commits, in the caller's transaction either way.
+``INSERT ... SELECT FROM unnest(...)`` statement, in the caller's transaction, at the first
+of: the session's next flush (right after it); the start of a savepoint
+(``begin_nested()``: written before its ``SAVEPOINT``, as part of the enclosing
+transaction); the release of the savepoint they were enqueued in, or the commit.
+
+Savepoints: a job shares the fate of the innermost transaction that was open when it was
+enqueued. Jobs enqueued inside ``begin_nested()`` are gone if that savepoint rolls back
+(at any depth), and jobs enqueued before it are not touched by that rollback. The
+``enqueued`` event fires once the outermost transaction has committed, for the jobs it
+committed; releasing a savepoint fires nothing.
+
+Like ``session.add``, both begin the session's transaction if none is begun (which does no
+I/O); a session made with ``autobegin=False`` refuses to enqueue until ``session.begin()``.
 
 Both work on ``AsyncSession`` (:class:`AsyncJobSession`) too: they only add to the
 unit of work, so they do no I/O and need no ``await``.
@@ -28,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import event
+from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .errors import EnqueueError
@@ -104,14 +115,16 @@ class EnqueueMixin:
             unique=unique,
             unique_key=unique_key,
         )
+        session = _sync(self)
+        boundary = _boundary(session)
         inserted = True
         if "unique_key" in values:
-            job, inserted = insert_unique(_sync(self), registry, values)
+            job, inserted = insert_unique(session, registry, values)
         else:
             job = registry.model(**values)
             self.add(job)
         if inserted and registry.events.wants("enqueued"):
-            _announce(_sync(self), registry, [job])
+            _announce(session, registry, [job], boundary)
         return job
 
     def enqueue_many(
@@ -131,8 +144,10 @@ class EnqueueMixin:
 
         Every job is checked before any is kept: one bad item raises :class:`EnqueueError`
         and none of the batch is added. The rows go to the database in one statement at the
-        session's next flush or commit. With ``unique=True`` each job gets a key derived
-        from its task and arguments, and one equal to a live job is silently skipped.
+        session's next flush, when a savepoint begins, or at the release or commit of the
+        transaction they were enqueued in, whose fate they share. With ``unique=True`` each
+        job gets a key derived from its task and arguments, and one equal to a live job is
+        silently skipped.
         """
         registry = _registry(self, task)
         # One clock reading for the whole batch: with a delay, every row gets the same
@@ -154,9 +169,11 @@ class EnqueueMixin:
             for kwargs in arguments
         ]
         if rows:
-            _pending(_sync(self), registry).extend(rows)
+            session = _sync(self)
+            boundary = _boundary(session)
+            _pending(session).append((boundary, registry, rows))
             if registry.events.wants("enqueued"):
-                _announce(_sync(self), registry, rows)
+                _announce(session, registry, rows, boundary)
         return len(rows)
 
 
@@ -237,16 +254,68 @@ def _sync(session: Any) -> Session:
     return sync
 
 
-def _pending(session: Session, registry: Jobs) -> list[dict[str, Any]]:
-    """Rows waiting for the next flush, per registry; hooks the session the first time."""
-    pending: dict[Jobs, list[dict[str, Any]]] | None = session.info.get(_PENDING_KEY)
-    if pending is None:
-        pending = session.info[_PENDING_KEY] = {}
-        if not event.contains(session, "after_flush", _after_flush):
-            event.listen(session, "after_flush", _after_flush)
-            event.listen(session, "before_commit", _before_commit)
-            event.listen(session, "after_transaction_end", _after_transaction_end)
-    return pending.setdefault(registry, [])
+# -- savepoints ---------------------------------------------------------------------------
+#
+# A job shares the fate of the transaction that was innermost when it was enqueued: the
+# current SAVEPOINT (``begin_nested()``), else the outermost transaction. ``enqueue`` adds
+# an ORM object, whose fate SQLAlchemy tracks itself; ``enqueue_many`` rows and the
+# ``enqueued`` announcements are ours to track, so each batch is tagged with that
+# transaction (its "boundary"):
+#
+# * a savepoint begins: the waiting rows belong to its parent, so they are written now,
+#   through the parent's connection, before the SAVEPOINT statement (which SQLAlchemy emits
+#   only when the savepoint first uses its connection). Waiting rows therefore always
+#   belong to the innermost transaction, and a flush writes them into it;
+# * a savepoint is released or the transaction commits: the waiting rows are written
+#   (``before_commit``); a released savepoint hands its announcements to its parent, and
+#   the outermost commit fires them (``after_commit``);
+# * a savepoint or the transaction ends: whatever is still tagged with it did not commit,
+#   and is dropped (``after_transaction_end``, which also fires for the flush's internal
+#   subtransactions: only boundaries count).
+
+#: (boundary transaction, registry, rows) per ``enqueue_many`` call, waiting to be written.
+_Batch = tuple[SessionTransaction, Jobs, list[dict[str, Any]]]
+
+
+def _boundary(session: Session) -> SessionTransaction:
+    """The transaction whose fate a job enqueued now shares; begins one, as ``add`` would."""
+    transaction = session.get_nested_transaction() or session.get_transaction()
+    if transaction is None:
+        if not session.autobegin:
+            raise EnqueueError(
+                "this session has autobegin=False and no transaction: "
+                "call session.begin() before enqueueing"
+            )
+        # What Session.add does first: begin the session's transaction (no I/O yet).
+        transaction = session._autobegin_t()
+    return transaction
+
+
+def _boundary_of(transaction: SessionTransaction) -> SessionTransaction:
+    while not (transaction.nested or transaction.parent is None):
+        transaction = transaction.parent
+    return transaction
+
+
+def _listen(session: Session, *hooks: tuple[str, Any]) -> None:
+    for name, fn in hooks:
+        if not event.contains(session, name, fn):
+            event.listen(session, name, fn)
+
+
+def _pending(session: Session) -> list[_Batch]:
+    """The batches waiting for the next flush; hooks the session the first time."""
+    batches: list[_Batch] | None = session.info.get(_PENDING_KEY)
+    if batches is None:
+        batches = session.info[_PENDING_KEY] = []
+        _listen(
+            session,
+            ("after_flush", _after_flush),
+            ("before_commit", _before_commit),
+            ("after_transaction_create", _after_transaction_create),
+            ("after_transaction_end", _after_transaction_end),
+        )
+    return batches
 
 
 def session_registry(session: Session) -> Jobs | None:
@@ -256,45 +325,81 @@ def session_registry(session: Session) -> Jobs | None:
 
 
 def pending_jobs(session: Session) -> dict[Jobs, list[dict[str, Any]]]:
-    """``enqueue_many`` rows still waiting for the session's next flush (read only)."""
-    pending: dict[Jobs, list[dict[str, Any]]] = _sync(session).info.get(_PENDING_KEY) or {}
+    """``enqueue_many`` rows still waiting for the session's next flush, per registry
+    (a new dict: changing it changes nothing)."""
+    pending: dict[Jobs, list[dict[str, Any]]] = {}
+    for _, registry, rows in _sync(session).info.get(_PENDING_KEY) or ():
+        pending.setdefault(registry, []).extend(rows)
     return pending
 
 
 def insert_pending(session: Session) -> None:
-    """INSERT the waiting ``enqueue_many`` rows now, as the next flush would."""
+    """INSERT the waiting ``enqueue_many`` rows now, as the next flush would (into the
+    current savepoint, if one is open)."""
     _insert_pending(_sync(session))
 
 
-def _announce(session: Session, registry: Jobs, jobs: list[Any]) -> None:
-    """Fire ``enqueued`` for these jobs once the session's transaction commits (never for
-    a rolled-back one): metrics count jobs that exist."""
-    announce: list[tuple[Jobs, Any]] | None = session.info.get(_ANNOUNCE_KEY)
+def _announce(
+    session: Session, registry: Jobs, jobs: list[Any], boundary: SessionTransaction
+) -> None:
+    """Fire ``enqueued`` for these jobs once the outermost transaction commits, and never
+    if ``boundary`` (their savepoint, or the transaction) rolls back: metrics count jobs
+    that exist."""
+    announce: list[tuple[SessionTransaction, Jobs, list[Any]]] | None = session.info.get(
+        _ANNOUNCE_KEY
+    )
     if announce is None:
         announce = session.info[_ANNOUNCE_KEY] = []
-        if not event.contains(session, "after_commit", _after_commit):
-            event.listen(session, "after_commit", _after_commit)
-            event.listen(session, "after_soft_rollback", _after_soft_rollback)
-    announce.extend((registry, job) for job in jobs)
+        _listen(
+            session,
+            ("after_commit", _after_commit),
+            ("after_transaction_end", _after_transaction_end),
+        )
+    announce.append((boundary, registry, jobs))
 
 
 def _after_commit(session: Session) -> None:
-    for registry, job in session.info.pop(_ANNOUNCE_KEY, None) or ():
-        registry.events.fire("enqueued", job)
-
-
-def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
-    if previous_transaction.parent is None:
-        session.info.pop(_ANNOUNCE_KEY, None)
-
-
-def _insert_pending(session: Session) -> None:
-    pending: dict[Jobs, list[dict[str, Any]]] | None = session.info.get(_PENDING_KEY)
-    if not pending:
+    # Also fired when a SAVEPOINT is released; get_nested_transaction() is then that
+    # savepoint (the savepoints inside it were committed and closed first).
+    announce: list[tuple[SessionTransaction, Jobs, list[Any]]] | None = session.info.get(
+        _ANNOUNCE_KEY
+    )
+    if not announce:
         return
-    session.info[_PENDING_KEY] = {}
-    connection = session.connection()
-    for registry, rows in pending.items():
+    released = session.get_nested_transaction()
+    if released is not None:
+        parent = released.parent
+        assert parent is not None
+        heir = _boundary_of(parent)
+        session.info[_ANNOUNCE_KEY] = [
+            (heir if boundary is released else boundary, registry, jobs)
+            for boundary, registry, jobs in announce
+        ]
+        return
+    root = session.get_transaction()
+    session.info[_ANNOUNCE_KEY] = []
+    for boundary, registry, jobs in announce:
+        if boundary is root:
+            for job in jobs:
+                registry.events.fire("enqueued", job)
+
+
+def _insert_pending(session: Session, through: SessionTransaction | None = None) -> None:
+    """Write every waiting row: through the session's current transaction, or ``through``
+    the given one."""
+    batches: list[_Batch] | None = session.info.get(_PENDING_KEY)
+    if not batches:
+        return
+    session.info[_PENDING_KEY] = []
+    # Consecutive calls for one registry share one statement when their options agree.
+    by_registry: dict[Jobs, list[dict[str, Any]]] = {}
+    for _, registry, rows in batches:
+        by_registry.setdefault(registry, []).extend(rows)
+    for registry, rows in by_registry.items():
+        if through is None:
+            connection = session.connection(bind_arguments={"mapper": registry.model})
+        else:
+            connection = through.connection(inspect(registry.model))
         insert_rows(connection, registry.queries, rows)
 
 
@@ -305,13 +410,32 @@ def _after_flush(session: Session, flush_context: Any) -> None:
 
 
 def _before_commit(session: Session) -> None:
-    # A session holding only enqueue_many rows is "clean" and would skip its flush.
-    session.flush()
-    _insert_pending(session)
+    # The outermost COMMIT or a savepoint's RELEASE. A session holding only enqueue_many
+    # rows is "clean" and would skip its flush.
+    if session.info.get(_PENDING_KEY):
+        session.flush()
+        _insert_pending(session)
+
+
+def _after_transaction_create(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.nested and session.info.get(_PENDING_KEY):
+        # The rows waiting now belong to the parent: write them through it, before the
+        # new savepoint's SAVEPOINT statement, so that its rollback cannot take them.
+        parent = transaction.parent
+        assert parent is not None
+        _insert_pending(session, parent)
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     if transaction.parent is None:
-        # Committed rows were inserted already; rolled-back ones must not leak into the
+        # Committed rows were written already; rolled-back ones must not leak into the
         # session's next transaction.
         session.info.pop(_PENDING_KEY, None)
+        session.info.pop(_ANNOUNCE_KEY, None)
+    elif transaction.nested:
+        # A released savepoint handed everything on (before_commit, after_commit): what is
+        # still tagged with it was rolled back.
+        for key in (_PENDING_KEY, _ANNOUNCE_KEY):
+            entries = session.info.get(key)
+            if entries:
+                session.info[key] = [e for e in entries if e[0] is not transaction]

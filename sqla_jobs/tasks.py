@@ -14,6 +14,7 @@ the web request that made it instead of a worker an hour later.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import random
@@ -27,6 +28,14 @@ import sqlalchemy as sa
 from .cron import Schedule, check_cron
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
+from .limits import (
+    QUEUE_MAX_BYTES,
+    SCHEDULE_NAME_MAX_BYTES,
+    UNIQUE_KEY_MAX_BYTES,
+    check_name,
+    shorten,
+    text_problem,
+)
 from .model import job_table
 
 if TYPE_CHECKING:
@@ -72,7 +81,11 @@ class Backoff:
 
 #: ``json.dumps(value, allow_nan=False)`` builds a new encoder at every call (any keyword
 #: but the defaults does); one shared encoder does the same check for half the cost.
-_check_json = json.JSONEncoder(allow_nan=False).encode
+#: ``ensure_ascii=False`` keeps the text as it is, so the encoding also shows where to look
+#: for what PostgreSQL cannot store (see :meth:`Task.bind_args`).
+_check_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False).encode
+#: The canonical form of a task and its arguments, for derived unique keys.
+_canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
 
 #: A retry policy maps the number of the attempt that just failed to seconds to wait.
 RetryPolicy = Callable[[int], float]
@@ -143,17 +156,28 @@ class Task(Generic[P, R]):
                 raise EnqueueError(f"task {self.name!r}: {exc}") from None
             arguments = dict(bound.arguments)
         try:
-            _check_json(arguments)
-        except (TypeError, ValueError):
+            text = _check_json(arguments)
+        except (TypeError, ValueError, RecursionError):
             # Rare: find the culprit, one argument at a time, for the message.
             for key, value in arguments.items():
                 try:
                     _check_json(value)
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, RecursionError) as exc:
                     raise EnqueueError(
                         f"task {self.name!r}: argument {key!r} is not JSON-serialisable ({exc})"
                     ) from None
             raise
+        # What JSON accepts but PostgreSQL cannot store (NUL, surrogates), and dict keys
+        # that JSON would silently turn into strings. The one encoding says whether to
+        # look: a surrogate fails UTF-8 (only non-ASCII text can hold one), a NUL always
+        # comes out escaped as \u0000, and a nested dict shows a '{' past the first
+        # character. Each may be a false alarm (a string that holds those characters),
+        # which the walk clears.
+        if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
+            found = _unstorable(arguments)
+            if found is not None:
+                name, where, why = found
+                raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
         return arguments
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -162,6 +186,54 @@ class Task(Generic[P, R]):
             return (), dict(stored)
         bound = inspect.BoundArguments(self.signature, dict(stored))
         return bound.args, bound.kwargs
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """The first string or dict key in the arguments that PostgreSQL could not store in
+    JSON, or a dict key that is not a string, as ``(argument, " (at path)", why)``."""
+    for name, value in arguments.items():
+        # Iterative, depth first: the encoder accepted the nesting, so a Python recursion
+        # here could still run out of stack.
+        stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+        while stack:
+            item, path = stack.pop()
+            if isinstance(item, str):
+                problem = text_problem(item)
+                if problem is not None:
+                    return name, _where(name, path), problem
+            elif isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str):
+                        as_json = next(iter(json.loads(json.dumps({key: 0}))))
+                        return (
+                            name,
+                            _where(name, path),
+                            f"has the dict key {key!r}, which is not a string: JSON would "
+                            f"store it as {as_json!r} (use string keys)",
+                        )
+                    problem = text_problem(key)
+                    if problem is not None:
+                        why = f"has the dict key {shorten(key)} that {problem}"
+                        return name, _where(name, path), why
+                children = list(item.items())
+                stack.extend((child, (*path, key)) for key, child in reversed(children))
+            elif isinstance(item, (list, tuple)):
+                stack.extend((item[i], (*path, i)) for i in range(len(item) - 1, -1, -1))
+    return None
+
+
+def _where(name: str, path: tuple[Any, ...]) -> str:
+    if not path:
+        return ""
+    return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
 def _utcnow() -> datetime:
@@ -243,6 +315,11 @@ class Jobs:
 
         def register(f: Callable[P, R]) -> Task[P, R]:
             task_name = name or f"{f.__module__}.{f.__qualname__}"
+            if not isinstance(task_name, str):
+                raise ValueError(f"a task name must be a string, got {task_name!r}")
+            problem = text_problem(task_name)
+            if problem is not None:
+                raise ValueError(f"task name {shorten(task_name)} {problem}")
             if task_name in self.tasks:
                 raise ValueError(f"a task named {task_name!r} is already registered")
             q = queue if queue is not None else self.default_queue
@@ -289,6 +366,12 @@ class Jobs:
             if not isinstance(task, Task):
                 raise TypeError("@jobs.periodic goes above @jobs.task")
             schedule_name = name or task.name
+            if not isinstance(schedule_name, str):
+                raise ValueError(f"schedule name must be a string, got {schedule_name!r}")
+            check_schedule_name(
+                schedule_name,
+                "" if name else " (it is the task's name: pass name= to @jobs.periodic)",
+            )
             if schedule_name in self.schedules:
                 raise ValueError(f"a schedule named {schedule_name!r} is already declared")
             self.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
@@ -333,12 +416,23 @@ class Jobs:
         """Check a job and return its column values. Raises :class:`EnqueueError`."""
         t = self.get(task)
         arguments = t.bind_args(args, kwargs)
-        q = t.queue if queue is None else queue
-        _check_queue(q)
-        prio = t.priority if priority is None else priority
-        _check_priority(prio)
-        attempts = t.max_attempts if max_attempts is None else max_attempts
-        _check_max_attempts(attempts)
+        # The task's own queue, priority and max_attempts were checked when it was
+        # registered; only the caller's overrides need it here (once per enqueue_many row).
+        if queue is None:
+            q = t.queue
+        else:
+            q = queue
+            _check_queue(q)
+        if priority is None:
+            prio = t.priority
+        else:
+            prio = priority
+            _check_priority(prio)
+        if max_attempts is None:
+            attempts = t.max_attempts
+        else:
+            attempts = max_attempts
+            _check_max_attempts(attempts)
         values: dict[str, Any] = {
             "task": t.name,
             "queue": q,
@@ -355,6 +449,7 @@ class Jobs:
         if unique_key is not None:
             if not isinstance(unique_key, str) or not unique_key:
                 raise EnqueueError(f"unique_key must be a non-empty string, got {unique_key!r}")
+            check_name(unique_key, "unique_key", UNIQUE_KEY_MAX_BYTES, EnqueueError)
             values["unique_key"] = unique_key
         elif unique:
             values["unique_key"] = derive_unique_key(t.name, arguments)
@@ -362,8 +457,36 @@ class Jobs:
 
 
 def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:
-    """A key equal for equal task and arguments, whatever the keyword order."""
-    return f"{task}:{json.dumps(arguments, sort_keys=True, separators=(',', ':'))}"
+    """``<task>:<sha256 hex>``: a key equal for equal task and arguments, whatever the keyword
+    order, and short whatever their size (the unique index holds about 2.7 kB a row).
+
+    The digest is of the canonical JSON (sorted keys, no spaces) of ``[task, arguments]``.
+    The task name in front is for people reading the table; one over 200 bytes is cut
+    there (the digest covers all of it).
+    """
+    digest = hashlib.sha256(_canonical_json([task, arguments]).encode()).hexdigest()
+    prefix = task
+    if len(task) > _KEY_PREFIX_MAX_BYTES // 4:
+        encoded = task.encode()
+        if len(encoded) > _KEY_PREFIX_MAX_BYTES:
+            prefix = encoded[:_KEY_PREFIX_MAX_BYTES].decode(errors="ignore")
+    return f"{prefix}:{digest}"
+
+
+_KEY_PREFIX_MAX_BYTES = 200
+
+
+def check_schedule_name(name: str, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``name`` can name a schedule (text, at most 200 bytes)."""
+    if not name:
+        raise ValueError("schedule name must be a non-empty string")
+    check_name(name, "schedule name", SCHEDULE_NAME_MAX_BYTES, ValueError, hint)
+
+
+#: The range of ``run_at``: what a ``datetime`` can hold, less a day at either end, since a
+#: job's times are read back in the connection's time zone, which may be a day off UTC.
+_EARLIEST = datetime.min.replace(tzinfo=timezone.utc) + timedelta(days=1)
+_LATEST = datetime.max.replace(tzinfo=timezone.utc) - timedelta(days=1)
 
 
 def _run_at(
@@ -374,8 +497,14 @@ def _run_at(
     if run_at is not None:
         if not isinstance(run_at, datetime):
             raise EnqueueError(f"run_at must be a datetime, got {run_at!r}")
-        if run_at.tzinfo is None:
+        if run_at.utcoffset() is None:
             raise EnqueueError("run_at must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        # Compared without converting: a conversion to UTC could itself overflow.
+        if not _EARLIEST <= run_at <= _LATEST:
+            raise EnqueueError(
+                f"run_at {run_at.isoformat()} is out of range: it must lie between "
+                f"{_EARLIEST.date()} and {_LATEST.date()} UTC"
+            )
         return run_at
     if delay is not None:
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
@@ -386,13 +515,23 @@ def _run_at(
             or seconds < 0
         ):
             raise EnqueueError(f"delay must be a number of seconds >= 0, got {delay!r}")
-        return (now or _utcnow()) + timedelta(seconds=seconds)
+        try:
+            when = (now or _utcnow()) + timedelta(seconds=seconds)
+        except OverflowError:  # inf, or past what a datetime holds
+            when = None
+        if when is None or when > _LATEST:
+            raise EnqueueError(
+                f"delay={delay!r} is too long: the job would run after {_LATEST.date()} UTC, "
+                "the latest run_at allowed"
+            )
+        return when
     return None
 
 
 def _check_queue(queue: object) -> None:
     if not isinstance(queue, str) or not queue:
         raise EnqueueError(f"queue must be a non-empty string, got {queue!r}")
+    check_name(queue, "queue", QUEUE_MAX_BYTES, EnqueueError)
 
 
 def _check_priority(priority: object) -> None:

@@ -456,3 +456,49 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
     for pid in (survivor, replacement):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_heroku_style_url_works(db: sa.Engine, database_url: str) -> None:
+    heroku = sa.make_url(database_url).set(drivername="postgres")
+    url = heroku.render_as_string(hide_password=False)
+    assert url.startswith("postgres://")
+    add(db, 1)
+    by_option = cli("--database-url", url, "stats", JOBS, "--json")
+    assert by_option.returncode == 0, by_option.stderr
+    assert json.loads(by_option.stdout)["queues"][0]["ready"] == 1
+    by_env = cli("queues", "list", JOBS, env=environment({"DATABASE_URL": url}))
+    assert by_env.returncode == 0, by_env.stderr
+
+
+def test_what_admin_refuses_is_a_one_line_usage_error(db: sa.Engine) -> None:
+    cases: list[tuple[tuple[str, ...], str]] = [
+        (("queues", "pause", JOBS, ""), "queue name must be a non-empty string"),
+        (("queues", "resume", JOBS, ""), "queue name must be a non-empty string"),
+        (("queues", "pause", JOBS, "q" * 129), "129 bytes in UTF-8; at most 128"),
+        (("queues", "resume", "tests.app:Job", "é" * 65), "130 bytes in UTF-8"),
+        (("jobs", "list", JOBS, "--queue", ""), "queue filter must be one or more non-empty"),
+        (("jobs", "list", JOBS, "--task", "t", "--task", ""), "task filter must be"),
+        (("jobs", "cancel", JOBS, "--queue", "", "--yes"), "queue filter must be"),
+        (("jobs", "purge", JOBS, "--task", "", "--yes"), "task filter must be"),
+    ]
+    results = in_parallel(*(argv for argv, _ in cases))
+    for (argv, message), result in zip(cases, results, strict=True):
+        assert result.returncode == 2, (argv, result.stderr)
+        assert result.stderr.startswith("sqla-jobs: error: "), (argv, result.stderr)
+        assert message in result.stderr, (argv, result.stderr)
+        assert result.stderr.count("\n") == 1, (argv, result.stderr)
+    listed = json.loads(cli("queues", "list", JOBS, "--json").stdout)
+    assert [(q["name"], q["paused"]) for q in listed] == [("records", False)], "nothing paused"
+
+
+def test_an_unreachable_database_is_one_line(db: sa.Engine) -> None:
+    nowhere = "postgresql://nobody@127.0.0.1:1/x"
+    results = in_parallel(
+        ("--database-url", nowhere, "stats", JOBS),
+        ("--database-url", nowhere, "queues", "pause", JOBS, "q"),
+        ("--database-url", nowhere.replace("postgresql:", "postgres:"), "jobs", "list", JOBS),
+    )
+    for result in results:
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith("sqla-jobs: error: cannot connect to the database: ")
+        assert result.stderr.count("\n") == 1, result.stderr

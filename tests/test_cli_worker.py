@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,3 +147,41 @@ def test_worker_reports_a_missing_table(db: sa.Engine) -> None:
     result = run_cli("worker", "tests.app:jobs", env=env)
     assert result.returncode == 1
     assert "does not exist: run your migrations" in result.stderr
+
+
+def test_losing_the_database_logs_one_line_per_warning(db: sa.Engine, database_url: str) -> None:
+    """Each warning names the driver's error in one line: no SQL statement, no parameters,
+    no continuation lines."""
+    url = sa.make_url(database_url).update_query_dict({"application_name": "cli-victim"})
+    proc = start_worker(
+        "--database-url",
+        url.render_as_string(hide_password=False),
+        "--queues",
+        "records",
+        "--poll-interval",
+        "0.05",
+    )
+    try:
+        enqueue_slow(db, 1, 0.0)
+        wait_for(lambda: count(db) == 0, timeout=20)  # claimed and completed: connected
+        with db.begin() as conn:
+            killed = conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'cli-victim'"
+                )
+            ).scalar()
+        assert killed
+        enqueue_slow(db, 1, 0.0)
+        wait_for(lambda: count(db) == 0, timeout=20)  # it came back
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    warnings = [line for line in out.splitlines() if " WARNING " in line]
+    assert any("terminating connection" in line for line in warnings), out
+    for text in ("[SQL:", "[parameters:", "sqlalche.me", "SELECT", "UPDATE"):
+        assert text not in out, (text, out)
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) ")
+    assert all(stamp.match(line) for line in out.splitlines()), out

@@ -20,11 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-__all__ = ["WorkerOptions", "WorkerSettings"]
+from ..limits import QUEUE_MAX_BYTES, check_name
 
-#: Longest queue name, in UTF-8 bytes: the claim index must hold it, and so must a NOTIFY
-#: payload. Enqueueing checks the same limit.
-MAX_QUEUE_BYTES = 128
+__all__ = ["WorkerOptions", "WorkerSettings"]
 
 
 def _setting(default: Any, help: str, *, cli: str | None = None) -> Any:
@@ -165,13 +163,11 @@ def resolve(settings: WorkerSettings | None, options: Mapping[str, Any]) -> Work
 
 
 def check_queue_name(queue: object) -> str:
-    """A queue name must be a non-empty string of at most 128 UTF-8 bytes, without NUL."""
+    """A queue name: a non-empty string that PostgreSQL can store and index (see
+    :mod:`sqla_jobs.limits`)."""
     if not isinstance(queue, str) or not queue:
         raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
-    if "\x00" in queue:
-        raise ValueError(f"queue name {queue!r} contains a NUL character")
-    if len(queue.encode("utf-8", "surrogatepass")) > MAX_QUEUE_BYTES:
-        raise ValueError(f"queue name {queue[:40]!r}... is longer than {MAX_QUEUE_BYTES} bytes")
+    check_name(queue, "queue name", QUEUE_MAX_BYTES)
     return queue
 
 

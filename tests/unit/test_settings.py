@@ -39,7 +39,8 @@ def test_the_keyword_form_names_every_field() -> None:
         ("queues", (), "queues must name at least one queue"),
         ("queues", ("",), "queue names must be non-empty strings"),
         ("queues", ("a\x00b",), "contains a NUL character"),
-        ("queues", ("q" * 129,), "longer than 128 bytes"),
+        ("queues", ("\ud800",), "surrogate"),
+        ("queues", ("q" * 129,), "is 129 bytes in UTF-8; at most 128"),
     ],
 )
 def test_every_field_is_checked(field: str, value: Any, message: str) -> None:
