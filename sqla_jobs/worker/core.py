@@ -104,7 +104,7 @@ def retry_pause(failures: int, exc: BaseException) -> float:
 
     The first failure of a held connection that the server dropped (a restart, a
     terminated backend) is retried at once on a fresh one. Failures to reach the server
-    back off to at most a second, so a worker is back within about a second of the server
+    back off to at most half a second, so a worker is back within about a second of the server
     accepting connections again; other errors (a missing table) back off to 30 s.
     """
     if failures <= 1 and getattr(exc, "connection_invalidated", False):
@@ -119,7 +119,7 @@ def retry_pause(failures: int, exc: BaseException) -> float:
             psycopg.InterfaceError,
         ),
     )
-    cap = 1.0 if reach else 30.0
+    cap = 0.5 if reach else 30.0
     return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))
 
 

@@ -107,21 +107,11 @@ def test_workers_resume_promptly_after_postgres_restarts(
             f"after {down:g}s down, workers never ran a new job within {GIVE_UP_AFTER}s: "
             f"{per} (seconds after the server accepted connections, per pid)"
         )
-    # KNOWN FAILURE on the worker as of this branch's base (b7f1bcc), being fixed in
-    # parallel; kept as is, as the target the fixed worker must meet. Measured here: 0.4-1.2 s
-    # after 1 s down, but 7.6-8.6 s after 5 s down for most workers (1.2 s for a worker whose
-    # held claim connection happened to be dropped during the outage). Two causes in
-    # sqla_jobs/worker.py: the fetch loop's backoff doubles per failed round without a cap
-    # below 30 s (Worker._loop, `pause = min(30.0, 0.1 * 2**failures)`), so the round after
-    # a 5 s outage comes 3.2 s, then 6.4 s, after the one before; and the claim's
-    # _HeldConnection keeps its pre-outage connection (it is only replaced after an error on
-    # itself), so the first claim after the restart fails on it ("server closed the
-    # connection unexpectedly") and earns one more, doubled, pause. Which of the two a
-    # worker hits first after the crash is a race, so today this fails in most runs, not
-    # in every one.
+    # The worker retries a failed statement on a fresh connection at once, and backs off
+    # at most half a second while the server cannot be reached (core.retry_pause).
     assert max(worst) <= RECOVERY_TARGET, (
-        f"KNOWN FAILURE until the worker's reconnection fix lands: every worker must run a "
-        f"new job within {RECOVERY_TARGET}s of PostgreSQL accepting connections again; "
+        f"every worker must run a new job within {RECOVERY_TARGET}s of PostgreSQL "
+        f"accepting connections again; "
         f"measured (seconds, per worker pid): "
         + "; ".join(
             f"after {down:g}s down: {per}" for down, per in zip(OUTAGES, recovery, strict=True)

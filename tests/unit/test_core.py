@@ -216,7 +216,7 @@ def test_retry_pause_is_at_once_for_a_dropped_held_connection_and_short_for_an_o
     dropped = sa.exc.OperationalError("SELECT 1", {}, Exception("x"), connection_invalidated=True)
     assert retry_pause(1, dropped) == 0.0
     down = sa.exc.OperationalError("SELECT 1", {}, Exception("refused"))
-    assert [retry_pause(n, down) for n in (1, 2, 3, 8, 50)] == [0.05, 0.1, 0.2, 1.0, 1.0]
+    assert [retry_pause(n, down) for n in (1, 2, 3, 8, 50)] == [0.05, 0.1, 0.2, 0.5, 0.5]
     missing = sa.exc.ProgrammingError("SELECT 1", {}, Exception("no table"))
     assert retry_pause(20, missing) == 30.0
 
