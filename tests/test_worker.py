@@ -1,6 +1,7 @@
 """The worker and the claim/complete/fail paths, on a real PostgreSQL.
 
-These are the first seed's table of tests, and the behaviours around them: leases,
+The table of tests a Postgres queue must pass (exactly once under 8 workers, retries,
+the dead state, the attempts guard, the claim index), and the behaviours around them: leases,
 retries, the dead state, the attempts guard, unknown tasks, handler signals.
 """
 

@@ -1,4 +1,4 @@
-"""Snip, the first seed's link shortener: creating a link queues its preview and webhook
+"""Snip, a link shortener: creating a link queues its preview and webhook
 jobs in the same transaction, so there is never a link without its jobs, nor a job for a
 link that was rolled back.
 

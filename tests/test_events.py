@@ -1,0 +1,84 @@
+"""Events and job logs. Time is moved by the tests (rows'
+timestamps set into the past), never waited for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import (
+    Jobs,
+    Worker,
+)
+from sqla_jobs.events import JobEvent
+
+from .helpers import rows
+
+
+def test_events_fire_through_a_jobs_life(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    seen: list[tuple[str, Any]] = []
+    for name in ("enqueued", "started", "succeeded", "failed", "retried", "dead"):
+        jobs.events.connect(name, lambda e: seen.append((e.name, e.duration)))
+
+    @jobs.events.on("failed")
+    def broken_listener(event: JobEvent) -> None:
+        raise RuntimeError("a listener bug must not hurt the worker")
+
+    with pytest.raises(ValueError, match="unknown event"):
+        jobs.events.connect("finished", print)
+
+    @jobs.task(queue="q", max_attempts=2)
+    def flaky(fail: bool) -> None:
+        if fail:
+            raise RuntimeError("no")
+
+    with Session() as session:
+        session.enqueue(flaky, False)
+        session.rollback()  # never enqueued: no event
+    with Session.begin() as session:
+        session.enqueue(flaky, False)
+        session.enqueue(flaky, True)
+    assert [n for n, _ in seen] == ["enqueued", "enqueued"]
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(wait_scheduled=5, timeout=20)
+    names = [n for n, _ in seen]
+    assert names.count("started") == 3
+    assert names.count("succeeded") == 1
+    assert names.count("failed") == 2
+    assert names.count("retried") == 1 and names.count("dead") == 1
+    assert all(d is not None and d >= 0 for n, d in seen if n in ("succeeded", "failed"))
+
+
+def test_job_logs_carry_the_job_context(
+    Session: Any, db: sa.Engine, jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    @jobs.task(queue="q", max_attempts=1)
+    def broken() -> None:
+        raise ValueError("nope")
+
+    with Session.begin() as session:
+        session.enqueue(broken)
+    with caplog.at_level("INFO", logger="sqla_jobs"):
+        Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    (record,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    (job,) = rows(db)
+    assert record.job_id == job.id  # type: ignore[attr-defined]
+    assert (record.task, record.queue, record.attempt) == (broken.name, "q", 1)  # type: ignore[attr-defined]
+    assert f"job {job.id} ({broken.name}, queue q, attempt 1/1): failed" in record.getMessage()
+
+
+def test_enqueued_fires_once_for_a_unique_job(Session: Any, jobs: Jobs) -> None:
+    seen: list[int] = []
+    jobs.events.connect("enqueued", lambda e: seen.append(e.job.id))
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(refresh, 1, unique=True)
+        session.enqueue(refresh, 1, unique=True)  # the same live job, handed back
+    assert len(seen) == 1

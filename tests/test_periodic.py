@@ -1,0 +1,158 @@
+"""Periodic jobs: cron schedules declared in code or added at run time, each tick
+enqueued once. Time is moved by the tests (rows' timestamps set into the past), never
+waited for."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import (
+    EnqueueError,
+    Jobs,
+    Worker,
+    create_engine,
+)
+from sqla_jobs.periodic import add_schedule, enqueue_due, remove_schedule, sync_declared
+
+from . import app
+from .helpers import rows, running, wait_for
+
+
+def make_due(db: sa.Engine, jobs: Jobs, name: str, ago: timedelta) -> None:
+    """Move a schedule's next tick into the past: the test's clock, not a wait."""
+    table = jobs.queries.schedules_table
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.name == name)
+            .values(next_run_at=sa.func.date_trunc("minute", sa.func.now()) - ago)
+        )
+
+
+def test_periodic_task_is_declared_checked_and_enqueued_once_per_tick(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    with pytest.raises(ValueError, match="invalid cron expression"):
+        jobs.periodic("61 * * * *")
+    with pytest.raises(ValueError, match="invalid cron expression"):
+        jobs.periodic("every minute")
+
+    @jobs.periodic("* * * * *", args={"kind": "minutely"})
+    @jobs.task(queue="q")
+    def tick(kind: str) -> None:
+        pass
+
+    with pytest.raises(EnqueueError, match="missing a required argument"):
+
+        @jobs.periodic("* * * * *", name="bad-args")
+        @jobs.task(queue="q", name="needs_args")
+        def needs_args(x: int) -> None:
+            pass
+
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+    (schedule,) = rows(db, jobs.queries.schedules_table)
+    assert schedule.next_run_at > datetime.now(timezone.utc)
+    make_due(db, jobs, tick.name, timedelta(0))
+
+    # Eight workers' maintenance passes race for the same due tick.
+    engines = [create_engine(database_url) for _ in range(8)]
+    barrier = threading.Barrier(8)
+    made: list[int] = []
+
+    def race(engine: sa.Engine) -> None:
+        with engine.begin() as conn:
+            barrier.wait()
+            made.append(enqueue_due(conn, jobs))
+
+    threads = [threading.Thread(target=race, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for e in engines:
+        e.dispose()
+    assert sorted(made) == [0] * 7 + [1]
+    (job,) = rows(db)
+    assert (job.task, job.args, job.queue) == (tick.name, {"kind": "minutely"}, "q")
+    assert job.unique_key.startswith(f"periodic:{tick.name}:")
+
+
+def test_missed_ticks_fire_once_for_the_latest(db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.periodic("* * * * *")
+    @jobs.task(queue="q")
+    def tick() -> None:
+        pass
+
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+    make_due(db, jobs, tick.name, timedelta(minutes=30))  # no worker for half an hour
+    with db.begin() as conn:
+        assert enqueue_due(conn, jobs) == 1
+        assert enqueue_due(conn, jobs) == 0
+    (job,) = rows(db)
+    (schedule,) = rows(db, jobs.queries.schedules_table)
+    now = datetime.now(timezone.utc)
+    assert now - timedelta(minutes=1) <= schedule.last_run_at <= now
+    assert job.unique_key == f"periodic:{tick.name}:{schedule.last_run_at.isoformat()}"
+    assert schedule.next_run_at > now
+
+
+def test_changing_a_declared_schedule_in_code_is_picked_up(db: sa.Engine) -> None:
+    first = Jobs(app.Job)
+    second = Jobs(app.Job)
+    for registry, cron in ((first, "0 * * * *"), (second, "30 * * * *")):
+
+        @registry.periodic(cron, name="hourly")
+        @registry.task(queue="q", name="hourly_task")
+        def hourly() -> None:
+            pass
+
+    with db.begin() as conn:
+        sync_declared(conn, first)
+        sync_declared(conn, second)
+    (row,) = rows(db, first.queries.schedules_table)
+    assert (row.cron, row.next_run_at.minute, row.origin) == ("30 * * * *", 30, "code")
+    with db.begin() as conn:
+        sync_declared(conn, Jobs(app.Job))  # the code no longer declares it
+    assert rows(db, first.queries.schedules_table) == []
+
+
+def test_runtime_schedules_are_checked_and_picked_up_without_restart(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    ran: list[int] = []
+
+    @jobs.task(queue="q")
+    def report(user_id: int) -> None:
+        ran.append(user_id)
+
+    with db.begin() as conn:
+        with pytest.raises(ValueError, match="invalid cron"):
+            add_schedule(conn, jobs, "r1", report, "0 25 * * *", args={"user_id": 1})
+        with pytest.raises(EnqueueError, match="unknown task"):
+            add_schedule(conn, jobs, "r1", "no_such_task", "0 8 * * *")
+        with pytest.raises(EnqueueError, match="missing a required argument"):
+            add_schedule(conn, jobs, "r1", report, "0 8 * * *")
+    assert rows(db, jobs.queries.schedules_table) == []
+
+    worker = Worker(jobs, db, queues=["q"], poll_interval=0.05, listen=False)
+    with running(worker):
+        with db.begin() as conn:
+            add_schedule(conn, jobs, "report:42", report, "0 8 * * mon", args={"user_id": 42})
+        make_due(db, jobs, "report:42", timedelta(0))
+        wait_for(lambda: ran == [42])
+        # Changed at run time: a new expression and arguments.
+        with db.begin() as conn:
+            add_schedule(conn, jobs, "report:42", report, "*/5 * * * *", args={"user_id": 43})
+        make_due(db, jobs, "report:42", timedelta(0))
+        wait_for(lambda: ran == [42, 43])
+        with db.begin() as conn:
+            assert remove_schedule(conn, jobs, "report:42")
+            assert not remove_schedule(conn, jobs, "report:42")
+    assert ran == [42, 43]
+    assert rows(db, jobs.queries.schedules_table) == []

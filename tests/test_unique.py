@@ -1,0 +1,131 @@
+"""Unique jobs: one live job per key, enforced by the database. Time is moved by the tests (rows'
+timestamps set into the past), never waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import (
+    EnqueueError,
+    Jobs,
+    JobSession,
+    Worker,
+    create_engine,
+)
+
+from .helpers import count, rows
+
+
+def test_unique_enqueue_hands_back_the_live_job(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with Session.begin() as session:
+        first = session.enqueue(refresh, 1, unique=True)
+        again = session.enqueue(refresh, user_id=1, unique=True)  # same task and args
+        other = session.enqueue(refresh, 2, unique=True)
+        keyed = session.enqueue(refresh, 3, unique_key="refresh-1")
+        keyed_again = session.enqueue(refresh, 4, unique_key="refresh-1")
+        assert first is again and first.id is not None
+        assert other.id != first.id
+        assert keyed is keyed_again and keyed.args == {"user_id": 3}
+        assert not session.new  # nothing else was flushed on our behalf
+    assert count(db) == 3
+    # Once the job is finished, the key is free again.
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=10)
+    with Session.begin() as session:
+        session.enqueue(refresh, 1, unique=True)
+    assert count(db) == 1
+
+
+def test_unique_enqueue_rolls_back_with_the_transaction(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with Session() as session:
+        session.enqueue(refresh, 1, unique=True)
+        session.rollback()
+    assert count(db) == 0
+
+
+def test_eight_connections_enqueueing_one_key_at_once_make_one_job(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    engine = create_engine(database_url, pool_size=8)
+    barrier = threading.Barrier(8)
+    ids: list[int] = []
+    errors: list[BaseException] = []
+
+    def enqueue() -> None:
+        try:
+            with JobSession(engine, jobs=jobs) as session:
+                barrier.wait()
+                # The first INSERT wins; the others' ON CONFLICT waits for it to commit.
+                job = session.enqueue(refresh, 7, unique=True)
+                ids.append(job.id)
+                session.commit()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=enqueue) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    engine.dispose()
+    assert not errors
+    assert count(db) == 1
+    assert len(ids) == 8 and len(set(ids)) == 1
+
+
+def test_enqueue_many_unique_skips_live_duplicates(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(refresh, 1, unique=True)
+    with Session.begin() as session:
+        session.enqueue_many(refresh, [{"user_id": i} for i in (1, 2, 2, 3)], unique=True)
+    assert sorted(r.args["user_id"] for r in rows(db)) == [1, 2, 3]
+
+
+def test_async_session_enqueue_unique(database_url: str, db: sa.Engine, jobs: Jobs) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    async def main() -> tuple[int, int]:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            with pytest.raises(EnqueueError, match="enqueue_unique"):
+                session.enqueue(refresh, 1, unique=True)
+            a = await session.enqueue_unique(refresh, 1)
+            b = await session.enqueue_unique(refresh, user_id=1)
+            result = (a.id, b.id)
+            await session.commit()
+        await engine.dispose()
+        return result
+
+    a, b = asyncio.run(main())
+    assert a == b
+    assert count(db) == 1
