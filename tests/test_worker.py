@@ -1,8 +1,8 @@
 """The worker and the claim/complete/fail paths, on a real PostgreSQL.
 
-The table of tests a Postgres queue must pass (exactly once under 8 workers, retries,
-the dead state, the attempts guard, the claim index), and the behaviours around them: leases,
-retries, the dead state, the attempts guard, unknown tasks, handler signals.
+The table of tests a Postgres queue must pass (each job exactly once under 8 workers, a
+retry after its backoff, the dead state, the attempts guard, the claim index), and the
+behaviours around them: leases, unknown tasks, handler signals.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Snip, a link shortener: creating a link queues its preview and webhook
-jobs in the same transaction, so there is never a link without its jobs, nor a job for a
+"""Snip, a link shortener: creating a link queues its preview and webhook jobs in the
+same transaction, so there is never a link without its jobs, nor a job for a
 link that was rolled back.
 
 Everything here is ordinary SQLAlchemy. The only sqla-jobs pieces are the ``Job`` model,
