@@ -47,7 +47,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from .limits import QUEUE_MAX_BYTES, check_name
-from .model import LIVE_STATUSES, STATUSES, companion_tables, job_table, notify_channel
+from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
 from .queries import status_literal as _lit
 from .tasks import Jobs
 from .worker.job import CANCEL_PAYLOAD
@@ -82,13 +82,13 @@ Bind: TypeAlias = "sa.Connection | Session"
 OneOrMany: TypeAlias = "str | Iterable[str] | None"
 
 #: Statuses a job never leaves by itself.
-FINISHED_STATUSES: tuple[str, ...] = ("done", "dead", "cancelled")
+FINISHED_STATUSES: tuple[str, ...] = (JobStatus.DONE, JobStatus.DEAD, JobStatus.CANCELLED)
 
 #: What each action acts on by default, and (PURGEABLE) what purge may be told to delete.
-RETRYABLE: tuple[str, ...] = ("dead", "cancelled")
+RETRYABLE: tuple[str, ...] = (JobStatus.DEAD, JobStatus.CANCELLED)
 CANCELLABLE: tuple[str, ...] = LIVE_STATUSES
 PURGEABLE_BY_DEFAULT: tuple[str, ...] = FINISHED_STATUSES
-PURGEABLE: tuple[str, ...] = (*FINISHED_STATUSES, "scheduled", "ready")
+PURGEABLE: tuple[str, ...] = (*FINISHED_STATUSES, JobStatus.SCHEDULED, JobStatus.READY)
 
 DEFAULT_WINDOW = 300.0
 
@@ -210,10 +210,12 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
         sa.select(
             c.queue,
             *(n(c.status == _lit(s)).label(s) for s in STATUSES),
-            n(c.status == _lit("running"), c.locked_until < sa.func.now()).label("lease_expired"),
-            sa.func.min(c.run_at).filter(c.status == _lit("ready")).label("oldest_ready"),
-            n(c.status == _lit("done"), c.finished_at >= since).label("done_recent"),
-            n(c.status == _lit("dead"), c.finished_at >= since).label("dead_recent"),
+            n(c.status == _lit(JobStatus.RUNNING), c.locked_until < sa.func.now()).label(
+                "lease_expired"
+            ),
+            sa.func.min(c.run_at).filter(c.status == _lit(JobStatus.READY)).label("oldest_ready"),
+            n(c.status == _lit(JobStatus.DONE), c.finished_at >= since).label("done_recent"),
+            n(c.status == _lit(JobStatus.DEAD), c.finished_at >= since).label("dead_recent"),
         )
         .group_by(c.queue)
         .subquery("per_queue")
@@ -348,7 +350,7 @@ def retry_jobs(
         sa.update(table)
         .where(*where)
         .values(
-            status="ready",
+            status=JobStatus.READY,
             run_at=sa.func.now(),
             finished_at=None,
             locked_until=None,
@@ -408,13 +410,13 @@ def cancel_jobs(
     changed = (
         sa.update(table)
         .where(c.id == target.c.id)
-        .values(status="cancelled", finished_at=sa.func.now(), locked_until=None)
+        .values(status=JobStatus.CANCELLED, finished_at=sa.func.now(), locked_until=None)
         .returning(target.c.was)
         .cte("cancelled")
     )
     counted = sa.select(
         sa.func.count(),
-        sa.func.count().filter(changed.c.was == _lit("running")),
+        sa.func.count().filter(changed.c.was == _lit(JobStatus.RUNNING)),
     ).select_from(changed)
     total, running = _execute(bind, counted).one()
     if running:
@@ -572,7 +574,7 @@ def _statuses(value: OneOrMany, allowed: tuple[str, ...], action: str) -> tuple[
         if s not in STATUSES:
             raise ValueError(f"unknown status {s!r}; statuses are {', '.join(STATUSES)}")
         if s not in allowed:
-            if action == "purge" and s == "running":
+            if action == "purge" and s == JobStatus.RUNNING:
                 raise ValueError("refusing to purge running jobs: cancel them first")
             raise ValueError(f"{action} applies to {', '.join(allowed)} jobs, not {s!r} ones")
     return tuple(dict.fromkeys(names))

@@ -79,7 +79,7 @@ class JobStatus(str, enum.Enum):
 STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
 
 #: Statuses in which a job is still "live": it will run, or is running.
-LIVE_STATUSES: tuple[str, ...] = ("scheduled", "ready", "running")
+LIVE_STATUSES: tuple[str, ...] = (JobStatus.SCHEDULED, JobStatus.READY, JobStatus.RUNNING)
 
 #: Storage parameters for a table that is inserted into, updated and deleted from all day.
 #: A low scale factor makes autovacuum visit long before dead tuples pile up (the default,

@@ -36,7 +36,7 @@ from .limits import (
     shorten,
     text_problem,
 )
-from .model import job_table
+from .model import JobStatus, job_table
 
 if TYPE_CHECKING:
     from .queries import Queries
@@ -439,13 +439,13 @@ class Jobs:
             "args": arguments,
             "priority": prio,
             "max_attempts": attempts,
-            "status": "ready",
+            "status": JobStatus.READY.value,
         }
         when = _run_at(run_at, delay, now)
         if when is not None:
             values["run_at"] = when
             if when > (now or _utcnow()):
-                values["status"] = "scheduled"
+                values["status"] = JobStatus.SCHEDULED.value
         if unique_key is not None:
             if not isinstance(unique_key, str) or not unique_key:
                 raise EnqueueError(f"unique_key must be a non-empty string, got {unique_key!r}")

@@ -92,7 +92,11 @@ def enqueued_jobs(session: Session, jobs: Jobs) -> list[EnqueuedJob]:
     ]
     for obj in session.new:
         if isinstance(obj, model) and obj.status in (None, *LIVE_STATUSES):
-            found.append(EnqueuedJob(obj.task, dict(obj.args), obj.queue, obj.status or "ready"))
+            found.append(
+                EnqueuedJob(
+                    obj.task, dict(obj.args), obj.queue, obj.status or JobStatus.READY.value
+                )
+            )
     pending = pending_jobs(session)
     for registry, rows in pending.items():
         if registry.table is jobs.table:
@@ -384,7 +388,7 @@ def _record(session: Session, q: Any, outcome: Outcome) -> JobRun:
     for statement, params in outcome_statements(q, [outcome]):
         row = conn.execute(statement, params).first()
         if outcome.kind is OutcomeKind.FAILED:
-            result = "dead" if row is not None and row.status == "dead" else "retried"
+            result = "dead" if row is not None and row.status == JobStatus.DEAD else "retried"
     return JobRun(job.id, job.task, job.queue, job.attempts, result, outcome.error)
 
 
