@@ -100,7 +100,7 @@ import sqlalchemy as sa
 from psycopg import sql
 from sqlalchemy.orm import DeclarativeBase, sessionmaker
 
-from sqla_jobs import JobMixin, Jobs, JobSession, Task, Worker, create_engine
+from sqla_jobs import JobMixin, Jobs, JobSession, Task, Worker, WorkerSettings, create_engine
 from sqla_jobs.model import notify_channel
 
 #: Worker settings found best by ``--sweep`` on a 2-core machine (see the module docstring).
@@ -110,15 +110,18 @@ DEFAULT_COMPLETION_BATCH = 200
 
 #: The grid ``--sweep`` tries: (concurrency, claim_limit, completion_batch). The first
 #: row is the Worker's own defaults.
-SWEEP: tuple[tuple[int, int, int], ...] = (
-    (10, 100, 500),
-    (16, 100, 200),
-    (32, 100, 200),
-    (64, 100, 200),
-    (128, 100, 200),
-    (64, 50, 200),
-    (64, 100, 100),
-    (64, 100, 500),
+SWEEP: tuple[WorkerSettings, ...] = tuple(
+    WorkerSettings(concurrency=c, claim_limit=limit, completion_batch=batch, listen=False)
+    for c, limit, batch in (
+        (10, 100, 500),
+        (16, 100, 200),
+        (32, 100, 200),
+        (64, 100, 200),
+        (128, 100, 200),
+        (64, 50, 200),
+        (64, 100, 100),
+        (64, 100, 500),
+    )
 )
 
 #: Longest a single sweep drain may take before the setting is written off.
@@ -399,7 +402,7 @@ def drain_ours(
     app: App,
     engine: sa.Engine,
     n: int,
-    settings: tuple[int, int, int],
+    settings: WorkerSettings,
     *,
     timeout: float | None = None,
 ) -> float:
@@ -408,16 +411,7 @@ def drain_ours(
     With a ``timeout`` (the sweep, where a bad setting may crawl) the rate of what ran
     in time is returned, negated, so that the caller can flag it.
     """
-    concurrency, claim_limit, completion_batch = settings
-    worker = Worker(
-        app.jobs,
-        engine,
-        queues=["default"],
-        concurrency=concurrency,
-        claim_limit=claim_limit,
-        completion_batch=completion_batch,
-        listen=False,
-    )
+    worker = Worker(app.jobs, engine, settings, queues=["default"])
     done = 0
 
     def run() -> None:
@@ -432,27 +426,17 @@ def drain_ours(
     return n / seconds
 
 
-def drain_ours_async(app: App, url: str, n: int, settings: tuple[int, int, int]) -> float:
+def drain_ours_async(app: App, url: str, n: int, settings: WorkerSettings) -> float:
     """jobs/s of one ``AsyncWorker.run_until_empty()`` over ``n`` async no-op jobs."""
     import asyncio
 
     from sqla_jobs import create_async_engine
     from sqla_jobs.aio import AsyncWorker
 
-    concurrency, claim_limit, completion_batch = settings
-
     async def run() -> int:
         engine = create_async_engine(url)
         try:
-            worker = AsyncWorker(
-                app.jobs,
-                engine,
-                queues=["async"],
-                concurrency=concurrency,
-                claim_limit=claim_limit,
-                completion_batch=completion_batch,
-                listen=False,
-            )
+            worker = AsyncWorker(app.jobs, engine, settings, queues=["async"])
             return await worker.run_until_empty()
         finally:
             await engine.dispose()
@@ -761,7 +745,7 @@ def sweep(
     print(f"\n### Worker settings sweep: drain of {n:,} no-op jobs, jobs/s, median of {repeat}\n")
     preload(admin, app, 2_000)
     drain_ours(app, engine, 2_000, SWEEP[0])  # warm-up
-    results: list[tuple[float, tuple[int, int, int]]] = []
+    results: list[tuple[float, int, WorkerSettings]] = []
     print("| concurrency | claim_limit | completion_batch | jobs/s (min-max) |")
     print("|---:|---:|---:|---:|")
     for setting in SWEEP:
@@ -776,15 +760,16 @@ def sweep(
         else:
             rate = statistics.median(rates)
             text = cell(rates, "jobs/s")
-        results.append((rate, setting))
-        print(f"| {setting[0]} | {setting[1]} | {setting[2]} | {text} |", flush=True)
+        results.append((rate, len(results), setting))
+        row = f"{setting.concurrency} | {setting.claim_limit} | {setting.completion_batch}"
+        print(f"| {row} | {text} |", flush=True)
     preload(admin, app, n)
     plain = drain_plain(app, url, n, 4, 50)
     print(f"| plain psycopg: 4 threads x claim 50 | | | {plain:,.0f} |")
-    best = max(results)
+    rate, _, best = max(results)
     print(
-        f"\nbest: concurrency={best[1][0]}, claim_limit={best[1][1]}, "
-        f"completion_batch={best[1][2]} ({best[0]:,.0f} jobs/s)"
+        f"\nbest: concurrency={best.concurrency}, claim_limit={best.claim_limit}, "
+        f"completion_batch={best.completion_batch} ({rate:,.0f} jobs/s)"
     )
 
 
@@ -808,7 +793,12 @@ def main(argv: list[str] | None = None) -> int:
     plain_url = libpq_url(url)
     engine = create_engine(url)
     app = build_app(args.schema)
-    settings = (args.concurrency, args.claim_limit, args.completion_batch)
+    settings = WorkerSettings(
+        concurrency=args.concurrency,
+        claim_limit=args.claim_limit,
+        completion_batch=args.completion_batch,
+        listen=False,
+    )
 
     with engine.begin() as conn:
         conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.schema}" CASCADE'))
@@ -827,9 +817,9 @@ def main(argv: list[str] | None = None) -> int:
             f"samples; median of {size.repeat} (min-max)"
         )
         print(
-            f"- Worker: concurrency={settings[0]}, claim_limit={settings[1]}, "
-            f"completion_batch={settings[2]}; plain drain: {args.plain_threads} threads x "
-            f"claim {args.plain_batch}",
+            f"- Worker: concurrency={settings.concurrency}, claim_limit={settings.claim_limit}, "
+            f"completion_batch={settings.completion_batch}; plain drain: "
+            f"{args.plain_threads} threads x claim {args.plain_batch}",
             flush=True,
         )
         rows = run_all(app, engine, plain_url, admin, size, settings, args)
@@ -850,7 +840,7 @@ def run_all(
     url: str,
     admin: psycopg.Connection[Any],
     size: Sizes,
-    settings: tuple[int, int, int],
+    settings: WorkerSettings,
     args: argparse.Namespace,
 ) -> list[Row]:
     """Warm up, then run each selected workload ``size.repeat`` times, both sides."""
@@ -941,7 +931,8 @@ def run_all(
     if "3" in only:
         n = size.drain_jobs
         drain = Row(
-            f"3. drain {n:,} no-op jobs (Worker {settings[0]}/{settings[1]}/{settings[2]} vs "
+            f"3. drain {n:,} no-op jobs (Worker {settings.concurrency}/{settings.claim_limit}/"
+            f"{settings.completion_batch} vs "
             f"{args.plain_threads} threads x {args.plain_batch})",
             "jobs/s",
             target=("ratio>=", 0.70),
