@@ -233,7 +233,10 @@ class RunSummary:
 
     @property
     def done(self) -> int:
-        """Deprecated name of :attr:`succeeded` (0.1)."""
+        """Deprecated since 0.2: :attr:`succeeded`, the name the events use."""
+        warnings.warn(
+            "RunSummary.done is now RunSummary.succeeded", DeprecationWarning, stacklevel=2
+        )
         return self.succeeded
 
     @property

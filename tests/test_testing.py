@@ -72,7 +72,9 @@ def test_a_view_enqueues_inside_an_uncommitted_transaction_then_its_jobs_run(
 
         # The transactional handler ran in this transaction, enqueued a follow-up, and
         # the follow-up ran in the same call.
-        assert (summary.ran, summary.done, summary.failed) == (2, 2, 0), summary
+        assert (summary.ran, summary.succeeded, summary.failed) == (2, 2, 0), summary
+        with pytest.warns(DeprecationWarning, match="RunSummary.succeeded"):
+            assert summary.done == 2
         assert [r.task for r in summary.runs] == [fetch_preview.name, notify_owner.name]
         assert session.get(app.Link, "x7Kp").url == "https://example.com#previewed"
         assert previews["seen"] == [(summary.runs[1].id, "x7Kp")]
@@ -257,7 +259,7 @@ from user_app import Order, checkout, jobs, mark_paid
 def test_checkout(sqla_jobs_session):
     checkout(sqla_jobs_session, 7)
     assert_enqueued(sqla_jobs_session, mark_paid, order_id=7)
-    assert run_queued_jobs(sqla_jobs_session, jobs).done == 1
+    assert run_queued_jobs(sqla_jobs_session, jobs).succeeded == 1
     assert sqla_jobs_session.get(Order, 7).paid
 
 def test_the_previous_test_left_nothing(sqla_jobs_connection):
@@ -344,5 +346,5 @@ def test_an_async_session_uses_the_helpers_through_run_sync(
             await engine.dispose()
 
     summary = asyncio.run(main())
-    assert summary.done == 1 and summary.runs[0].task == previews["notify_owner"].name
+    assert summary.succeeded == 1 and summary.runs[0].task == previews["notify_owner"].name
     assert count(db) == 0

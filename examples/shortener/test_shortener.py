@@ -100,7 +100,7 @@ def test_creating_a_link_enqueues_its_jobs_then_they_run(session: JobSession, si
 
     summary = run_queued_jobs(session, jobs)
     summary.raise_errors()
-    assert (summary.ran, summary.done) == (3, 3)
+    assert (summary.ran, summary.succeeded) == (3, 3)
     assert session.get(Link, "x7Kp").title == "Spring sale"  # type: ignore[union-attr]
 
 
