@@ -727,7 +727,7 @@ def _common(target: bool = True) -> argparse.ArgumentParser:
     return parent
 
 
-def _filters(parser: argparse.ArgumentParser, accepted: str, default: str) -> None:
+def _filter_options(parser: argparse.ArgumentParser, accepted: str, default: str) -> None:
     parser.add_argument(
         "--queue", action="append", metavar="QUEUE", help="only this queue (repeatable)"
     )
@@ -845,7 +845,7 @@ def _add_jobs(sub: Any) -> None:
         help="list jobs, newest first",
         description="Jobs matching every given filter, newest (highest id) first.",
     )
-    _filters(listing, ", ".join(STATUSES), "any")
+    _filter_options(listing, ", ".join(STATUSES), "any")
     listing.add_argument(
         "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"
     )
@@ -892,7 +892,7 @@ def _add_jobs(sub: Any) -> None:
         )
         p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="job ids")
         default = " or ".join(_ACTIONS[action][2])
-        _filters(p, _ACCEPTED[action], default)
+        _filter_options(p, _ACCEPTED[action], default)
         if action == "purge":
             p.add_argument(
                 "--older-than",
