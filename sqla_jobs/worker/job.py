@@ -57,7 +57,7 @@ class OutcomeKind(str, enum.Enum):
         return self.value
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ClaimedJob:
     """A job as its worker holds it while it runs; handlers get it from :func:`current_job`."""
 
@@ -79,11 +79,12 @@ class ClaimedJob:
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
+    #: ``(id, attempts)``: this claim of this job, as the guard names it. The worker keeps
+    #: its running jobs by it, never by ``id`` alone.
+    key: tuple[int, int] = field(init=False, repr=False)
 
-    @property
-    def key(self) -> tuple[int, int]:
-        """``(id, attempts)``: this claim of this job, as the guard names it."""
-        return (self.id, self.attempts)
+    def __post_init__(self) -> None:
+        self.key = (self.id, self.attempts)
 
     @property
     def cancelled(self) -> threading.Event:
