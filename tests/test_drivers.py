@@ -28,6 +28,8 @@ def test_an_asyncio_worker_has_its_attributes_before_it_runs(
     worker = AsyncWorker(jobs, database_url, queues=["q"])
     assert not worker.listening.is_set()
     assert worker.processed == 0 and worker.queues == ["q"] and worker.name
+    with pytest.warns(DeprecationWarning, match="worker.settings.concurrency"):
+        assert worker.concurrency == 10  # type: ignore[attr-defined]
     worker.stop()  # before run: harmless, and the next run then only starts and stops
     assert asyncio.run(worker.run_until_empty()) == 0
     asyncio.run(worker.engine.dispose())

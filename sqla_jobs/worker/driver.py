@@ -10,10 +10,13 @@ have ``set``.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from .core import WorkerCore
+from .settings import WorkerSettings as _Settings
 from .settings import resolve
 
 if TYPE_CHECKING:
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["DriverBase", "Events"]
 
 E = TypeVar("E")
+
+_SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(_Settings)) - {"name", "queues"}
 
 
 class _Event(Protocol):
@@ -96,6 +101,19 @@ class DriverBase(Generic[E]):
     @property
     def name(self) -> str:
         return self.core.name
+
+    if not TYPE_CHECKING:  # a run-time shim only: type checkers should flag the old names
+
+        def __getattr__(self, name: str) -> Any:
+            # 0.1 kept each setting as an attribute of the worker (``worker.concurrency``).
+            if name in _SETTING_NAMES:
+                warnings.warn(
+                    f"worker.{name} is now worker.settings.{name}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                return getattr(self.settings, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def queues(self) -> list[str]:
