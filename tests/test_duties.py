@@ -66,7 +66,7 @@ def test_a_duty_that_fails_once_is_restarted_and_the_worker_carries_on(
     @jobs.task(queue="q")
     def task(n: int) -> None:
         if duty == "heartbeat":
-            current_job().cancelled.wait(0.3)  # long enough to be heartbeated
+            current_job().cancelled.wait(1.0)  # long enough to be heartbeated again
 
     calls = breaking(monkeypatch, DUTIES[duty], times=1)
     worker = make_worker(jobs, db, queues=["q"], lease=0.3, poll_interval=0.05)

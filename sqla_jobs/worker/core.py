@@ -588,10 +588,10 @@ class WorkerCore:
         try:
             kept = yield Io(db.beat, (self.queries, running, self.lease), Conn.TX)
         except Exception as exc:
+            self._last_beat = 0.0  # whatever failed, try again at the next tick
             if not is_database_error(exc):
                 raise
             log.warning("worker %s: heartbeat failed: %s", self.name, describe(exc))
-            self._last_beat = 0.0  # try again at the next tick
             return
         with self._lock:
             # A claim settled while the statement ran (its completion may be written
