@@ -29,7 +29,7 @@ from alembic.operations import ops
 
 from sqla_jobs.model import STORAGE_PARAMETERS, derived_name
 
-from .ops import CreateJobsTableOp, DropJobsTableOp
+from .ops import CreateJobsTableOp, DropJobsTableOp, ReplaceJobsDDLOp
 
 __all__ = ["rewrite_jobs_tables"]
 
@@ -56,9 +56,11 @@ def _after_builtin_comparators() -> dict[str, Any]:
 def rewrite_jobs_tables(
     autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
 ) -> None:
-    """Swap the create/drop table and index operations of jobs tables for the jobs ops."""
+    """Swap the create/drop table and index operations of jobs tables for the jobs ops,
+    and replace the DDL of existing jobs tables that a newer sqla-jobs changed."""
     _rewrite_creates(upgrade_ops)
     _rewrite_drops(autogen_context, upgrade_ops)
+    _replace_changed_ddl(autogen_context, upgrade_ops, schemas)
 
 
 def _take_index_ops(
@@ -145,3 +147,85 @@ def _rewrite_drops(autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps)
                 del table_op.kw["postgresql_with"]
             recreate = CreateJobsTableOp(table_op, indexes)
             upgrade_ops.ops[i] = DropJobsTableOp(op.table_name, schema=op.schema, reverse=recreate)
+
+
+# --- what Alembic cannot see: the trigger function and the storage parameters --------------
+
+
+def _replace_changed_ddl(
+    autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
+) -> None:
+    """A :class:`~alembic_ext.ops.ReplaceJobsDDLOp` for each jobs table of the metadata that
+    exists in the database with another notify function, storage parameters or no trigger.
+
+    Alembic compares tables, columns and indexes, not functions, triggers or
+    ``reloptions``: those are compared here, the way alembic_utils compares its
+    replaceable entities, by reading the database's definition (read-only catalog
+    queries) and writing the database's one into the reverse, so the downgrade restores
+    it. The filters apply as for any table.
+    """
+    connection = autogen_context.connection
+    if connection is None or connection.dialect.name != "postgresql":
+        return
+    creating = {
+        (op.schema, op.table_name) for op in upgrade_ops.ops if isinstance(op, CreateJobsTableOp)
+    }
+    inspector = sa.inspect(connection)
+    for table in autogen_context.sorted_tables:
+        key = (table.schema, table.name)
+        if not table.info.get("sqla_jobs") or key in creating or table.schema not in schemas:
+            continue
+        if not autogen_context.run_name_filters(
+            table.name, "table", {"schema_name": table.schema}
+        ) or not autogen_context.run_object_filters(table, table.name, "table", False, None):
+            continue
+        if not inspector.has_table(table.name, schema=table.schema):
+            continue
+        wanted = ReplaceJobsDDLOp.installed(table.name, table.schema)
+        found = _found_ddl(connection, table, wanted)
+        if found is not None:
+            wanted._reverse = found
+            upgrade_ops.ops.append(wanted)
+
+
+def _found_ddl(
+    connection: sa.Connection, table: sa.Table, wanted: ReplaceJobsDDLOp
+) -> ReplaceJobsDDLOp | None:
+    """The table's definition as the database has it, or None if it is ``wanted``'s."""
+    body = connection.execute(
+        sa.text(
+            "SELECT p.prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = coalesce(:schema, current_schema()) AND p.proname = :name "
+            "AND p.pronargs = 0"
+        ),
+        {"schema": table.schema, "name": derived_name(table.name, "notify")},
+    ).scalar()
+    options = connection.execute(
+        sa.text(
+            "SELECT c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = coalesce(:schema, current_schema()) AND c.relname = :name"
+        ),
+        {"schema": table.schema, "name": table.name},
+    ).scalar()
+    storage = dict(option.split("=", 1) for option in options or [])
+    managed = {k: storage[k] for k in STORAGE_PARAMETERS if k in storage}
+    has_trigger = _is_jobs_table(connection, table.schema, table.name)
+    same = (
+        has_trigger
+        and _squeezed(body or "") == _squeezed(wanted.function_body)
+        and managed == wanted.storage_parameters
+    )
+    if same:
+        return None
+    return ReplaceJobsDDLOp(
+        table.name,
+        schema=table.schema,
+        function_body=body or "",
+        storage_parameters=managed,
+        reverse=wanted,
+    )
+
+
+def _squeezed(text: str) -> str:
+    """A function body with its white space folded: indentation is not a change."""
+    return " ".join(text.split())

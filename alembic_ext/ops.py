@@ -38,9 +38,17 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.sql.schema import SchemaItem
 
-from sqla_jobs.model import JobMixin, ddl_statements, drop_statements
+from sqla_jobs.model import (
+    STORAGE_PARAMETERS,
+    JobMixin,
+    _qualified,
+    companion_tables,
+    ddl_statements,
+    drop_statements,
+    notify_function_body,
+)
 
-__all__ = ["CreateJobsTableOp", "DropJobsTableOp", "installed_jobs_table"]
+__all__ = ["CreateJobsTableOp", "DropJobsTableOp", "ReplaceJobsDDLOp", "installed_jobs_table"]
 
 #: What rendered migrations import: the ops exist only once this package is imported, and a
 #: migration should not depend on env.py having done it.
@@ -120,9 +128,19 @@ class CreateJobsTableOp(MigrateOperation):
     about creating and rendering a table applies unchanged.
     """
 
-    def __init__(self, table_op: ops.CreateTableOp, indexes: Iterable[sa.Index] = ()) -> None:
+    def __init__(
+        self,
+        table_op: ops.CreateTableOp,
+        indexes: Iterable[sa.Index] = (),
+        *,
+        companions: bool = False,
+    ) -> None:
         self.table_op = table_op
         self.indexes = [detached_index(index) for index in indexes]
+        #: Also create the companion tables (``<table>_queues`` and the others) as the
+        #: installed sqla-jobs declares them: for a hand-written migration. Autogenerate
+        #: writes them as ``op.create_table`` calls of their own instead.
+        self.companions = companions
 
     @property
     def table_name(self) -> str:
@@ -148,6 +166,7 @@ class CreateJobsTableOp(MigrateOperation):
         table_name: str,
         *items: SchemaItem,
         schema: str | None = None,
+        companions: bool = False,
         **kw: Any,
     ) -> sa.Table:
         """Create a jobs table with its indexes, storage parameters and notify trigger.
@@ -155,7 +174,10 @@ class CreateJobsTableOp(MigrateOperation):
         ``items`` are the columns, constraints and indexes, as autogenerate writes them.
         Without any, the columns, constraints and indexes of the installed
         :class:`sqla_jobs.JobMixin` are used. ``kw`` goes to ``op.create_table``
-        (``comment=``, ``prefixes=``, dialect options).
+        (``comment=``, ``prefixes=``, dialect options). ``companions=True`` also creates
+        the small tables sqla-jobs keeps beside the jobs table (paused queues, schedules,
+        ...), as the installed version declares them: the whole queue from one hand-written
+        line. (Autogenerate writes those as ``op.create_table`` calls instead.)
 
         The function and trigger are named after the table (``<table>_notify``) and live
         in its schema, so several jobs tables can share a database.
@@ -164,8 +186,8 @@ class CreateJobsTableOp(MigrateOperation):
             installed = installed_jobs_table(table_name, schema)
             items = (*installed.columns, *installed.constraints, *installed.indexes)
         others, indexes = _split(items)
-        op = cls(ops.CreateTableOp(table_name, others, schema=schema, **kw), indexes)
-        table: sa.Table = operations.invoke(op)
+        table_op = ops.CreateTableOp(table_name, others, schema=schema, **kw)
+        table: sa.Table = operations.invoke(cls(table_op, indexes, companions=companions))
         return table
 
     def create_table_op(self) -> ops.CreateTableOp:
@@ -179,7 +201,9 @@ class CreateJobsTableOp(MigrateOperation):
         return self.create_table_op().to_table()
 
     def reverse(self) -> DropJobsTableOp:
-        return DropJobsTableOp(self.table_name, schema=self.schema, reverse=self)
+        return DropJobsTableOp(
+            self.table_name, schema=self.schema, companions=self.companions, reverse=self
+        )
 
     def to_diff_tuple(self) -> tuple[str, sa.Table]:
         return ("add_table", self.to_table())
@@ -198,28 +222,107 @@ class DropJobsTableOp(MigrateOperation):
         table_name: str,
         *,
         schema: str | None = None,
+        companions: bool = False,
         reverse: CreateJobsTableOp | None = None,
     ) -> None:
         self.table_name = table_name
         self.schema = schema
+        self.companions = companions
         self._reverse = reverse
 
     @classmethod
     def drop_jobs_table(
-        cls, operations: Operations, table_name: str, *, schema: str | None = None
+        cls,
+        operations: Operations,
+        table_name: str,
+        *,
+        schema: str | None = None,
+        companions: bool = False,
     ) -> None:
         """Drop a jobs table created by ``op.create_jobs_table``, trigger and function
-        included."""
-        operations.invoke(cls(table_name, schema=schema))
+        included; ``companions=True`` drops its companion tables too (those that exist)."""
+        operations.invoke(cls(table_name, schema=schema, companions=companions))
 
     def reverse(self) -> CreateJobsTableOp:
         if self._reverse is not None:
             return self._reverse
         # Written by hand: the best guess is the table as the installed package declares it.
-        return CreateJobsTableOp.from_table(installed_jobs_table(self.table_name, self.schema))
+        op = CreateJobsTableOp.from_table(installed_jobs_table(self.table_name, self.schema))
+        op.companions = self.companions
+        return op
 
     def to_diff_tuple(self) -> tuple[str, sa.Table]:
         return ("remove_table", self.reverse().to_table())
+
+
+@Operations.register_operation("replace_jobs_ddl")
+class ReplaceJobsDDLOp(MigrateOperation):
+    """Bring an existing jobs table's storage parameters and notify function (and its
+    trigger) to a given definition: what a newer sqla-jobs changed in them.
+
+    Autogenerate writes it when the database's definition differs from the installed
+    package's, with the database's as the reverse, so the downgrade puts back what was
+    there. An empty ``function_body`` means "no notify function": the reverse of adding
+    one to a table that had lost it.
+    """
+
+    def __init__(
+        self,
+        table_name: str,
+        *,
+        schema: str | None = None,
+        function_body: str,
+        storage_parameters: dict[str, str],
+        reverse: ReplaceJobsDDLOp | None = None,
+    ) -> None:
+        self.table_name = table_name
+        self.schema = schema
+        self.function_body = function_body
+        self.storage_parameters = dict(storage_parameters)
+        self._reverse = reverse
+
+    @classmethod
+    def installed(
+        cls, table_name: str, schema: str | None = None, *, reverse: ReplaceJobsDDLOp | None = None
+    ) -> ReplaceJobsDDLOp:
+        """The operation that brings the table to the installed sqla-jobs' definition."""
+        table = _bare_table(table_name, schema)
+        return cls(
+            table_name,
+            schema=schema,
+            function_body=notify_function_body(table),
+            storage_parameters=dict(STORAGE_PARAMETERS),
+            reverse=reverse,
+        )
+
+    @classmethod
+    def replace_jobs_ddl(
+        cls,
+        operations: Operations,
+        table_name: str,
+        *,
+        schema: str | None = None,
+        function_body: str | None = None,
+        storage_parameters: dict[str, str] | None = None,
+    ) -> None:
+        """Replace the notify function and storage parameters of the jobs table.
+
+        Without ``function_body`` and ``storage_parameters``, those of the installed
+        sqla-jobs (a hand-written upgrade step after a release that changed them)."""
+        op = cls.installed(table_name, schema)
+        if function_body is not None:
+            op.function_body = function_body
+        if storage_parameters is not None:
+            op.storage_parameters = dict(storage_parameters)
+        operations.invoke(op)
+
+    def reverse(self) -> ReplaceJobsDDLOp:
+        if self._reverse is None:
+            raise ValueError(
+                "a hand-written replace_jobs_ddl has no reverse: write the downgrade's "
+                "replace_jobs_ddl(...) with the previous definition"
+            )
+        return self._reverse
 
 
 @Operations.implementation_for(CreateJobsTableOp)
@@ -232,14 +335,53 @@ def create_jobs_table(operations: Operations, operation: CreateJobsTableOp) -> s
     table = operations.invoke(operation.create_table_op())
     for statement in ddl_statements(table):
         operations.execute(_sql(statement))
+    if operation.companions:
+        installed = installed_jobs_table(operation.table_name, operation.schema)
+        for companion in companion_tables(installed):
+            operations.invoke(ops.CreateTableOp.from_table(companion))
+            for index in companion.indexes:
+                operations.invoke(ops.CreateIndexOp.from_index(index))
     return table
 
 
 @Operations.implementation_for(DropJobsTableOp)
 def drop_jobs_table(operations: Operations, operation: DropJobsTableOp) -> None:
     """DROP TABLE (which takes its indexes and trigger along), then the trigger function."""
+    if operation.companions:
+        installed = installed_jobs_table(operation.table_name, operation.schema)
+        for companion in reversed(companion_tables(installed)):
+            operations.execute(_sql(f"DROP TABLE IF EXISTS {_qualified(companion)}"))
     operations.drop_table(operation.table_name, schema=operation.schema)
     for statement in drop_statements(_bare_table(operation.table_name, operation.schema)):
+        operations.execute(_sql(statement))
+
+
+@Operations.implementation_for(ReplaceJobsDDLOp)
+def replace_jobs_ddl(operations: Operations, operation: ReplaceJobsDDLOp) -> None:
+    """Reset the storage parameters the definition drops, set its own, replace the function
+    and re-create the trigger; or drop both when the definition has no function."""
+    table = _bare_table(operation.table_name, operation.schema)
+    qualified = _qualified(table)
+    # Parameters sqla-jobs manages (now, or in the definition being replaced) that the new
+    # definition does not set go back to PostgreSQL's defaults.
+    previous = operation._reverse.storage_parameters if operation._reverse else {}
+    managed = set(STORAGE_PARAMETERS) | set(previous)
+    dropped = sorted(managed - set(operation.storage_parameters))
+    if dropped:
+        operations.execute(_sql(f"ALTER TABLE {qualified} RESET ({', '.join(dropped)})"))
+    if not operation.function_body:
+        for statement in drop_statements(table):
+            operations.execute(_sql(statement))
+        if operation.storage_parameters:
+            params = ", ".join(f"{k} = {v}" for k, v in operation.storage_parameters.items())
+            operations.execute(_sql(f"ALTER TABLE {qualified} SET ({params})"))
+        return
+    statements = ddl_statements(
+        table,
+        function_body=operation.function_body,
+        storage_parameters=operation.storage_parameters,
+    )
+    for statement in statements:
         operations.execute(_sql(statement))
 
 
@@ -328,3 +470,17 @@ def render_drop_jobs_table(autogen_context: AutogenContext, op: DropJobsTableOp)
     prefix = autogen_context.opts["alembic_module_prefix"] or ""
     schema = f", schema={op.schema!r}" if op.schema else ""
     return f"{prefix}drop_jobs_table({op.table_name!r}{schema})"
+
+
+@renderers.dispatch_for(ReplaceJobsDDLOp)
+def render_replace_jobs_ddl(autogen_context: AutogenContext, op: ReplaceJobsDDLOp) -> str:
+    """Render ``op.replace_jobs_ddl(name, schema=..., function_body=..., storage_parameters=...)``
+    with the definition written out, so the migration records what it installs."""
+    autogen_context.imports.add(IMPORT)
+    prefix = autogen_context.opts["alembic_module_prefix"] or ""
+    args = [repr(op.table_name)]
+    if op.schema:
+        args.append(f"schema={op.schema!r}")
+    args.append(f"function_body={op.function_body!r}")
+    args.append(f"storage_parameters={op.storage_parameters!r}")
+    return f"{prefix}replace_jobs_ddl(" + ", ".join(args) + ")"

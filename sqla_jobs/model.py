@@ -244,7 +244,24 @@ def trigger_function_name(table: sa.Table) -> str:
     return _qualified(table, derived_name(table.name, "notify"))
 
 
-def ddl_statements(table: sa.Table) -> list[str]:
+def notify_function_body(table: sa.Table) -> str:
+    """The PL/pgSQL body of the table's notify function (what goes between its ``$$``)."""
+    channel = notify_channel(table).replace("'", "''")
+    return f"""
+BEGIN
+  PERFORM pg_notify('{channel}', q.queue)
+     FROM (SELECT DISTINCT queue FROM new_jobs WHERE status = 'ready') AS q;
+  RETURN NULL;
+END
+"""
+
+
+def ddl_statements(
+    table: sa.Table,
+    *,
+    function_body: str | None = None,
+    storage_parameters: dict[str, str] | None = None,
+) -> list[str]:
     """Statements that complete a freshly created jobs table.
 
     Storage parameters, and a statement-level trigger that sends one NOTIFY per distinct
@@ -252,22 +269,26 @@ def ddl_statements(table: sa.Table) -> list[str]:
     when the enqueueing transaction commits, and PostgreSQL folds identical notifications
     sent within one transaction: a transaction that enqueues a thousand jobs on one queue
     wakes the workers once.
+
+    ``function_body`` and ``storage_parameters`` default to this release's; a migration
+    that replaces them (``op.replace_jobs_ddl``) passes those it was written with. The
+    statements can run again on a table that has them: the function is replaced and the
+    trigger re-created.
     """
     qualified = _qualified(table)
     function = trigger_function_name(table)
     trigger = _quote(derived_name(table.name, "notify"))
-    channel = notify_channel(table).replace("'", "''")
-    params = ", ".join(f"{k} = {v}" for k, v in STORAGE_PARAMETERS.items())
+    body = notify_function_body(table) if function_body is None else function_body
+    storage = STORAGE_PARAMETERS if storage_parameters is None else storage_parameters
+    statements = []
+    if storage:
+        params = ", ".join(f"{k} = {v}" for k, v in storage.items())
+        statements.append(f"ALTER TABLE {qualified} SET ({params})")
     return [
-        f"ALTER TABLE {qualified} SET ({params})",
+        *statements,
         f"""CREATE OR REPLACE FUNCTION {function}() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-  PERFORM pg_notify('{channel}', q.queue)
-     FROM (SELECT DISTINCT queue FROM new_jobs WHERE status = 'ready') AS q;
-  RETURN NULL;
-END
-$$""",
+LANGUAGE plpgsql AS $${body}$$""",
+        f"DROP TRIGGER IF EXISTS {trigger} ON {qualified}",
         f"""CREATE TRIGGER {trigger} AFTER INSERT ON {qualified}
 REFERENCING NEW TABLE AS new_jobs
 FOR EACH STATEMENT EXECUTE FUNCTION {function}()""",

@@ -587,3 +587,100 @@ def downgrade() -> None:
 
     project.downgrade("base")
     assert_nothing_left(project)
+
+
+OLD_BODY = """
+BEGIN
+  PERFORM pg_notify('somewhere-else', 'everything');
+  RETURN NULL;
+END
+"""
+
+
+def function_body(project: Project) -> str:
+    with project.engine.connect() as conn:
+        return str(
+            conn.execute(
+                sa.text(
+                    "SELECT prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                    "WHERE n.nspname = :s AND p.proname = :f"
+                ),
+                {"s": project.schema, "f": f"{project.table}_notify"},
+            ).scalar_one()
+        )
+
+
+def test_a_changed_trigger_function_or_storage_reaches_existing_installs(
+    make_project: Any,
+) -> None:
+    """What Alembic cannot see (the notify function, the storage parameters, the trigger)
+    is compared too: an install made by an older sqla-jobs gets one ``replace_jobs_ddl``,
+    whose downgrade puts the old definition back."""
+    project = make_project(explicit_schema=True)
+    project.autogenerate("jobs")
+    project.upgrade()
+    # What an older release would have installed: another function body, one storage
+    # parameter missing and one with another value, and (worse) no trigger at all.
+    qualified = project.qualified()
+    function = f'"{project.schema}"."{project.table}_notify"'
+    with project.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger "
+                f"LANGUAGE plpgsql AS $${OLD_BODY}$$"
+            )
+        )
+        conn.execute(sa.text(f"ALTER TABLE {qualified} RESET (fillfactor)"))
+        conn.execute(sa.text(f"ALTER TABLE {qualified} SET (autovacuum_vacuum_scale_factor = 0.2)"))
+        conn.execute(sa.text(f'DROP TRIGGER "{project.table}_notify" ON {qualified}'))
+    old_options = project.reloptions()
+
+    script = project.autogenerate("sqla-jobs upgrade")
+    (upgrade,) = section(script, "upgrade")
+    assert upgrade.startswith(f"op.replace_jobs_ddl('jobs', schema='{project.schema}'")
+    assert "pg_notify" in upgrade and "storage_parameters=" in upgrade
+    (downgrade,) = section(script, "downgrade")
+    assert "somewhere-else" in downgrade and "'autovacuum_vacuum_scale_factor': '0.2'" in downgrade
+
+    project.upgrade()
+    assert_queue_objects(project)
+    assert_insert_notifies(project)
+    project.check()
+
+    project.downgrade("-1")
+    assert "somewhere-else" in function_body(project)
+    assert project.reloptions() == old_options
+
+
+def test_a_hand_written_one_liner_can_create_the_whole_queue(make_project: Any) -> None:
+    """``companions=True`` creates (and drops) the companion tables too: nothing is left for
+    autogenerate to add."""
+    project = make_project(explicit_schema=True)
+    project.exclude = "links"
+    project.write_ini()
+    (project.root / "migrations" / "versions" / "0001_jobs.py").write_text(
+        f"""\
+from alembic import op
+
+import alembic_ext  # noqa: F401
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_jobs_table("jobs", schema={project.schema!r}, companions=True)
+
+
+def downgrade() -> None:
+    op.drop_jobs_table("jobs", schema={project.schema!r}, companions=True)
+"""
+    )
+    project.upgrade()
+    assert_queue_objects(project)
+    assert diff_tables(project.compare()) == {"links"}  # only the app's own table is missing
+    project.check()
+    project.downgrade("base")
+    assert_nothing_left(project)
