@@ -1,24 +1,51 @@
 """Cron expressions: checking them, and finding their next tick.
 
 Five-field cron (minute, hour, day of month, month, day of week), parsed by ``croniter``
-and evaluated in UTC. An expression is checked where it enters the system (``@jobs.periodic``
-at import, ``add_schedule`` when stored), so a schedule that could never work fails there,
-with its reason, and never inside a worker.
+and evaluated in UTC, or in a schedule's own time zone (``tz="Europe/Paris"``: "9 a.m.
+there", whatever the offset is that day). An expression is checked where it enters the
+system (``@jobs.periodic`` at import, ``add_schedule`` when stored), so a schedule that
+could never work fails there, with its reason, and never inside a worker.
+
+Daylight saving time
+--------------------
+In a time zone with DST, a tick in the hour that is skipped in spring fires once, at the
+first minute that exists after it (``30 2 * * *`` in Paris fires at 03:00 on the last
+Sunday of March), and a tick in the hour that repeats in autumn fires once, the first time
+(02:30 CEST, not again at 02:30 CET): a daily job runs once a day, an hourly job once for
+each wall-clock hour.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterError, croniter
 
-__all__ = ["Schedule", "check_cron", "next_tick"]
+__all__ = ["Schedule", "check_cron", "check_timezone", "next_tick"]
 
 
-def check_cron(expression: str, *, now: datetime | None = None) -> str:
+def check_timezone(name: str | None) -> tzinfo:
+    """The time zone of that IANA name (``"Europe/Paris"``); UTC for None.
+
+    :raises ValueError: an unknown name.
+    """
+    if name is None:
+        return timezone.utc
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValueError(f"time zone must be an IANA name such as 'Europe/Paris', got {name!r}")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(
+            f"unknown time zone {name!r} (an IANA name such as 'Europe/Paris' is expected)"
+        ) from None
+
+
+def check_cron(expression: str, *, now: datetime | None = None, tz: str | None = None) -> str:
     """Return the expression if it is valid five-field cron that fires; raise otherwise.
 
     A syntactically valid expression may still never fire (``0 0 31 2 *``: the 31st of
@@ -34,7 +61,7 @@ def check_cron(expression: str, *, now: datetime | None = None) -> str:
             "(minute hour day-of-month month day-of-week)"
         )
     try:
-        next_tick(expression, now or datetime.now(timezone.utc))
+        next_tick(expression, now or datetime.now(timezone.utc), tz)
     except CroniterError as exc:
         reason = str(exc)
         if "next date" in reason:
@@ -46,15 +73,40 @@ def check_cron(expression: str, *, now: datetime | None = None) -> str:
     return expression
 
 
-def next_tick(expression: str, after: datetime) -> datetime:
-    """The first tick strictly after ``after``, in UTC.
+def next_tick(expression: str, after: datetime, tz: str | None = None) -> datetime:
+    """The first tick strictly after ``after``, as an aware datetime in UTC.
+
+    With ``tz``, the expression is read in that time zone's wall-clock time; the second
+    occurrence of a wall-clock time that repeats when DST ends is skipped, so that it
+    fires once (see the module's docstring).
 
     :raises croniter.CroniterError: (a ``ValueError``) for an expression that
         :func:`check_cron` would refuse.
     """
-    result = croniter(expression, after.astimezone(timezone.utc)).get_next(datetime)
-    assert isinstance(result, datetime)
-    return result
+    zone = check_timezone(tz)
+    start = after.astimezone(zone)
+    ticks = croniter(expression, start)
+    for _ in range(10_000):
+        result = ticks.get_next(datetime)
+        assert isinstance(result, datetime)
+        if not _repeated(result, zone):
+            return result.astimezone(timezone.utc)
+    raise CroniterError(f"[{expression}] no tick outside repeated hours")  # pragma: no cover
+
+
+def _repeated(moment: datetime, zone: tzinfo) -> bool:
+    """Whether ``moment`` is the second occurrence of a wall-clock time that repeats when
+    DST ends (02:30 CET after 02:30 CEST, the same night)."""
+    if zone is timezone.utc:
+        return False
+    wall = moment.astimezone(zone).replace(tzinfo=None)
+    first = wall.replace(tzinfo=zone, fold=0)
+    second = wall.replace(tzinfo=zone, fold=1)
+    if first.utcoffset() == second.utcoffset():
+        return False  # not an ambiguous wall-clock time
+    return moment.astimezone(timezone.utc) == second.astimezone(timezone.utc) and (
+        moment.astimezone(timezone.utc) - first.astimezone(timezone.utc) > timedelta(0)
+    )
 
 
 @dataclass(frozen=True)
@@ -67,3 +119,5 @@ class Schedule:
     args: Mapping[str, Any] = field(default_factory=dict)
     queue: str | None = None
     priority: int | None = None
+    #: The IANA time zone the expression is read in (None: UTC).
+    tz: str | None = None

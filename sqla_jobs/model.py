@@ -350,6 +350,8 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         sa.Column("task", sa.Text, nullable=False),
         sa.Column("args", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
         sa.Column("cron", sa.Text, nullable=False),
+        # The IANA time zone the expression is read in; NULL is UTC.
+        sa.Column("tz", sa.Text),
         sa.Column("queue", sa.Text),
         sa.Column("priority", sa.SmallInteger),
         sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.true()),

@@ -20,7 +20,8 @@ while the first is live.
 Missed ticks: if no worker ran for a while, the schedule fires **once** for the latest
 missed tick, then continues from the next one in the future (no burst of catch-up jobs).
 
-Expressions are standard five-field cron (croniter's syntax), evaluated in UTC. An invalid
+Expressions are standard five-field cron (croniter's syntax), evaluated in UTC or in the
+schedule's time zone (``tz=``; see :mod:`sqla_jobs.cron` for daylight saving time). An invalid
 expression, or one that never fires (``0 0 31 2 *``), is an error when it is declared or
 stored, never at tick time. A row that holds one anyway (written around the API) is
 logged and skipped by :func:`enqueue_due` and :func:`sync_declared`, never raised into the
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from .cron import Schedule, check_cron, next_tick
+from .cron import Schedule, check_cron, check_timezone, next_tick
 from .errors import EnqueueError
 from .queries import insert_rows
 from .tasks import check_schedule_name
@@ -58,11 +59,13 @@ def _values(
     queue: str | None,
     priority: int | None,
     now: datetime,
+    tz: str | None = None,
 ) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"schedule name must be a non-empty string, got {name!r}")
     check_schedule_name(name)
-    check_cron(cron, now=now)
+    check_timezone(tz)
+    check_cron(cron, now=now, tz=tz)
     # The same checks as an enqueue: a schedule that could never make a valid job is
     # refused when it is stored.
     values = jobs.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
@@ -71,9 +74,10 @@ def _values(
         "task": values["task"],
         "args": values["args"],
         "cron": cron,
+        "tz": tz,
         "queue": queue,
         "priority": priority,
-        "next_run_at": next_tick(cron, now),
+        "next_run_at": next_tick(cron, now, tz),
     }
 
 
@@ -88,13 +92,18 @@ def add_schedule(
     queue: str | None = None,
     priority: int | None = None,
     enabled: bool = True,
+    tz: str | None = None,
 ) -> None:
     """Add or replace the run-time schedule ``name`` (in the caller's transaction).
 
-    :raises ValueError: an invalid cron expression, or one that never fires.
+    :param tz: the IANA time zone the expression is read in (``"Europe/Paris"``); UTC by
+        default. See :mod:`sqla_jobs.cron` for what happens when DST starts and ends.
+    :raises ValueError: an invalid cron expression, one that never fires, or an unknown
+        time zone.
     :raises EnqueueError: an unknown task or arguments that do not fit it.
     """
-    values = _values(jobs, name, task, cron, args, queue, priority, datetime.now(timezone.utc))
+    now = datetime.now(timezone.utc)
+    values = _values(jobs, name, task, cron, args, queue, priority, now, tz)
     values.update(enabled=enabled, origin="runtime")
     session.execute(jobs.queries.upsert_runtime_schedule, values)
 
@@ -122,7 +131,7 @@ def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
     declared = list(jobs.schedules.values())
     for s in declared:
         try:
-            values = _values(jobs, s.name, s.task, s.cron, s.args, s.queue, s.priority, now)
+            values = _values(jobs, s.name, s.task, s.cron, s.args, s.queue, s.priority, now, s.tz)
         except (ValueError, EnqueueError) as exc:
             # Checked at declaration already; a worker must start even if one is broken.
             log.error("schedule %r: %s; skipped", s.name, exc)
@@ -150,12 +159,12 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
         try:
             # A row written around the API may have a name whose job key would not fit.
             check_schedule_name(row.name)
-            check_cron(row.cron, now=now)
-            following = next_tick(row.cron, now)
+            check_cron(row.cron, now=now, tz=row.tz)
+            following = next_tick(row.cron, now, row.tz)
             # The latest missed tick: walk forward from the due one (bounded).
             latest = tick
             for _ in range(10000):
-                after = next_tick(row.cron, latest)
+                after = next_tick(row.cron, latest, row.tz)
                 if after > now:
                     break
                 latest = after
@@ -166,7 +175,11 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             log.error("schedule %r: %s", row.name, exc)
             conn.execute(
                 q.schedule_failed,
-                {"schedule": row.name, "error": str(exc), "following": _safe_next(row.cron, now)},
+                {
+                    "schedule": row.name,
+                    "error": str(exc),
+                    "following": _safe_next(row.cron, now, row.tz),
+                },
             )
             continue
         values["unique_key"] = periodic_key(row.name, latest)
@@ -189,8 +202,8 @@ def periodic_key(name: str, tick: datetime) -> str:
     return f"periodic:{name}:{tick.isoformat()}"
 
 
-def _safe_next(cron: str, now: datetime) -> datetime | None:
+def _safe_next(cron: str, now: datetime, tz: str | None) -> datetime | None:
     try:
-        return next_tick(check_cron(cron, now=now), now)
+        return next_tick(check_cron(cron, now=now, tz=tz), now, tz)
     except ValueError:
         return None

@@ -552,17 +552,18 @@ def _schedule_failed(s: sa.Table) -> sa.Update:
 
 # Insert or update one schedule row. A run-time schedule is replaced whole (its operator just
 # said what it should be). A code-declared one keeps its place in time unless its expression
-# changed, so that restarting workers never skips or repeats a tick, and keeps 'enabled' as
-# an operator may have set it.
+# or time zone changed, so that restarting workers never skips or repeats a tick, and keeps
+# 'enabled' as an operator may have set it.
 def _upsert_schedule(s: sa.Table, origin: str) -> sa.Insert:
     stmt = pg_insert(s)
     new = stmt.excluded
     changes: dict[str, Any] = {
-        name: new[name] for name in ("task", "args", "cron", "queue", "priority", "origin")
+        name: new[name] for name in ("task", "args", "cron", "tz", "queue", "priority", "origin")
     }
     if origin == "code":
+        moved = sa.or_(s.c.cron.is_distinct_from(new.cron), s.c.tz.is_distinct_from(new.tz))
         changes["next_run_at"] = sa.case(
-            (s.c.cron.is_distinct_from(new.cron), new.next_run_at),
+            (moved, new.next_run_at),
             else_=sa.func.coalesce(s.c.next_run_at, new.next_run_at),
         )
     else:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 
-from .cron import Schedule, check_cron
+from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
 from .limits import (
@@ -354,13 +354,17 @@ class Jobs:
         args: Mapping[str, Any] | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        tz: str | None = None,
     ) -> Callable[[Task[P, R]], Task[P, R]]:
-        """Enqueue a task on a cron schedule (UTC), from the workers themselves.
+        """Enqueue a task on a cron schedule, from the workers themselves.
 
-        Stack it on ``@jobs.task``. The expression and the arguments are checked here, at
-        declaration: a bad one fails at import, not at 3 a.m. See :mod:`sqla_jobs.periodic`.
+        Stack it on ``@jobs.task``. The expression is read in UTC, or in the IANA time zone
+        ``tz`` (``"Europe/Paris"``: 9 a.m. there, summer and winter). The expression, the
+        time zone and the arguments are checked here, at declaration: a bad one fails at
+        import, not at 3 a.m. See :mod:`sqla_jobs.periodic` and :mod:`sqla_jobs.cron`.
         """
-        check_cron(cron)
+        check_timezone(tz)
+        check_cron(cron, tz=tz)
 
         def register(task: Task[P, R]) -> Task[P, R]:
             if not isinstance(task, Task):
@@ -376,7 +380,7 @@ class Jobs:
                 raise ValueError(f"a schedule named {schedule_name!r} is already declared")
             self.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
             self.schedules[schedule_name] = Schedule(
-                schedule_name, task.name, cron, dict(args or {}), queue, priority
+                schedule_name, task.name, cron, dict(args or {}), queue, priority, tz
             )
             return task
 

@@ -156,3 +156,49 @@ def test_runtime_schedules_are_checked_and_picked_up_without_restart(
             assert not remove_schedule(conn, jobs, "report:42")
     assert ran == [42, 43]
     assert rows(db, jobs.queries.schedules_table) == []
+
+
+def test_schedules_in_a_time_zone_are_stored_and_tick_in_it(db: sa.Engine) -> None:
+    jobs = Jobs(app.Job)
+
+    @jobs.periodic("0 9 * * *", tz="Europe/Paris")
+    @jobs.task(queue="q", name="morning")
+    def morning() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="unknown time zone"):
+        jobs.periodic("0 9 * * *", tz="Mars/Olympus")
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+        add_schedule(conn, jobs, "evening", morning, "0 18 * * *", tz="America/New_York")
+        with pytest.raises(ValueError, match="unknown time zone"):
+            add_schedule(conn, jobs, "nope", morning, "0 18 * * *", tz="Nowhere/Else")
+    code, runtime = sorted(
+        rows(db, jobs.queries.schedules_table), key=lambda r: r.name != "morning"
+    )
+    assert (code.tz, code.origin, runtime.tz) == ("Europe/Paris", "code", "America/New_York")
+    from zoneinfo import ZoneInfo
+
+    assert code.next_run_at.astimezone(ZoneInfo("Europe/Paris")).hour == 9
+    assert runtime.next_run_at.astimezone(ZoneInfo("America/New_York")).hour == 18
+
+    # A tick enqueues the job and moves on to the next 9:00 in Paris.
+    make_due(db, jobs, "morning", timedelta(0))
+    with db.begin() as conn:
+        assert enqueue_due(conn, jobs) == 1
+    (code,) = [r for r in rows(db, jobs.queries.schedules_table) if r.name == "morning"]
+    assert code.next_run_at.astimezone(ZoneInfo("Europe/Paris")).hour == 9
+
+    # Changing the declared zone in code moves the schedule to the new zone's next tick.
+    again = Jobs(app.Job)
+
+    @again.periodic("0 9 * * *", tz="Asia/Tokyo", name="morning")
+    @again.task(queue="q", name="morning")
+    def morning_tokyo() -> None:
+        pass
+
+    with db.begin() as conn:
+        sync_declared(conn, again)
+    (code,) = [r for r in rows(db, again.queries.schedules_table) if r.name == "morning"]
+    assert code.tz == "Asia/Tokyo"
+    assert code.next_run_at.astimezone(ZoneInfo("Asia/Tokyo")).hour == 9
