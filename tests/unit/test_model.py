@@ -42,6 +42,8 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items",
         "work_items_queues",
         "work_items_schedules",
+        "work_items_workers",
+        "work_items_throughput",
     }
 
 
