@@ -542,6 +542,7 @@ class JobSummary:
     created_at: datetime
     finished_at: datetime | None
     locked_by: str | None
+    locked_until: datetime | None
     args_preview: str
     error: str | None
 
@@ -653,6 +654,7 @@ def browse_jobs(
         c.created_at,
         c.finished_at,
         c.locked_by,
+        c.locked_until,
         sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_preview"),
         sa.func.right(c.last_error, 400).label("error"),
     )
@@ -717,6 +719,7 @@ def _summary(row: Any) -> JobSummary:
         row.created_at,
         row.finished_at,
         row.locked_by,
+        row.locked_until,
         preview,
         error,
     )
