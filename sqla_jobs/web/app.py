@@ -181,10 +181,10 @@ class Dashboard:
         token = _valid_token(request.cookies.get(CSRF_COOKIE)) or secrets.token_urlsafe(32)
 
         def href(name: str, **params: Any) -> str:
-            return str(request.url_for(name, **{k: str(v) for k, v in params.items()}).path)
+            return self.path(request, name, **params)
 
         def static(path: str) -> str:
-            return str(request.url_for("static", path=path).path)
+            return self.path(request, "static", path=path)
 
         base = {
             "request": request,
@@ -213,6 +213,16 @@ class Dashboard:
             )
         response.headers["cache-control"] = "no-store"
         return response
+
+    def path(self, request: Request, name: str, **params: Any) -> str:
+        """The path of one of the dashboard's own routes, under wherever it is mounted.
+
+        ``request.url_for`` would look the name up in the outermost app's router, where a
+        mounted dashboard's names are not at the top level.
+        """
+        root = (request.scope.get("root_path") or "").rstrip("/")
+        own = self.starlette.router.url_path_for(name, **{k: str(v) for k, v in params.items()})
+        return root + str(own)
 
     def error_page(self, request: Request, error: PageError) -> HTMLResponse:
         return self.render(
@@ -578,10 +588,10 @@ class Dashboard:
             )
             report = self._act(action, [seen])
             if action == "purge" and report.acted:
-                url = request.url_for("jobs").path + "?" + urlencode({"deleted": job_id})
+                url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
                 return RedirectResponse(url, status_code=303)
             params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
-            url = request.url_for("job", job_id=str(job_id)).path + "?" + urlencode(params)
+            url = self.path(request, "job", job_id=job_id) + "?" + urlencode(params)
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -679,7 +689,7 @@ class Dashboard:
             past=past,
             acted=acted,
             skipped=skipped,
-            back=_back(request) or request.url_for("jobs").path,
+            back=_back(request) or self.path(request, "jobs"),
         )
 
     async def queue_action(self, request: Request) -> Response:
@@ -700,7 +710,7 @@ class Dashboard:
                         admin.resume_queue(conn, self.jobs, name)
             except ValueError as exc:
                 raise PageError(400, "Bad queue name", str(exc)) from None
-            url = request.url_for("overview").path + "?" + urlencode({"done": action, "name": name})
+            url = self.path(request, "overview") + "?" + urlencode({"done": action, "name": name})
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -723,7 +733,7 @@ class Dashboard:
                 raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
             except ValueError as exc:  # EnqueueError included
                 raise PageError(400, "Cannot run it", str(exc)) from None
-            url = request.url_for("schedules").path + "?" + urlencode({"ran": job_id, "name": name})
+            url = self.path(request, "schedules") + "?" + urlencode({"ran": job_id, "name": name})
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -739,7 +749,7 @@ class Dashboard:
 
     def _jobs_url(self, request: Request, f: Filters) -> str:
         query = urlencode([(k, v) for k, v in f.items() if v and k != "q"])
-        return str(request.url_for("jobs").path) + (f"?{query}" if query else "")
+        return self.path(request, "jobs") + (f"?{query}" if query else "")
 
 
 # -- small pieces ------------------------------------------------------------------------------
@@ -803,7 +813,7 @@ def _int_param(value: str | None, name: str, *, required: bool = False) -> int |
 
 
 def _required_int(value: str | None, name: str) -> int:
-    number = _required_int(value, name)
+    number = _int_param(value, name, required=True)
     assert number is not None
     return number
 
