@@ -18,17 +18,17 @@ import pytest
 import sqlalchemy as sa
 
 pytest.importorskip("starlette")
-from starlette.applications import Starlette  # noqa: E402
-from starlette.routing import Mount  # noqa: E402
-from starlette.testclient import TestClient  # noqa: E402
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
 
-from sqla_jobs import Jobs, admin  # noqa: E402
-from sqla_jobs.model import companion_tables, job_table  # noqa: E402
-from sqla_jobs.periodic import add_schedule  # noqa: E402
-from sqla_jobs.web import create_app  # noqa: E402
+from sqla_jobs import Jobs, admin
+from sqla_jobs.model import companion_tables, job_table
+from sqla_jobs.periodic import add_schedule
+from sqla_jobs.web import create_app
 
-from . import app  # noqa: E402
-from .helpers import running, wait_for  # noqa: E402
+from . import app
+from .helpers import running, wait_for
 
 TABLE = job_table(app.Job)
 COMPANIONS = companion_tables(TABLE)
@@ -458,7 +458,7 @@ def test_the_workers_page_shows_live_workers_and_their_running_jobs(
         with running(worker):
             with Session.begin() as session:
                 session.enqueue(hold)
-            wait_for(lambda: f"1 / 2" in client.get("/workers").text)
+            wait_for(lambda: "1 / 2" in client.get("/workers").text)
             page = client.get("/workers").text
             assert worker.name in page and '<span class="badge alive">alive</span>' in page
             assert "t.hold" in page
