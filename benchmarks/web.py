@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,8 +72,8 @@ for _name in TASKS:
 LOAD = f"""
 INSERT INTO {SCHEMA}.jobs (queue, task, args, status, priority, run_at, attempts,
     max_attempts, locked_until, locked_by, last_error, created_at, finished_at)
-SELECT (:queues)[1 + (i * 7 % 29) % 8],
-       'app.tasks.' || (:tasks)[1 + (i * 13 % 31) % 12],
+SELECT (CAST(:queues AS text[]))[1 + (i * 7 % 29) % 8],
+       'app.tasks.' || (CAST(:tasks AS text[]))[1 + (i * 13 % 31) % 12],
        jsonb_build_object('user_id', i % 50000, 'order_id', i, 'note', md5(i::text)),
        s.status,
        (i % 3)::smallint,
@@ -109,7 +110,7 @@ def load(engine: sa.Engine, n: int) -> None:
             sa.insert(companions.throughput),
             [
                 {
-                    "minute": now - __import__("datetime").timedelta(minutes=m),
+                    "minute": now - timedelta(minutes=m),
                     "queue": q,
                     "succeeded": 500 + m,
                     "failed": m % 7,
@@ -131,7 +132,7 @@ def load(engine: sa.Engine, n: int) -> None:
                     "concurrency": 32,
                     "running": 17,
                     "processed": 123456,
-                    "expires_at": sa.func.now() + sa.text("interval '15 s'"),
+                    "expires_at": now + timedelta(hours=2),
                 }
                 for w in range(12)
             ],
@@ -208,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             ("jobs, search text 'hook/999' (one window)", "/jobs?q=hook%2F999"),
             ("jobs, task that matches nothing (worst case)", "/jobs?task=app.tasks.none"),
             ("job, dead with its traceback", f"/jobs/{dead}"),
-            ("confirm: retry every dead job of a queue", "/jobs/confirm?action=retry&queue=emails&status=dead"),
+            (
+                "confirm: retry every dead job of a queue",
+                "/jobs/confirm?action=retry&queue=emails&status=dead",
+            ),
             ("confirm: retry every dead job", "/jobs/confirm?action=retry&status=dead"),
             ("schedules", "/schedules"),
             ("workers (and the 200 newest running jobs)", "/workers"),
