@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import sqlalchemy as sa  # noqa: E402
-from sqlalchemy.orm import DeclarativeBase  # noqa: E402
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase
 
-from sqla_jobs import JobMixin, Jobs, admin, create_engine  # noqa: E402
-from sqla_jobs.model import companion_tables  # noqa: E402
+from sqla_jobs import JobMixin, Jobs, admin, create_engine
+from sqla_jobs.model import companion_tables
 
 SCHEMA = "sqla_jobs_webbench"
 TARGET_MS = 200.0
