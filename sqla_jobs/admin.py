@@ -37,12 +37,15 @@ purge      done, dead, cancelled           also scheduled or ready, when named;
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -53,25 +56,42 @@ from .tasks import Jobs
 from .worker.job import CANCEL_PAYLOAD
 
 __all__ = [
+    "ACTIONS",
     "CANCELLABLE",
     "FINISHED_STATUSES",
     "PURGEABLE",
     "PURGEABLE_BY_DEFAULT",
     "RETRYABLE",
+    "ActionReport",
     "JobInfo",
+    "JobPage",
+    "JobSummary",
+    "Minute",
     "QueueInfo",
     "QueueStats",
+    "QueueSummary",
+    "SeenJob",
+    "Throughput",
+    "WorkerInfo",
+    "act",
+    "browse_jobs",
     "cancel_jobs",
     "get_job",
     "list_jobs",
     "list_queues",
+    "list_workers",
+    "max_job_id",
+    "overview",
+    "parse_search",
     "pause_queue",
     "paused_queues",
     "purge_jobs",
     "resume_queue",
     "retry_jobs",
+    "run_schedule",
     "source_table",
     "stats",
+    "throughput",
 ]
 
 #: A registry, a JobMixin model class, or the jobs Table itself.
@@ -89,6 +109,14 @@ RETRYABLE: tuple[str, ...] = (JobStatus.DEAD, JobStatus.CANCELLED)
 CANCELLABLE: tuple[str, ...] = LIVE_STATUSES
 PURGEABLE_BY_DEFAULT: tuple[str, ...] = FINISHED_STATUSES
 PURGEABLE: tuple[str, ...] = (*FINISHED_STATUSES, JobStatus.SCHEDULED, JobStatus.READY)
+
+#: The actions :func:`act` takes, and the statuses each applies to by default.
+ACTIONS: dict[str, tuple[str, ...]] = {
+    "retry": RETRYABLE,
+    "cancel": CANCELLABLE,
+    "purge": PURGEABLE_BY_DEFAULT,
+}
+Action: TypeAlias = Literal["retry", "cancel", "purge"]
 
 DEFAULT_WINDOW = 300.0
 
@@ -292,7 +320,451 @@ def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
     return found[0] if found else None
 
 
+# -- the dashboard's reads ---------------------------------------------------------------
+#
+# Each reads through an index whatever the size of the table: the partial indexes of the
+# statuses it counts or lists, the primary key for keyset pages (newest first, no OFFSET),
+# and the small companion tables.
+
+
+@dataclass(frozen=True)
+class QueueSummary:
+    """What :func:`overview` says about one queue.
+
+    ``expired`` counts running jobs whose lease has passed (their worker died; they will
+    be rescued). ``lag_seconds`` is how long the oldest ready job has been due, ``None``
+    when nothing is ready. ``paused_since`` is when the pause state last changed.
+    """
+
+    queue: str
+    paused: bool
+    paused_since: datetime | None
+    scheduled: int
+    ready: int
+    running: int
+    expired: int
+    dead: int
+    lag_seconds: float | None
+
+
+def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
+    """Per queue: scheduled, ready, running and dead jobs, the lag, and the pause state.
+
+    One statement, not one per queue: four aggregates, each over the partial index of its
+    status (``_claim`` index-only for ready jobs and their oldest ``run_at``,
+    ``_scheduled``, ``_running``, ``_dead`` index-only), full-joined with
+    ``<table>_queues``. Done and cancelled jobs are not read at all, so the table's
+    history costs nothing.
+    """
+    table = _table(jobs)
+    c = table.c
+    q = _queues_table(table).c
+
+    def branch(status: JobStatus, oldest: Any, expired: Any) -> sa.Select[Any]:
+        return (
+            sa.select(
+                c.queue,
+                sa.literal(status.value).label("status"),
+                sa.func.count().label("n"),
+                expired.label("expired"),
+                oldest.label("oldest"),
+            )
+            .where(c.status == _lit(status))
+            .group_by(c.queue)
+        )
+
+    none_time = sa.null().cast(sa.DateTime(timezone=True))
+    zero = sa.literal(0, sa.BigInteger)
+    counts = sa.union_all(
+        branch(JobStatus.READY, sa.func.min(c.run_at), zero),
+        branch(JobStatus.SCHEDULED, none_time, zero),
+        branch(
+            JobStatus.RUNNING,
+            none_time,
+            sa.func.count().filter(c.locked_until < sa.func.now()),
+        ),
+        branch(JobStatus.DEAD, none_time, zero),
+    ).subquery("counts")
+    k = counts.c
+
+    def n(status: JobStatus) -> Any:
+        return sa.func.coalesce(sa.func.sum(k.n).filter(k.status == status.value), 0)
+
+    per_queue = (
+        sa.select(
+            k.queue,
+            n(JobStatus.SCHEDULED).label("scheduled"),
+            n(JobStatus.READY).label("ready"),
+            n(JobStatus.RUNNING).label("running"),
+            sa.func.coalesce(sa.func.sum(k.expired), 0).label("expired"),
+            n(JobStatus.DEAD).label("dead"),
+            sa.func.min(k.oldest).label("oldest"),
+        )
+        .group_by(k.queue)
+        .subquery("per_queue")
+    )
+    p = per_queue.c
+    lag = sa.cast(sa.extract("epoch", sa.func.now() - p.oldest), sa.Float)
+    stmt = (
+        sa.select(
+            sa.func.coalesce(p.queue, q.name).label("queue"),
+            sa.func.coalesce(q.paused, sa.false()).label("paused"),
+            q.updated_at,
+            *(sa.func.coalesce(p[x], 0).label(x) for x in ("scheduled", "ready", "running")),
+            sa.func.coalesce(p.expired, 0).label("expired"),
+            sa.func.coalesce(p.dead, 0).label("dead"),
+            lag.label("lag_seconds"),
+        )
+        .select_from(per_queue.join(_queues_table(table), p.queue == q.name, full=True))
+        .order_by("queue")
+    )
+    found = {
+        r.queue: QueueSummary(
+            r.queue,
+            bool(r.paused),
+            r.updated_at,
+            int(r.scheduled),
+            int(r.ready),
+            int(r.running),
+            int(r.expired),
+            int(r.dead),
+            None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)),
+        )
+        for r in _execute(bind, stmt)
+    }
+    for name in _registry_queues(jobs) - found.keys():
+        found[name] = QueueSummary(name, False, None, 0, 0, 0, 0, 0, None)
+    return [found[name] for name in sorted(found)]
+
+
+@dataclass(frozen=True)
+class Minute:
+    """Outcomes that workers wrote in one minute (``minute`` is its start)."""
+
+    minute: datetime
+    succeeded: int
+    failed: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """:func:`throughput`: one :class:`Minute` per minute, oldest first, the current one
+    last; for all queues together, and per queue."""
+
+    total: list[Minute]
+    queues: dict[str, list[Minute]]
+
+
+def throughput(bind: Bind, jobs: JobSource, *, minutes: int = 60) -> Throughput:
+    """Jobs that succeeded, failed (each failed attempt) and died, per minute, over the
+    last ``minutes`` minutes, from ``<table>_throughput``.
+
+    Workers add what their completer wrote every ``presence_interval`` (5 s by default),
+    so the current minute fills in as it goes; runs by ``sqla_jobs.testing`` are not
+    counted. Read through the table's primary key (minute first).
+    """
+    if not isinstance(minutes, int) or minutes < 1:
+        raise ValueError(f"minutes must be an integer >= 1, got {minutes!r}")
+    t = companion_tables(_table(jobs)).throughput
+    current = sa.func.date_trunc("minute", sa.func.now())
+    since = current - sa.literal(timedelta(minutes=minutes - 1), sa.Interval)
+    now_row = _execute(bind, sa.select(current)).scalar_one()
+    rows = _execute(
+        bind,
+        sa.select(t.c.minute, t.c.queue, t.c.succeeded, t.c.failed, t.c.dead).where(
+            t.c.minute >= since
+        ),
+    ).all()
+    slots = [now_row - timedelta(minutes=i) for i in range(minutes - 1, -1, -1)]
+    index = {m: i for i, m in enumerate(slots)}
+    total = [[0, 0, 0] for _ in slots]
+    per_queue: dict[str, list[list[int]]] = {}
+    for r in rows:
+        i = index.get(r.minute)
+        if i is None:
+            continue
+        series = per_queue.setdefault(r.queue, [[0, 0, 0] for _ in slots])
+        for j, value in enumerate((r.succeeded, r.failed, r.dead)):
+            series[i][j] += int(value)
+            total[i][j] += int(value)
+
+    def minutes_of(series: list[list[int]]) -> list[Minute]:
+        return [Minute(m, *counts) for m, counts in zip(slots, series, strict=True)]
+
+    return Throughput(minutes_of(total), {q: minutes_of(v) for q, v in sorted(per_queue.items())})
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's row of ``<table>_workers``. ``alive``: it reported within three of its
+    presence intervals; a worker that stopped cleanly deleted its row, so a row that is
+    not alive is a worker that died (or cannot reach the database)."""
+
+    name: str
+    host: str
+    pid: int
+    kind: str
+    queues: list[str]
+    concurrency: int
+    running: int
+    processed: int
+    started_at: datetime
+    last_seen: datetime
+    expires_at: datetime
+    alive: bool
+
+
+def list_workers(bind: Bind, jobs: JobSource) -> list[WorkerInfo]:
+    """Every worker with a row: alive ones first, then by name."""
+    w = companion_tables(_table(jobs)).workers
+    alive = (w.c.expires_at > sa.func.now()).label("alive")
+    stmt = sa.select(w, alive).order_by(alive.desc(), w.c.name)
+    return [
+        WorkerInfo(**{f: r._mapping[f] for f in WorkerInfo.__dataclass_fields__})
+        for r in _execute(bind, stmt)
+    ]
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One job as a list shows it: a preview of its arguments and the last line of its
+    last error rather than all of them (each may be megabytes)."""
+
+    id: int
+    queue: str
+    task: str
+    status: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    created_at: datetime
+    finished_at: datetime | None
+    locked_by: str | None
+    locked_until: datetime | None
+    args_preview: str
+    error: str | None
+
+    @property
+    def seen(self) -> SeenJob:
+        return SeenJob(self.id, self.attempts, self.status)
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """One page of :func:`browse_jobs`.
+
+    ``older`` is the ``before_id`` of the next (older) page, ``None`` at the end.
+    ``searched_to`` is set when an argument search stopped at its window: no match was
+    found among the jobs newer than it beyond those listed, and ``older`` goes on below.
+    """
+
+    jobs: list[JobSummary]
+    older: int | None
+    searched_to: int | None
+    search: str | None
+
+
+#: Jobs an argument search looks at per page, newest first: a search that matches
+#: nothing must not read the whole table. The page then offers to search further back.
+SEARCH_WINDOW = 10_000
+
+_PREVIEW = 160
+
+
+def parse_search(text: str | None) -> tuple[str, Any] | None:
+    """What a search box holds: ``("id", 42)`` for ``42`` or ``#42``; ``("contains",
+    {...})`` for a JSON object or ``key=value`` pairs (values read as JSON when they
+    parse, else as strings), matched as ``args @> ...``; else ``("text", ...)``, a
+    case-insensitive substring of the arguments' JSON. ``ValueError`` names a problem."""
+    if text is None or not text.strip():
+        return None
+    text = text.strip()
+    digits = text[1:] if text.startswith("#") else text
+    if digits.isdigit():
+        value = int(digits)
+        if not 1 <= value <= 2**63 - 1:
+            raise ValueError(f"not a job id: {text!r}")
+        return ("id", value)
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"search: not a JSON object: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ValueError('search: a JSON search must be an object, like {"user_id": 42}')
+        return ("contains", obj)
+    pairs = re.findall(r"([A-Za-z_][\w.-]*)=(\S+)", text)
+    if pairs and re.fullmatch(r"(?:[A-Za-z_][\w.-]*=\S+[\s,]*)+", text):
+        obj = {}
+        for key, raw in pairs:
+            raw = raw.rstrip(",")
+            try:
+                obj[key] = json.loads(raw)
+            except ValueError:
+                obj[key] = raw
+        return ("contains", obj)
+    if "\x00" in text:
+        raise ValueError("search: a NUL character cannot be searched for")
+    return ("text", text)
+
+
+def browse_jobs(
+    bind: Bind,
+    jobs: JobSource,
+    *,
+    queue: OneOrMany = None,
+    task: OneOrMany = None,
+    status: OneOrMany = None,
+    worker: str | None = None,
+    search: str | None = None,
+    before_id: int | None = None,
+    limit: int = 50,
+) -> JobPage:
+    """A page of jobs, newest first, by keyset: ``before_id`` is the ``older`` of the
+    previous page. Filters as :func:`list_jobs`, plus ``worker`` (``locked_by``) and a
+    ``search`` (see :func:`parse_search`).
+
+    A search on the arguments looks at :data:`SEARCH_WINDOW` jobs (matching the filters)
+    per page at most, so a search that matches little never reads the whole table.
+    """
+    table = _table(jobs)
+    c = table.c
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit!r}")
+    statuses = _statuses(status, STATUSES, "list")
+    where = _filters(table, ids=None, queue=queue, task=task, statuses=statuses)
+    if worker is not None:
+        where.append(c.locked_by == worker)
+    if before_id is not None:
+        if not isinstance(before_id, int) or isinstance(before_id, bool):
+            raise ValueError(f"before_id must be an integer, got {before_id!r}")
+        where.append(c.id < before_id)
+    parsed = parse_search(search)
+    columns = (
+        c.id,
+        c.queue,
+        c.task,
+        c.status,
+        c.priority,
+        c.attempts,
+        c.max_attempts,
+        c.run_at,
+        c.created_at,
+        c.finished_at,
+        c.locked_by,
+        c.locked_until,
+        sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_preview"),
+        sa.func.right(c.last_error, 400).label("error"),
+    )
+
+    def summaries(extra: list[sa.ColumnElement[bool]], n: int) -> list[JobSummary]:
+        stmt = sa.select(*columns).where(*where, *extra).order_by(c.id.desc()).limit(n)
+        return [_summary(r) for r in _execute(bind, stmt)]
+
+    if parsed is None or parsed[0] == "id":
+        extra = [] if parsed is None else [c.id == parsed[1]]
+        found = summaries(extra, limit + 1)
+        older: int | None = found[limit - 1].id if len(found) > limit else None
+        return JobPage(found[:limit], older, None, search)
+    kind, value = parsed
+    if kind == "contains":
+        hit: sa.ColumnElement[bool] = c.args.contains(value)
+    else:
+        pattern = "%" + re.sub(r"([\\%_])", r"\\\1", value) + "%"
+        hit = sa.cast(c.args, sa.Text).ilike(pattern)
+    window = (
+        sa.select(c.id, hit.label("hit")).where(*where).order_by(c.id.desc()).limit(SEARCH_WINDOW)
+    )
+    ids: list[int] = []
+    scanned = 0
+    last: int | None = None
+    for row in _execute(bind, window):
+        scanned += 1
+        last = row.id
+        if row.hit:
+            ids.append(row.id)
+            if len(ids) > limit:
+                break
+    searched_to = None
+    if len(ids) > limit:
+        older = ids[limit - 1]
+        ids = ids[:limit]
+    elif scanned == SEARCH_WINDOW:
+        older = searched_to = last
+    else:
+        older = None
+    found = summaries([c.id.in_(ids)], limit) if ids else []
+    return JobPage(found, older, searched_to, search)
+
+
+def _summary(row: Any) -> JobSummary:
+    preview = row.args_preview or ""
+    if len(preview) > _PREVIEW:
+        preview = preview[:_PREVIEW] + "…"
+    error = None
+    if row.error:
+        lines = [ln.strip() for ln in row.error.strip().splitlines() if ln.strip()]
+        error = lines[-1] if lines else None
+    return JobSummary(
+        row.id,
+        row.queue,
+        row.task,
+        row.status,
+        row.priority,
+        row.attempts,
+        row.max_attempts,
+        row.run_at,
+        row.created_at,
+        row.finished_at,
+        row.locked_by,
+        row.locked_until,
+        preview,
+        error,
+    )
+
+
+def max_job_id(bind: Bind, jobs: JobSource) -> int:
+    """The highest job id now (0 for an empty table): the ``up_to_id`` of a selection
+    counted now, so that jobs enqueued later are left out of the action."""
+    c = _table(jobs).c
+    return int(_execute(bind, sa.select(sa.func.coalesce(sa.func.max(c.id), 0))).scalar_one())
+
+
+def run_schedule(bind: Bind, jobs: Jobs, name: str) -> int:
+    """Enqueue the job of schedule ``name`` now, as its next tick would; return its id.
+
+    The schedule keeps its place in time: its next tick still comes when due. Needs the
+    registry, whose task decides the job's queue and checks its arguments (``TypeError``
+    for a bare model); ``LookupError`` if there is no such schedule.
+    """
+    if not isinstance(jobs, Jobs):
+        raise TypeError("running a schedule needs the Jobs registry, not only the model")
+    s = companion_tables(jobs.table).schedules
+    row = _execute(bind, sa.select(s).where(s.c.name == name)).first()
+    if row is None:
+        raise LookupError(f"no schedule named {name!r}")
+    values = jobs.job_values(row.task, (), dict(row.args), queue=row.queue, priority=row.priority)
+    stmt = pg_insert(jobs.table).values(**values).returning(jobs.table.c.id)
+    return int(_execute(bind, stmt).scalar_one())
+
+
 # -- acting -------------------------------------------------------------------------------
+
+
+class SeenJob(NamedTuple):
+    """A job as an operator saw it: its id, and the ``attempts`` and ``status`` it had.
+
+    ``attempts`` grows at every claim and ``status`` changes at every step, so the pair
+    names one moment of the job's life. Given as ``seen=``, an action touches a job only if
+    it is still at that moment: a job that was retried, claimed or finished since the page
+    was drawn is left alone (and :func:`act` says so).
+    """
+
+    id: int
+    attempts: int
+    status: str
 
 
 def retry_jobs(
@@ -305,6 +777,8 @@ def retry_jobs(
     status: OneOrMany = None,
     all_jobs: bool = False,
     dry_run: bool = False,
+    seen: Iterable[SeenJob] | None = None,
+    up_to_id: int | None = None,
 ) -> int:
     """Put dead or cancelled jobs back to ``ready`` now; return how many.
 
@@ -319,17 +793,39 @@ def retry_jobs(
     comes back.
 
     The workers of the touched queues are woken with a NOTIFY, sent at commit.
+
+    :param seen: act only on these jobs, and only while each still has the attempts and
+        status it was seen with (see :class:`SeenJob`).
+    :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
+        counted the selection.
     """
+    return len(_retry(bind, jobs, ids, queue, task, status, all_jobs, dry_run, seen, up_to_id))
+
+
+def _retry(
+    bind: Bind,
+    jobs: JobSource,
+    ids: Iterable[int] | None,
+    queue: OneOrMany,
+    task: OneOrMany,
+    status: OneOrMany,
+    all_jobs: bool,
+    dry_run: bool,
+    seen: Iterable[SeenJob] | None,
+    up_to_id: int | None,
+) -> list[int]:
     table = _table(jobs)
-    ids = _ids(ids)  # once: it may be an iterator
+    ids, guard = _seen(ids, seen)
     statuses = _statuses(status, RETRYABLE, "retry") or RETRYABLE
     where = _selection(table, ids, queue, task, status, statuses, all_jobs)
+    where += _guards(table, guard, up_to_id)
     c = table.c
 
     # Unique keys: no live twin, and no newer retry candidate with the same key.
     live = table.alias("live_twin")
     newer = table.alias("newer_twin")
     newer_where = _filters(newer, ids=ids, queue=queue, task=task, statuses=statuses)
+    newer_where += _guards(newer, guard, up_to_id)
     where.append(
         sa.or_(
             c.unique_key.is_(None),
@@ -345,7 +841,7 @@ def retry_jobs(
         )
     )
     if dry_run:
-        return _count(bind, table, where)
+        return [0] * _count(bind, table, where)
     retried = (
         sa.update(table)
         .where(*where)
@@ -357,19 +853,11 @@ def retry_jobs(
             locked_by=None,
             max_attempts=sa.func.greatest(c.max_attempts, c.attempts + 1),
         )
-        .returning(c.queue)
-        .cte("retried")
+        .returning(c.id, c.queue)
     )
-    per_queue = (
-        sa.select(retried.c.queue, sa.func.count().label("n"))
-        .group_by(retried.c.queue)
-        .subquery("per_queue")
-    )
-    stmt = sa.select(
-        per_queue.c.n,
-        sa.func.pg_notify(sa.literal(notify_channel(table)), per_queue.c.queue),
-    )
-    return sum(int(r.n) for r in _execute(bind, stmt))
+    rows = _execute(bind, retried).all()
+    _notify(bind, table, {r.queue for r in rows})
+    return [r.id for r in rows]
 
 
 def cancel_jobs(
@@ -382,6 +870,8 @@ def cancel_jobs(
     status: OneOrMany = None,
     all_jobs: bool = False,
     dry_run: bool = False,
+    seen: Iterable[SeenJob] | None = None,
+    up_to_id: int | None = None,
 ) -> int:
     """Cancel scheduled, ready and running jobs; return how many.
 
@@ -392,13 +882,31 @@ def cancel_jobs(
     the heartbeat finds the job gone and sets :attr:`ClaimedJob.cancelled
     <sqla_jobs.ClaimedJob.cancelled>`, which a long handler checks between steps. The
     handler itself is not interrupted.
+
+    ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
+    return len(_cancel(bind, jobs, ids, queue, task, status, all_jobs, dry_run, seen, up_to_id))
+
+
+def _cancel(
+    bind: Bind,
+    jobs: JobSource,
+    ids: Iterable[int] | None,
+    queue: OneOrMany,
+    task: OneOrMany,
+    status: OneOrMany,
+    all_jobs: bool,
+    dry_run: bool,
+    seen: Iterable[SeenJob] | None,
+    up_to_id: int | None,
+) -> list[int]:
     table = _table(jobs)
-    ids = _ids(ids)  # once: it may be an iterator
+    ids, guard = _seen(ids, seen)
     statuses = _statuses(status, CANCELLABLE, "cancel") or CANCELLABLE
     where = _selection(table, ids, queue, task, status, statuses, all_jobs)
+    where += _guards(table, guard, up_to_id)
     if dry_run:
-        return _count(bind, table, where)
+        return [0] * _count(bind, table, where)
     # Lock the targets first, to learn the status each had: RETURNING only sees the new row.
     c = table.c
     target = (
@@ -411,19 +919,14 @@ def cancel_jobs(
         sa.update(table)
         .where(c.id == target.c.id)
         .values(status=JobStatus.CANCELLED, finished_at=sa.func.now(), locked_until=None)
-        .returning(target.c.was)
-        .cte("cancelled")
+        .returning(c.id, target.c.was)
     )
-    counted = sa.select(
-        sa.func.count(),
-        sa.func.count().filter(changed.c.was == _lit(JobStatus.RUNNING)),
-    ).select_from(changed)
-    total, running = _execute(bind, counted).one()
-    if running:
+    rows = _execute(bind, changed).all()
+    if any(r.was == JobStatus.RUNNING for r in rows):
         # Ask workers to heartbeat now rather than at their next beat: the handler of a
         # cancelled running job learns it within moments (sent at commit).
         _execute(bind, sa.select(sa.func.pg_notify(notify_channel(table), CANCEL_PAYLOAD)))
-    return int(total)
+    return [r.id for r in rows]
 
 
 def purge_jobs(
@@ -437,6 +940,8 @@ def purge_jobs(
     older_than: float | timedelta | None = None,
     all_jobs: bool = False,
     dry_run: bool = False,
+    seen: Iterable[SeenJob] | None = None,
+    up_to_id: int | None = None,
 ) -> int:
     """Delete finished jobs (done, dead, cancelled); return how many.
 
@@ -446,13 +951,37 @@ def purge_jobs(
 
     :param older_than: only jobs finished (or, for unfinished ones, created) longer ago
         than this many seconds.
+
+    ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
+    return len(
+        _purge(bind, jobs, ids, queue, task, status, older_than, all_jobs, dry_run, seen, up_to_id)
+    )
+
+
+def _purge(
+    bind: Bind,
+    jobs: JobSource,
+    ids: Iterable[int] | None,
+    queue: OneOrMany,
+    task: OneOrMany,
+    status: OneOrMany,
+    older_than: float | timedelta | None,
+    all_jobs: bool,
+    dry_run: bool,
+    seen: Iterable[SeenJob] | None,
+    up_to_id: int | None,
+) -> list[int]:
     table = _table(jobs)
-    ids = _ids(ids)  # once: it may be an iterator
+    ids, guard = _seen(ids, seen)
+    if guard is not None and status is None:
+        # A job seen scheduled or ready and deleted by id is a deliberate choice.
+        status = sorted({s.status for s in guard} & set(PURGEABLE)) or None
     statuses = _statuses(status, PURGEABLE, "purge") or PURGEABLE_BY_DEFAULT
     where = _selection(
         table, ids, queue, task, status, statuses, all_jobs, extra=older_than is not None
     )
+    where += _guards(table, guard, up_to_id)
     if older_than is not None:
         age = older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
         if age < timedelta(0):
@@ -465,9 +994,125 @@ def purge_jobs(
         else:
             where.append(sa.func.coalesce(table.c.finished_at, table.c.created_at) < cutoff)
     if dry_run:
-        return _count(bind, table, where)
-    deleted = sa.delete(table).where(*where).returning(table.c.id).cte("purged")
-    return int(_execute(bind, sa.select(sa.func.count()).select_from(deleted)).scalar_one())
+        return [0] * _count(bind, table, where)
+    deleted = sa.delete(table).where(*where).returning(table.c.id)
+    return list(_execute(bind, deleted).scalars())
+
+
+@dataclass(frozen=True)
+class ActionReport:
+    """What :func:`act` did: the jobs it acted on, and those it left alone with why."""
+
+    action: str
+    acted: tuple[int, ...]
+    #: ``(id, why)`` for each job that was not acted on.
+    skipped: tuple[tuple[int, str], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.acted)
+
+
+def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) -> ActionReport:
+    """Retry, cancel or purge the jobs an operator selected, as they saw them, and report
+    job by job.
+
+    Each job is acted on only if it still has the attempts and status it was seen with
+    and the action applies to that status; the others are skipped with the reason (it
+    no longer exists, it moved on, it is not something this action applies to, a live
+    job holds its unique key). The rows are locked first, so the report is exact: no
+    job changes between the check and the action. Runs in the caller's transaction.
+    """
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}; actions are {', '.join(ACTIONS)}")
+    table = _table(jobs)
+    wanted = list(dict.fromkeys(_check_seen(seen)))
+    if not wanted:
+        raise ValueError("select at least one job")
+    c = table.c
+    lock = sa.select(c.id, c.attempts, c.status).where(c.id.in_([s.id for s in wanted]))
+    # A row about to be deleted needs the full lock; the others the one the claim respects.
+    lock = lock.with_for_update(key_share=action != "purge")
+    now = {r.id: (r.attempts, r.status) for r in _execute(bind, lock)}
+    allowed = PURGEABLE if action == "purge" else ACTIONS[action]
+    skipped: dict[int, str] = {}
+    eligible: list[SeenJob] = []
+    for s in wanted:
+        current = now.get(s.id)
+        if current is None:
+            skipped[s.id] = "it no longer exists"
+        elif current != (s.attempts, s.status):
+            skipped[s.id] = f"it changed: now {current[1]}, attempt {current[0]}"
+        elif s.status not in allowed:
+            skipped[s.id] = f"{action} applies to {', '.join(allowed)} jobs, not {s.status} ones"
+        else:
+            eligible.append(s)
+    acted: list[int] = []
+    if eligible:
+        if action == "retry":
+            acted = _retry(bind, jobs, None, None, None, None, False, False, eligible, None)
+        elif action == "cancel":
+            acted = _cancel(bind, jobs, None, None, None, None, False, False, eligible, None)
+        else:
+            acted = _purge(bind, jobs, None, None, None, None, None, False, False, eligible, None)
+    for s in eligible:
+        if s.id not in acted and s.id not in skipped:
+            skipped[s.id] = "a live job holds its unique key"
+    done = set(acted)
+    return ActionReport(
+        action,
+        tuple(s.id for s in wanted if s.id in done),
+        tuple((s.id, skipped[s.id]) for s in wanted if s.id in skipped),
+    )
+
+
+def _check_seen(seen: Iterable[SeenJob]) -> list[SeenJob]:
+    checked: list[SeenJob] = []
+    for s in seen:
+        job_id, attempts, status = s
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise ValueError(f"job ids must be integers, got {job_id!r}")
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0:
+            raise ValueError(f"attempts must be an integer >= 0, got {attempts!r}")
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}; statuses are {', '.join(STATUSES)}")
+        checked.append(SeenJob(job_id, attempts, status))
+    return checked
+
+
+def _seen(
+    ids: Iterable[int] | None, seen: Iterable[SeenJob] | None
+) -> tuple[list[int] | None, list[SeenJob] | None]:
+    """The ids selected, and the seen rows that guard them."""
+    if seen is None:
+        return _ids(ids), None
+    guard = _check_seen(seen)
+    if ids is not None:
+        raise ValueError("give ids or seen, not both")
+    return [s.id for s in guard], guard
+
+
+def _guards(
+    table: Any, seen: list[SeenJob] | None, up_to_id: int | None
+) -> list[sa.ColumnElement[bool]]:
+    c = table.c
+    where: list[sa.ColumnElement[bool]] = []
+    if seen is not None:
+        where.append(
+            sa.tuple_(c.id, c.attempts, c.status).in_([(s.id, s.attempts, s.status) for s in seen])
+        )
+    if up_to_id is not None:
+        if not isinstance(up_to_id, int) or isinstance(up_to_id, bool):
+            raise ValueError(f"up_to_id must be an integer, got {up_to_id!r}")
+        where.append(c.id <= up_to_id)
+    return where
+
+
+def _notify(bind: Bind, table: sa.Table, queues: set[str]) -> None:
+    """Wake the workers of these queues (NOTIFY is sent at commit)."""
+    if queues:
+        q = sa.func.unnest(sa.literal(sorted(queues), ARRAY(sa.Text))).column_valued("q")
+        _execute(bind, sa.select(sa.func.pg_notify(notify_channel(table), q)))
 
 
 # -- queues -------------------------------------------------------------------------------

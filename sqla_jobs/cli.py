@@ -7,6 +7,7 @@
     $ sqla-jobs jobs list myapp.tasks:jobs --status dead
     $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
     $ sqla-jobs queues pause myapp.tasks:jobs webhooks
+    $ sqla-jobs web myapp.tasks:jobs --port 8080
 
 The database URL comes from ``--database-url`` or ``DATABASE_URL``; the jobs from a
 ``module:attribute`` path, imported from the current directory first, as ``python -m``
@@ -711,6 +712,75 @@ def _number(kind: type[int] | type[float]) -> Callable[[str], Any]:
     return convert
 
 
+# -- web ----------------------------------------------------------------------------------
+
+
+def cmd_web(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .web import create_app
+    except ImportError:
+        raise CommandError(
+            "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
+        ) from None
+    target, engine = _prepare(args)
+    authorize = None
+    if args.authorize:
+        authorize = _import_path(args.authorize)
+        if not callable(authorize):
+            raise CommandError(f"{args.authorize} is not callable (request -> bool)")
+    if args.allow_actions and authorize is None:
+        print(
+            f"sqla-jobs: warning: actions are enabled for anyone who can reach "
+            f"http://{args.host}:{args.port}/",
+            file=sys.stderr,
+        )
+    app = create_app(
+        target,
+        engine,
+        authorize=authorize,
+        read_only=None if authorize is not None else not args.allow_actions,
+        title=args.title,
+    )
+    mode = "read-only" if authorize is None and not args.allow_actions else "actions enabled"
+    print(f"sqla-jobs web: http://{args.host}:{args.port}{args.root_path}/ ({mode})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, root_path=args.root_path, log_level="warning")
+    return EXIT_OK
+
+
+def _add_web(sub: Any) -> None:
+    web = sub.add_parser(
+        "web",
+        parents=[_common()],
+        help="serve the dashboard",
+        description="Serve the web dashboard (needs pip install 'sqla-jobs[web]'). It is "
+        "read-only unless --allow-actions or --authorize says otherwise, and listens on "
+        "127.0.0.1 unless --host says otherwise.",
+    )
+    web.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    web.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    web.add_argument(
+        "--allow-actions",
+        action="store_true",
+        help="let anyone who can reach the dashboard retry, cancel, delete and pause",
+    )
+    web.add_argument(
+        "--authorize",
+        metavar="MODULE:CALLABLE",
+        help="a callable request -> bool that decides who may act",
+    )
+    web.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves it under (e.g. /jobs)",
+    )
+    web.add_argument("--title", default="sqla-jobs", help="the name in the page header")
+    web.set_defaults(func=cmd_web)
+
+
 # -- the parser ---------------------------------------------------------------------------
 
 
@@ -762,6 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stats(sub)
     _add_jobs(sub)
     _add_queues(sub)
+    _add_web(sub)
     return parser
 
 

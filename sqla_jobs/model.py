@@ -30,6 +30,13 @@ future jobs never sit in the claim path, however many of them the table holds:
   retention prunes old rows without scanning live ones.
 * ``<table>_unique``: ``UNIQUE (unique_key) WHERE status IN ('scheduled', 'ready',
   'running')``: unique jobs, enforced by the database.
+* ``<table>_dead``: ``(queue, task, id) WHERE status = 'dead'``: the dashboard, and
+  operators counting or listing dead jobs. Dead jobs pile up (they are kept for
+  ``keep_dead``, a week by default), and no other index has their queue or task: without
+  it the overview's per-queue counts, a list of a task's dead jobs newest first, and the
+  count before a bulk retry would each read every finished row (with 1,000,000 jobs in
+  the table: 130-210 ms instead of 10-20). A row enters it only when a job dies, never
+  on the claim or on a success, so the hot path does not pay for it.
 """
 
 from __future__ import annotations
@@ -37,11 +44,11 @@ from __future__ import annotations
 import enum
 import hashlib
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -224,6 +231,13 @@ def add_constraints(table: sa.Table) -> None:
         postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
     )
     sa.Index(derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
+    sa.Index(
+        derived_name(name, "dead"),
+        c.queue,
+        c.task,
+        c.id,
+        postgresql_where=sa.text("status = 'dead'"),
+    )
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
@@ -318,8 +332,17 @@ def attach_ddl(table: sa.Table) -> None:
     event.listen(table, "after_drop", _after_drop)
 
 
-def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
-    """The two small tables that live beside a jobs table, in its metadata and schema.
+class Companions(NamedTuple):
+    """The small tables that live beside a jobs table (see :func:`companion_tables`)."""
+
+    queues: sa.Table
+    schedules: sa.Table
+    workers: sa.Table
+    throughput: sa.Table
+
+
+def companion_tables(table: sa.Table) -> Companions:
+    """The small tables that live beside a jobs table, in its metadata and schema.
 
     ``<table>_queues``
         One row per queue that has been paused (or resumed). Workers read it at every
@@ -328,6 +351,16 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         Periodic jobs: one row per schedule, declared in code or added at run time.
         ``next_run_at`` is the tick a worker enqueues next; advancing it with a guarded
         UPDATE is what makes each tick happen exactly once, however many workers race.
+    ``<table>_workers``
+        One row per running worker, upserted by the worker every ``presence_interval``
+        and deleted when it stops cleanly: the jobs table cannot tell which workers are
+        alive while they are idle. ``expires_at`` is three intervals after ``last_seen``;
+        a row past it is a worker that died without a word (kept an hour, for the record).
+    ``<table>_throughput``
+        Jobs that succeeded, failed and died, per minute and queue. Finished jobs are
+        deleted by default, so nothing else could count them; the workers add what their
+        completer wrote at each presence beat, so the completion statement itself is
+        unchanged and writers never wait on one another's counter rows for long.
     """
     existing = table.info.get("sqla_jobs_companions")
     if existing is not None:
@@ -369,8 +402,39 @@ def companion_tables(table: sa.Table) -> tuple[sa.Table, sa.Table]:
         ),
         schema=schema,
     )
-    table.info["sqla_jobs_companions"] = (queues, schedules)
-    return queues, schedules
+    workers = sa.Table(
+        derived_name(name, "workers"),
+        metadata,
+        sa.Column("name", sa.Text, primary_key=True),
+        sa.Column("host", sa.Text, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("queues", ARRAY(sa.Text), nullable=False),
+        sa.Column("concurrency", sa.Integer, nullable=False),
+        sa.Column("running", sa.Integer, nullable=False),
+        sa.Column("processed", sa.BigInteger, nullable=False),
+        sa.Column(
+            "started_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        sa.Column(
+            "last_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        schema=schema,
+    )
+    throughput = sa.Table(
+        derived_name(name, "throughput"),
+        metadata,
+        sa.Column("minute", sa.DateTime(timezone=True), primary_key=True),
+        sa.Column("queue", sa.Text, primary_key=True),
+        sa.Column("succeeded", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("failed", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("dead", sa.BigInteger, nullable=False, server_default="0"),
+        schema=schema,
+    )
+    companions = Companions(queues, schedules, workers, throughput)
+    table.info["sqla_jobs_companions"] = companions
+    return companions
 
 
 def job_table(model: type[Any] | sa.Table) -> sa.Table:

@@ -578,6 +578,119 @@ def _delete_undeclared(s: sa.Table) -> sa.Delete:
     )
 
 
+# -- worker presence and throughput (<table>_workers, <table>_throughput) ----------------
+
+
+# A worker says it is alive: insert or refresh its row (primary key), once every
+# presence_interval. started_at stays from the first insert.
+def _worker_seen(w: sa.Table) -> sa.Insert:
+    stmt = pg_insert(w).values(
+        name=sa.bindparam("name"),
+        host=sa.bindparam("host"),
+        pid=sa.bindparam("pid"),
+        kind=sa.bindparam("kind"),
+        queues=sa.bindparam("queues", type_=ARRAY(sa.Text)),
+        concurrency=sa.bindparam("concurrency"),
+        running=sa.bindparam("running"),
+        processed=sa.bindparam("processed"),
+        last_seen=sa.func.now(),
+        expires_at=sa.func.now() + sa.bindparam("ttl", type_=sa.Interval),
+    )
+    new = stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=[w.c.name],
+        set_={
+            name: new[name]
+            for name in (
+                "host",
+                "pid",
+                "kind",
+                "queues",
+                "concurrency",
+                "running",
+                "processed",
+                "last_seen",
+                "expires_at",
+            )
+        },
+    )
+
+
+class WorkerSeenParams(TypedDict):
+    name: str
+    host: str
+    pid: int
+    kind: str
+    queues: list[str]
+    concurrency: int
+    running: int
+    processed: int
+    ttl: timedelta
+
+
+# Rows of workers that died without deleting theirs, an hour after they expired (the
+# Workers page shows them as gone until then). A scan of a table of a few rows.
+def _forget_workers(w: sa.Table) -> sa.Delete:
+    return sa.delete(w).where(w.c.expires_at < sa.func.now() - sa.text("interval '1 hour'"))
+
+
+# Add a worker's counts of written outcomes to the current minute of each queue (the
+# database's clock, so workers on skewed clocks agree). One row per (minute, queue): a
+# handful of workers adding to it every few seconds hold its lock for a moment each.
+def _add_throughput(t: sa.Table) -> sa.Insert:
+    rows = (
+        sa.func.unnest(
+            sa.bindparam("queues", type_=ARRAY(sa.Text)),
+            sa.bindparam("succeeded", type_=ARRAY(sa.BigInteger)),
+            sa.bindparam("failed", type_=ARRAY(sa.BigInteger)),
+            sa.bindparam("dead", type_=ARRAY(sa.BigInteger)),
+        )
+        .table_valued("queue", "succeeded", "failed", "dead")
+        .render_derived(name="counts")
+    )
+    stmt = pg_insert(t).from_select(
+        ["minute", "queue", "succeeded", "failed", "dead"],
+        sa.select(
+            sa.func.date_trunc("minute", sa.func.now()),
+            rows.c.queue,
+            rows.c.succeeded,
+            rows.c.failed,
+            rows.c.dead,
+        ),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.minute, t.c.queue],
+        set_={
+            "succeeded": t.c.succeeded + stmt.excluded.succeeded,
+            "failed": t.c.failed + stmt.excluded.failed,
+            "dead": t.c.dead + stmt.excluded.dead,
+        },
+    )
+
+
+class ThroughputParams(TypedDict):
+    queues: list[str]
+    succeeded: list[int]
+    failed: list[int]
+    dead: list[int]
+
+
+def throughput_params(counts: dict[str, list[int]]) -> ThroughputParams:
+    """``{queue: [succeeded, failed, dead]}`` as the arrays of :func:`_add_throughput`."""
+    queues = sorted(counts)
+    return {
+        "queues": queues,
+        "succeeded": [counts[q][0] for q in queues],
+        "failed": [counts[q][1] for q in queues],
+        "dead": [counts[q][2] for q in queues],
+    }
+
+
+# Counts older than a day, through the primary key (minute first).
+def _forget_throughput(t: sa.Table) -> sa.Delete:
+    return sa.delete(t).where(t.c.minute < sa.func.now() - sa.text("interval '1 day'"))
+
+
 class Queries:
     """The statements of one jobs table (and its companion tables), each built once.
 
@@ -588,7 +701,11 @@ class Queries:
     def __init__(self, table: sa.Table, *, keep_done: bool = False) -> None:
         self.table = t = table
         self.channel = channel = notify_channel(table)
-        self.queues_table, self.schedules_table = queues, schedules = companion_tables(t)
+        companions = companion_tables(t)
+        self.queues_table = queues = companions.queues
+        self.schedules_table = schedules = companions.schedules
+        self.workers_table = workers = companions.workers
+        self.throughput_table = throughput = companions.throughput
 
         self.claim = _claim(t)
         self.complete = _complete(t, keep_done=keep_done)
@@ -623,6 +740,12 @@ class Queries:
             .returning(schedules.c.name)
         )
         self.list_schedules = sa.select(schedules).order_by(schedules.c.name)
+
+        self.worker_seen = _worker_seen(workers)
+        self.worker_gone = sa.delete(workers).where(workers.c.name == sa.bindparam("name"))
+        self.forget_workers = _forget_workers(workers)
+        self.add_throughput = _add_throughput(throughput)
+        self.forget_throughput = _forget_throughput(throughput)
 
     def __repr__(self) -> str:
         return f"<Queries of {self.table.fullname}>"

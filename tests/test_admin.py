@@ -287,3 +287,49 @@ def test_pause_resume_and_list_queues(
     with db.connect() as conn:
         assert admin.paused_queues(conn, jobs) == set()
         assert [q.to_dict()["paused"] for q in admin.list_queues(conn, jobs)] == [False, False]
+
+
+def test_actions_skip_jobs_that_moved_on_since_they_were_seen(db: sa.Engine, jobs: Jobs) -> None:
+    from sqla_jobs.admin import SeenJob
+
+    table = jobs.table
+    with db.begin() as conn:
+        ids = [
+            conn.execute(
+                sa.insert(table)
+                .values(task="t", status="dead", attempts=2, unique_key=key)
+                .returning(table.c.id)
+            ).scalar_one()
+            for key in (None, None, "k")
+        ]
+        # A live twin holds the unique key of the third.
+        conn.execute(sa.insert(table).values(task="t", status="ready", unique_key="k"))
+    a, b, keyed = ids
+    with db.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.id == b).values(attempts=3))
+        seen = [SeenJob(a, 2, "dead"), SeenJob(b, 2, "dead"), SeenJob(keyed, 2, "dead")]
+        assert admin.retry_jobs(conn, jobs, seen=seen, dry_run=True) == 1
+        report = admin.act(conn, jobs, "retry", [*seen, SeenJob(10**9, 1, "dead")])
+    assert report.acted == (a,)
+    assert dict(report.skipped) == {
+        b: "it changed: now dead, attempt 3",
+        keyed: "a live job holds its unique key",
+        10**9: "it no longer exists",
+    }
+    with db.begin() as conn, pytest.raises(ValueError, match="give ids or seen"):
+        admin.cancel_jobs(conn, jobs, [a], seen=[SeenJob(a, 2, "ready")])
+    # up_to_id leaves out what was enqueued after a count.
+    with db.begin() as conn:
+        newer = conn.execute(
+            sa.insert(table).values(task="t", status="dead").returning(table.c.id)
+        ).scalar_one()
+        assert admin.purge_jobs(conn, jobs, status="dead", up_to_id=newer - 1) == 2
+        assert admin.get_job(conn, jobs, newer) is not None
+
+
+def test_run_schedule_needs_the_registry_and_a_schedule(db: sa.Engine, jobs: Jobs) -> None:
+    with db.begin() as conn:
+        with pytest.raises(TypeError, match="needs the Jobs registry"):
+            admin.run_schedule(conn, jobs.table, "x")  # type: ignore[arg-type]
+        with pytest.raises(LookupError, match="no schedule named 'x'"):
+            admin.run_schedule(conn, jobs, "x")

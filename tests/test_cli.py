@@ -119,7 +119,7 @@ def test_every_help_is_there() -> None:
 def test_stats(db: sa.Engine) -> None:
     add(db, 2, run_at=sa.func.now() - timedelta(seconds=90))
     dead(db, 1, queue="webhooks")
-    queues, _ = companion_tables(job_table(app.Job))
+    queues = companion_tables(job_table(app.Job)).queues
     with db.begin() as conn:
         conn.execute(sa.insert(queues).values(name="webhooks", paused=True))
     table, as_json, from_model = in_parallel(

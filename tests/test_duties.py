@@ -20,6 +20,7 @@ DUTIES = {
     "heartbeat": "beat",
     "maintenance": "refresh",
     "listener": "listen_sql",
+    "presence": "worker_seen",
 }
 
 

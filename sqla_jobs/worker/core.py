@@ -19,7 +19,9 @@ makes anyway).
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -29,7 +31,7 @@ import psycopg
 import sqlalchemy as sa
 
 from ..errors import WorkerError
-from ..queries import claim_params, interval
+from ..queries import WorkerSeenParams, claim_params, interval
 from . import db
 from .job import (
     CANCEL_PAYLOAD,
@@ -73,7 +75,7 @@ if TYPE_CHECKING:
     import contextvars
 
     from ..tasks import Jobs, Task
-    from .db import Refresh
+    from .db import Refresh, Tally
 
 __all__ = ["Driver", "WorkerCore"]
 
@@ -81,6 +83,13 @@ log = logging.getLogger("sqla_jobs.worker")
 
 #: Consecutive unexpected (non-database) errors after which a duty stops the worker.
 MAX_DUTY_FAILURES = 5
+
+#: A worker's row counts as alive for this many presence intervals after its last update.
+PRESENCE_MISSES = 3
+
+#: Every this many presence updates (about a minute at the default), one of them also
+#: deletes the rows of workers long gone and throughput counts over a day old.
+TIDY_EVERY = 12
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -163,6 +172,11 @@ class WorkerCore:
         self._last_beat = 0.0
         self._listened = False
         self._unwritten_batch: list[Outcome] = []
+        #: Outcomes written (or committed by transactional runs) and not yet added to
+        #: <table>_throughput: {queue: [succeeded, failed, dead]}.
+        self._tally: Tally = {}
+        self._presence_rounds = 0
+        self._presence_failing = False
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
         self.fatal: WorkerError | None = None
         self.reset()
@@ -337,6 +351,7 @@ class WorkerCore:
         except BaseException as exc:
             self.unsettle(job)
             return run.end(exc)
+        self.count({job.queue: [1, 0, 0]})
         return run.committed()
 
     # -- the fetch loop ----------------------------------------------------------------
@@ -484,6 +499,7 @@ class WorkerCore:
         duties: dict[str, Callable[[], Steps]] = {
             "completer": self.complete_once,
             "heartbeat": self.heartbeat_once,
+            "presence": self.presence_once,
         }
         if listen:
             duties["listener"] = self.listen_once
@@ -533,7 +549,8 @@ class WorkerCore:
         failures = 0
         while True:
             try:
-                yield Io(db.write_outcomes, (self.queries, batch), Conn.WRITE)
+                written = yield Io(db.write_outcomes, (self.queries, batch), Conn.WRITE)
+                self.count(written)
                 break
             except Exception as exc:
                 if not is_database_error(exc):
@@ -638,6 +655,85 @@ class WorkerCore:
             self.driver.record(outcome)
             self.driver.interrupt(job)
 
+    def count(self, tally: Tally | None) -> None:
+        """Add written outcomes to what the next presence update reports."""
+        if not tally:
+            return
+        with self._lock:
+            for queue, (succeeded, failed, dead) in tally.items():
+                counts = self._tally.setdefault(queue, [0, 0, 0])
+                counts[0] += succeeded
+                counts[1] += failed
+                counts[2] += dead
+
+    def _take_tally(self) -> Tally:
+        with self._lock:
+            tally, self._tally = self._tally, {}
+        return tally
+
+    def presence(self) -> WorkerSeenParams:
+        """This worker's row of ``<table>_workers``, as of now."""
+        return {
+            "name": self.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "kind": type(self.driver).__name__,
+            "queues": list(self.queues),
+            "concurrency": self.settings.concurrency,
+            "running": self.running,
+            "processed": self.processed,
+            "ttl": interval(self.settings.presence_interval * PRESENCE_MISSES),
+        }
+
+    def presence_once(self) -> Steps:
+        """Say that this worker is alive (its row in ``<table>_workers``) and add the
+        outcomes written since the last time to ``<table>_throughput``; then wait
+        ``presence_interval``. Returns False once the worker is stopping (its row is
+        deleted at the end of the run, see :meth:`run`).
+
+        A database error only delays the report: the counts are kept for the next one,
+        and the first failure of a streak is logged (a missing table means migrations
+        were not run; jobs still run, the dashboard just cannot see this worker).
+        """
+        if self.stopping:
+            return False
+        self._presence_rounds += 1
+        tidy = self._presence_rounds % TIDY_EVERY == 1
+        tally = self._take_tally()
+        try:
+            yield Io(db.worker_seen, (self.queries, self.presence(), tally, tidy), Conn.TX)
+        except Exception as exc:
+            self.count(tally)
+            if not is_database_error(exc):
+                raise
+            if not self._presence_failing:
+                log.warning(
+                    "worker %s: could not record its presence (%s); the dashboard will not "
+                    "show it until this works",
+                    self.name,
+                    describe(exc),
+                )
+            self._presence_failing = True
+        else:
+            self._presence_failing = False
+        yield Pause(self.settings.presence_interval)
+        return not self.stopping
+
+    def leave(self) -> Steps:
+        """At the end of a run: add the last counts and delete this worker's row."""
+        tally = self._take_tally()
+        try:
+            yield Io(db.worker_gone, (self.queries, self.name, tally), Conn.TX)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            log.log(
+                logging.DEBUG if self._presence_failing else logging.WARNING,
+                "worker %s: could not delete its presence row (%s); it expires by itself",
+                self.name,
+                describe(exc),
+            )
+
     def listen_once(self) -> Steps:
         """Hold a LISTEN connection and pass notifications on, until the worker stops or
         the connection fails (the supervisor then starts this again after a pause).
@@ -686,6 +782,8 @@ class WorkerCore:
             self.driver.stop()
             yield from self.shutdown()
             yield EndDuties()
+            # After the duties ended: no presence update can follow the row's deletion.
+            yield from self.leave()
             self.stopping = False  # ready for another run
             log.info("worker %s stopped", self.name)
         if self.fatal is not None:

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from ..queries import ClaimParams, Queries, batch_params, heartbeat_params
+from ..queries import (
+    ClaimParams,
+    Queries,
+    WorkerSeenParams,
+    batch_params,
+    heartbeat_params,
+    throughput_params,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -34,8 +41,14 @@ __all__ = [
     "prune",
     "prune_batch",
     "refresh",
+    "worker_gone",
+    "worker_seen",
     "write_outcomes",
 ]
+
+#: ``{queue: [succeeded, failed, dead]}``: outcomes written, not yet added to
+#: ``<table>_throughput``.
+Tally = dict[str, list[int]]
 
 T = TypeVar("T")
 
@@ -48,17 +61,31 @@ def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[An
     return list(conn.execute(queries.claim, dict(params)).all())
 
 
-def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> None:
+def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> Tally:
     """Record a batch of outcomes: one statement for all successes, one per failure.
+    Returns how many succeeded, failed and died per queue, as the database confirmed
+    (a claim the guard no longer matches is not counted).
 
     Run in autocommit, each statement is atomic by itself; if a later one fails, the
     completer writes the whole batch again, and the guard makes the repeated ones match
-    nothing.
+    nothing (and count nothing).
     """
     from .job import outcome_statements
 
+    batch = list(batch)
+    queue_of = {o.job.id: o.job.queue for o in batch}
+    tally: Tally = {}
     for statement, params in outcome_statements(queries, batch):
-        conn.execute(statement, params)
+        rows = conn.execute(statement, params).all()
+        if statement is queries.complete:
+            for row in rows:
+                tally.setdefault(queue_of[row[0]], [0, 0, 0])[0] += 1
+        elif statement is queries.fail:
+            for row in rows:
+                counts = tally.setdefault(queue_of[row[0]], [0, 0, 0])
+                counts[1] += 1
+                counts[2] += row[1] == "dead"
+    return tally
 
 
 def beat(
@@ -80,6 +107,27 @@ def complete_in(session: Session | sa.Connection, queries: Queries, job: Claimed
     """The guarded completion of one claim, in the caller's transaction (a transactional
     task's). False if the claim is no longer this worker's."""
     return session.execute(queries.complete, dict(batch_params([job]))).first() is not None
+
+
+def worker_seen(
+    conn: sa.Connection, queries: Queries, seen: WorkerSeenParams, tally: Tally, tidy: bool
+) -> None:
+    """Refresh this worker's row in ``<table>_workers`` and add its counts to
+    ``<table>_throughput``; with ``tidy``, also forget workers long gone and counts more
+    than a day old."""
+    conn.execute(queries.worker_seen, dict(seen))
+    if tally:
+        conn.execute(queries.add_throughput, dict(throughput_params(tally)))
+    if tidy:
+        conn.execute(queries.forget_workers)
+        conn.execute(queries.forget_throughput)
+
+
+def worker_gone(conn: sa.Connection, queries: Queries, name: str, tally: Tally) -> None:
+    """A worker stopped cleanly: add its last counts, and delete its row."""
+    if tally:
+        conn.execute(queries.add_throughput, dict(throughput_params(tally)))
+    conn.execute(queries.worker_gone, {"name": name})
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,11 @@ class WorkerSettings:
     prune_interval: float = _setting(
         60.0, "seconds between retention passes (one elected worker prunes)"
     )
+    presence_interval: float = _setting(
+        5.0,
+        "seconds between the worker's updates of its row in <table>_workers (what the "
+        "dashboard's Workers page shows); it counts as gone after three missed updates",
+    )
     listen: bool = _setting(
         True,
         "LISTEN for new jobs on a dedicated connection (off: poll only, for PgBouncer's "
@@ -91,6 +96,7 @@ class WorkerSettings:
         _seconds(self, "grace_period", positive=False)
         _seconds(self, "completion_interval", positive=False)
         _seconds(self, "prune_interval", positive=True)
+        _seconds(self, "presence_interval", positive=True)
         if self.rescue_interval is not None:
             _seconds(self, "rescue_interval", positive=True)
         if not isinstance(self.listen, bool):
@@ -150,6 +156,7 @@ class WorkerOptions(TypedDict, total=False):
     completion_interval: float
     rescue_interval: float | None
     prune_interval: float
+    presence_interval: float
     listen: bool
     name: str | None
 

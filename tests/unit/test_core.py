@@ -328,3 +328,39 @@ def test_notifications_wake_for_own_queues_and_poke_for_cancellations() -> None:
     assert isinstance(steps[0], s.Listen) and more is False
     assert driver.wakes == 2  # once on LISTEN, once for queue a; none for b
     assert driver.pokes == 1 and not core.listening.is_set()
+
+
+def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_error() -> None:
+    from sqla_jobs.worker import db
+
+    core, _, _ = make(presence_interval=2.0)
+    core.count({"a": [3, 1, 0]})
+    steps = core.presence_once()
+    step = next(steps)
+    assert isinstance(step, s.Io) and step.fn is db.worker_seen and step.on is s.Conn.TX
+    _, seen, tally, tidy = step.args
+    assert (seen["name"], seen["queues"], seen["running"]) == (core.name, ["a"], 0)
+    assert tally == {"a": [3, 1, 0]} and tidy
+    down = sa.exc.OperationalError("SELECT 1", {}, psycopg.OperationalError("server down"))
+    step = steps.throw(down)
+    assert step == s.Pause(2.0)
+    with pytest.raises(StopIteration) as ended:
+        steps.send(None)
+    assert ended.value.value is True
+    # The counts that could not be written go with the next report, added to new ones.
+    core.count({"a": [1, 0, 0], "b": [0, 2, 1]})
+    step = next(core.presence_once())
+    assert step.args[2] == {"a": [4, 1, 0], "b": [0, 2, 1]} and not step.args[3]
+
+
+def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties() -> None:
+    from sqla_jobs.worker import db
+
+    core, _, _ = make()
+    core.stopping = True
+    with pytest.raises(StopIteration) as ended:
+        next(core.presence_once())
+    assert ended.value.value is False
+    core.count({"a": [2, 0, 0]})
+    step = next(core.leave())
+    assert step.fn is db.worker_gone and step.args[1:] == (core.name, {"a": [2, 0, 0]})

@@ -1,4 +1,5 @@
-"""What a core install can import: no pytest, no greenlet (the extras are optional)."""
+"""What a core install can import: no pytest, no greenlet, no web stack (the extras are
+optional)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def import_without(module: str, blocked: str) -> subprocess.CompletedProcess[str
         ("sqla_jobs.testing", "pytest"),
         ("sqla_jobs.testing", "greenlet"),
         ("sqla_jobs.cli", "greenlet"),
+        ("sqla_jobs", "starlette"),
+        ("sqla_jobs", "jinja2"),
+        ("sqla_jobs.cli", "starlette"),
+        ("sqla_jobs.admin", "starlette"),
     ],
 )
 def test_imports_without_optional_packages(module: str, blocked: str) -> None:

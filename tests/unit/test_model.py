@@ -27,6 +27,7 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items_running",
         "work_items_finished",
         "work_items_unique",
+        "work_items_dead",
     }
     checks = {
         c.name: str(c.sqltext) for c in table.constraints if isinstance(c, sa.CheckConstraint)
@@ -42,6 +43,8 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items",
         "work_items_queues",
         "work_items_schedules",
+        "work_items_workers",
+        "work_items_throughput",
     }
 
 

@@ -1,0 +1,1069 @@
+"""The dashboard's ASGI application: routes, pages, guards. See :mod:`sqla_jobs.web`."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import jinja2
+import sqlalchemy as sa
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import admin
+from ..model import STATUSES, JobStatus
+from ..tasks import Jobs
+from ..worker.core import describe
+
+__all__ = ["Dashboard", "create_app"]
+
+log = logging.getLogger("sqla_jobs.web")
+
+HERE = Path(__file__).resolve().parent
+CSRF_COOKIE = "sqla_jobs_csrf"
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+#: Jobs listed per page.
+PAGE_SIZE = 50
+#: Largest request body an action reads (a selection of a few thousand jobs fits).
+MAX_FORM_BYTES = 1 << 20
+#: Characters of a job's arguments its page shows (arguments may be megabytes).
+ARGS_SHOWN = 200_000
+
+Authorize = Callable[[Request], bool]
+
+#: Security headers on every response. No inline script or style may run: a job's
+#: arguments are escaped already, and this is the second line.
+SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"x-frame-options", b"SAMEORIGIN"),
+]
+
+
+class PageError(Exception):
+    """A request that gets an error page: the status code and what to tell the person."""
+
+    def __init__(self, status_code: int, heading: str, message: str) -> None:
+        super().__init__(message)
+        self.status_code, self.heading, self.message = status_code, heading, message
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The job list's filters, from the query string, checked."""
+
+    queue: str | None = None
+    task: str | None = None
+    status: str | None = None
+    worker: str | None = None
+    q: str | None = None
+
+    @classmethod
+    def of(cls, params: Any) -> Filters:
+        values: dict[str, str | None] = {}
+        for name in ("queue", "task", "status", "worker", "q"):
+            raw = params.get(name)
+            value = raw.strip() if isinstance(raw, str) else None
+            if value and "\x00" in value:
+                raise PageError(400, "Bad filter", f"{name}: a NUL character is not allowed")
+            values[name] = value or None
+        if values["status"] is not None and values["status"] not in STATUSES:
+            raise PageError(
+                400,
+                "Bad filter",
+                f"unknown status {values['status']!r}; statuses are {', '.join(STATUSES)}",
+            )
+        return cls(**values)
+
+    def query(self) -> str:
+        return urlencode([(k, v) for k, v in self.items() if v])
+
+    def items(self) -> list[tuple[str, str | None]]:
+        return [
+            ("queue", self.queue),
+            ("task", self.task),
+            ("status", self.status),
+            ("worker", self.worker),
+            ("q", self.q),
+        ]
+
+    def describe(self) -> str:
+        parts = [f"{k} {v}" for k, v in self.items() if v and k != "q"]
+        if self.q:
+            parts.append(f"matching {self.q!r}")
+        return ", ".join(parts)
+
+
+class Dashboard:
+    """The dashboard for one jobs table: its settings, and the pages and actions.
+
+    Made by :func:`create_app`; ``dashboard.app`` is the ASGI application.
+    """
+
+    def __init__(
+        self,
+        jobs: Jobs | type[Any],
+        engine: sa.Engine,
+        *,
+        authorize: Authorize | None,
+        read_only: bool,
+        title: str,
+        refresh: float,
+    ) -> None:
+        self.jobs = jobs
+        self.engine = engine
+        self.authorize = authorize
+        self.read_only = read_only
+        self.title = title
+        self.refresh = refresh
+        self.table = admin.source_table(jobs)
+        env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=jinja2.select_autoescape(["html"], default=True),
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        env.filters.update(thousands=_thousands, duration=_duration, clock=_clock, ago=_ago)
+        env.filters["urlencode"] = lambda value: urlencode({"": value})[1:]
+        self.env = env
+        routes = [
+            Route("/", self.overview, name="overview"),
+            Route("/jobs", self.job_list, name="jobs"),
+            Route("/jobs/confirm", self.confirm, name="confirm"),
+            Route("/jobs/act", self.act, methods=["POST"], name="act"),
+            Route("/jobs/act-all", self.act_all, methods=["POST"], name="act_all"),
+            Route("/jobs/{job_id}", self.job, name="job"),
+            Route("/jobs/{job_id}/{action}", self.job_action, methods=["POST"], name="job_action"),
+            Route("/queues/{action}", self.queue_action, methods=["POST"], name="queue_action"),
+            Route("/schedules", self.schedules, name="schedules"),
+            Route("/schedules/run", self.run_schedule, methods=["POST"], name="run_schedule"),
+            Route("/workers", self.workers, name="workers"),
+            Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+        ]
+        self.starlette = Starlette(routes=routes)
+        self.starlette.add_exception_handler(404, self._not_found)
+        self.starlette.add_exception_handler(405, self._not_allowed)
+        self.app: ASGIApp = _SecurityHeaders(self.starlette)
+
+    # -- rendering ---------------------------------------------------------------------------
+
+    def can_act(self, request: Request) -> bool:
+        """Whether this request may change anything."""
+        if self.read_only:
+            return False
+        if self.authorize is None:
+            return True
+        return bool(self.authorize(request))
+
+    def render(
+        self, request: Request, template: str, status_code: int = 200, **context: Any
+    ) -> HTMLResponse:
+        token = _valid_token(request.cookies.get(CSRF_COOKIE)) or secrets.token_urlsafe(32)
+
+        def href(name: str, **params: Any) -> str:
+            return self.path(request, name, **params)
+
+        def static(path: str) -> str:
+            return self.path(request, "static", path=path)
+
+        base = {
+            "request": request,
+            "title": self.title,
+            "table_name": self.table.fullname,
+            "href": href,
+            "static": static,
+            "csrf_token": token,
+            "can_act": self.can_act(request),
+            "section": None,
+            "page_title": self.title,
+            "notice": None,
+            "notice_kind": "ok",
+        }
+        base.update(context)
+        html = self.env.get_template(template).render(base)
+        response = HTMLResponse(html, status_code=status_code)
+        if request.cookies.get(CSRF_COOKIE) != token:
+            response.set_cookie(
+                CSRF_COOKIE,
+                token,
+                path=_cookie_path(request),
+                httponly=True,
+                samesite="strict",
+                secure=request.url.scheme == "https",
+            )
+        response.headers["cache-control"] = "no-store"
+        return response
+
+    def path(self, request: Request, name: str, **params: Any) -> str:
+        """The path of one of the dashboard's own routes, under wherever it is mounted.
+
+        ``request.url_for`` would look the name up in the outermost app's router, where a
+        mounted dashboard's names are not at the top level.
+        """
+        root = (request.scope.get("root_path") or "").rstrip("/")
+        own = self.starlette.router.url_path_for(name, **{k: str(v) for k, v in params.items()})
+        return root + str(own)
+
+    def error_page(self, request: Request, error: PageError) -> HTMLResponse:
+        return self.render(
+            request,
+            "error.html",
+            status_code=error.status_code,
+            page_title=error.heading,
+            code=error.status_code,
+            heading=error.heading,
+            message=error.message,
+        )
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        return self.error_page(
+            request, PageError(404, "Not found", f"There is no page at {request.url.path}.")
+        )
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return self.error_page(
+            request,
+            PageError(405, "Method not allowed", f"{request.method} is not allowed here."),
+        )
+
+    def _guarded(self, request: Request, page: Callable[[], Response]) -> Response:
+        """Run a page; what goes wrong becomes an error page, never a traceback."""
+        try:
+            return page()
+        except PageError as error:
+            return self.error_page(request, error)
+        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            log.warning("dashboard: database unreachable: %s", describe(exc))
+            return self.error_page(
+                request,
+                PageError(
+                    503,
+                    "Database unavailable",
+                    f"The database cannot be reached: "
+                    f"{describe(exc)}. The page works again once it is back.",
+                ),
+            )
+        except sa.exc.DBAPIError as exc:
+            log.warning("dashboard: database error: %s", describe(exc))
+            hint = ""
+            if "does not exist" in str(exc.orig):
+                hint = " Have the migrations been run (alembic upgrade head)?"
+            return self.error_page(
+                request, PageError(500, "Database error", f"{describe(exc)}.{hint}")
+            )
+        except Exception:
+            log.exception("dashboard: unexpected error on %s", request.url.path)
+            return self.error_page(
+                request,
+                PageError(500, "Something went wrong", "The error was logged by the server."),
+            )
+
+    async def _page(self, request: Request, page: Callable[[], Response]) -> Response:
+        return await run_in_threadpool(self._guarded, request, page)
+
+    # -- pages -------------------------------------------------------------------------------
+
+    async def overview(self, request: Request) -> Response:
+        live = request.headers.get("hx-request") == "true"
+
+        def page() -> Response:
+            with self.engine.connect() as conn:
+                queues = admin.overview(conn, self.jobs)
+                throughput = admin.throughput(conn, self.jobs)
+                workers = admin.list_workers(conn, self.jobs)
+            lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
+            totals = {
+                "ready": sum(q.ready for q in queues),
+                "scheduled": sum(q.scheduled for q in queues),
+                "running": sum(q.running for q in queues),
+                "expired": sum(q.expired for q in queues),
+                "dead": sum(q.dead for q in queues),
+                "lag": max(lags) if lags else None,
+            }
+            hour = {
+                "succeeded": sum(m.succeeded for m in throughput.total),
+                "failed": sum(m.failed for m in throughput.total),
+                "dead": sum(m.dead for m in throughput.total),
+            }
+            notice = _NOTICES.get(request.query_params.get("done", ""))
+            return self.render(
+                request,
+                "_overview_live.html" if live else "overview.html",
+                section="overview",
+                page_title="Overview",
+                queues=queues,
+                totals=totals,
+                hour=hour,
+                throughput=throughput,
+                alive=sum(w.alive for w in workers),
+                refresh=self.refresh,
+                now=datetime.now(timezone.utc),
+                notice=notice.format(name=request.query_params.get("name", "")) if notice else None,
+            )
+
+        response = await self._page(request, page)
+        response.headers["vary"] = "HX-Request"
+        return response
+
+    async def job_list(self, request: Request) -> Response:
+        def page() -> Response:
+            f = Filters.of(request.query_params)
+            before = _int_param(request.query_params.get("before"), "before")
+            try:
+                with self.engine.connect() as conn:
+                    found = admin.browse_jobs(
+                        conn,
+                        self.jobs,
+                        queue=f.queue,
+                        task=f.task,
+                        status=f.status,
+                        worker=f.worker,
+                        search=f.q,
+                        before_id=before,
+                        limit=PAGE_SIZE,
+                    )
+            except ValueError as exc:
+                raise PageError(400, "Bad filter", str(exc)) from None
+            if before is not None and not found.jobs and found.older is None:
+                raise PageError(
+                    404,
+                    "Past the end",
+                    f"No job older than #{before} matches: this is past the end of the list.",
+                )
+            bulk_allowed, bulk_reason = True, ""
+            if f.q:
+                bulk_allowed, bulk_reason = (
+                    False,
+                    "To act on a search, select its jobs (bulk actions take queue, task and "
+                    "status filters).",
+                )
+            elif f.worker:
+                bulk_allowed, bulk_reason = False, "Select jobs to act on them."
+            return self.render(
+                request,
+                "jobs.html",
+                section="jobs",
+                page_title="Jobs",
+                f=f,
+                page=found,
+                before=before,
+                query=f.query(),
+                filters_text=f.describe(),
+                statuses=STATUSES,
+                queue_names=self._queue_names(),
+                task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
+                window=admin.SEARCH_WINDOW,
+                when=_when,
+                bulk_allowed=bulk_allowed,
+                bulk_reason=bulk_reason,
+            )
+
+        return await self._page(request, page)
+
+    async def job(self, request: Request) -> Response:
+        def page() -> Response:
+            job_id = _job_id(request.path_params["job_id"])
+            with self.engine.connect() as conn:
+                job = admin.get_job(conn, self.jobs, job_id)
+                paused = job is not None and job.queue in admin.paused_queues(conn, self.jobs)
+            if job is None:
+                raise PageError(
+                    404,
+                    f"No job {job_id}",
+                    f"There is no job with id {job_id}. Finished jobs are deleted unless "
+                    "kept (Jobs(keep_done=...)), and dead ones once pruned.",
+                )
+            notice, kind = _job_notice(request.query_params)
+            args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
+            return self.render(
+                request,
+                "job.html",
+                section="jobs",
+                page_title=f"Job {job.id}",
+                job=job,
+                next_step=_next_step(job, paused, datetime.now(timezone.utc)),
+                fields=_fields(job),
+                args_text=args_text[:ARGS_SHOWN],
+                args_truncated=len(args_text) > ARGS_SHOWN,
+                args_limit=ARGS_SHOWN,
+                args_size=len(args_text),
+                applies={
+                    "retry": admin.RETRYABLE,
+                    "cancel": admin.CANCELLABLE,
+                    "purge": _PURGE_ONE,
+                },
+                notice=notice,
+                notice_kind=kind,
+            )
+
+        return await self._page(request, page)
+
+    async def confirm(self, request: Request) -> Response:
+        def page() -> Response:
+            action = request.query_params.get("action", "")
+            if action not in admin.ACTIONS:
+                raise PageError(400, "Bad action", f"unknown action {action!r}")
+            f = Filters.of(request.query_params)
+            if f.q or f.worker:
+                raise PageError(
+                    400,
+                    "Not a bulk filter",
+                    "Bulk actions take queue, task and status filters; select jobs instead.",
+                )
+            up_to_id, count = self._count(action, f)
+            verb = _VERBS[action][0]
+            statuses = f.status or " or ".join(admin.ACTIONS[action])
+            hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
+            hidden += [(k, v) for k, v in f.items() if v]
+            return self.render(
+                request,
+                "confirm.html",
+                section="jobs",
+                page_title=f"{verb.capitalize()} jobs",
+                action=action,
+                verb=verb,
+                count=count,
+                up_to_id=up_to_id,
+                statuses=statuses,
+                filters_text=_bulk_text(f),
+                explanation=_EXPLAIN[action],
+                hidden=hidden,
+                back=self._jobs_url(request, f),
+            )
+
+        return await self._page(request, page)
+
+    def _count(self, action: str, f: Filters) -> tuple[int, int]:
+        func = _FUNCS[action]
+        try:
+            with self.engine.connect() as conn:
+                up_to_id = admin.max_job_id(conn, self.jobs)
+                count = func(
+                    conn,
+                    self.jobs,
+                    queue=f.queue,
+                    task=f.task,
+                    status=f.status,
+                    all_jobs=True,
+                    dry_run=True,
+                    up_to_id=up_to_id,
+                )
+        except ValueError as exc:
+            raise PageError(400, "Not possible", str(exc)) from None
+        return up_to_id, count
+
+    async def schedules(self, request: Request) -> Response:
+        def page() -> Response:
+            from .. import periodic
+
+            table = admin.source_table(self.jobs)
+            from ..model import companion_tables
+
+            s = companion_tables(table).schedules
+            with self.engine.connect() as conn:
+                if isinstance(self.jobs, Jobs):
+                    rows = periodic.list_schedules(conn, self.jobs)
+                else:
+                    rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
+            notice, kind = None, "ok"
+            ran = request.query_params.get("ran")
+            if ran:
+                notice = f"Enqueued job #{ran} for schedule {request.query_params.get('name', '')}."
+            return self.render(
+                request,
+                "schedules.html",
+                section="schedules",
+                page_title="Schedules",
+                schedules=rows,
+                registry=isinstance(self.jobs, Jobs),
+                notice=notice,
+                notice_kind=kind,
+            )
+
+        return await self._page(request, page)
+
+    async def workers(self, request: Request) -> Response:
+        def page() -> Response:
+            with self.engine.connect() as conn:
+                workers = admin.list_workers(conn, self.jobs)
+                running = admin.browse_jobs(
+                    conn, self.jobs, status=JobStatus.RUNNING.value, limit=200
+                )
+            return self.render(
+                request,
+                "workers.html",
+                section="workers",
+                page_title="Workers",
+                workers=workers,
+                running=running.jobs,
+                running_more=running.older is not None,
+            )
+
+        return await self._page(request, page)
+
+    # -- actions -----------------------------------------------------------------------------
+
+    async def _form(self, request: Request) -> dict[str, list[str]] | Response:
+        """The posted form, once the request may act and its CSRF token is right; or the
+        error page that refuses it."""
+        error = await run_in_threadpool(self._refusal, request)
+        if error is not None:
+            return self.error_page(request, error)
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM_BYTES:
+                return self.error_page(
+                    request, PageError(413, "Too large", "The form is too large.")
+                )
+        try:
+            pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
+        except UnicodeDecodeError:
+            return self.error_page(request, PageError(400, "Bad form", "not UTF-8"))
+        form: dict[str, list[str]] = {}
+        for k, v in pairs:
+            form.setdefault(k, []).append(v)
+        token = request.headers.get(CSRF_HEADER) or (form.get(CSRF_FIELD) or [""])[0]
+        cookie = request.cookies.get(CSRF_COOKIE) or ""
+        if not token or not cookie or not hmac.compare_digest(token, cookie):
+            return self.error_page(
+                request,
+                PageError(
+                    403,
+                    "Missing or wrong CSRF token",
+                    "This form did not come from this dashboard's own page, or its page is "
+                    "too old. Reload the page and try again.",
+                ),
+            )
+        return form
+
+    def _refusal(self, request: Request) -> PageError | None:
+        if self.read_only:
+            return PageError(403, "Read-only", "This dashboard is read-only: it takes no actions.")
+        try:
+            allowed = self.can_act(request)
+        except Exception:
+            log.exception("dashboard: the authorize callable failed")
+            allowed = False
+        if not allowed:
+            return PageError(403, "Not allowed", "You are not allowed to act on the queue.")
+        if not _same_origin(request):
+            return PageError(403, "Cross-site request", "Actions must come from this site.")
+        return None
+
+    async def job_action(self, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+
+        def page() -> Response:
+            job_id = _job_id(request.path_params["job_id"])
+            action = request.path_params["action"]
+            if action not in admin.ACTIONS:
+                raise PageError(404, "Not found", f"No action {action!r}.")
+            seen = admin.SeenJob(
+                job_id,
+                _required_int(_one(form, "attempts"), "attempts"),
+                _one(form, "status") or "",
+            )
+            report = self._act(action, [seen])
+            if action == "purge" and report.acted:
+                url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
+                return RedirectResponse(url, status_code=303)
+            params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
+            url = self.path(request, "job", job_id=job_id) + "?" + urlencode(params)
+            return RedirectResponse(url, status_code=303)
+
+        return await self._page(request, page)
+
+    def _act(self, action: str, seen: list[admin.SeenJob]) -> admin.ActionReport:
+        try:
+            with self.engine.begin() as conn:
+                return admin.act(conn, self.jobs, action, seen)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise PageError(400, "Not possible", str(exc)) from None
+
+    async def act(self, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+
+        def page() -> Response:
+            action = _one(form, "action") or ""
+            if action not in admin.ACTIONS:
+                raise PageError(400, "Bad action", f"unknown action {action!r}")
+            seen = [_seen(v) for v in form.get("job", [])]
+            if not seen:
+                raise PageError(400, "Nothing selected", "Select at least one job.")
+            report = self._act(action, seen)
+            return self._result(request, action, list(report.acted), list(report.skipped))
+
+        return await self._page(request, page)
+
+    async def act_all(self, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+
+        def page() -> Response:
+            action = _one(form, "action") or ""
+            if action not in admin.ACTIONS:
+                raise PageError(400, "Bad action", f"unknown action {action!r}")
+            f = Filters.of({k: v[0] for k, v in form.items()})
+            up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
+            confirmed = _required_int(_one(form, "count"), "count")
+            func = _FUNCS[action]
+            try:
+                with self.engine.begin() as conn:
+                    count = func(
+                        conn,
+                        self.jobs,
+                        queue=f.queue,
+                        task=f.task,
+                        status=f.status,
+                        all_jobs=True,
+                        up_to_id=up_to_id,
+                    )
+            except ValueError as exc:
+                raise PageError(400, "Not possible", str(exc)) from None
+            past = _VERBS[action][1]
+            summary = f"{past.capitalize()} {_plural(count)}."
+            if count != confirmed:
+                summary += (
+                    f" You confirmed {confirmed:,}; the others changed meanwhile and were "
+                    "left alone."
+                )
+            return self.render(
+                request,
+                "result.html",
+                section="jobs",
+                page_title="Done",
+                heading=f"{past.capitalize()} {_plural(count)}",
+                summary=summary,
+                action=action,
+                past=past,
+                acted=[],
+                skipped=[],
+                back=self._jobs_url(request, f),
+            )
+
+        return await self._page(request, page)
+
+    def _result(
+        self, request: Request, action: str, acted: list[int], skipped: list[tuple[int, str]]
+    ) -> Response:
+        verb, past = _VERBS[action]
+        summary = f"{past.capitalize()} {_plural(len(acted))}."
+        if skipped:
+            summary += (
+                f" {_plural(len(skipped))} left alone: they changed, or {verb} does not apply."
+            )
+        return self.render(
+            request,
+            "result.html",
+            section="jobs",
+            page_title="Done",
+            heading=f"{past.capitalize()} {_plural(len(acted))}",
+            summary=summary,
+            action=action,
+            past=past,
+            acted=acted,
+            skipped=skipped,
+            back=_back(request) or self.path(request, "jobs"),
+        )
+
+    async def queue_action(self, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+
+        def page() -> Response:
+            action = request.path_params["action"]
+            if action not in ("pause", "resume"):
+                raise PageError(404, "Not found", f"No queue action {action!r}.")
+            name = _one(form, "name") or ""
+            try:
+                with self.engine.begin() as conn:
+                    if action == "pause":
+                        admin.pause_queue(conn, self.jobs, name)
+                    else:
+                        admin.resume_queue(conn, self.jobs, name)
+            except ValueError as exc:
+                raise PageError(400, "Bad queue name", str(exc)) from None
+            url = self.path(request, "overview") + "?" + urlencode({"done": action, "name": name})
+            return RedirectResponse(url, status_code=303)
+
+        return await self._page(request, page)
+
+    async def run_schedule(self, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+
+        def page() -> Response:
+            name = _one(form, "name") or ""
+            if not isinstance(self.jobs, Jobs):
+                raise PageError(
+                    400, "Needs the registry", "Running a schedule needs the Jobs registry."
+                )
+            try:
+                with self.engine.begin() as conn:
+                    job_id = admin.run_schedule(conn, self.jobs, name)
+            except LookupError as exc:
+                raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
+            except ValueError as exc:  # EnqueueError included
+                raise PageError(400, "Cannot run it", str(exc)) from None
+            url = self.path(request, "schedules") + "?" + urlencode({"ran": job_id, "name": name})
+            return RedirectResponse(url, status_code=303)
+
+        return await self._page(request, page)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _queue_names(self) -> list[str]:
+        """Suggestions for the queue filter: the registry's queues (reading the table's
+        distinct queues would scan it)."""
+        if isinstance(self.jobs, Jobs):
+            return sorted({t.queue for t in self.jobs.tasks.values()} | {self.jobs.default_queue})
+        return []
+
+    def _jobs_url(self, request: Request, f: Filters) -> str:
+        query = urlencode([(k, v) for k, v in f.items() if v and k != "q"])
+        return self.path(request, "jobs") + (f"?{query}" if query else "")
+
+
+# -- small pieces ------------------------------------------------------------------------------
+
+_FUNCS: dict[str, Callable[..., int]] = {
+    "retry": admin.retry_jobs,
+    "cancel": admin.cancel_jobs,
+    "purge": admin.purge_jobs,
+}
+_VERBS = {
+    "retry": ("retry", "retried"),
+    "cancel": ("cancel", "cancelled"),
+    "purge": ("delete", "deleted"),
+}
+_EXPLAIN = {
+    "retry": "Each goes back to ready, due now, with one more attempt; idle workers are woken.",
+    "cancel": "Each is cancelled; a running one's worker is told to stop it (a handler is "
+    "not interrupted, it checks between steps).",
+    "purge": "Each is deleted for good.",
+}
+#: What a single job's Delete button applies to: anything but a running job.
+_PURGE_ONE = (*admin.PURGEABLE,)
+_NOTICES = {
+    "pause": "Paused queue {name}: workers stop claiming from it within a poll interval.",
+    "resume": "Resumed queue {name}.",
+}
+
+
+def _plural(n: int) -> str:
+    return f"{n:,} job" + ("" if n == 1 else "s")
+
+
+def _bulk_text(f: Filters) -> str:
+    parts = []
+    if f.queue:
+        parts.append(f"in queue {f.queue}")
+    if f.task:
+        parts.append(f"of task {f.task}")
+    return " ".join(parts)
+
+
+def _one(form: dict[str, list[str]], name: str) -> str | None:
+    values = form.get(name)
+    return values[0] if values else None
+
+
+def _int_param(value: str | None, name: str, *, required: bool = False) -> int | None:
+    if value is None or value == "":
+        if required:
+            raise PageError(400, "Bad request", f"{name} is missing")
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise PageError(
+            400, "Bad request", f"{name} must be a whole number, got {value!r}"
+        ) from None
+    if not 0 <= number <= 2**63 - 1:
+        raise PageError(400, "Bad request", f"{name} is out of range: {value!r}")
+    return number
+
+
+def _required_int(value: str | None, name: str) -> int:
+    number = _int_param(value, name, required=True)
+    assert number is not None
+    return number
+
+
+def _job_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise PageError(404, "Not found", f"{text!r} is not a job id.") from None
+    if not 1 <= value <= 2**63 - 1:
+        raise PageError(404, "Not found", f"{text!r} is not a job id.")
+    return value
+
+
+def _seen(value: str) -> admin.SeenJob:
+    parts = value.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise PageError(400, "Bad selection", f"not a job selection: {value!r}")
+    return admin.SeenJob(int(parts[0]), int(parts[1]), parts[2])
+
+
+def _valid_token(value: str | None) -> str | None:
+    if value and 20 <= len(value) <= 100 and value.replace("-", "").replace("_", "").isalnum():
+        return value
+    return None
+
+
+def _cookie_path(request: Request) -> str:
+    root = request.scope.get("root_path", "") or ""
+    return root.rstrip("/") + "/"
+
+
+def _same_origin(request: Request) -> bool:
+    """Browsers say where a request comes from; one from another site is refused (on top
+    of the CSRF token, which such a site cannot read)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("origin")
+    if origin and origin != "null":
+        host = request.headers.get("host", "")
+        return urlsplit(origin).netloc == host
+    return True
+
+
+def _back(request: Request) -> str | None:
+    """The page the form was on, if it is one of ours."""
+    referer = request.headers.get("referer")
+    if not referer:
+        return None
+    parts = urlsplit(referer)
+    if parts.netloc and parts.netloc != request.headers.get("host", ""):
+        return None
+    root = request.scope.get("root_path", "") or ""
+    if not parts.path.startswith(root + "/"):
+        return None
+    return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
+def _job_notice(params: Any) -> tuple[str | None, str]:
+    done = params.get("done")
+    if done in _VERBS:
+        messages = {
+            "retry": "Retried: the job is ready again, due now.",
+            "cancel": "Cancelled.",
+        }
+        return messages.get(done, f"{_VERBS[done][1].capitalize()}."), "ok"
+    skipped = params.get("skipped")
+    if skipped:
+        return f"Nothing was done: {skipped[:200]}.", "warn"
+    return None, "ok"
+
+
+def _thousands(value: Any) -> str:
+    return f"{int(value):,}" if value is not None else "-"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = abs(float(seconds))
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    total = int(seconds)
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h {total % 3600 // 60:02d}m"
+    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
+
+
+def _clock(value: datetime | None, *, seconds: bool = False, date: bool = False) -> str:
+    if value is None:
+        return "-"
+    value = value.astimezone(timezone.utc)
+    fmt = ("%Y-%m-%d " if date else "") + ("%H:%M:%S" if seconds else "%H:%M")
+    return value.strftime(fmt)
+
+
+def _ago(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    delta = (datetime.now(timezone.utc) - value).total_seconds()
+    if abs(delta) < 1:
+        return "just now"
+    return f"{_duration(delta)} ago" if delta > 0 else f"in {_duration(delta)}"
+
+
+def _when(job: admin.JobSummary) -> str:
+    status = job.status
+    if status == JobStatus.SCHEDULED:
+        return f"runs {_ago(job.run_at)}"
+    if status == JobStatus.READY:
+        return f"due {_ago(job.run_at)}"
+    if status == JobStatus.RUNNING:
+        return f"lease until {_clock(job.locked_until, seconds=True)}"
+    if job.finished_at is not None:
+        return f"finished {_ago(job.finished_at)}"
+    return f"created {_ago(job.created_at)}"
+
+
+def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
+    """One sentence: what happens to this job next, and when."""
+    status = job.status
+    attempt = f"attempt {job.attempts + 1} of {job.max_attempts}"
+    if status == JobStatus.SCHEDULED:
+        kind = "retry" if job.attempts else "first run"
+        when = _clock(job.run_at, seconds=True, date=True)
+        return (
+            f"Waits until {when} UTC ({_ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
+        )
+    if status == JobStatus.READY:
+        if paused:
+            return (
+                f"Ready since {_ago(job.run_at)}, but its queue {job.queue} is paused: no "
+                "worker claims it until the queue is resumed."
+            )
+        return (
+            f"Ready since {_ago(job.run_at)}: the next free worker of queue {job.queue} "
+            f"claims it ({attempt})."
+        )
+    if status == JobStatus.RUNNING:
+        if job.locked_until is not None and job.locked_until < now:
+            return (
+                f"Running on {job.locked_by}, but its lease expired "
+                f"{_ago(job.locked_until)}: the worker died or hangs, and the job will be "
+                "rescued (ready again, or dead if it has no attempt left)."
+            )
+        return (
+            f"Running on {job.locked_by} (attempt {job.attempts} of {job.max_attempts}); "
+            f"the lease runs until {_clock(job.locked_until, seconds=True)} UTC and is "
+            "renewed while the worker lives."
+        )
+    if status == JobStatus.DEAD:
+        tries = f"{job.attempts} attempt{'s' if job.attempts != 1 else ''}"
+        return f"Dead after {tries}: nothing happens until it is retried, or pruned by retention."
+    if status == JobStatus.CANCELLED:
+        return "Cancelled: nothing happens until it is retried, or pruned by retention."
+    return "Done: kept for the record until retention prunes it."
+
+
+def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
+    def t(value: datetime | None) -> str:
+        return f"{_clock(value, seconds=True, date=True)} UTC ({_ago(value)})" if value else "-"
+
+    return [
+        ("id", str(job.id)),
+        ("queue", job.queue),
+        ("task", job.task),
+        ("status", job.status),
+        ("priority", str(job.priority)),
+        ("attempts", f"{job.attempts} of {job.max_attempts}"),
+        ("run_at", t(job.run_at)),
+        ("created_at", t(job.created_at)),
+        ("finished_at", t(job.finished_at)),
+        ("locked_by", job.locked_by or "-"),
+        ("locked_until", t(job.locked_until)),
+        ("unique_key", job.unique_key or "-"),
+    ]
+
+
+class _SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every response of the wrapped app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + SECURITY_HEADERS
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def create_app(
+    jobs: Jobs | type[Any],
+    engine: sa.Engine | str,
+    *,
+    authorize: Authorize | None = None,
+    read_only: bool | None = None,
+    title: str = "sqla-jobs",
+    refresh: float = 5.0,
+) -> ASGIApp:
+    """The dashboard of one jobs table, as an ASGI application to mount anywhere.
+
+    :param jobs: the :class:`~sqla_jobs.Jobs` registry, or the bare ``JobMixin`` model
+        (then "Run now" on schedules is not offered: it needs the tasks).
+    :param engine: a SQLAlchemy ``Engine`` (or a database URL to make one from).
+    :param authorize: ``request -> bool``: whether a request may act (retry, cancel,
+        delete, pause, resume, run a schedule). Giving it turns actions on.
+    :param read_only: ``True`` (the default without ``authorize``) refuses every action;
+        ``False`` without ``authorize`` lets anyone who can reach the app act, and logs a
+        warning saying so.
+    :param title: the name in the page header.
+    :param refresh: seconds between the overview's live refreshes.
+    """
+    if read_only and authorize is not None:
+        raise ValueError("read_only=True and authorize= contradict each other: give one")
+    if authorize is not None and not callable(authorize):
+        raise TypeError(f"authorize must be a callable (request -> bool), got {authorize!r}")
+    if not refresh > 0:
+        raise ValueError(f"refresh must be > 0 seconds, got {refresh!r}")
+    admin.source_table(jobs)  # TypeError for anything but a registry or a model
+    if isinstance(engine, str):
+        from ..db import create_engine
+
+        engine = create_engine(engine)
+    if not isinstance(engine, sa.Engine):
+        raise TypeError(f"engine must be a SQLAlchemy Engine or a URL, got {engine!r}")
+    effective_read_only = read_only if read_only is not None else authorize is None
+    if not effective_read_only and authorize is None:
+        log.warning(
+            "sqla_jobs.web: actions are enabled for anyone who can reach this dashboard "
+            "(read_only=False without authorize=); put it behind your authentication"
+        )
+    dashboard = Dashboard(
+        jobs,
+        engine,
+        authorize=authorize,
+        read_only=effective_read_only,
+        title=title,
+        refresh=refresh,
+    )
+    return dashboard.app

@@ -1,0 +1,547 @@
+"""The dashboard (``sqla_jobs.web``) through Starlette's test client, on a real PostgreSQL:
+every page, every action, the guards (read-only, CSRF, authorize, what the operator saw),
+escaping, bad input, a database that is down, and mounting under a path."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+pytest.importorskip("starlette")
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+
+from sqla_jobs import Jobs, admin
+from sqla_jobs.model import companion_tables, job_table
+from sqla_jobs.periodic import add_schedule
+from sqla_jobs.web import create_app
+
+from . import app
+from .helpers import running, wait_for
+
+TABLE = job_table(app.Job)
+COMPANIONS = companion_tables(TABLE)
+
+
+def insert(engine: sa.Engine, **values: Any) -> int:
+    """One job row as it would be at some point of its life."""
+    row = {"task": "t.work", "queue": "a", "args": {}, "status": "ready"} | values
+    if row["status"] in ("done", "dead", "cancelled"):
+        row.setdefault("finished_at", datetime.now(timezone.utc))
+    with engine.begin() as conn:
+        return int(conn.execute(sa.insert(TABLE).values(**row).returning(TABLE.c.id)).scalar_one())
+
+
+def job(engine: sa.Engine, job_id: int) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(TABLE).where(TABLE.c.id == job_id)).first()
+
+
+@pytest.fixture
+def registry(jobs: Jobs) -> Jobs:
+    @jobs.task(queue="a", name="t.work")
+    def work(n: int = 0, note: str = "") -> None: ...
+
+    @jobs.task(queue="b", name="t.other")
+    def other() -> None: ...
+
+    return jobs
+
+
+@pytest.fixture
+def make_client(db: sa.Engine, registry: Jobs) -> Callable[..., TestClient]:
+    def make(**options: Any) -> TestClient:
+        return TestClient(create_app(registry, db, **options), follow_redirects=False)
+
+    return make
+
+
+@pytest.fixture
+def client(make_client: Callable[..., TestClient]) -> TestClient:
+    """A dashboard with actions enabled, and its CSRF cookie set by a first page."""
+    c = make_client(read_only=False)
+    assert c.get("/").status_code == 200
+    return c
+
+
+def token(client: TestClient) -> str:
+    value = client.cookies.get("sqla_jobs_csrf")
+    assert value
+    return value
+
+
+def post(client: TestClient, url: str, **form: Any) -> Any:
+    data = {"csrf_token": token(client), **form}
+    return client.post(url, data=data)
+
+
+# -- pages ----------------------------------------------------------------------------------
+
+
+def test_every_page_renders(client: TestClient, db: sa.Engine, registry: Jobs) -> None:
+    dead = insert(db, status="dead", attempts=5, last_error="Traceback...\nValueError: boom")
+    with db.begin() as conn:
+        add_schedule(conn, registry, "nightly", "t.other", "0 3 * * *")
+    pages = {
+        "/": "Overview",
+        "/jobs": f"/jobs/{dead}",
+        "/jobs?status=dead&queue=a&task=t.work": "ValueError: boom",
+        f"/jobs/{dead}": "What happens next",
+        "/schedules": "nightly",
+        "/workers": "No worker has reported",
+        "/static/htmx.min.js": "htmx",
+        "/static/dashboard.css": "--accent",
+    }
+    for url, expected in pages.items():
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert expected in response.text, url
+    page = client.get("/")
+    assert "content-security-policy" in page.headers
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+
+
+def test_overview_counts_queues_lag_pauses_and_outcomes(
+    client: TestClient, db: sa.Engine, registry: Jobs
+) -> None:
+    old = datetime.now(timezone.utc) - timedelta(minutes=3)
+    insert(db, queue="a", status="ready", run_at=old)
+    insert(db, queue="a", status="ready")
+    insert(db, queue="a", status="scheduled", run_at=old + timedelta(days=1))
+    insert(db, queue="b", status="dead")
+    insert(db, queue="b", status="running", locked_by="w1", locked_until=old)
+    insert(db, queue="b", status="done")
+    with db.begin() as conn:
+        admin.pause_queue(conn, registry, "c")
+        conn.execute(
+            sa.insert(COMPANIONS.throughput).values(
+                minute=sa.func.date_trunc("minute", sa.func.now()),
+                queue="a",
+                succeeded=40,
+                failed=3,
+                dead=1,
+            )
+        )
+    with db.connect() as conn:
+        found = {q.queue: q for q in admin.overview(conn, registry)}
+    assert set(found) == {"a", "b", "c"}
+    a, b, c = found["a"], found["b"], found["c"]
+    assert (a.ready, a.scheduled, a.running, a.dead, a.paused) == (2, 1, 0, 0, False)
+    assert a.lag_seconds is not None and 170 < a.lag_seconds < 400
+    assert (b.ready, b.running, b.expired, b.dead, b.lag_seconds) == (0, 1, 1, 1, None)
+    assert c.paused and c.paused_since is not None
+    page = client.get("/").text
+    assert "40 succeeded, 3 failed (1 dead)" in page
+    assert '<span class="badge paused">paused</span>' in page
+    # The live refresh asks for the fragment alone.
+    live = client.get("/", headers={"HX-Request": "true"})
+    assert live.status_code == 200
+    assert live.text.lstrip().startswith('<div id="live"')
+    assert "<html" not in live.text
+
+
+def test_the_job_list_filters_and_pages_by_keyset_newest_first(
+    client: TestClient, db: sa.Engine
+) -> None:
+    ids = [insert(db, queue="a" if i % 2 else "b", args={"n": i}) for i in range(130)]
+    first = client.get("/jobs?queue=a")
+    listed = [int(i) for i in re.findall(r'href="/jobs/(\d+)"', first.text)]
+    expected = [i for i in reversed(ids) if (i - ids[0]) % 2 == 1]
+    assert listed == expected[:50]
+    older = re.search(r'href="/jobs\?queue=a&amp;before=(\d+)"', first.text)
+    assert older and int(older.group(1)) == expected[49]
+    second = client.get(f"/jobs?queue=a&before={older.group(1)}")
+    assert [int(i) for i in re.findall(r'href="/jobs/(\d+)"', second.text)] == expected[50:65]
+    assert "before=" not in second.text.split('class="pager"')[1].split("Newest")[1]
+    # Past the end, and malformed filters, get clear pages with their status code.
+    past = client.get(f"/jobs?queue=a&before={min(ids)}")
+    assert past.status_code == 404 and "past the end" in past.text
+    for url, message in [
+        ("/jobs?before=abc", "before must be a whole number"),
+        ("/jobs?status=bogus", "unknown status &#39;bogus&#39;"),
+        ("/jobs?q=%7Bnope", "not a JSON object"),
+        ("/jobs/confirm?action=explode", "unknown action"),
+    ]:
+        response = client.get(url)
+        assert response.status_code == 400, url
+        assert message in response.text, url
+        assert "Traceback" not in response.text
+
+
+def test_search_by_id_by_arguments_and_by_text(
+    client: TestClient, db: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [insert(db, args={"user_id": i % 7, "note": f"order {i}"}) for i in range(40)]
+
+    def found(q: str) -> list[int]:
+        response = client.get("/jobs", params={"q": q})
+        assert response.status_code == 200, response.text
+        return [int(i) for i in re.findall(r'href="/jobs/(\d+)"', response.text)]
+
+    assert found(str(ids[5])) == [ids[5]]
+    assert found(f"#{ids[6]}") == [ids[6]]
+    with_user_3 = [j for k, j in enumerate(ids) if k % 7 == 3][::-1]
+    assert found("user_id=3") == with_user_3
+    assert found('{"user_id": 3}') == with_user_3
+    assert found("ORDER 12") == [ids[12]]
+    # A search looks at a window of jobs per page, then offers to go further back.
+    monkeypatch.setattr(admin, "SEARCH_WINDOW", 10)
+    page = client.get("/jobs", params={"q": "order 2"})  # orders 39 to 30: none match
+    assert re.findall(r'href="/jobs/(\d+)"', page.text) == []
+    assert f"down to #{ids[30]}" in page.text
+    further = re.search(r'href="(/jobs\?q=order\+2&amp;before=\d+)">Search older jobs', page.text)
+    assert further
+    older = client.get(further.group(1).replace("&amp;", "&")).text
+    assert [int(i) for i in re.findall(r'href="/jobs/(\d+)"', older)] == ids[20:30][::-1]
+
+
+def test_a_job_in_full_and_unknown_ids(client: TestClient, db: sa.Engine) -> None:
+    dead = insert(
+        db,
+        status="dead",
+        attempts=3,
+        max_attempts=3,
+        unique_key="k1",
+        last_error='Traceback (most recent call last):\n  File "x.py"\nKeyError: 7',
+    )
+    page = client.get(f"/jobs/{dead}").text
+    for text in ("Dead after 3 attempts", "KeyError: 7", "k1", "Retry now", "Delete"):
+        assert text in page
+    assert "Cancel</button>" not in page
+    running = insert(
+        db,
+        status="running",
+        attempts=1,
+        locked_by="host:1:abc",
+        locked_until=datetime.now(timezone.utc) + timedelta(seconds=30),
+    )
+    page = client.get(f"/jobs/{running}").text
+    assert "Running on host:1:abc" in page and "lease runs until" in page
+    for url in ("/jobs/987654321", "/jobs/not-a-number", "/jobs/0"):
+        response = client.get(url)
+        assert response.status_code == 404, url
+        assert "Traceback" not in response.text
+
+
+def test_html_in_arguments_and_errors_is_shown_as_text(client: TestClient, db: sa.Engine) -> None:
+    evil = "<script>alert('pwned')</script>"
+    job_id = insert(
+        db, status="dead", args={"name": evil, "<b>key</b>": 1}, last_error=f"Error: {evil}"
+    )
+    with db.begin() as conn:
+        conn.execute(sa.insert(COMPANIONS.queues).values(name="<img src=x onerror=alert(1)>"))
+    for url in (f"/jobs/{job_id}", "/jobs", "/jobs?status=dead", "/"):
+        text = client.get(url).text
+        assert "<script>alert" not in text, url
+        assert "<img src=x" not in text, url
+        assert "<b>key" not in text, url
+    assert "&lt;script&gt;alert(" in client.get(f"/jobs/{job_id}").text
+    assert "&lt;img src=x onerror=alert(1)&gt;" in client.get("/").text
+
+
+# -- guards ---------------------------------------------------------------------------------
+
+
+ACTIONS: list[tuple[str, Callable[[int], dict[str, Any]]]] = [
+    ("/jobs/{id}/retry", lambda i: {"attempts": 5, "status": "dead"}),
+    ("/jobs/{id}/cancel", lambda i: {"attempts": 5, "status": "dead"}),
+    ("/jobs/{id}/purge", lambda i: {"attempts": 5, "status": "dead"}),
+    ("/jobs/act", lambda i: {"action": "retry", "job": f"{i}:5:dead"}),
+    ("/jobs/act-all", lambda i: {"action": "purge", "status": "dead", "up_to_id": i, "count": 1}),
+    ("/queues/pause", lambda i: {"name": "a"}),
+    ("/queues/resume", lambda i: {"name": "a"}),
+    ("/schedules/run", lambda i: {"name": "nightly"}),
+]
+
+
+def _state(engine: sa.Engine) -> tuple[Any, ...]:
+    with engine.connect() as conn:
+        return (
+            tuple(conn.execute(sa.select(TABLE).order_by(TABLE.c.id))),
+            tuple(conn.execute(sa.select(COMPANIONS.queues))),
+        )
+
+
+def test_read_only_refuses_every_action(
+    make_client: Callable[..., TestClient], db: sa.Engine, registry: Jobs
+) -> None:
+    job_id = insert(db, status="dead", attempts=5)
+    with db.begin() as conn:
+        add_schedule(conn, registry, "nightly", "t.other", "0 3 * * *")
+    c = make_client()  # no options: read-only
+    page = c.get(f"/jobs/{job_id}").text
+    assert "read-only" in page and "Retry now" not in page
+    before = _state(db)
+    for url, form in ACTIONS:
+        response = post(c, url.format(id=job_id), **form(job_id))
+        assert response.status_code == 403, url
+        assert "read-only" in response.text, url
+    assert _state(db) == before
+
+
+def test_an_action_without_the_csrf_token_or_from_another_site_is_refused(
+    client: TestClient, db: sa.Engine
+) -> None:
+    job_id = insert(db, status="dead", attempts=5)
+    before = _state(db)
+    for url, form in ACTIONS:
+        url = url.format(id=job_id)
+        missing = client.post(url, data=form(job_id))
+        assert missing.status_code == 403 and "CSRF" in missing.text, url
+        wrong = client.post(url, data={**form(job_id), "csrf_token": "x" * 43})
+        assert wrong.status_code == 403, url
+        cross = client.post(
+            url,
+            data={**form(job_id), "csrf_token": token(client)},
+            headers={"Origin": "https://evil.example"},
+        )
+        assert cross.status_code == 403 and "Cross-site" in cross.text, url
+    assert _state(db) == before
+
+
+def test_authorize_decides_who_may_act(
+    make_client: Callable[..., TestClient], db: sa.Engine
+) -> None:
+    job_id = insert(db, status="dead", attempts=5)
+    c = make_client(authorize=lambda request: request.headers.get("x-role") == "admin")
+    assert "Retry now" not in c.get(f"/jobs/{job_id}").text
+    assert "Retry now" in c.get(f"/jobs/{job_id}", headers={"x-role": "admin"}).text
+    form = {"csrf_token": token(c), "attempts": 5, "status": "dead"}
+    assert c.post(f"/jobs/{job_id}/retry", data=form).status_code == 403
+    assert job(db, job_id).status == "dead"
+    ok = c.post(f"/jobs/{job_id}/retry", data=form, headers={"x-role": "admin"})
+    assert ok.status_code == 303
+    assert job(db, job_id).status == "ready"
+    with pytest.raises(ValueError, match="contradict"):
+        create_app(Jobs(app.Job), db, read_only=True, authorize=lambda r: True)
+
+
+# -- actions --------------------------------------------------------------------------------
+
+
+def test_retry_cancel_and_delete_one_job_as_it_was_seen(client: TestClient, db: sa.Engine) -> None:
+    dead = insert(db, status="dead", attempts=5, max_attempts=5)
+    done = client.post(
+        f"/jobs/{dead}/retry", data={"csrf_token": token(client), "attempts": 5, "status": "dead"}
+    )
+    assert done.status_code == 303
+    assert done.headers["location"] == f"/jobs/{dead}?done=retry"
+    row = job(db, dead)
+    assert (row.status, row.attempts, row.max_attempts) == ("ready", 5, 6)
+    assert "Retried: the job is ready again" in client.get(done.headers["location"]).text
+    # The same form again: the job moved on (it is ready now), so nothing is done.
+    again = post(client, f"/jobs/{dead}/retry", attempts=5, status="dead")
+    assert "skipped=it+changed" in again.headers["location"]
+    assert "Nothing was done: it changed: now ready" in client.get(again.headers["location"]).text
+
+    ready = insert(db, status="ready")
+    assert post(client, f"/jobs/{ready}/cancel", attempts=0, status="ready").status_code == 303
+    assert job(db, ready).status == "cancelled"
+    gone = post(client, f"/jobs/{ready}/purge", attempts=0, status="cancelled")
+    assert gone.status_code == 303 and gone.headers["location"] == f"/jobs?deleted={ready}"
+    assert job(db, ready) is None
+    # A running job is never deleted by the page, even when asked.
+    running = insert(db, status="running", attempts=1, locked_until=datetime.now(timezone.utc))
+    refused = post(client, f"/jobs/{running}/purge", attempts=1, status="running")
+    assert "purge+applies+to" in refused.headers["location"]
+    assert job(db, running).status == "running"
+
+
+def test_a_selection_is_acted_on_job_by_job_and_changed_jobs_are_left_alone(
+    client: TestClient, db: sa.Engine
+) -> None:
+    a, b, c = (insert(db, status="dead", attempts=2) for _ in range(3))
+    ready = insert(db, status="ready")
+    # Between the page and the click, another operator retried b and a worker took it.
+    with db.begin() as conn:
+        conn.execute(sa.update(TABLE).where(TABLE.c.id == b).values(status="running", attempts=3))
+    response = client.post(
+        "/jobs/act",
+        data={
+            "csrf_token": token(client),
+            "action": "retry",
+            "job": [
+                f"{a}:2:dead",
+                f"{b}:2:dead",
+                f"{c}:2:dead",
+                f"{ready}:0:ready",
+                "99999:1:dead",
+            ],
+        },
+    )
+    assert response.status_code == 200
+    text = response.text
+    assert "Retried 2 jobs" in text
+    assert f"#{b}</a></td><td>it changed: now running, attempt 3" in text
+    assert "retry applies to dead, cancelled jobs, not ready ones" in text
+    assert "it no longer exists" in text
+    assert [job(db, i).status for i in (a, b, c, ready)] == ["ready", "running", "ready", "ready"]
+
+
+def test_everything_matching_a_filter_with_a_count_and_a_confirmation(
+    client: TestClient, db: sa.Engine
+) -> None:
+    dead = [insert(db, queue="a", status="dead", attempts=1) for _ in range(5)]
+    insert(db, queue="b", status="dead")
+    page = client.get("/jobs?queue=a&status=dead").text
+    assert 'href="/jobs/confirm?action=retry&amp;queue=a&amp;status=dead"' in page
+    confirm = client.get("/jobs/confirm?action=retry&queue=a&status=dead")
+    assert confirm.status_code == 200
+    assert "Retry 5 jobs?" in confirm.text
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', confirm.text))
+    assert hidden["up_to_id"] == str(max(dead) + 1)  # the b job was the newest
+    # A job that dies after the count is not part of what was confirmed.
+    late = insert(db, queue="a", status="dead")
+    done = client.post("/jobs/act-all", data=hidden)
+    assert done.status_code == 200
+    assert "Retried 5 jobs." in done.text
+    assert [job(db, i).status for i in dead] == ["ready"] * 5
+    assert job(db, late).status == "dead"
+    # Deleting needs a status that purge applies to; the confirm page says what it refuses.
+    refused = client.get("/jobs/confirm?action=purge&status=running")
+    assert refused.status_code == 400 and "refusing to purge running jobs" in refused.text
+
+
+def test_pause_and_resume_a_queue(client: TestClient, db: sa.Engine, registry: Jobs) -> None:
+    paused = post(client, "/queues/pause", name="a")
+    assert paused.status_code == 303
+    assert "Paused queue a" in client.get(paused.headers["location"]).text
+    with db.connect() as conn:
+        assert admin.paused_queues(conn, registry) == {"a"}
+    assert ">Resume</button>" in client.get("/").text
+    assert post(client, "/queues/resume", name="a").status_code == 303
+    with db.connect() as conn:
+        assert admin.paused_queues(conn, registry) == set()
+    assert post(client, "/queues/pause", name="").status_code == 400
+    assert post(client, "/queues/explode", name="a").status_code == 404
+
+
+def test_run_a_schedule_now(client: TestClient, db: sa.Engine, registry: Jobs) -> None:
+    with db.begin() as conn:
+        add_schedule(conn, registry, "nightly", "t.work", "0 3 * * *", args={"n": 7})
+    response = post(client, "/schedules/run", name="nightly")
+    assert response.status_code == 303
+    job_id = int(re.search(r"ran=(\d+)", response.headers["location"]).group(1))  # type: ignore[union-attr]
+    row = job(db, job_id)
+    assert (row.task, row.queue, row.args, row.status) == ("t.work", "a", {"n": 7}, "ready")
+    assert f"Enqueued job #{job_id}" in client.get(response.headers["location"]).text
+    missing = post(client, "/schedules/run", name="nope")
+    assert missing.status_code == 404 and "no schedule named" in missing.text
+
+
+def test_the_workers_page_shows_live_workers_and_their_running_jobs(
+    client: TestClient, db: sa.Engine, registry: Jobs, Session: Any
+) -> None:
+    import threading
+
+    from sqla_jobs import Worker
+
+    release = threading.Event()
+
+    @registry.task(queue="w", name="t.hold")
+    def hold() -> None:
+        release.wait(20)
+
+    worker = Worker(registry, db, queues=["w"], concurrency=2, presence_interval=0.05)
+    try:
+        with running(worker):
+            with Session.begin() as session:
+                session.enqueue(hold)
+            wait_for(lambda: "1 / 2" in client.get("/workers").text)
+            page = client.get("/workers").text
+            assert worker.name in page and '<span class="badge alive">alive</span>' in page
+            assert "t.hold" in page
+            release.set()
+    finally:
+        release.set()
+    assert worker.name not in client.get("/workers").text
+
+
+# -- failures and mounting ------------------------------------------------------------------
+
+
+def test_a_database_that_is_down_gives_a_clear_page(registry: Jobs) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/x")
+    c = TestClient(create_app(registry, down))
+    for url in ("/", "/jobs", "/jobs/1", "/workers", "/schedules"):
+        response = c.get(url)
+        assert response.status_code == 503, url
+        assert "The database cannot be reached" in response.text
+        assert "Traceback" not in response.text
+
+
+def test_mounted_under_a_path_of_a_starlette_app(db: sa.Engine, registry: Jobs) -> None:
+    host = Starlette(routes=[Mount("/admin/queue", create_app(registry, db, read_only=False))])
+    c = TestClient(host, follow_redirects=False)
+    job_id = insert(db, status="dead", attempts=1)
+    page = c.get("/admin/queue/jobs")
+    assert page.status_code == 200
+    assert f'href="/admin/queue/jobs/{job_id}"' in page.text
+    assert 'src="/admin/queue/static/htmx.min.js"' in page.text
+    assert "Path=/admin/queue/" in page.headers["set-cookie"]
+    response = c.post(
+        f"/admin/queue/jobs/{job_id}/retry",
+        data={"csrf_token": c.cookies["sqla_jobs_csrf"], "attempts": 1, "status": "dead"},
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == f"/admin/queue/jobs/{job_id}?done=retry"
+    assert c.get("/admin/queue/static/htmx.min.js").status_code == 200
+
+
+def test_mounted_in_flask_through_a2wsgi(db: sa.Engine, registry: Jobs) -> None:
+    flask = pytest.importorskip("flask")
+    a2wsgi = pytest.importorskip("a2wsgi")
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    web = flask.Flask("shop")
+    web.wsgi_app = DispatcherMiddleware(  # type: ignore[method-assign]
+        web.wsgi_app, {"/queue": a2wsgi.ASGIMiddleware(create_app(registry, db))}
+    )
+    job_id = insert(db, status="dead", attempts=1)
+    response = web.test_client().get("/queue/jobs")
+    assert response.status_code == 200
+    assert f'href="/queue/jobs/{job_id}"'.encode() in response.data
+
+
+def test_sqla_jobs_web_serves_the_dashboard_on_127_0_0_1(db: sa.Engine) -> None:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobs.cli", "web", "tests.app:jobs", "--port", str(port)],
+        env={**os.environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/jobs", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(proc.stderr.read() if proc.stderr else "") from None
+                time.sleep(0.1)
+        assert response.status_code == 200
+        assert "read-only" in response.text
+    finally:
+        proc.terminate()
+        proc.wait(10)
