@@ -18,7 +18,7 @@ import hashlib
 import inspect
 import json
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import (
@@ -29,6 +29,7 @@ from typing import (
     Literal,
     ParamSpec,
     Protocol,
+    TypedDict,
     TypeVar,
     overload,
 )
@@ -49,8 +50,9 @@ from .limits import (
 from .model import JobStatus, job_table
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session
+    from typing_extensions import Unpack
 
     from .queries import Queries
 
@@ -426,6 +428,17 @@ def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+class _ManyOptions(TypedDict, total=False):
+    """The options of ``enqueue_many`` (one set for every row)."""
+
+    queue: str
+    priority: int
+    run_at: datetime
+    delay: float | timedelta
+    max_attempts: int
+    unique: bool
+
+
 class _TransactionalDecorator(Protocol):
     """What ``@jobs.task(transactional=True)`` returns, for a type checker."""
 
@@ -658,6 +671,145 @@ class Jobs:
             return t
 
         return register(fn) if fn is not None else register
+
+    # -- enqueue on a Core connection (see sqla_jobs.connection) --------------------------
+
+    @overload
+    def enqueue(
+        self,
+        connection: sa.Connection,
+        task: Task[P, Any] | ConfiguredTask[P, Any],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> int: ...
+
+    @overload
+    def enqueue(
+        self,
+        connection: AsyncConnection,
+        task: Task[P, Any] | ConfiguredTask[P, Any],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue(
+        self, connection: sa.Connection, task: str, /, *args: Any, **kwargs: Any
+    ) -> int: ...
+
+    @overload
+    def enqueue(
+        self, connection: AsyncConnection, task: str, /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, int]: ...
+
+    def enqueue(
+        self,
+        connection: sa.Connection | AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> int | Coroutine[Any, Any, int]:
+        """INSERT one job now, on a Core ``Connection`` (or, awaited, an
+        ``AsyncConnection``), in its transaction; return the job's id.
+
+        For code without an ORM session (scripts, services, pipelines): the job is
+        checked as ``session.enqueue`` checks it, and written at once with one prepared
+        statement. It commits or rolls back with the connection's transaction; on a
+        connection in autocommit it is committed by this one round trip. Nothing is
+        committed for you. Options are bound with ``task.with_options(...)`` (or given
+        as keywords, unchecked by a type checker, as for ``session.enqueue``). A unique job
+        whose key a live job holds is not inserted: that job's id is returned.
+        """
+        from . import connection as core
+
+        if isinstance(connection, sa.Connection):
+            return core.enqueue(connection, self, task, args, kwargs)
+        return core.enqueue_async(connection, self, task, args, kwargs)
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: T,
+        arguments: Iterable[TaskArgs[T]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: ConfiguredTask[P, R],
+        arguments: Iterable[TaskArgs[Task[P, R]]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[Mapping[str, Any]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: T,
+        arguments: Iterable[TaskArgs[T]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: ConfiguredTask[P, R],
+        arguments: Iterable[TaskArgs[Task[P, R]]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[Mapping[str, Any]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    def enqueue_many(
+        self,
+        connection: sa.Connection | AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+        /,
+        **options: Any,
+    ) -> int | Coroutine[Any, Any, int]:
+        """INSERT many jobs of one task now, in one statement, on a Core ``Connection`` (or,
+        awaited, an ``AsyncConnection``); return how many were inserted.
+
+        The rows are ``task.args(...)`` or mappings of keyword arguments, and the options
+        those of ``session.enqueue_many``. Every row is checked before any is written;
+        with ``unique=True``, rows whose key a live job holds are skipped (and not
+        counted).
+        """
+        from . import connection as core
+
+        if isinstance(connection, sa.Connection):
+            return core.enqueue_many(connection, self, task, arguments, options)
+        return core.enqueue_many_async(connection, self, task, arguments, options)
 
     def periodic(
         self,

@@ -6,7 +6,8 @@ both mypy and pyright.
 
 from __future__ import annotations
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Session
 from typing_extensions import assert_type
 
@@ -100,3 +101,23 @@ async def right_async(s: AsyncJobSession) -> None:
 async def wrong_async(s: AsyncJobSession) -> None:
     s.enqueue(send, 1)  # E: call-overload
     await s.enqueue_unique(send, too="a")  # E: call-overload
+
+
+def right_core(conn: Connection) -> None:
+    assert_type(jobs.enqueue(conn, send, "a@example.com", cc=["b@example.com"]), int)
+    jobs.enqueue(conn, send.with_options(delay=5), to="a@example.com")
+    jobs.enqueue(conn, "any.task.name", whatever=1)
+    assert_type(jobs.enqueue_many(conn, send, [send.args("a@example.com")], queue="q"), int)
+    jobs.enqueue_many(conn, send, [{"to": "b@example.com"}])
+
+
+async def right_core_async(conn: AsyncConnection) -> None:
+    assert_type(await jobs.enqueue(conn, bare, 1), int)
+    assert_type(await jobs.enqueue_many(conn, bare, [bare.args(user_id=2)]), int)
+
+
+def wrong_core(conn: Connection) -> None:
+    jobs.enqueue(conn, send, to=1)  # E: call-overload
+    jobs.enqueue(conn, bare, user=1)  # E: call-overload
+    jobs.enqueue_many(conn, send, [bare.args(user_id=1)])  # E: misc
+    jobs.enqueue_many(conn, send, [{"to": "x"}], queu="q")  # E: call-overload
