@@ -151,15 +151,24 @@ CLAIMED_COLUMNS = (
 )
 
 
-def _claim(t: sa.Table) -> sa.Update:
+def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
     c = t.c
+    where = [
+        c.status == status_literal(JobStatus.READY),
+        c.queue == sa.bindparam("queue_name"),
+        c.run_at <= sa.func.now(),
+    ]
+    if for_session:
+        # session.claim: a caller's own loop honours a paused queue too. The sub-select is
+        # uncorrelated, so it runs once per claim (an InitPlan), not once per row.
+        queues = companion_tables(t)[0]
+        paused = sa.select(queues.c.name).where(
+            queues.c.name == sa.bindparam("queue_name"), queues.c.paused
+        )
+        where.append(~paused.exists())
     nxt = (
         sa.select(c.id)
-        .where(
-            c.status == status_literal(JobStatus.READY),
-            c.queue == sa.bindparam("queue_name"),
-            c.run_at <= sa.func.now(),
-        )
+        .where(*where)
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True, key_share=True)
@@ -174,7 +183,9 @@ def _claim(t: sa.Table) -> sa.Update:
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
-        .returning(*(c[name] for name in CLAIMED_COLUMNS))
+        # The worker reads what it runs a job with; a session gets whole rows, to make
+        # ORM objects of them.
+        .returning(*(t.c if for_session else (c[name] for name in CLAIMED_COLUMNS)))
     )
 
 
@@ -230,12 +241,12 @@ def _fail(t: sa.Table) -> sa.Update:
 class FailParams(TypedDict):
     job_id: int
     attempt: int
-    error: str
+    error: str | None
     delay: timedelta
     permanent: bool
 
 
-def fail_params(claim: Claim, error: str, delay: float, *, permanent: bool) -> FailParams:
+def fail_params(claim: Claim, error: str | None, delay: float, *, permanent: bool) -> FailParams:
     return {
         "job_id": claim.id,
         "attempt": claim.attempts,
@@ -643,6 +654,7 @@ class Queries:
         self.queues_table, self.schedules_table = queues, schedules = companion_tables(t)
 
         self.claim = _claim(t)
+        self.session_claim = _claim(t, for_session=True)
         self.complete = _complete(t, keep_done=keep_done)
         self.fail = _fail(t)
         self.snooze = _snooze(t)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
 from .queries import insert_rows
 from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, merge_options
@@ -295,8 +296,10 @@ def many_values(
     return registry, rows
 
 
-class JobSession(EnqueueMixin, Session):
-    """A ``Session`` with ``enqueue``; ``sessionmaker(engine, class_=JobSession, jobs=jobs)``."""
+class JobSession(EnqueueMixin, ClaimMixin, Session):
+    """A ``Session`` with ``enqueue`` and the claim helpers (``claim``, ``complete``,
+    ``fail``, ``retry``, ``snooze``); ``sessionmaker(engine, class_=JobSession,
+    jobs=jobs)``."""
 
 
 try:
@@ -305,9 +308,9 @@ except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jo
     pass
 else:
 
-    class AsyncJobSession(EnqueueMixin, AsyncSession):
-        """An ``AsyncSession`` with ``enqueue``; ``async_sessionmaker(...,
-        class_=AsyncJobSession, jobs=jobs)``.
+    class AsyncJobSession(EnqueueMixin, AsyncClaimMixin, AsyncSession):
+        """An ``AsyncSession`` with ``enqueue`` and the claim helpers, awaited;
+        ``async_sessionmaker(..., class_=AsyncJobSession, jobs=jobs)``.
 
         ``enqueue`` and ``enqueue_many`` are plain methods, not coroutines: they only add to
         the unit of work, and the INSERT happens at the (awaited) flush or commit. A unique
