@@ -110,6 +110,25 @@ async def enqueue_many_async(
     return await connection.run_sync(enqueue_many, jobs, task, arguments, given)
 
 
+def async_connection(connection: object) -> AsyncConnection:
+    """``connection`` if it is an ``AsyncConnection``; a clear error for anything else (a
+    Session, an Engine), rather than a coroutine that would never run."""
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+
+    if isinstance(connection, AsyncConnection):
+        return connection
+    hint = ""
+    if isinstance(connection, (Session, AsyncSession)):
+        hint = "; with a session, use session.enqueue"
+    elif isinstance(connection, sa.Engine):
+        hint = "; with an engine, use `with engine.begin() as conn:`"
+    raise TypeError(
+        "jobs.enqueue takes a Connection or an AsyncConnection, got "
+        f"{type(connection).__name__}{hint}"
+    )
+
+
 #: The option names ``Jobs.enqueue`` takes as keywords besides ``with_options``.
 _OPTIONS = ("queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key")
 

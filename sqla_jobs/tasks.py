@@ -727,7 +727,7 @@ class Jobs:
 
         if isinstance(connection, sa.Connection):
             return core.enqueue(connection, self, task, args, kwargs)
-        return core.enqueue_async(connection, self, task, args, kwargs)
+        return core.enqueue_async(core.async_connection(connection), self, task, args, kwargs)
 
     @overload
     def enqueue_many(
@@ -809,7 +809,9 @@ class Jobs:
 
         if isinstance(connection, sa.Connection):
             return core.enqueue_many(connection, self, task, arguments, options)
-        return core.enqueue_many_async(connection, self, task, arguments, options)
+        return core.enqueue_many_async(
+            core.async_connection(connection), self, task, arguments, options
+        )
 
     def periodic(
         self,

@@ -176,3 +176,13 @@ def test_async_connection(db: sa.Engine, database_url: str, jobs: Jobs, send: An
     assert n == 1
     assert (rows(db)[0].id, rows(db)[0].args["to"]) == (job_id, "async@example.com")
     assert sorted(r.args["to"] for r in rows(db)) == ["async@example.com", "bulk@example.com"]
+
+
+def test_a_session_or_an_engine_is_refused(
+    Session: Any, db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    with Session() as session, pytest.raises(TypeError, match=r"use session\.enqueue"):
+        jobs.enqueue(session, send, "a@example.com")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"engine\.begin"):
+        jobs.enqueue_many(db, send, [{"to": "a@example.com"}])  # type: ignore[call-overload]
+    assert count(db) == 0
