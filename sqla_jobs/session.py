@@ -330,8 +330,8 @@ else:
         def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
 
         def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-            options = task.options if isinstance(task, ConfiguredTask) else kwargs
-            if options.get("unique") or options.get("unique_key") is not None:
+            bound = task.options if isinstance(task, ConfiguredTask) else {}
+            if any(o.get("unique") or o.get("unique_key") is not None for o in (bound, kwargs)):
                 raise EnqueueError(
                     "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
                     "on an AsyncSession"
