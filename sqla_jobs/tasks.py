@@ -318,11 +318,13 @@ class ConfiguredTask(Generic[P, R]):
         for key, value in given.items():
             if value is not None:
                 merged[key] = value
-        if "run_at" in merged and "delay" in merged:
-            if run_at is not None:
-                del merged["delay"]
-            elif delay is not None:
-                del merged["run_at"]
+        if run_at is not None and delay is not None:
+            raise EnqueueError("give run_at or delay, not both")
+        # One replaces the other when given in a later call.
+        if run_at is not None:
+            merged.pop("delay", None)
+        elif delay is not None:
+            merged.pop("run_at", None)
         check_options(merged)
         return ConfiguredTask(self.task, merged)
 

@@ -76,6 +76,7 @@ def test_with_options_chains_and_a_later_option_wins(send: Any) -> None:
         ({"run_at": datetime(2030, 1, 1)}, "timezone-aware"),
         ({"unique_key": ""}, "unique_key must be a non-empty string"),
         ({"unique_key": "k" * 2000}, "unique_key"),
+        ({"delay": 5, "run_at": datetime(2030, 1, 1, tzinfo=timezone.utc)}, "not both"),
     ],
 )
 def test_with_options_checks_options_at_once(send: Any, options: Any, message: str) -> None:
