@@ -20,13 +20,14 @@ from .errors import (
 )
 from .model import STATUSES, JobMixin, JobStatus
 from .session import EnqueueMixin, JobSession
-from .tasks import Backoff, Jobs, Task
+from .tasks import Backoff, ConfiguredTask, Jobs, Task, TaskArgs, TransactionalTask
 from .worker import ClaimedJob, Worker, WorkerSettings, current_job
 
 __all__ = [
     "STATUSES",
     "Backoff",
     "ClaimedJob",
+    "ConfiguredTask",
     "EnqueueError",
     "EnqueueMixin",
     "JobMixin",
@@ -37,6 +38,8 @@ __all__ = [
     "PermanentError",
     "Snooze",
     "Task",
+    "TaskArgs",
+    "TransactionalTask",
     "UnknownTaskError",
     "Worker",
     "WorkerError",

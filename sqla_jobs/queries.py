@@ -38,6 +38,7 @@ __all__ = [
     "claim_params",
     "insert_rows",
     "interval",
+    "job_params",
     "status_literal",
 ]
 
@@ -150,15 +151,24 @@ CLAIMED_COLUMNS = (
 )
 
 
-def _claim(t: sa.Table) -> sa.Update:
+def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
     c = t.c
+    where = [
+        c.status == status_literal(JobStatus.READY),
+        c.queue == sa.bindparam("queue_name"),
+        c.run_at <= sa.func.now(),
+    ]
+    if for_session:
+        # session.claim: a caller's own loop honours a paused queue too. The sub-select is
+        # uncorrelated, so it runs once per claim (an InitPlan), not once per row.
+        queues = companion_tables(t)[0]
+        paused = sa.select(queues.c.name).where(
+            queues.c.name == sa.bindparam("queue_name"), queues.c.paused
+        )
+        where.append(~paused.exists())
     nxt = (
         sa.select(c.id)
-        .where(
-            c.status == status_literal(JobStatus.READY),
-            c.queue == sa.bindparam("queue_name"),
-            c.run_at <= sa.func.now(),
-        )
+        .where(*where)
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True, key_share=True)
@@ -173,7 +183,9 @@ def _claim(t: sa.Table) -> sa.Update:
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
-        .returning(*(c[name] for name in CLAIMED_COLUMNS))
+        # The worker reads what it runs a job with; a session gets whole rows, to make
+        # ORM objects of them.
+        .returning(*(t.c if for_session else (c[name] for name in CLAIMED_COLUMNS)))
     )
 
 
@@ -229,12 +241,12 @@ def _fail(t: sa.Table) -> sa.Update:
 class FailParams(TypedDict):
     job_id: int
     attempt: int
-    error: str
+    error: str | None
     delay: timedelta
     permanent: bool
 
 
-def fail_params(claim: Claim, error: str, delay: float, *, permanent: bool) -> FailParams:
+def fail_params(claim: Claim, error: str | None, delay: float, *, permanent: bool) -> FailParams:
     return {
         "job_id": claim.id,
         "attempt": claim.attempts,
@@ -459,7 +471,56 @@ def _bulk_insert(t: sa.Table) -> sa.Insert:
             ),
         )
         .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+        # The inserted count (unique rows skipped) is what jobs.enqueue_many returns;
+        # SQLAlchemy keeps an INSERT's rowcount only when asked.
+        .execution_options(preserve_rowcount=True)
     )
+
+
+# Enqueue one job on a Core connection (``jobs.enqueue``): one statement whatever the
+# options, so psycopg prepares it once; the arguments come as JSON text (the encoding
+# that checked them) and run_at defaults to now(). The unique variant skips a key held
+# by a live job (<table>_unique) and returns no row then.
+def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
+    p = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
+    stmt = pg_insert(t).values(
+        task=p["task"],
+        queue=p["queue"],
+        args=sa.cast(p["args"], JSONB),
+        priority=p["priority"],
+        max_attempts=p["max_attempts"],
+        status=p["status"],
+        run_at=sa.func.coalesce(p["run_at"], sa.func.now()),
+        unique_key=p["unique_key"],
+    )
+    if unique:
+        stmt = stmt.on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+    return stmt.returning(t.c.id)
+
+
+class JobParams(TypedDict):
+    task: str
+    queue: str
+    args: str
+    priority: int
+    max_attempts: int
+    status: str
+    run_at: Any
+    unique_key: str | None
+
+
+def job_params(values: dict[str, Any]) -> JobParams:
+    """Parameters of ``insert_job`` from checked values (:meth:`Jobs.job_values`)."""
+    return {
+        "task": values["task"],
+        "queue": values["queue"],
+        "args": _dumps(values["args"]),
+        "priority": values["priority"],
+        "max_attempts": values["max_attempts"],
+        "status": values["status"],
+        "run_at": values.get("run_at"),
+        "unique_key": values.get("unique_key"),
+    }
 
 
 # Unique enqueue: one live job per key, enforced by <table>_unique. DO NOTHING returns no
@@ -498,17 +559,20 @@ def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -> None:
+def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -> int:
     """INSERT checked job rows (from :meth:`Jobs.job_values <sqla_jobs.Jobs.job_values>`),
     one statement per run of rows that share task, queue and options: one statement for an
-    ``enqueue_many`` call, whatever its size."""
+    ``enqueue_many`` call, whatever its size. Returns how many rows were inserted (rows
+    whose unique key a live job holds are not)."""
     statement = queries.bulk_insert
+    inserted = 0
     for shared, run in itertools.groupby(rows, key=_shared_values):
         same = list(run)
         params = dict(zip(_SHARED, shared, strict=True))
         params["args"] = [_dumps(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
-        connection.execute(statement, params)
+        inserted += connection.execute(statement, params).rowcount
+    return inserted
 
 
 # -- schedules (<table>_schedules) -------------------------------------------------------
@@ -708,6 +772,7 @@ class Queries:
         self.throughput_table = throughput = companions.throughput
 
         self.claim = _claim(t)
+        self.session_claim = _claim(t, for_session=True)
         self.complete = _complete(t, keep_done=keep_done)
         self.fail = _fail(t)
         self.snooze = _snooze(t)
@@ -724,6 +789,8 @@ class Queries:
         self.paused = sa.select(queues.c.name).where(queues.c.paused)
 
         self.bulk_insert = _bulk_insert(t)
+        self.insert_job = _insert_job(t, unique=False)
+        self.insert_job_unique = _insert_job(t, unique=True)
         self.insert_unique = _insert_unique(t)
         self.live_by_key = _live_by_key(t)
 

@@ -37,16 +37,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
 from .queries import insert_rows
-from .tasks import Jobs, Task, _utcnow
+from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, merge_options
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T", bound=Task[Any, Any])
 
 _JOBS_KEY = "sqla_jobs.jobs"
 _PENDING_KEY = "sqla_jobs.pending"
@@ -72,24 +77,46 @@ class EnqueueMixin:
         if jobs is not None:
             self.info[_JOBS_KEY] = jobs
 
+    # A type checker holds ``enqueue(task, ...)`` to the handler's signature: everything
+    # after the task goes to the handler (P), so options are bound first, with
+    # ``task.with_options(...)``. The keyword options of the implementation keep older
+    # calls working at run time, unchecked; a task name (a string) is never checked.
+
+    @overload
+    def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+    @overload
+    def enqueue(
+        self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Any: ...
+
+    @overload
+    def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+
     def enqueue(
         self,
-        task: Task[Any, Any] | str,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         /,
         *args: Any,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
-        unique_key: str | None = None,
+        # Typed Any: to a type checker, these names could be the handler's arguments.
+        queue: Any = None,
+        priority: Any = None,
+        run_at: Any = None,
+        delay: Any = None,
+        max_attempts: Any = None,
+        unique: Any = False,
+        unique_key: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
 
-        :param task: a task, or the name of one registered with this session's ``jobs``.
+        :param task: a task, a task with options (``task.with_options(queue=...)``), or
+            the name of a task registered with this session's ``jobs``.
         :param args, kwargs: the handler's arguments; checked now, stored as JSON.
+
+        The options, best bound with :meth:`Task.with_options` (also accepted here as
+        keywords, which a type checker cannot tell from the handler's arguments):
+
         :param queue: overrides the task's queue.
         :param priority: ``>= 0``; higher is claimed first. Overrides the task's.
         :param run_at: not before this (timezone-aware) time. Or ``delay``: seconds or a
@@ -102,19 +129,35 @@ class EnqueueMixin:
             job, or the live one that already holds the key, is returned.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
-        registry = _registry(self, task)
-        values = registry.job_values(
-            task,
-            args,
-            kwargs,
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-            unique=unique,
-            unique_key=unique_key,
-        )
+        if isinstance(task, ConfiguredTask):
+            plain, options = merge_options(
+                task,
+                {
+                    "queue": queue,
+                    "priority": priority,
+                    "run_at": run_at,
+                    "delay": delay,
+                    "max_attempts": max_attempts,
+                    "unique": unique,
+                    "unique_key": unique_key,
+                },
+            )
+            registry = plain.registry
+            values = registry.job_values(plain, args, kwargs, **options)
+        else:
+            registry = _registry(self, task)
+            values = registry.job_values(
+                task,
+                args,
+                kwargs,
+                queue=queue,
+                priority=priority,
+                run_at=run_at,
+                delay=delay,
+                max_attempts=max_attempts,
+                unique=unique,
+                unique_key=unique_key,
+            )
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
@@ -127,9 +170,44 @@ class EnqueueMixin:
             _announce(session, registry, [job], boundary)
         return job
 
+    # enqueue_many's rows can be type-checked only as ``task.args(...)`` objects, which
+    # carry the handler's parameters (P); a mapping of keyword arguments cannot (a
+    # TypedDict cannot be built from a ParamSpec), so mappings are checked at run time.
+
+    @overload
     def enqueue_many(
         self,
-        task: Task[Any, Any] | str,
+        task: T,
+        arguments: Iterable[TaskArgs[T]],
+        /,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool = False,
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        task: ConfiguredTask[P, R],
+        arguments: Iterable[TaskArgs[Task[P, R]]],
+        /,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool = False,
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[Mapping[str, Any]],
         /,
         *,
@@ -139,35 +217,43 @@ class EnqueueMixin:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique: bool = False,
-    ) -> int:
-        """Add many jobs of one task, one per mapping of keyword arguments; return how many.
+    ) -> int: ...
 
-        Every job is checked before any is kept: one bad item raises :class:`EnqueueError`
-        and none of the batch is added. The rows go to the database in one statement at the
-        session's next flush, when a savepoint begins, or at the release or commit of the
-        transaction they were enqueued in, whose fate they share. With ``unique=True`` each
-        job gets a key derived from its task and arguments, and one equal to a live job is
-        silently skipped.
+    def enqueue_many(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+        /,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool = False,
+    ) -> int:
+        """Add many jobs of one task, one per item of ``arguments``; return how many.
+
+        An item is a mapping of keyword arguments (checked at run time only), or
+        ``task.args(...)`` (also checked by a type checker). Every job is checked before
+        any is kept: one bad item raises :class:`EnqueueError` and none of the batch is
+        added. The rows go to the database in one statement at the session's next flush,
+        when a savepoint begins, or at the release or commit of the transaction they were
+        enqueued in, whose fate they share. With ``unique=True`` each job gets a key
+        derived from its task and arguments, and one equal to a live job is silently
+        skipped.
         """
-        registry = _registry(self, task)
-        # One clock reading for the whole batch: with a delay, every row gets the same
-        # run_at, so the batch stays one run of the bulk INSERT.
-        now = _utcnow() if delay is not None else None
-        rows = [
-            registry.job_values(
-                task,
-                (),
-                kwargs,
-                queue=queue,
-                priority=priority,
-                run_at=run_at,
-                delay=delay,
-                max_attempts=max_attempts,
-                unique=unique,
-                now=now,
-            )
-            for kwargs in arguments
-        ]
+        registry, rows = many_values(
+            task,
+            arguments,
+            self,
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+            unique=unique,
+        )
         if rows:
             session = _sync(self)
             boundary = _boundary(session)
@@ -177,8 +263,43 @@ class EnqueueMixin:
         return len(rows)
 
 
-class JobSession(EnqueueMixin, Session):
-    """A ``Session`` with ``enqueue``; ``sessionmaker(engine, class_=JobSession, jobs=jobs)``."""
+def many_values(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    session: Any,
+    **given: Any,
+) -> tuple[Jobs, list[dict[str, Any]]]:
+    """The registry and the checked rows of an ``enqueue_many`` call (all or none).
+
+    ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
+    plain: Task[Any, Any] | str
+    if isinstance(task, ConfiguredTask):
+        plain, options = merge_options(task, given)
+        if "unique_key" in options:
+            raise EnqueueError(
+                "enqueue_many cannot give every job the same unique_key: use unique=True"
+            )
+        registry = plain.registry
+    else:
+        plain, options = task, {k: v for k, v in given.items() if v is not None}
+        registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    # One clock reading for the whole batch: with a delay, every row gets the same
+    # run_at, so the batch stays one run of the bulk INSERT.
+    now = _utcnow() if options.get("delay") is not None else None
+    job_values = registry.job_values
+    rows = []
+    for item in arguments:
+        if isinstance(item, TaskArgs):
+            rows.append(job_values(plain, item.args, item.kwargs, now=now, **options))
+        else:
+            rows.append(job_values(plain, (), item, now=now, **options))
+    return registry, rows
+
+
+class JobSession(EnqueueMixin, ClaimMixin, Session):
+    """A ``Session`` with ``enqueue`` and the claim helpers (``claim``, ``complete``,
+    ``fail``, ``retry``, ``snooze``); ``sessionmaker(engine, class_=JobSession,
+    jobs=jobs)``."""
 
 
 try:
@@ -187,9 +308,9 @@ except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jo
     pass
 else:
 
-    class AsyncJobSession(EnqueueMixin, AsyncSession):
-        """An ``AsyncSession`` with ``enqueue``; ``async_sessionmaker(...,
-        class_=AsyncJobSession, jobs=jobs)``.
+    class AsyncJobSession(EnqueueMixin, AsyncClaimMixin, AsyncSession):
+        """An ``AsyncSession`` with ``enqueue`` and the claim helpers, awaited;
+        ``async_sessionmaker(..., class_=AsyncJobSession, jobs=jobs)``.
 
         ``enqueue`` and ``enqueue_many`` are plain methods, not coroutines: they only add to
         the unit of work, and the INSERT happens at the (awaited) flush or commit. A unique
@@ -197,17 +318,46 @@ else:
         awaiting: use :meth:`enqueue_unique` for those.
         """
 
+        @overload
+        def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+        @overload
+        def enqueue(
+            self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
+        ) -> Any: ...
+
+        @overload
+        def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+
         def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("unique") or kwargs.get("unique_key") is not None:
+            bound = task.options if isinstance(task, ConfiguredTask) else {}
+            if any(o.get("unique") or o.get("unique_key") is not None for o in (bound, kwargs)):
                 raise EnqueueError(
                     "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
                     "on an AsyncSession"
                 )
             return super().enqueue(task, *args, **kwargs)
 
+        @overload
+        async def enqueue_unique(
+            self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs
+        ) -> Any: ...
+
+        @overload
+        async def enqueue_unique(
+            self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
+        ) -> Any: ...
+
+        @overload
+        async def enqueue_unique(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+
         async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-            """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited."""
-            if kwargs.get("unique_key") is None:
+            """``enqueue(..., unique=True)`` (or with ``unique_key=``, as an option of
+            ``task.with_options()``), awaited."""
+            if isinstance(task, ConfiguredTask):
+                if task.options.get("unique_key") is None:
+                    task = task.with_options(unique=True)
+            elif kwargs.get("unique_key") is None:
                 kwargs["unique"] = True
 
             def run(sync_session: Any) -> Any:
@@ -217,6 +367,7 @@ else:
 
 
 def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
+    """The registry of a task, or the session's (for a name)."""
     if isinstance(task, Task):
         return task.registry
     jobs = session.info.get(_JOBS_KEY)

@@ -18,10 +18,21 @@ import hashlib
 import inspect
 import json
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    overload,
+)
 
 import sqlalchemy as sa
 
@@ -39,12 +50,25 @@ from .limits import (
 from .model import JobStatus, job_table
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+    from typing_extensions import Unpack
+
     from .queries import Queries
 
-__all__ = ["Backoff", "Jobs", "RetryPolicy", "Task"]
+__all__ = [
+    "Backoff",
+    "ConfiguredTask",
+    "Jobs",
+    "RetryPolicy",
+    "Task",
+    "TaskArgs",
+    "TransactionalTask",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T", bound="Task[Any, Any]")
 
 #: Option names of ``session.enqueue``; a task may not use them as parameter names.
 RESERVED_NAMES = frozenset(
@@ -187,6 +211,172 @@ class Task(Generic[P, R]):
         bound = inspect.BoundArguments(self.signature, dict(stored))
         return bound.args, bound.kwargs
 
+    def with_options(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool | None = None,
+        unique_key: str | None = None,
+    ) -> ConfiguredTask[P, R]:
+        """This task with enqueue options bound, for a type-checked enqueue.
+
+        ``session.enqueue(task, ...)`` passes everything after the task to the handler, so
+        that a type checker can hold the call to the handler's signature; the options
+        come first, here: ``session.enqueue(send.with_options(queue="urgent", delay=60),
+        to="a@example.com")``. Each option is checked now (a bad one raises
+        :class:`EnqueueError`); ``delay`` counts from each enqueue, not from this call, so
+        the result can be kept in a module and used again.
+        """
+        return ConfiguredTask(self, {}).with_options(
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+            unique=unique,
+            unique_key=unique_key,
+        )
+
+    def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
+        """One job's arguments for ``enqueue_many``, checked by the type checker against
+        the handler's signature (a plain mapping is checked only at run time)."""
+        return TaskArgs(args, kwargs)
+
+
+class TransactionalTask(Task[P, R]):
+    """A ``transactional=True`` task whose handler takes the session as its first
+    parameter: ``P`` is the rest, what ``session.enqueue`` passes.
+
+    At run time it is a :class:`Task` like any other (calling it calls the handler with
+    whatever is given); the class exists so that a type checker knows that a direct call
+    needs the session first, while an enqueue must not pass one.
+    """
+
+    if TYPE_CHECKING:
+
+        def __call__(  # type: ignore[override]
+            self, session: Any, /, *args: P.args, **kwargs: P.kwargs
+        ) -> R: ...
+
+
+@dataclass(frozen=True, eq=False)
+class TaskArgs(Generic[T]):
+    """The arguments of one call of a task's handler (see :meth:`Task.args`).
+
+    Generic in the task's whole type, not only in its parameters: a type checker then
+    matches the rows of ``enqueue_many(task, rows)`` to the task by its type, which mypy
+    does more strictly than matching two parameter lists.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+#: The options ``with_options`` binds, in the order ``job_values`` takes them.
+OPTION_NAMES = ("queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key")
+
+
+@dataclass(frozen=True, eq=False)
+class ConfiguredTask(Generic[P, R]):
+    """A task with enqueue options bound (see :meth:`Task.with_options`).
+
+    ``session.enqueue``, ``session.enqueue_many`` and ``jobs.enqueue`` take it in place
+    of the task; the handler's arguments follow it and are type-checked against the
+    handler's signature.
+    """
+
+    task: Task[P, R]
+    #: The options given, checked; only those that were set.
+    options: Mapping[str, Any]
+
+    def with_options(
+        self,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        max_attempts: int | None = None,
+        unique: bool | None = None,
+        unique_key: str | None = None,
+    ) -> ConfiguredTask[P, R]:
+        """These options on top of the ones already bound (a later one wins)."""
+        given = {
+            "queue": queue,
+            "priority": priority,
+            "run_at": run_at,
+            "delay": delay,
+            "max_attempts": max_attempts,
+            "unique": unique,
+            "unique_key": unique_key,
+        }
+        merged = dict(self.options)
+        for key, value in given.items():
+            if value is not None:
+                merged[key] = value
+        if run_at is not None and delay is not None:
+            raise EnqueueError("give run_at or delay, not both")
+        # One replaces the other when given in a later call.
+        if run_at is not None:
+            merged.pop("delay", None)
+        elif delay is not None:
+            merged.pop("run_at", None)
+        check_options(merged)
+        return ConfiguredTask(self.task, merged)
+
+    def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
+        """One job's arguments for ``enqueue_many``; see :meth:`Task.args`."""
+        return TaskArgs(args, kwargs)
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"<ConfiguredTask {self.task.name!r} {options}>"
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Check enqueue options as ``job_values`` would; raise :class:`EnqueueError`."""
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise EnqueueError(f"unknown enqueue option(s) {sorted(unknown)}")
+    if "queue" in options:
+        _check_queue(options["queue"])
+    if "priority" in options:
+        _check_priority(options["priority"])
+    if "max_attempts" in options:
+        _check_max_attempts(options["max_attempts"])
+    if "unique_key" in options:
+        _check_unique_key(options["unique_key"])
+    _run_at(options.get("run_at"), options.get("delay"), None)
+
+
+def merge_options(
+    configured: ConfiguredTask[Any, Any], given: Mapping[str, Any]
+) -> tuple[Task[Any, Any], dict[str, Any]]:
+    """The task and the enqueue options of a call made with a :class:`ConfiguredTask`:
+    those it carries, and those also given as keywords (``given``; None and False mean
+    "not given"). An option given both ways is an error, not a silent choice."""
+    options = dict(configured.options)
+    for key, value in given.items():
+        if value is None or value is False:
+            continue
+        if key in options:
+            raise EnqueueError(
+                f"task {configured.task.name!r}: option {key!r} given both by with_options() "
+                "and by keyword"
+            )
+        options[key] = value
+    if "run_at" in options and "delay" in options:
+        raise EnqueueError("give run_at or delay, not both")
+    return configured.task, options
+
 
 def _is_utf8(text: str) -> bool:
     try:
@@ -238,6 +428,32 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+class _ManyOptions(TypedDict, total=False):
+    """The options of ``enqueue_many`` (one set for every row)."""
+
+    queue: str
+    priority: int
+    run_at: datetime
+    delay: float | timedelta
+    max_attempts: int
+    unique: bool
+
+
+class _TransactionalDecorator(Protocol):
+    """What ``@jobs.task(transactional=True)`` returns, for a type checker."""
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Session, P], R], /) -> TransactionalTask[P, R]: ...
+
+    @overload
+    def __call__(
+        self, fn: Callable[Concatenate[AsyncSession, P], R], /
+    ) -> TransactionalTask[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[..., R], /) -> Task[..., R]: ...
 
 
 class Jobs:
@@ -292,6 +508,117 @@ class Jobs:
             self._queries = Queries(self.table, keep_done=self.keep_done is not None)
         return self._queries
 
+    # The overloads give a type checker the handler's signature: ``Task[P, R]``. A
+    # transactional handler that takes the session first becomes a ``TransactionalTask``
+    # over the rest of its parameters (what an enqueue passes); one that takes it anywhere
+    # else cannot be expressed with ``ParamSpec`` and becomes a ``Task[..., R]``, checked
+    # at run time only.
+
+    @overload
+    def task(  # type: ignore[overload-overlap]
+        self,
+        fn: Callable[P, R],
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: Literal[False] = False,
+    ) -> Task[P, R]: ...
+
+    @overload
+    def task(  # type: ignore[overload-overlap]
+        self,
+        fn: Callable[Concatenate[Session, P], R],
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: Literal[True],
+    ) -> TransactionalTask[P, R]: ...
+
+    @overload
+    def task(  # type: ignore[overload-overlap]
+        self,
+        fn: Callable[Concatenate[AsyncSession, P], R],
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: Literal[True],
+    ) -> TransactionalTask[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        fn: Callable[..., R],
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: bool,
+    ) -> Task[..., R]: ...
+
+    @overload
+    def task(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: Literal[False] = False,
+    ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    @overload
+    def task(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: Literal[True],
+    ) -> _TransactionalDecorator: ...
+
+    @overload
+    def task(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        transactional: bool,
+    ) -> Callable[[Callable[..., R]], Task[..., R]]: ...
+
     def task(
         self,
         fn: Callable[P, R] | None = None,
@@ -329,7 +656,8 @@ class Jobs:
             _check_priority(priority)
             if timeout is not None and timeout <= 0:
                 raise ValueError(f"task {task_name!r}: timeout must be > 0 seconds")
-            t: Task[P, R] = Task(
+            cls = TransactionalTask if transactional else Task
+            t: Task[P, R] = cls(
                 fn=f,
                 name=task_name,
                 registry=self,
@@ -346,6 +674,147 @@ class Jobs:
 
         return register(fn) if fn is not None else register
 
+    # -- enqueue on a Core connection (see sqla_jobs.connection) --------------------------
+
+    @overload
+    def enqueue(
+        self,
+        connection: sa.Connection,
+        task: Task[P, Any] | ConfiguredTask[P, Any],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> int: ...
+
+    @overload
+    def enqueue(
+        self,
+        connection: AsyncConnection,
+        task: Task[P, Any] | ConfiguredTask[P, Any],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue(
+        self, connection: sa.Connection, task: str, /, *args: Any, **kwargs: Any
+    ) -> int: ...
+
+    @overload
+    def enqueue(
+        self, connection: AsyncConnection, task: str, /, *args: Any, **kwargs: Any
+    ) -> Coroutine[Any, Any, int]: ...
+
+    def enqueue(
+        self,
+        connection: sa.Connection | AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> int | Coroutine[Any, Any, int]:
+        """INSERT one job now, on a Core ``Connection`` (or, awaited, an
+        ``AsyncConnection``), in its transaction; return the job's id.
+
+        For code without an ORM session (scripts, services, pipelines): the job is
+        checked as ``session.enqueue`` checks it, and written at once with one prepared
+        statement. It commits or rolls back with the connection's transaction; on a
+        connection in autocommit it is committed by this one round trip. Nothing is
+        committed for you. Options are bound with ``task.with_options(...)`` (or given
+        as keywords, unchecked by a type checker, as for ``session.enqueue``). A unique job
+        whose key a live job holds is not inserted: that job's id is returned.
+        """
+        from . import connection as core
+
+        if isinstance(connection, sa.Connection):
+            return core.enqueue(connection, self, task, args, kwargs)
+        return core.enqueue_async(core.async_connection(connection), self, task, args, kwargs)
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: T,
+        arguments: Iterable[TaskArgs[T]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: ConfiguredTask[P, R],
+        arguments: Iterable[TaskArgs[Task[P, R]]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: sa.Connection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[Mapping[str, Any]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> int: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: T,
+        arguments: Iterable[TaskArgs[T]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: ConfiguredTask[P, R],
+        arguments: Iterable[TaskArgs[Task[P, R]]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    @overload
+    def enqueue_many(
+        self,
+        connection: AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[Mapping[str, Any]],
+        /,
+        **options: Unpack[_ManyOptions],
+    ) -> Coroutine[Any, Any, int]: ...
+
+    def enqueue_many(
+        self,
+        connection: sa.Connection | AsyncConnection,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+        /,
+        **options: Any,
+    ) -> int | Coroutine[Any, Any, int]:
+        """INSERT many jobs of one task now, in one statement, on a Core ``Connection`` (or,
+        awaited, an ``AsyncConnection``); return how many were inserted.
+
+        The rows are ``task.args(...)`` or mappings of keyword arguments, and the options
+        those of ``session.enqueue_many``. Every row is checked before any is written;
+        with ``unique=True``, rows whose key a live job holds are skipped (and not
+        counted).
+        """
+        from . import connection as core
+
+        if isinstance(connection, sa.Connection):
+            return core.enqueue_many(connection, self, task, arguments, options)
+        return core.enqueue_many_async(
+            core.async_connection(connection), self, task, arguments, options
+        )
+
     def periodic(
         self,
         cron: str,
@@ -355,7 +824,7 @@ class Jobs:
         queue: str | None = None,
         priority: int | None = None,
         tz: str | None = None,
-    ) -> Callable[[Task[P, R]], Task[P, R]]:
+    ) -> Callable[[T], T]:
         """Enqueue a task on a cron schedule, from the workers themselves.
 
         Stack it on ``@jobs.task``. The expression is read in UTC, or in the IANA time zone
@@ -366,7 +835,7 @@ class Jobs:
         check_timezone(tz)
         check_cron(cron, tz=tz)
 
-        def register(task: Task[P, R]) -> Task[P, R]:
+        def register(task: T) -> T:
             if not isinstance(task, Task):
                 raise TypeError("@jobs.periodic goes above @jobs.task")
             schedule_name = name or task.name
@@ -451,9 +920,7 @@ class Jobs:
             if when > (now or _utcnow()):
                 values["status"] = JobStatus.SCHEDULED.value
         if unique_key is not None:
-            if not isinstance(unique_key, str) or not unique_key:
-                raise EnqueueError(f"unique_key must be a non-empty string, got {unique_key!r}")
-            check_name(unique_key, "unique_key", UNIQUE_KEY_MAX_BYTES, EnqueueError)
+            _check_unique_key(unique_key)
             values["unique_key"] = unique_key
         elif unique:
             values["unique_key"] = derive_unique_key(t.name, arguments)
@@ -545,6 +1012,12 @@ def _check_priority(priority: object) -> None:
         raise EnqueueError(f"priority must be >= 0 (higher runs first), got {priority}")
     if priority > _SMALLINT_MAX:
         raise EnqueueError(f"priority must be <= {_SMALLINT_MAX}, got {priority}")
+
+
+def _check_unique_key(key: object) -> None:
+    if not isinstance(key, str) or not key:
+        raise EnqueueError(f"unique_key must be a non-empty string, got {key!r}")
+    check_name(key, "unique_key", UNIQUE_KEY_MAX_BYTES, EnqueueError)
 
 
 def _check_max_attempts(value: object) -> None:

@@ -47,7 +47,7 @@ def engine() -> sa.Engine:
 
 
 @jobs.task(queue="previews", max_attempts=5, transactional=True)
-def fetch_preview(code: str, session: Session) -> None:
+def fetch_preview(session: Session, code: str) -> None:
     """Fetch the page and store its <title>. Transactional: the title is written in the
     same transaction that completes the job, so it is written exactly once."""
     link = session.get(Link, code)

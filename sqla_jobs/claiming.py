@@ -1,0 +1,324 @@
+"""Claim and settle jobs in your own transaction: ``session.claim`` and friends.
+
+.. code-block:: python
+
+    with Session.begin() as session:                    # one transaction for all of it
+        for job in session.claim("reports", limit=10):  # locked Job objects
+            try:
+                build_report(**job.args)
+            except Exception as exc:
+                session.fail(job, exc)                   # retried later, or dead
+            else:
+                session.complete(job)                    # deleted (or kept as done)
+
+The simplest way to use the queue, for a loop of your own, a cron script, or a web
+request that works off a few jobs: no worker, no lease to keep alive. The claim is the
+workers' own statement (the ``FOR NO KEY UPDATE SKIP LOCKED`` CTE), so any number of
+these loops and workers share a queue without taking a job twice; it also skips a paused
+queue, as workers do. Settling is guarded by ``(id, attempts)``, like every worker
+statement, and follows the task's retry policy and ``max_attempts``. Nothing here commits:
+the job's outcome, and whatever else your transaction wrote, commit together.
+
+**The trade-off.** The claimed rows stay locked, and the transaction open, while the work
+runs. Keep that work short (seconds, not minutes): a long transaction holds back
+autovacuum on every table of the database, and holds a connection. If the process dies,
+the transaction rolls back and the jobs are ready again at once. For long work, claim in
+one transaction and settle in another: the claim then lives on its ``lease``, and a worker
+of the same table puts the job back when the lease passes (there is no heartbeat here).
+
+These functions take a ``Session`` (any: ``JobSession`` and ``AsyncJobSession`` have them
+as methods) and the registry, from ``jobs=`` or the session's own. Events
+(:mod:`sqla_jobs.events`) are fired by workers only: a loop of your own reports its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .errors import EnqueueError
+from .model import JobStatus
+from .queries import batch_params, claim_params, fail_params, interval, snooze_params
+from .tasks import Jobs
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+__all__ = ["AsyncClaimMixin", "ClaimMixin", "claim", "complete", "fail", "retry", "snooze"]
+
+log = logging.getLogger("sqla_jobs.claiming")
+
+T = TypeVar("T")
+
+_MAX_ERROR_CHARS = 65536
+#: Attributes a settling statement may change, expired on the object after it.
+_SETTLED = ["status", "run_at", "max_attempts", "locked_until", "last_error", "finished_at"]
+_NAMES: list[str] = []
+
+
+def _default_name() -> str:
+    """The claimer's name in ``locked_by`` when none is given: ``session:`` and the
+    host, pid and a random suffix, made once per process."""
+    if not _NAMES:
+        from .worker.job import worker_name
+
+        _NAMES.append(f"session:{worker_name()}")
+    return _NAMES[0]
+
+
+def claim(
+    session: Session,
+    queue: str,
+    *,
+    limit: int = 1,
+    lease: float | timedelta = 30.0,
+    name: str | None = None,
+    jobs: Jobs | None = None,
+) -> list[Any]:
+    """Claim up to ``limit`` ready jobs of ``queue`` in the session's transaction.
+
+    Returns the claimed ``Job`` objects, locked until the transaction ends, in claim
+    order (priority, then due time). Each is ``running``, its ``attempts`` counted, held
+    for ``lease`` (seconds or a timedelta) by ``name`` (``locked_by``). A paused queue
+    gives nothing.
+    """
+    registry = _jobs(session, jobs)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+    seconds = lease.total_seconds() if isinstance(lease, timedelta) else lease
+    if not seconds > 0:
+        raise ValueError(f"lease must be > 0 seconds, got {lease!r}")
+    params = claim_params(queue, limit, interval(seconds), name or _default_name())
+    model = registry.model
+    claimed = list(
+        session.scalars(
+            select(model).from_statement(registry.queries.session_claim),
+            dict(params),
+            execution_options={"populate_existing": True},
+        )
+    )
+    # UPDATE ... RETURNING gives rows in no particular order.
+    claimed.sort(key=lambda j: (-j.priority, j.run_at, j.id))
+    return claimed
+
+
+def complete(session: Session, job: Any, *, jobs: Jobs | None = None) -> bool:
+    """The job is done: deleted (or kept as ``done`` with ``Jobs(keep_done=...)``), in the
+    session's transaction. False if this claim was no longer held (nothing changed).
+
+    A deleted job's object leaves the session (``expunge``), so that nothing the session
+    flushes later can touch the row.
+    """
+    registry = _jobs(session, jobs)
+    done = session.execute(registry.queries.complete, dict(batch_params([job]))).first()
+    if done is None:
+        return False
+    if registry.keep_done is None:
+        session.expunge(job)
+    else:
+        session.expire(job, _SETTLED)
+    return True
+
+
+def fail(
+    session: Session,
+    job: Any,
+    error: BaseException | str,
+    *,
+    permanent: bool = False,
+    jobs: Jobs | None = None,
+) -> JobStatus | None:
+    """The attempt failed: the job is retried after its task's retry policy (scheduled),
+    or dead if that was its last attempt or ``permanent`` is true. ``error`` (an exception,
+    with its traceback, or a text) goes to ``last_error``. Returns the new status, or None
+    if this claim was no longer held."""
+    registry = _jobs(session, jobs)
+    task = registry.tasks.get(job.task)
+    policy = task.retry if task is not None else registry.retry
+    return _fail(session, registry, job, _error_text(error), _delay(policy, job), permanent)
+
+
+def retry(
+    session: Session,
+    job: Any,
+    delay: float | timedelta = 0.0,
+    *,
+    error: BaseException | str | None = None,
+    jobs: Jobs | None = None,
+) -> JobStatus | None:
+    """Run the job again after ``delay``; the attempt counts (dead if it was the last).
+    Returns the new status, or None if this claim was no longer held."""
+    registry = _jobs(session, jobs)
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if not seconds >= 0:
+        raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
+    text = None if error is None else _error_text(error)
+    return _fail(session, registry, job, text, seconds, False)
+
+
+def snooze(
+    session: Session, job: Any, delay: float | timedelta, *, jobs: Jobs | None = None
+) -> bool:
+    """ "Not yet": run the job again after ``delay`` without using an attempt. False if
+    this claim was no longer held."""
+    registry = _jobs(session, jobs)
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if not seconds >= 0:
+        raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
+    row = session.execute(registry.queries.snooze, dict(snooze_params(job, seconds))).first()
+    session.expire(job, _SETTLED)
+    return row is not None
+
+
+def _fail(
+    session: Session,
+    registry: Jobs,
+    job: Any,
+    error: str | None,
+    delay: float,
+    permanent: bool,
+) -> JobStatus | None:
+    params = fail_params(job, error, delay, permanent=permanent)
+    row = session.execute(registry.queries.fail, dict(params)).first()
+    session.expire(job, _SETTLED)
+    return None if row is None else JobStatus(row.status)
+
+
+def _jobs(session: Session, jobs: Jobs | None) -> Jobs:
+    from .session import session_registry
+
+    registry = jobs or session_registry(session)
+    if registry is None:
+        raise EnqueueError(
+            "this session has no Jobs registry: create it with sessionmaker(..., jobs=jobs) "
+            "or pass jobs="
+        )
+    return registry
+
+
+def _delay(policy: Callable[[int], float], job: Any) -> float:
+    """Seconds before the next attempt; a broken retry policy must not lose the job."""
+    try:
+        return max(0.0, float(policy(job.attempts)))
+    except Exception:
+        log.exception("task %s: retry policy failed; retrying in 60s", job.task)
+        return 60.0
+
+
+def _error_text(error: BaseException | str) -> str:
+    if isinstance(error, BaseException):
+        from .worker.job import format_error
+
+        return format_error(error)
+    text = str(error)
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
+    return text
+
+
+class ClaimMixin:
+    """``claim``, ``complete``, ``fail``, ``retry`` and ``snooze`` as methods of a
+    ``Session`` (:class:`~sqla_jobs.JobSession` has them). See :mod:`sqla_jobs.claiming`."""
+
+    def claim(
+        self,
+        queue: str,
+        *,
+        limit: int = 1,
+        lease: float | timedelta = 30.0,
+        name: str | None = None,
+        jobs: Jobs | None = None,
+    ) -> list[Any]:
+        """See :func:`sqla_jobs.claiming.claim`."""
+        return claim(_session(self), queue, limit=limit, lease=lease, name=name, jobs=jobs)
+
+    def complete(self, job: Any, *, jobs: Jobs | None = None) -> bool:
+        """See :func:`sqla_jobs.claiming.complete`."""
+        return complete(_session(self), job, jobs=jobs)
+
+    def fail(
+        self,
+        job: Any,
+        error: BaseException | str,
+        *,
+        permanent: bool = False,
+        jobs: Jobs | None = None,
+    ) -> JobStatus | None:
+        """See :func:`sqla_jobs.claiming.fail`."""
+        return fail(_session(self), job, error, permanent=permanent, jobs=jobs)
+
+    def retry(
+        self,
+        job: Any,
+        delay: float | timedelta = 0.0,
+        *,
+        error: BaseException | str | None = None,
+        jobs: Jobs | None = None,
+    ) -> JobStatus | None:
+        """See :func:`sqla_jobs.claiming.retry`."""
+        return retry(_session(self), job, delay, error=error, jobs=jobs)
+
+    def snooze(self, job: Any, delay: float | timedelta, *, jobs: Jobs | None = None) -> bool:
+        """See :func:`sqla_jobs.claiming.snooze`."""
+        return snooze(_session(self), job, delay, jobs=jobs)
+
+
+def _session(session: Any) -> Session:
+    assert isinstance(session, Session)
+    return session
+
+
+class AsyncClaimMixin:
+    """The same methods, awaited, for an ``AsyncSession``
+    (:class:`~sqla_jobs.aio.AsyncJobSession` has them)."""
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        session: AsyncSession = self  # type: ignore[assignment]
+        return await session.run_sync(fn, *args, **kw)
+
+    async def claim(
+        self,
+        queue: str,
+        *,
+        limit: int = 1,
+        lease: float | timedelta = 30.0,
+        name: str | None = None,
+        jobs: Jobs | None = None,
+    ) -> list[Any]:
+        """See :func:`sqla_jobs.claiming.claim`."""
+        return await self._run(claim, queue, limit=limit, lease=lease, name=name, jobs=jobs)
+
+    async def complete(self, job: Any, *, jobs: Jobs | None = None) -> bool:
+        """See :func:`sqla_jobs.claiming.complete`."""
+        return await self._run(complete, job, jobs=jobs)
+
+    async def fail(
+        self,
+        job: Any,
+        error: BaseException | str,
+        *,
+        permanent: bool = False,
+        jobs: Jobs | None = None,
+    ) -> JobStatus | None:
+        """See :func:`sqla_jobs.claiming.fail`."""
+        return await self._run(fail, job, error, permanent=permanent, jobs=jobs)
+
+    async def retry(
+        self,
+        job: Any,
+        delay: float | timedelta = 0.0,
+        *,
+        error: BaseException | str | None = None,
+        jobs: Jobs | None = None,
+    ) -> JobStatus | None:
+        """See :func:`sqla_jobs.claiming.retry`."""
+        return await self._run(retry, job, delay, error=error, jobs=jobs)
+
+    async def snooze(self, job: Any, delay: float | timedelta, *, jobs: Jobs | None = None) -> bool:
+        """See :func:`sqla_jobs.claiming.snooze`."""
+        return await self._run(snooze, job, delay, jobs=jobs)

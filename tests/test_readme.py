@@ -1,0 +1,64 @@
+"""The README's examples say what the code does."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from . import app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_block(after: str) -> str:
+    """The first fenced code block after the line that starts with ``after``."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(after)
+    found = re.search(r"```\w*\n(.*?)```", text[start:], re.DOTALL)
+    assert found is not None, after
+    return found.group(1)
+
+
+def shape(value: Any) -> Any:
+    """Keys in order and value types, not the values themselves."""
+    if isinstance(value, dict):
+        return [(k, shape(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [shape(v) for v in value]
+    return type(value).__name__
+
+
+def test_stats_json_example_matches_the_command(db: sa.Engine) -> None:
+    example = json.loads(readme_block("`stats --json`:"))
+    with db.begin() as conn:  # what the example shows: a queue with a lag and a dead job
+        t = app.Job.__table__
+        conn.execute(
+            sa.insert(t).values(
+                task="t", queue="webhooks", run_at=sa.func.now() - sa.text("interval '2 s'")
+            )
+        )
+        conn.execute(
+            sa.insert(t).values(
+                task="t", queue="webhooks", status="dead", finished_at=sa.func.now()
+            )
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "stats", "tests.app:jobs", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    example["table"] = printed["table"]  # the schema differs, not the shape
+    # Every queue the registry knows is listed; the example shows one.
+    printed["queues"] = [q for q in printed["queues"] if q["queue"] == "webhooks"]
+    assert shape(printed) == shape(example)
+    assert len(result.stdout.strip().splitlines()) == 1  # one document, one line
