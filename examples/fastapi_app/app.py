@@ -130,9 +130,11 @@ def create_app(database_url: str | None = None, *, worker: bool = False) -> Fast
             raise HTTPException(404)
         return {"id": user.id, "email": user.email, "welcomed": user.welcomed_at is not None}
 
-    # The dashboard goes here. sqla-jobs's web dashboard is being built; once
-    # `sqla_jobs.web` exists, mount it on a path of its own, for example:
-    #     app.mount("/admin/jobs", <the dashboard's ASGI app for `jobs` and `engine`>)
-    # behind whatever authentication the rest of the admin pages use.
+    # The dashboard, read-only as mounted here (pass authorize=request -> bool, checking
+    # what the rest of your admin pages check, to allow retrying and cancelling). It uses
+    # a synchronous engine of its own, made from the same URL.
+    from sqla_jobs.web import create_app as dashboard
+
+    app.mount("/admin/jobs", dashboard(jobs, url))
 
     return app

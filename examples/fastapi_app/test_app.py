@@ -97,3 +97,12 @@ def test_the_worker_beside_the_app(database: str, db: sa.Engine) -> None:
             time.sleep(0.05)
     # The lifespan stopped the worker and disposed of the engine; the job is done.
     assert jobs_of(db) == []
+
+
+def test_the_dashboard_is_mounted_read_only(database: str, db: sa.Engine) -> None:
+    with TestClient(create_app(database)) as client:
+        client.post("/users", json={"email": "grace@example.com"})
+        page = client.get("/admin/jobs/jobs")
+        assert page.status_code == 200
+        assert send_welcome.name in page.text
+        assert client.get("/admin/jobs/").status_code == 200
