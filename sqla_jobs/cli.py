@@ -269,6 +269,32 @@ def _plural(n: int, word: str = "job") -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _progress(progress: dict[str, Any] | None) -> str:
+    """``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
+    if not progress:
+        return "-"
+    parts = []
+    if progress.get("value") is not None:
+        parts.append(json.dumps(progress["value"], sort_keys=True))
+    if progress.get("note"):
+        parts.append(json.dumps(progress["note"], ensure_ascii=False))
+    if progress.get("at"):
+        parts.append(f"(at {progress['at']})")
+    return " ".join(parts) or json.dumps(progress, sort_keys=True)
+
+
+def _meta_pair(text: str) -> tuple[str, Any]:
+    """``key=value``: the value as JSON if it reads as JSON (``42``, ``true``,
+    ``"42"``), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def _error_summary(text: str | None, width: int = 60) -> str:
     """The last line of a traceback is the exception itself: the part worth a column."""
     if not text:
@@ -381,6 +407,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
             queue=args.queue,
             status=args.status,
             task=args.task,
+            meta=dict(args.meta) if args.meta else None,
             limit=args.limit,
         )
     if args.json:
@@ -433,6 +460,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
         ("locked_until", _when(job.locked_until)),
         ("unique_key", job.unique_key or "-"),
         ("args", json.dumps(job.args, sort_keys=True)),
+        ("meta", "-" if job.meta is None else json.dumps(job.meta, sort_keys=True)),
+        ("progress", _progress(job.progress)),
     ]
     print(f"job {job.id}")
     for name, value in fields:
@@ -677,7 +706,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         help_text = f.metadata["help"]
         if hint is bool:
-            # The only boolean setting defaults to True; its flag turns it off.
+            # Boolean settings default to True; their flags (--no-...) turn them off.
             parser.add_argument(flag, dest=f.name, action="store_false", help=help_text)
             continue
         if f.default is not None:
@@ -846,6 +875,14 @@ def _add_jobs(sub: Any) -> None:
         description="Jobs matching every given filter, newest (highest id) first.",
     )
     _filter_options(listing, ", ".join(STATUSES), "any")
+    listing.add_argument(
+        "--meta",
+        action="append",
+        type=_meta_pair,
+        metavar="KEY=VALUE",
+        help="only jobs whose meta has KEY equal to VALUE, or a list holding it (repeatable; "
+        "VALUE is read as JSON when it can be: 42, true, '\"42\"' for the string)",
+    )
     listing.add_argument(
         "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"
     )

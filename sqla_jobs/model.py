@@ -30,6 +30,11 @@ future jobs never sit in the claim path, however many of them the table holds:
   retention prunes old rows without scanning live ones.
 * ``<table>_unique``: ``UNIQUE (unique_key) WHERE status IN ('scheduled', 'ready',
   'running')``: unique jobs, enforced by the database.
+
+One index is not about status: ``<table>_meta``, ``GIN (meta jsonb_path_ops) WHERE meta IS
+NOT NULL``, for finding jobs by a tag or a correlation id in any status (``meta @> ...``).
+It is partial so that the jobs that carry no ``meta``, most of them in most applications,
+add nothing to it and pay nothing for it at insert, claim and completion.
 """
 
 from __future__ import annotations
@@ -168,6 +173,12 @@ class JobMixin:
         sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
     )
     finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    #: A JSON object given at enqueue (``meta={...}``): tags, correlation ids. Keys
+    #: starting with ``sqla_jobs.`` are the library's (the trace context, when tracing).
+    meta: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    #: What the running handler last said about its progress
+    #: (``current_job().set_progress(...)``), written with the heartbeat.
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         # Declarative builds the Table inside super().__init_subclass__. Constraints and
@@ -224,6 +235,15 @@ def add_constraints(table: sa.Table) -> None:
         postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
     )
     sa.Index(derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
+    # jsonb_path_ops: smaller and faster than the default GIN operator class, and it serves
+    # the one operator a tag filter needs (@>, containment).
+    sa.Index(
+        derived_name(name, "meta"),
+        c.meta,
+        postgresql_using="gin",
+        postgresql_ops={"meta": "jsonb_path_ops"},
+        postgresql_where=sa.text("meta IS NOT NULL"),
+    )
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.

@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .errors import EnqueueError
 from .queries import insert_rows
-from .tasks import Jobs, Task, _utcnow
+from .tasks import Jobs, Task, _utcnow, check_meta
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -84,6 +84,7 @@ class EnqueueMixin:
         max_attempts: int | None = None,
         unique: bool = False,
         unique_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -100,6 +101,8 @@ class EnqueueMixin:
             is INSERTed at once (``ON CONFLICT DO NOTHING``, in the caller's transaction,
             without flushing anything else), because the answer is needed now: the new
             job, or the live one that already holds the key, is returned.
+        :param meta: a JSON object stored with the job (tags, correlation ids), shown by
+            ``admin`` and the CLI, and searchable (``jobs list --meta key=value``).
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
         registry = _registry(self, task)
@@ -114,6 +117,7 @@ class EnqueueMixin:
             max_attempts=max_attempts,
             unique=unique,
             unique_key=unique_key,
+            meta=meta,
         )
         session = _sync(self)
         boundary = _boundary(session)
@@ -139,6 +143,7 @@ class EnqueueMixin:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique: bool = False,
+        meta: Mapping[str, Any] | None = None,
     ) -> int:
         """Add many jobs of one task, one per mapping of keyword arguments; return how many.
 
@@ -147,7 +152,7 @@ class EnqueueMixin:
         session's next flush, when a savepoint begins, or at the release or commit of the
         transaction they were enqueued in, whose fate they share. With ``unique=True`` each
         job gets a key derived from its task and arguments, and one equal to a live job is
-        silently skipped.
+        silently skipped. ``meta`` is given to every job of the call.
         """
         registry = _registry(self, task)
         # One clock reading for the whole batch: with a delay, every row gets the same
@@ -164,16 +169,25 @@ class EnqueueMixin:
                 delay=delay,
                 max_attempts=max_attempts,
                 unique=unique,
+                meta_prepared=True,
                 now=now,
             )
             for kwargs in arguments
         ]
         if rows:
+            # Checked, and handed to the enqueue hooks, once for the whole call.
+            first = rows[0]
+            prepared = registry.job_meta(first["task"], first["queue"], meta)
+            if prepared is not None:
+                for row in rows:
+                    row["meta"] = prepared
             session = _sync(self)
             boundary = _boundary(session)
             _pending(session).append((boundary, registry, rows))
             if registry.events.wants("enqueued"):
                 _announce(session, registry, rows, boundary)
+        elif meta is not None:
+            check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
         return len(rows)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from .cron import Schedule, check_cron
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
 from .limits import (
+    META_MAX_BYTES,
+    META_RESERVED_PREFIX,
     QUEUE_MAX_BYTES,
     SCHEDULE_NAME_MAX_BYTES,
     UNIQUE_KEY_MAX_BYTES,
@@ -43,12 +46,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Backoff", "Jobs", "RetryPolicy", "Task"]
 
+log = logging.getLogger("sqla_jobs.enqueue")
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
 #: Option names of ``session.enqueue``; a task may not use them as parameter names.
 RESERVED_NAMES = frozenset(
-    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key"}
+    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key", "meta"}
 )
 _SMALLINT_MAX = 32767
 
@@ -236,6 +241,59 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
     return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
+def json_problem(value: Any, name: str = "value") -> str | None:
+    """Why ``value`` cannot be stored as JSON in PostgreSQL (not JSON-serialisable, a NUL
+    or a surrogate in a string, a dict key that is not a string), or ``None``; the
+    message starts with ``name``."""
+    try:
+        text = _check_json(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return f"{name} is not JSON-serialisable ({exc})"
+    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text:
+        found = _unstorable({name: value})
+        if found is not None:
+            _, where, why = found
+            return f"{name}{where} {why}"
+    return None
+
+
+def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's ``meta``, checked: a JSON object with string keys, storable, at most
+    :data:`~sqla_jobs.limits.META_MAX_BYTES` of JSON, and no key of the library's own
+    (``sqla_jobs.``). Raises :class:`EnqueueError`."""
+    if not isinstance(meta, Mapping):
+        raise EnqueueError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
+    checked = dict(meta)
+    for key in checked:
+        if not isinstance(key, str):
+            raise EnqueueError(f"meta keys must be strings, got {key!r}")
+        if key.startswith(META_RESERVED_PREFIX):
+            raise EnqueueError(
+                f"meta key {key!r}: keys starting with {META_RESERVED_PREFIX!r} are reserved "
+                "for sqla-jobs"
+            )
+    try:
+        text = _check_json(checked)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EnqueueError(f"meta is not JSON-serialisable ({exc})") from None
+    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
+        for key in checked:
+            problem = text_problem(key)
+            if problem is not None:
+                raise EnqueueError(f"meta key {shorten(key)} {problem}")
+        found = _unstorable(checked)
+        if found is not None:
+            name, where, why = found
+            raise EnqueueError(f"meta key {name!r}{where} {why}")
+    size = len(text.encode())
+    if size > META_MAX_BYTES:
+        raise EnqueueError(
+            f"meta is {size} bytes of JSON; at most {META_MAX_BYTES} are allowed (meta is for "
+            "tags and correlation ids: pass data to the handler as arguments)"
+        )
+    return checked
+
+
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -411,9 +469,16 @@ class Jobs:
         max_attempts: int | None = None,
         unique: bool = False,
         unique_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+        meta_prepared: bool = False,
         now: datetime | None = None,
     ) -> dict[str, Any]:
-        """Check a job and return its column values. Raises :class:`EnqueueError`."""
+        """Check a job and return its column values. Raises :class:`EnqueueError`.
+
+        ``meta`` is checked and handed to the enqueue hooks (:meth:`job_meta`), unless
+        ``meta_prepared`` says it is already :meth:`job_meta`'s result: ``enqueue_many``
+        prepares it once for all its rows.
+        """
         t = self.get(task)
         arguments = t.bind_args(args, kwargs)
         # The task's own queue, priority and max_attempts were checked when it was
@@ -441,6 +506,13 @@ class Jobs:
             "max_attempts": attempts,
             "status": JobStatus.READY.value,
         }
+        if meta_prepared:
+            if meta is not None:
+                values["meta"] = meta
+        elif meta is not None or self.events.enqueue_hooks:
+            prepared = self.job_meta(t.name, q, meta)
+            if prepared is not None:
+                values["meta"] = prepared
         when = _run_at(run_at, delay, now)
         if when is not None:
             values["run_at"] = when
@@ -454,6 +526,21 @@ class Jobs:
         elif unique:
             values["unique_key"] = derive_unique_key(t.name, arguments)
         return values
+
+    def job_meta(
+        self, task: str, queue: str, meta: Mapping[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The ``meta`` of the jobs of one enqueue call: the caller's, checked
+        (:func:`check_meta`), with what the enqueue hooks add (see :mod:`sqla_jobs.events`);
+        None when it is empty. A hook that raises is logged and skipped: an integration
+        must never fail the caller's enqueue."""
+        prepared = check_meta(meta) if meta is not None else {}
+        for hook in self.events.enqueue_hooks:
+            try:
+                hook(task, queue, prepared)
+            except Exception:
+                log.exception("enqueue hook %r failed", hook)
+        return prepared or None
 
 
 def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:
