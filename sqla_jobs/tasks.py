@@ -432,7 +432,10 @@ class Jobs:
             )
             if schedule_name in self.schedules:
                 raise ValueError(f"a schedule named {schedule_name!r} is already declared")
-            self.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
+            # Checked as an enqueue would be; nothing is enqueued (no enqueue hooks).
+            self.job_values(
+                task, (), dict(args or {}), queue=queue, priority=priority, meta_prepared=True
+            )
             self.schedules[schedule_name] = Schedule(
                 schedule_name, task.name, cron, dict(args or {}), queue, priority
             )

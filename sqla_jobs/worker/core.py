@@ -23,7 +23,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -306,7 +306,11 @@ class WorkerCore:
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
         name = outcome_name(outcome)
-        self.log_end(job, name, duration, outcome, error)
+        # A cheap test first (where job lines are off, most runs log nothing): a DEBUG
+        # line for a quiet success or snooze, else INFO or above.
+        quiet = not self.settings.log_jobs and name in ("succeeded", "snoozed")
+        if log.isEnabledFor(logging.DEBUG if quiet else logging.INFO):
+            self.log_end(job, name, duration, outcome, error)
         if name == "cancelled":
             self.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
         else:
@@ -333,7 +337,8 @@ class WorkerCore:
                 level = logging.WARNING if name == "dead" else logging.INFO
         if not log.isEnabledFor(level):
             return
-        why = describe(error) if error is not None else None
+        # A snooze is raised, but it is no error.
+        why = describe(error) if error is not None and name != "snoozed" else None
         if name == "succeeded":
             text = f"succeeded in {duration:.3f}s"
         elif name == "retried":
@@ -350,7 +355,7 @@ class WorkerCore:
         if why:
             text += f": {why}"
         fields: dict[str, Any] = {"outcome": name, "duration": round(duration, 6)}
-        if error is not None:
+        if why is not None and error is not None:
             fields["error"] = why
         job_log(level, job, "%s", text, **fields)
 
@@ -429,11 +434,14 @@ class WorkerCore:
                     yield from self._maintain()
                     if not (yield from self._claim()) and not self._due_soon(wait_scheduled):
                         return
-                failures = 0
+                if failures:
+                    failures = 0
+                    self._unreachable_since = None
             except Exception as exc:
                 if not is_database_error(exc):
                     raise
                 failures += 1
+                self._note_unreachable(exc)
                 pause = retry_pause(failures, exc)
                 log.warning(
                     "worker %s: database error, retrying in %.2fs: %s",
@@ -445,6 +453,14 @@ class WorkerCore:
                 continue
             if not self.more:
                 yield Sleep(self._sleep_for())
+
+    def _note_unreachable(self, exc: BaseException) -> None:
+        """For health: since when the database cannot be reached (a failure of another kind
+        means it answers)."""
+        if not unreachable(exc):
+            self._unreachable_since = None
+        elif self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
 
     def _claim_order(self) -> list[str]:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
@@ -611,11 +627,7 @@ class WorkerCore:
                 if not is_database_error(exc):
                     raise
                 failures += 1
-                if unreachable(exc):
-                    if self._unreachable_since is None:
-                        self._unreachable_since = time.monotonic()
-                else:
-                    self._unreachable_since = None
+                self._note_unreachable(exc)
                 if self.stopping and failures > 5:
                     log.error(
                         "worker %s: could not record %d outcomes (%s); their jobs will run "
@@ -682,6 +694,12 @@ class WorkerCore:
                 raise
             log.warning("worker %s: heartbeat failed: %s", self.name, describe(exc))
             self._last_beat = 0.0  # try again at the next tick
+            if not unreachable(exc) and any(n is not None for n in notes):
+                # The server refused the statement, and a note may be why: the leases
+                # matter more, so the next beat goes without these notes.
+                for job, note in zip(running, notes, strict=True):
+                    if note is not None:
+                        job.progress_written(note)
             return
         with self._lock:
             # A claim settled while the statement ran (its completion may be written
@@ -1045,8 +1063,9 @@ class Run:
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.outcome: Outcome | None = None
-        #: The run hooks entered, with what each returned.
-        self.hooks: list[tuple[RunHook, object]] = []
+        #: The run hooks entered, with what each returned (a tuple: none, the usual case,
+        #: costs no allocation).
+        self.hooks: Sequence[tuple[RunHook, object]] = ()
 
     def __enter__(self) -> Run:
         return self
@@ -1056,14 +1075,16 @@ class Run:
         return True
 
     def enter_hooks(self, hooks: Iterable[RunHook]) -> None:
+        entered: list[tuple[RunHook, object]] = []
         for hook in hooks:
             try:
-                self.hooks.append((hook, hook.enter(self.job)))
+                entered.append((hook, hook.enter(self.job)))
             except Exception:
                 log.exception("run hook %r failed to enter", hook)
+        self.hooks = entered
 
     def _exit_hooks(self, outcome: str, error: BaseException | None) -> None:
-        hooks, self.hooks = self.hooks, []
+        hooks, self.hooks = self.hooks, ()
         for hook, state in reversed(hooks):
             try:
                 hook.exit(self.job, state, outcome, error)

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from ..errors import PermanentError, Snooze
 from ..limits import PROGRESS_MAX_BYTES
 from ..queries import Queries, batch_params, fail_params, snooze_params
+from ..tasks import json_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task
@@ -143,13 +144,17 @@ class ClaimedJob:
         """
         if note is not None and not isinstance(note, str):
             raise ValueError(f"progress note must be a string, got {note!r}")
-        from ..tasks import json_problem
-
         entry = {"value": value, "note": note, "at": datetime.now(timezone.utc).isoformat()}
-        problem = json_problem(entry, "progress")
-        if problem is not None:
-            raise ValueError(problem)
-        text = _progress_json(entry)
+        try:
+            text = _progress_json(entry)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"progress is not JSON-serialisable ({exc})") from None
+        # What JSON takes and PostgreSQL does not (NUL, surrogates, non-string keys): only
+        # looked for when the text shows a reason to.
+        if not text.isascii() or "\\u0000" in text or "{" in text[1:]:
+            problem = json_problem(entry, "progress")
+            if problem is not None:
+                raise ValueError(problem)
         if len(text.encode()) > PROGRESS_MAX_BYTES:
             raise ValueError(
                 f"progress is {len(text.encode())} bytes of JSON; at most "
@@ -175,7 +180,7 @@ class ClaimedJob:
 
 #: Progress notes keep their text as given (``ensure_ascii=False``): the size limit is in
 #: bytes of UTF-8, as stored.
-_progress_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_progress_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 
 _EVENT_LOCK = threading.Lock()
