@@ -204,3 +204,44 @@ def test_set_progress_refuses_what_would_not_fit() -> None:
     with pytest.raises(ValueError, match="must be a string"):
         job.set_progress(1, note=2)  # type: ignore[arg-type]
     assert job.progress is None
+
+
+def test_a_refused_heartbeat_drops_its_progress_notes_but_an_outage_keeps_them() -> None:
+    core, _, _ = make()
+    (job,) = core.claimed([row(1)])
+    job.set_progress(1)
+
+    def refuse(error: Exception) -> Any:
+        def answer(step: s.Step) -> Any:
+            raise error
+
+        return answer
+
+    outage = sa.exc.OperationalError("UPDATE ...", {}, psycopg.OperationalError("gone"))
+    run_steps(core.beat(), refuse(outage))
+    assert job.unwritten_progress() is not None  # sent again with the next beat
+    bad = sa.exc.DataError("UPDATE ...", {}, psycopg.DataError("invalid input syntax"))
+    run_steps(core.beat(), refuse(bad))
+    assert job.unwritten_progress() is None  # the next beat keeps the leases without it
+
+
+def test_the_fetch_loop_reports_a_database_it_cannot_reach() -> None:
+    core, _, _ = make(queues=("a",))
+    calls = 0
+
+    def answer(step: s.Step) -> Any:
+        nonlocal calls
+        if isinstance(step, s.Io):
+            calls += 1
+            if calls == 1:
+                raise sa.exc.OperationalError("SELECT ...", {}, psycopg.OperationalError("x"))
+            core.stopping = True
+            return {"refresh": Refresh(None, frozenset()), "prune_batch": 0}.get(
+                step.fn.__name__, []
+            )
+        if isinstance(step, s.Pause):
+            assert core.health().database.startswith("unreachable for ")
+        return None
+
+    run_steps(core.fetch(), answer)
+    assert calls >= 2 and core.health().database == "ok"
