@@ -411,7 +411,7 @@ UPDATE {t} AS j
   FROM next_jobs
  WHERE j.id = next_jobs.id
 RETURNING j.id, j.queue, j.task, j.args, j.attempts, j.max_attempts, j.priority,
-          j.run_at, j.created_at"""
+          j.run_at, j.created_at, j.meta"""
     ).format(t=app.qualified)
 
 

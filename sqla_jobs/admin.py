@@ -81,6 +81,7 @@ __all__ = [
     "list_queues",
     "list_workers",
     "max_job_id",
+    "meta_filter",
     "overview",
     "parse_search",
     "pause_queue",
@@ -176,6 +177,10 @@ class JobInfo:
     locked_by: str | None
     unique_key: str | None
     last_error: str | None
+    #: As enqueued (``meta={...}``), or None.
+    meta: dict[str, Any] | None = None
+    #: The latest progress note of its handler: ``{"value", "note", "at"}``, or None.
+    progress: dict[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
@@ -296,15 +301,24 @@ def list_jobs(
     queue: OneOrMany = None,
     status: OneOrMany = None,
     task: OneOrMany = None,
+    meta: Mapping[str, Any] | None = None,
     limit: int | None = 50,
 ) -> list[JobInfo]:
-    """Jobs matching every given filter, newest (highest id) first, at most ``limit``."""
+    """Jobs matching every given filter, newest (highest id) first, at most ``limit``.
+
+    :param meta: jobs whose ``meta`` has each of these keys with this value, or with a
+        list that contains it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}``
+        too). Read through the ``<table>_meta`` GIN index.
+    """
     table = _table(jobs)
     ids = _ids(ids)  # once: it may be an iterator
     statuses = _statuses(status, STATUSES, "list")
+    where = _filters(table, ids=ids, queue=queue, task=task, statuses=statuses)
+    if meta is not None:
+        where += meta_filter(table, meta)
     stmt = (
         sa.select(*(table.c[name] for name in _JOB_FIELDS))
-        .where(*_filters(table, ids=ids, queue=queue, task=task, statuses=statuses))
+        .where(*where)
         .order_by(table.c.id.desc())
     )
     if limit is not None:
@@ -312,6 +326,25 @@ def list_jobs(
             raise ValueError(f"limit must be >= 1, got {limit}")
         stmt = stmt.limit(limit)
     return [JobInfo.from_row(r._mapping) for r in _execute(bind, stmt)]
+
+
+def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnElement[bool]]:
+    """``meta @> {key: value}`` (or ``{key: [value]}``) for each pair: containment, the
+    operator the ``jsonb_path_ops`` GIN index serves. ``meta IS NOT NULL`` is spelled out
+    so that the planner matches the partial index's predicate."""
+    if not isinstance(meta, Mapping) or not meta:
+        raise ValueError(f"meta filter must be a non-empty dict, got {meta!r}")
+    c = table.c
+    where: list[sa.ColumnElement[bool]] = [c.meta.is_not(None)]
+    for key, value in meta.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"meta filter keys must be non-empty strings, got {key!r}")
+        one = c.meta.contains({key: value})
+        if isinstance(value, (list, dict)):
+            where.append(one)
+        else:
+            where.append(sa.or_(one, c.meta.contains({key: [value]})))
+    return where
 
 
 def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:

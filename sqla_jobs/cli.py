@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import importlib
 import json
-import logging
 import os
 import re
 import sys
@@ -41,7 +40,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import admin
+from . import admin, logs
 from .db import create_engine
 from .errors import WorkerError
 from .model import STATUSES, job_table
@@ -270,6 +269,32 @@ def _plural(n: int, word: str = "job") -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _progress(progress: dict[str, Any] | None) -> str:
+    """``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
+    if not progress:
+        return "-"
+    parts = []
+    if progress.get("value") is not None:
+        parts.append(json.dumps(progress["value"], sort_keys=True))
+    if progress.get("note"):
+        parts.append(json.dumps(progress["note"], ensure_ascii=False))
+    if progress.get("at"):
+        parts.append(f"(at {progress['at']})")
+    return " ".join(parts) or json.dumps(progress, sort_keys=True)
+
+
+def _meta_pair(text: str) -> tuple[str, Any]:
+    """``key=value``: the value as JSON if it reads as JSON (``42``, ``true``,
+    ``"42"``), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
 def _error_summary(text: str | None, width: int = 60) -> str:
     """The last line of a traceback is the exception itself: the part worth a column."""
     if not text:
@@ -382,6 +407,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
             queue=args.queue,
             status=args.status,
             task=args.task,
+            meta=dict(args.meta) if args.meta else None,
             limit=args.limit,
         )
     if args.json:
@@ -434,6 +460,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
         ("locked_until", _when(job.locked_until)),
         ("unique_key", job.unique_key or "-"),
         ("args", json.dumps(job.args, sort_keys=True)),
+        ("meta", "-" if job.meta is None else json.dumps(job.meta, sort_keys=True)),
+        ("progress", _progress(job.progress)),
     ]
     print(f"job {job.id}")
     for name, value in fields:
@@ -601,6 +629,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     jobs = load_registry(args.registry)
     engine = engine_from(args)
     settings = _worker_settings(args)
+    metrics_at = getattr(args, "metrics_port", None)
+    health_at = getattr(args, "health_port", None)
+    if metrics_at is not None:
+        _need_metrics()
     if args.processes > 1:
         if args.until_empty:
             raise CommandError(
@@ -615,29 +647,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
         url = getattr(args, "database_url", None)
         if url:
             child += ["--database-url", url]
-        child += ["worker", args.registry, *settings.to_argv()]
+        child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args)]
         if args.asyncio:
             child.append("--asyncio")
-        return supervise(child, args.processes, grace_period=settings.grace_period)
+
+        def ports(index: int) -> list[str]:
+            # Each child serves its own endpoints, on the given port plus its index.
+            extra: list[str] = []
+            for flag, at in (("--metrics-port", metrics_at), ("--health-port", health_at)):
+                if at is not None:
+                    host, port = at
+                    extra += [flag, f"{host}:{port + index if port else 0}"]
+            return extra
+
+        return supervise(
+            child, args.processes, grace_period=settings.grace_period, child_args=ports
+        )
     _check_table(engine, jobs)
     try:
         if args.asyncio:
-            _run_async_worker(jobs, engine.url, settings, until_empty=args.until_empty)
+            _run_async_worker(jobs, engine.url, settings, args)
         else:
             from .worker import Worker
 
             worker = Worker(jobs, engine, settings)
-            if args.until_empty:
-                worker.run_until_empty()
-            else:
-                worker.run()
+            with _endpoints(args, jobs, worker, engine):
+                if args.until_empty:
+                    worker.run_until_empty()
+                else:
+                    worker.run()
     except WorkerError as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
     return EXIT_OK
 
 
 def _run_async_worker(
-    jobs: Jobs, url: sa.URL, settings: WorkerSettings, *, until_empty: bool
+    jobs: Jobs, url: sa.URL, settings: WorkerSettings, args: argparse.Namespace
 ) -> None:
     import asyncio
 
@@ -648,14 +693,101 @@ def _run_async_worker(
         engine = create_async_engine(url, pool_size=min(settings.concurrency, 32) + 4)
         try:
             worker = AsyncWorker(jobs, engine, settings)
-            if until_empty:
-                await worker.run_until_empty()
-            else:
-                await worker.run()
+            with _endpoints(args, jobs, worker, url):
+                if args.until_empty:
+                    await worker.run_until_empty()
+                else:
+                    await worker.run()
         finally:
             await engine.dispose()
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _endpoints(
+    args: argparse.Namespace, jobs: Jobs, worker: Any, engine: sa.Engine | sa.URL
+) -> Iterator[None]:
+    """Serve ``--metrics-port`` and ``--health-port`` while the worker runs."""
+    closers: list[Callable[[], None]] = []
+    try:
+        metrics_at: tuple[str, int] | None = getattr(args, "metrics_port", None)
+        if metrics_at is not None:
+            from prometheus_client import start_http_server
+
+            from .metrics import JobMetrics
+
+            # The application may have made its own (to count in its web processes too):
+            # then that one, and its CollectorRegistry, are served.
+            metrics = JobMetrics.attached(jobs)
+            if metrics is None:
+                metrics = JobMetrics(jobs, engine=engine)
+                closers.append(metrics.close)
+            metrics.track(worker)
+            host, port = metrics_at
+            registry = metrics.registry
+            server, _ = _listening(
+                "--metrics-port", metrics_at, lambda: start_http_server(port, host, registry)
+            )
+            closers += [server.shutdown, server.server_close]
+        health_at: tuple[str, int] | None = getattr(args, "health_port", None)
+        if health_at is not None:
+            from .health import serve_health
+
+            where = health_at
+            health = _listening(
+                "--health-port", where, lambda: serve_health(worker, where[1], where[0])
+            )
+            closers.append(health.close)
+        yield
+    finally:
+        for close in reversed(closers):
+            with contextlib.suppress(Exception):
+                close()
+
+
+T = typing.TypeVar("T")
+
+
+def _listening(flag: str, at: tuple[str, int], start: Callable[[], T]) -> T:
+    try:
+        return start()
+    except OSError as exc:
+        raise CommandError(f"{flag} {at[0]}:{at[1]}: {exc.strerror or exc}", EXIT_FAILURE) from None
+
+
+def _need_metrics() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise CommandError(
+            "--metrics-port needs prometheus-client: pip install 'sqla-jobs[metrics]'"
+        ) from None
+
+
+def _log_argv(args: argparse.Namespace) -> list[str]:
+    """The logging flags, handed on to the children of a supervisor."""
+    argv: list[str] = []
+    if getattr(args, "log_level", None):
+        argv += ["--log-level", args.log_level]
+    if getattr(args, "log_format", None):
+        argv += ["--log-format", args.log_format]
+    return argv
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """``PORT`` (all interfaces) or ``HOST:PORT``."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host = "0.0.0.0"
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PORT or HOST:PORT, got {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {number}")
+    return host, number
 
 
 def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
@@ -678,7 +810,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         help_text = f.metadata["help"]
         if hint is bool:
-            # The only boolean setting defaults to True; its flag turns it off.
+            # Boolean settings default to True; their flags (--no-...) turn them off.
             parser.add_argument(flag, dest=f.name, action="store_false", help=help_text)
             continue
         if f.default is not None:
@@ -868,6 +1000,33 @@ def _add_worker(sub: Any) -> None:
         help="run this many worker processes under a supervisor that restarts one that dies "
         "(default: 1, no supervisor); --concurrency applies to each",
     )
+    worker.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=logs.LEVELS,
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO; -v: DEBUG)",
+    )
+    worker.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        help="text lines (default), or one JSON object per line with the job's fields",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=_host_port,
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics at /metrics on this port (all interfaces unless HOST "
+        "is given; with --processes N, each process on PORT + its index 0..N-1); needs "
+        "pip install 'sqla-jobs[metrics]'",
+    )
+    worker.add_argument(
+        "--health-port",
+        type=_host_port,
+        metavar="[HOST:]PORT",
+        help="serve GET /healthz on this port: 200 while the worker is healthy, 503 once a "
+        "loop is stuck (see --stuck-after); with --processes N, PORT + index as above",
+    )
     worker.set_defaults(func=cmd_worker)
 
 
@@ -917,6 +1076,14 @@ def _add_jobs(sub: Any) -> None:
         description="Jobs matching every given filter, newest (highest id) first.",
     )
     _filter_options(listing, ", ".join(STATUSES), "any")
+    listing.add_argument(
+        "--meta",
+        action="append",
+        type=_meta_pair,
+        metavar="KEY=VALUE",
+        help="only jobs whose meta has KEY equal to VALUE, or a list holding it (repeatable; "
+        "VALUE is read as JSON when it can be: 42, true, '\"42\"' for the string)",
+    )
     listing.add_argument(
         "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"
     )
@@ -1017,8 +1184,8 @@ def _add_queues(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = logging.DEBUG if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(args, "log_level", None) or ("DEBUG" if args.verbose else "INFO")
+    logs.configure(level, getattr(args, "log_format", None) or "text")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

@@ -130,7 +130,16 @@ def async_connection(connection: object) -> AsyncConnection:
 
 
 #: The option names ``Jobs.enqueue`` takes as keywords besides ``with_options``.
-_OPTIONS = ("queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key")
+_OPTIONS = (
+    "queue",
+    "priority",
+    "run_at",
+    "delay",
+    "max_attempts",
+    "unique",
+    "unique_key",
+    "meta",
+)
 
 
 def _resolve(

@@ -22,6 +22,9 @@ Events, in a job's life:
     another attempt is scheduled, or
 ``dead``
     no attempt is left, or the failure was permanent;
+``snoozed``
+    the handler raised :class:`~sqla_jobs.Snooze` (``event.reason``: seconds until the
+    next run, as text);
 ``cancelled``
     the run was told to stop: the job was cancelled, its lease was lost, or it timed out
     (``event.reason``).
@@ -30,6 +33,18 @@ Listeners run in the worker's threads (or its event loop, for the asyncio worker
 must be quick and thread-safe. An exception in a listener is logged, never raised into
 the worker. The registry is per :class:`~sqla_jobs.Jobs`, never global: two job tables have
 two sets of listeners.
+
+Two hooks go further than listening, for integrations that must act *inside* an enqueue
+or a run (:mod:`sqla_jobs.tracing` is built on them):
+
+* an **enqueue hook** (:meth:`Events.add_enqueue_hook`) is called once per ``enqueue``
+  or ``enqueue_many`` call, before the rows are built, with the task name, the queue and
+  the job's ``meta`` (a fresh dict): it may add keys under ``sqla_jobs.``, which the rows
+  then carry;
+* a **run hook** (:meth:`Events.add_run_hook`) is entered right before a handler runs and
+  exited when the run ends, both in the handler's own context (its thread, or its asyncio
+  task), so that a context variable it sets is seen by the handler and reset after it,
+  even when a timeout was decided elsewhere meanwhile.
 """
 
 from __future__ import annotations
@@ -37,13 +52,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["EVENTS", "Events", "JobEvent"]
+__all__ = ["EVENTS", "EnqueueHook", "Events", "JobEvent", "RunHook"]
 
 log = logging.getLogger("sqla_jobs.events")
 
-EVENTS = ("enqueued", "started", "succeeded", "failed", "retried", "dead", "cancelled")
+EVENTS = (
+    "enqueued",
+    "started",
+    "succeeded",
+    "failed",
+    "retried",
+    "dead",
+    "snoozed",
+    "cancelled",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +87,47 @@ class JobEvent:
 
 Listener = Callable[[JobEvent], object]
 
+#: ``hook(task_name, queue, meta)``: may add ``sqla_jobs.``-prefixed keys to ``meta``.
+EnqueueHook = Callable[[str, str, dict[str, Any]], None]
+
+
+class RunHook(Protocol):
+    """Wraps every run of a handler; see the module's docstring."""
+
+    def enter(self, job: Any) -> object:
+        """The handler is about to run; what this returns is given back to :meth:`exit`."""
+
+    def exit(self, job: Any, state: object, outcome: str, error: BaseException | None) -> None:
+        """The run ended: ``outcome`` is ``succeeded``, ``retried``, ``dead``, ``snoozed``
+        or ``cancelled`` (timed out, lost, cancelled, cut off at shutdown: see
+        ``job.cancel_reason``); ``error`` is what the handler raised, if anything."""
+
 
 class Events:
-    """Listeners by event name."""
+    """Listeners by event name, and the enqueue and run hooks."""
 
     def __init__(self) -> None:
         self._listeners: dict[str, list[Listener]] = {name: [] for name in EVENTS}
+        #: Read on every enqueue and every run: empty unless an integration is installed.
+        self.enqueue_hooks: tuple[EnqueueHook, ...] = ()
+        self.run_hooks: tuple[RunHook, ...] = ()
+
+    def add_enqueue_hook(self, hook: EnqueueHook) -> None:
+        self.enqueue_hooks = (*self.enqueue_hooks, hook)
+
+    def remove_enqueue_hook(self, hook: EnqueueHook) -> None:
+        # Equality, not identity: each access to a bound method makes a new object.
+        self.enqueue_hooks = tuple(h for h in self.enqueue_hooks if h != hook)
+
+    def add_run_hook(self, hook: RunHook) -> None:
+        self.run_hooks = (*self.run_hooks, hook)
+
+    def remove_run_hook(self, hook: RunHook) -> None:
+        self.run_hooks = tuple(h for h in self.run_hooks if h != hook)
+
+    def listeners(self, name: str) -> list[Listener]:
+        """The listeners of one event (a copy)."""
+        return list(self._listeners[name])
 
     def connect(self, name: str, listener: Listener) -> None:
         """Call ``listener(event)`` whenever ``name`` happens."""

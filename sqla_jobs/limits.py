@@ -11,6 +11,9 @@ CHECK constraints stay the last line.
 from __future__ import annotations
 
 __all__ = [
+    "META_MAX_BYTES",
+    "META_RESERVED_PREFIX",
+    "PROGRESS_MAX_BYTES",
     "QUEUE_MAX_BYTES",
     "SCHEDULE_NAME_MAX_BYTES",
     "UNIQUE_KEY_MAX_BYTES",
@@ -27,6 +30,17 @@ UNIQUE_KEY_MAX_BYTES = 1024
 #: A schedule's jobs get the unique key ``periodic:<name>:<tick>``; 200 bytes keeps it
 #: well inside the unique index.
 SCHEDULE_NAME_MAX_BYTES = 200
+#: A job's ``meta`` is for tags and correlation ids, not a second set of arguments: every
+#: claim returns it and the ``<table>_meta`` GIN index holds an entry per value in it. 8 KiB
+#: of JSON is far more than tags need, and keeps a mistake (a document passed as meta)
+#: from riding every claim.
+META_MAX_BYTES = 8192
+#: ``meta`` keys that start with this belong to sqla-jobs (``sqla_jobs.trace``: the trace
+#: context of the enqueuing span); ``enqueue`` refuses them from the caller.
+META_RESERVED_PREFIX = "sqla_jobs."
+#: A progress note rides the heartbeat's statement and is rewritten with the row: a
+#: number and a sentence, or a small object, fit in far less than 4 KiB.
+PROGRESS_MAX_BYTES = 4096
 
 
 def text_problem(text: str) -> str | None:

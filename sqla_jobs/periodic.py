@@ -67,8 +67,10 @@ def _values(
     check_timezone(tz)
     check_cron(cron, now=now, tz=tz)
     # The same checks as an enqueue: a schedule that could never make a valid job is
-    # refused when it is stored.
-    values = jobs.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
+    # refused when it is stored. (Nothing is enqueued here: no enqueue hooks.)
+    values = jobs.job_values(
+        task, (), dict(args or {}), queue=queue, priority=priority, meta_prepared=True
+    )
     return {
         "name": name,
         "task": values["task"],

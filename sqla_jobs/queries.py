@@ -148,6 +148,7 @@ CLAIMED_COLUMNS = (
     "priority",
     "run_at",
     "created_at",
+    "meta",
 )
 
 
@@ -233,9 +234,16 @@ def _fail(t: sa.Table) -> sa.Update:
             finished_at=sa.case((dead, sa.func.now()), else_=None),
             locked_until=None,
             last_error=sa.bindparam("error"),
+            progress=_latest_progress(c, sa.bindparam("progress", None, type_=sa.Text)),
         )
         .returning(c.id, c.status)
     )
+
+
+def _latest_progress(c: Any, note: Any) -> sa.ColumnElement[Any]:
+    """The run's latest progress note if it has one not yet written, else the row's. The
+    parameter defaults to NULL: callers that know of no progress may leave it out."""
+    return sa.func.coalesce(sa.cast(note, JSONB), c.progress)
 
 
 class FailParams(TypedDict):
@@ -244,15 +252,19 @@ class FailParams(TypedDict):
     error: str | None
     delay: timedelta
     permanent: bool
+    progress: str | None
 
 
-def fail_params(claim: Claim, error: str | None, delay: float, *, permanent: bool) -> FailParams:
+def fail_params(
+    claim: Claim, error: str | None, delay: float, *, permanent: bool, progress: str | None = None
+) -> FailParams:
     return {
         "job_id": claim.id,
         "attempt": claim.attempts,
         "error": error,
         "delay": interval(delay),
         "permanent": permanent,
+        "progress": progress,
     }
 
 
@@ -268,6 +280,7 @@ def _snooze(t: sa.Table) -> sa.Update:
             run_at=sa.func.now() + sa.bindparam("delay", type_=sa.Interval),
             max_attempts=c.max_attempts + 1,
             locked_until=None,
+            progress=_latest_progress(c, sa.bindparam("progress", None, type_=sa.Text)),
         )
         .returning(c.id)
     )
@@ -277,10 +290,16 @@ class SnoozeParams(TypedDict):
     job_id: int
     attempt: int
     delay: timedelta
+    progress: str | None
 
 
-def snooze_params(claim: Claim, delay: float) -> SnoozeParams:
-    return {"job_id": claim.id, "attempt": claim.attempts, "delay": interval(delay)}
+def snooze_params(claim: Claim, delay: float, progress: str | None = None) -> SnoozeParams:
+    return {
+        "job_id": claim.id,
+        "attempt": claim.attempts,
+        "delay": interval(delay),
+        "progress": progress,
+    }
 
 
 # Hand back claims that a stopping worker will not finish: ready again at once, the claim
@@ -311,26 +330,48 @@ def _hand_back(t: sa.Table, channel: str) -> sa.Select[Any]:
     )
 
 
-# Heartbeat: extend the leases of all of a worker's running jobs in one statement. Claims
+# Heartbeat: extend the leases of all of a worker's running jobs in one statement, and write
+# the progress notes their handlers left since the last beat (a third array, NULL for "no
+# news": COALESCE keeps the row's; a missing array is all NULLs, as unnest pads it). Claims
 # that do not come back were lost (lease expired and retaken) or cancelled.
 def _heartbeat(t: sa.Table) -> sa.Update:
     c = t.c
-    batch = _batch()
+    batch = (
+        sa.func.unnest(
+            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
+            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+            sa.bindparam("progress_list", None, type_=ARRAY(sa.Text)),
+        )
+        .table_valued("id", "attempts", "progress")
+        .render_derived(name="batch")
+    )
     return (
         sa.update(t)
         .where(guarded(t, batch))
-        .values(locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval))
+        .values(
+            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            progress=_latest_progress(c, batch.c.progress),
+        )
         .returning(c.id, c.attempts)
     )
 
 
 class HeartbeatParams(BatchParams):
     lease: timedelta
+    progress_list: list[str | None]
 
 
-def heartbeat_params(claims: Iterable[Claim], lease: timedelta) -> HeartbeatParams:
+def heartbeat_params(
+    claims: Iterable[Claim], lease: timedelta, progress: Iterable[str | None] | None = None
+) -> HeartbeatParams:
     batch = batch_params(claims)
-    return {"ids": batch["ids"], "attempt_list": batch["attempt_list"], "lease": lease}
+    notes: list[str | None] = list(progress) if progress is not None else [None] * len(batch["ids"])
+    return {
+        "ids": batch["ids"],
+        "attempt_list": batch["attempt_list"],
+        "lease": lease,
+        "progress_list": notes,
+    }
 
 
 # -- maintenance --------------------------------------------------------------------------
@@ -404,6 +445,20 @@ def _next_due(t: sa.Table) -> sa.Select[Any]:
     )
 
 
+# Queue depth for metrics: per queue, how many jobs are ready and how long the oldest has
+# been due. An index-only scan of <table>_claim (queue and run_at are in it; only ready
+# rows are), read when metrics are scraped, never per job.
+def _ready_depth(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    age = sa.func.greatest(0.0, sa.extract("epoch", sa.func.now() - sa.func.min(c.run_at)))
+    return (
+        sa.select(c.queue, sa.func.count().label("ready"), sa.cast(age, sa.Float).label("age"))
+        .where(c.status == status_literal(JobStatus.READY))
+        .group_by(c.queue)
+        .order_by(c.queue)
+    )
+
+
 # Retention: delete a batch of finished rows older than :age, through <table>_finished.
 # Small batches keep each transaction (and its locks) short.
 def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
@@ -437,13 +492,15 @@ _BULK_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("status", sa.Text),
     ("run_at", sa.DateTime(timezone=True)),
     ("unique_key", sa.Text),
+    ("meta", sa.Text),
 )
 
 
 # Bulk enqueue of a run of jobs that differ only in their arguments and unique keys (what
 # one enqueue_many call adds): INSERT ... SELECT FROM unnest(:args, :unique_key), the shared
-# values as scalars. The statement is the same whatever the batch size, so it is compiled
-# once, and only two arrays are built and sent. ON CONFLICT skips rows whose unique key
+# values (meta among them: one enqueue_many call gives all its jobs the same) as scalars.
+# The statement is the same whatever the batch size, so it is compiled once, and only two
+# arrays are built and sent. ON CONFLICT skips rows whose unique key
 # belongs to a live job (<table>_unique).
 def _bulk_insert(t: sa.Table) -> sa.Insert:
     each = (
@@ -468,6 +525,7 @@ def _bulk_insert(t: sa.Table) -> sa.Insert:
                 shared["status"],
                 sa.func.coalesce(shared["run_at"], sa.func.now()),
                 each.c.unique_key,
+                sa.cast(shared["meta"], JSONB),
             ),
         )
         .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
@@ -541,7 +599,7 @@ def _live_by_key(t: sa.Table) -> sa.Select[Any]:
     )
 
 
-_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at")
+_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at", "meta")
 
 #: One encoder for every row: ``json.dumps(..., separators=...)`` builds one per call.
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -556,6 +614,7 @@ def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
         row["max_attempts"],
         row["status"],
         row.get("run_at"),
+        row.get("meta"),
     )
 
 
@@ -569,6 +628,8 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
     for shared, run in itertools.groupby(rows, key=_shared_values):
         same = list(run)
         params = dict(zip(_SHARED, shared, strict=True))
+        if params["meta"] is not None:
+            params["meta"] = _dumps(params["meta"])
         params["args"] = [_dumps(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
         inserted += connection.execute(statement, params).rowcount
@@ -782,6 +843,7 @@ class Queries:
         self.promote = _promote(t, channel)
         self.rescue = _rescue(t, channel)
         self.next_due = _next_due(t)
+        self.ready_depth = _ready_depth(t)
         self.prune_dead = _prune(t, (JobStatus.DEAD, JobStatus.CANCELLED))
         self.prune_done = _prune(t, (JobStatus.DONE,))
         self.try_lock = _try_lock(t)

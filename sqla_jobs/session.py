@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
 from .queries import insert_rows
-from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, merge_options
+from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -106,6 +106,7 @@ class EnqueueMixin:
         max_attempts: Any = None,
         unique: Any = False,
         unique_key: Any = None,
+        meta: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -127,6 +128,8 @@ class EnqueueMixin:
             is INSERTed at once (``ON CONFLICT DO NOTHING``, in the caller's transaction,
             without flushing anything else), because the answer is needed now: the new
             job, or the live one that already holds the key, is returned.
+        :param meta: a JSON object stored with the job (tags, correlation ids), shown by
+            ``admin`` and the CLI, and searchable (``jobs list --meta key=value``).
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
         if isinstance(task, ConfiguredTask):
@@ -140,6 +143,7 @@ class EnqueueMixin:
                     "max_attempts": max_attempts,
                     "unique": unique,
                     "unique_key": unique_key,
+                    "meta": meta,
                 },
             )
             registry = plain.registry
@@ -157,6 +161,7 @@ class EnqueueMixin:
                 max_attempts=max_attempts,
                 unique=unique,
                 unique_key=unique_key,
+                meta=meta,
             )
         session = _sync(self)
         boundary = _boundary(session)
@@ -231,6 +236,7 @@ class EnqueueMixin:
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         unique: bool = False,
+        meta: Mapping[str, Any] | None = None,
     ) -> int:
         """Add many jobs of one task, one per item of ``arguments``; return how many.
 
@@ -241,7 +247,7 @@ class EnqueueMixin:
         when a savepoint begins, or at the release or commit of the transaction they were
         enqueued in, whose fate they share. With ``unique=True`` each job gets a key
         derived from its task and arguments, and one equal to a live job is silently
-        skipped.
+        skipped. ``meta`` is given to every job of the call.
         """
         registry, rows = many_values(
             task,
@@ -253,6 +259,7 @@ class EnqueueMixin:
             delay=delay,
             max_attempts=max_attempts,
             unique=unique,
+            meta=meta,
         )
         if rows:
             session = _sync(self)
@@ -283,6 +290,7 @@ def many_values(
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
         registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    meta = options.pop("meta", None)
     # One clock reading for the whole batch: with a delay, every row gets the same
     # run_at, so the batch stays one run of the bulk INSERT.
     now = _utcnow() if options.get("delay") is not None else None
@@ -290,9 +298,18 @@ def many_values(
     rows = []
     for item in arguments:
         if isinstance(item, TaskArgs):
-            rows.append(job_values(plain, item.args, item.kwargs, now=now, **options))
+            row = job_values(plain, item.args, item.kwargs, now=now, meta_prepared=True, **options)
         else:
-            rows.append(job_values(plain, (), item, now=now, **options))
+            row = job_values(plain, (), item, now=now, meta_prepared=True, **options)
+        rows.append(row)
+    if rows:
+        # Checked, and handed to the enqueue hooks, once for the whole call.
+        prepared = registry.job_meta(rows[0]["task"], rows[0]["queue"], meta)
+        if prepared is not None:
+            for row in rows:
+                row["meta"] = prepared
+    elif meta is not None:
+        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
     return registry, rows
 
 

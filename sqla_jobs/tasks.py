@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import random
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
 from .limits import (
+    META_MAX_BYTES,
+    META_RESERVED_PREFIX,
     QUEUE_MAX_BYTES,
     SCHEDULE_NAME_MAX_BYTES,
     UNIQUE_KEY_MAX_BYTES,
@@ -66,13 +69,15 @@ __all__ = [
     "TransactionalTask",
 ]
 
+log = logging.getLogger("sqla_jobs.enqueue")
+
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T", bound="Task[Any, Any]")
 
 #: Option names of ``session.enqueue``; a task may not use them as parameter names.
 RESERVED_NAMES = frozenset(
-    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key"}
+    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key", "meta"}
 )
 _SMALLINT_MAX = 32767
 
@@ -221,6 +226,7 @@ class Task(Generic[P, R]):
         max_attempts: int | None = None,
         unique: bool | None = None,
         unique_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> ConfiguredTask[P, R]:
         """This task with enqueue options bound, for a type-checked enqueue.
 
@@ -239,6 +245,7 @@ class Task(Generic[P, R]):
             max_attempts=max_attempts,
             unique=unique,
             unique_key=unique_key,
+            meta=meta,
         )
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
@@ -277,7 +284,16 @@ class TaskArgs(Generic[T]):
 
 
 #: The options ``with_options`` binds, in the order ``job_values`` takes them.
-OPTION_NAMES = ("queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key")
+OPTION_NAMES = (
+    "queue",
+    "priority",
+    "run_at",
+    "delay",
+    "max_attempts",
+    "unique",
+    "unique_key",
+    "meta",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,6 +319,7 @@ class ConfiguredTask(Generic[P, R]):
         max_attempts: int | None = None,
         unique: bool | None = None,
         unique_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> ConfiguredTask[P, R]:
         """These options on top of the ones already bound (a later one wins)."""
         given = {
@@ -313,6 +330,7 @@ class ConfiguredTask(Generic[P, R]):
             "max_attempts": max_attempts,
             "unique": unique,
             "unique_key": unique_key,
+            "meta": meta,
         }
         merged = dict(self.options)
         for key, value in given.items():
@@ -354,6 +372,8 @@ def check_options(options: Mapping[str, Any]) -> None:
         _check_max_attempts(options["max_attempts"])
     if "unique_key" in options:
         _check_unique_key(options["unique_key"])
+    if "meta" in options:
+        check_meta(options["meta"])
     _run_at(options.get("run_at"), options.get("delay"), None)
 
 
@@ -426,6 +446,59 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
     return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
+def json_problem(value: Any, name: str = "value") -> str | None:
+    """Why ``value`` cannot be stored as JSON in PostgreSQL (not JSON-serialisable, a NUL
+    or a surrogate in a string, a dict key that is not a string), or ``None``; the
+    message starts with ``name``."""
+    try:
+        text = _check_json(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        return f"{name} is not JSON-serialisable ({exc})"
+    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text:
+        found = _unstorable({name: value})
+        if found is not None:
+            _, where, why = found
+            return f"{name}{where} {why}"
+    return None
+
+
+def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's ``meta``, checked: a JSON object with string keys, storable, at most
+    :data:`~sqla_jobs.limits.META_MAX_BYTES` of JSON, and no key of the library's own
+    (``sqla_jobs.``). Raises :class:`EnqueueError`."""
+    if not isinstance(meta, Mapping):
+        raise EnqueueError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
+    checked = dict(meta)
+    for key in checked:
+        if not isinstance(key, str):
+            raise EnqueueError(f"meta keys must be strings, got {key!r}")
+        if key.startswith(META_RESERVED_PREFIX):
+            raise EnqueueError(
+                f"meta key {key!r}: keys starting with {META_RESERVED_PREFIX!r} are reserved "
+                "for sqla-jobs"
+            )
+    try:
+        text = _check_json(checked)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise EnqueueError(f"meta is not JSON-serialisable ({exc})") from None
+    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
+        for key in checked:
+            problem = text_problem(key)
+            if problem is not None:
+                raise EnqueueError(f"meta key {shorten(key)} {problem}")
+        found = _unstorable(checked)
+        if found is not None:
+            name, where, why = found
+            raise EnqueueError(f"meta key {name!r}{where} {why}")
+    size = len(text.encode())
+    if size > META_MAX_BYTES:
+        raise EnqueueError(
+            f"meta is {size} bytes of JSON; at most {META_MAX_BYTES} are allowed (meta is for "
+            "tags and correlation ids: pass data to the handler as arguments)"
+        )
+    return checked
+
+
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -439,6 +512,7 @@ class _ManyOptions(TypedDict, total=False):
     delay: float | timedelta
     max_attempts: int
     unique: bool
+    meta: Mapping[str, Any]
 
 
 class _TransactionalDecorator(Protocol):
@@ -847,7 +921,10 @@ class Jobs:
             )
             if schedule_name in self.schedules:
                 raise ValueError(f"a schedule named {schedule_name!r} is already declared")
-            self.job_values(task, (), dict(args or {}), queue=queue, priority=priority)
+            # Checked as an enqueue would be; nothing is enqueued (no enqueue hooks).
+            self.job_values(
+                task, (), dict(args or {}), queue=queue, priority=priority, meta_prepared=True
+            )
             self.schedules[schedule_name] = Schedule(
                 schedule_name, task.name, cron, dict(args or {}), queue, priority, tz
             )
@@ -884,9 +961,16 @@ class Jobs:
         max_attempts: int | None = None,
         unique: bool = False,
         unique_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+        meta_prepared: bool = False,
         now: datetime | None = None,
     ) -> dict[str, Any]:
-        """Check a job and return its column values. Raises :class:`EnqueueError`."""
+        """Check a job and return its column values. Raises :class:`EnqueueError`.
+
+        ``meta`` is checked and handed to the enqueue hooks (:meth:`job_meta`), unless
+        ``meta_prepared`` says it is already :meth:`job_meta`'s result: ``enqueue_many``
+        prepares it once for all its rows.
+        """
         t = self.get(task)
         arguments = t.bind_args(args, kwargs)
         # The task's own queue, priority and max_attempts were checked when it was
@@ -914,6 +998,13 @@ class Jobs:
             "max_attempts": attempts,
             "status": JobStatus.READY.value,
         }
+        if meta_prepared:
+            if meta is not None:
+                values["meta"] = meta
+        elif meta is not None or self.events.enqueue_hooks:
+            prepared = self.job_meta(t.name, q, meta)
+            if prepared is not None:
+                values["meta"] = prepared
         when = _run_at(run_at, delay, now)
         if when is not None:
             values["run_at"] = when
@@ -925,6 +1016,21 @@ class Jobs:
         elif unique:
             values["unique_key"] = derive_unique_key(t.name, arguments)
         return values
+
+    def job_meta(
+        self, task: str, queue: str, meta: Mapping[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The ``meta`` of the jobs of one enqueue call: the caller's, checked
+        (:func:`check_meta`), with what the enqueue hooks add (see :mod:`sqla_jobs.events`);
+        None when it is empty. A hook that raises is logged and skipped: an integration
+        must never fail the caller's enqueue."""
+        prepared = check_meta(meta) if meta is not None else {}
+        for hook in self.events.enqueue_hooks:
+            try:
+                hook(task, queue, prepared)
+            except Exception:
+                log.exception("enqueue hook %r failed", hook)
+        return prepared or None
 
 
 def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:

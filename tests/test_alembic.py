@@ -527,6 +527,60 @@ def test_later_release_adds_a_column_and_an_index(make_project: Any) -> None:
     project.check()
 
 
+def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
+    make_project: Any,
+) -> None:
+    """A table made before ``meta``, ``progress`` and the ``<table>_meta`` index existed: the
+    next autogenerate writes exactly those three, with nothing to edit by hand, and the
+    upgraded table takes jobs with meta."""
+    project = make_project(explicit_schema=True)
+    first = project.autogenerate("jobs")
+    project.edit(first, ["sa.Column('meta'", "sa.Column('progress'", "sa.Index('jobs_meta'"])
+    project.upgrade()
+
+    second = project.autogenerate("sqla-jobs 0.2")
+    upgrade = section(second, "upgrade")
+    assert len(upgrade) == 3, upgrade
+    schema = project.schema
+    assert upgrade[0] == (
+        "op.add_column('jobs', sa.Column('meta', postgresql.JSONB(astext_type=sa.Text()), "
+        f"nullable=True), schema='{schema}')"
+    )
+    assert upgrade[1] == (
+        "op.add_column('jobs', sa.Column('progress', postgresql.JSONB(astext_type=sa.Text()), "
+        f"nullable=True), schema='{schema}')"
+    )
+    create_index = upgrade[2]
+    assert create_index.startswith("op.create_index('jobs_meta', 'jobs', ['meta']")
+    for part in (
+        "postgresql_using='gin'",
+        "postgresql_ops={'meta': 'jsonb_path_ops'}",
+        "postgresql_where=sa.text('meta IS NOT NULL')",
+    ):
+        assert part in create_index, create_index
+
+    project.upgrade()
+    project.check()
+    assert project.compare() == []
+    with project.engine.connect() as conn:
+        indexdef = conn.execute(
+            sa.text("SELECT indexdef FROM pg_indexes WHERE schemaname = :s AND indexname = :i"),
+            {"s": schema, "i": "jobs_meta"},
+        ).scalar_one()
+    assert "USING gin (meta jsonb_path_ops) WHERE (meta IS NOT NULL)" in indexdef
+    with project.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {project.qualified()} (task, meta) "
+                """VALUES ('send', '{"tenant": 7}')"""
+            )
+        )
+
+    project.downgrade("-1")  # the downgrade removes exactly them
+    project.upgrade()
+    project.check()
+
+
 def test_removed_jobs_table_is_dropped_with_its_trigger(make_project: Any) -> None:
     """A jobs model removed from the app: the drop takes the function along, and the
     downgrade re-creates the table as the database had it."""

@@ -19,12 +19,14 @@ makes anyway).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -39,6 +41,7 @@ from .job import (
     Outcome,
     OutcomeKind,
     job_log,
+    outcome_name,
     outcome_of,
     reset_current,
     set_current,
@@ -74,10 +77,11 @@ from .steps import (
 if TYPE_CHECKING:
     import contextvars
 
+    from ..events import RunHook
     from ..tasks import Jobs, Task
     from .db import Refresh, Tally
 
-__all__ = ["Driver", "WorkerCore"]
+__all__ = ["Driver", "Health", "WorkerCore"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
@@ -90,6 +94,10 @@ PRESENCE_MISSES = 3
 #: Every this many presence updates (about a minute at the default), one of them also
 #: deletes the rows of workers long gone and throughput counts over a day old.
 TIDY_EVERY = 12
+
+#: A progress note waits at most about this long for the heartbeat (which then beats
+#: early), and the heartbeat never beats early more often than this.
+PROGRESS_EVERY = 1.0
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -108,6 +116,21 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def unreachable(exc: BaseException) -> bool:
+    """The server could not be reached (or dropped the connection), as opposed to an error
+    it answered with (a missing table, a constraint)."""
+    return isinstance(
+        exc,
+        (
+            sa.exc.OperationalError,
+            sa.exc.InterfaceError,
+            sa.exc.TimeoutError,
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+        ),
+    )
+
+
 def retry_pause(failures: int, exc: BaseException) -> float:
     """Seconds to wait after ``failures`` consecutive database errors.
 
@@ -118,17 +141,7 @@ def retry_pause(failures: int, exc: BaseException) -> float:
     """
     if failures <= 1 and getattr(exc, "connection_invalidated", False):
         return 0.0
-    reach = isinstance(
-        exc,
-        (
-            sa.exc.OperationalError,
-            sa.exc.InterfaceError,
-            sa.exc.TimeoutError,
-            psycopg.OperationalError,
-            psycopg.InterfaceError,
-        ),
-    )
-    cap = 0.5 if reach else 30.0
+    cap = 0.5 if unreachable(exc) else 30.0
     return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))
 
 
@@ -179,6 +192,13 @@ class WorkerCore:
         self._presence_failing = False
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
         self.fatal: WorkerError | None = None
+        #: For health: per loop, since when it waits on which step (None: it ended).
+        self._waiting: dict[str, tuple[float, Step | None]] = {}
+        #: Since when outcomes wait with none written; since when the completer cannot
+        #: reach the database.
+        self._outcomes_since: float | None = None
+        self._unreachable_since: float | None = None
+        self._state = "starting"
         self.reset()
 
     def reset(self) -> None:
@@ -194,6 +214,8 @@ class WorkerCore:
         self._next_prune = 0.0
         self._paused: frozenset[str] = frozenset()
         self._turn = 0
+        self._waiting.clear()  # cleared, not replaced: watched() holds this dict
+        self._unreachable_since = None
 
     # -- slots and the running set -----------------------------------------------------
 
@@ -244,6 +266,8 @@ class WorkerCore:
             )
             if record:
                 job.settled = True
+                if not self._unwritten:
+                    self._outcomes_since = time.monotonic()
                 self._unwritten += 1
         if record:
             assert outcome is not None
@@ -276,8 +300,11 @@ class WorkerCore:
         if task is None:
             return unknown_task(self.jobs, job, self.name)
         token = set_current(job)
-        self.jobs.events.fire("started", job)
+        events = self.jobs.events
+        events.fire("started", job)
         run = Run(self, task, job, token)
+        if events.run_hooks:
+            run.enter_hooks(events.run_hooks)
         try:
             run.args, run.kwargs = task.call_args(job.args)
         except Exception as exc:  # stored arguments that no longer fit the handler
@@ -292,13 +319,59 @@ class WorkerCore:
             return Outcome(OutcomeKind.SETTLED, job)
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
-        job_log(logging.DEBUG, job, "%s after %.3fs", outcome.kind, duration)
-        events = self.jobs.events
-        if job.is_cancelled:
-            events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+        name = outcome_name(outcome)
+        # A cheap test first (where job lines are off, most runs log nothing): a DEBUG
+        # line for a quiet success or snooze, else INFO or above.
+        quiet = not self.settings.log_jobs and name in ("succeeded", "snoozed")
+        if log.isEnabledFor(logging.DEBUG if quiet else logging.INFO):
+            self.log_end(job, name, duration, outcome, error)
+        if name == "cancelled":
+            self.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
         else:
             self._fire_outcome(outcome, duration, error)
         return outcome
+
+    def log_end(
+        self,
+        job: ClaimedJob,
+        name: str,
+        duration: float,
+        outcome: Outcome | None = None,
+        error: BaseException | None = None,
+        *,
+        level: int | None = None,
+    ) -> None:
+        """The one line about a finished run: its outcome and duration (and why it failed,
+        without any SQL statement). Successes and snoozes are INFO, or DEBUG without
+        ``log_jobs``; failures are always logged, a dead job as a WARNING."""
+        if level is None:
+            if name in ("succeeded", "snoozed"):
+                level = logging.INFO if self.settings.log_jobs else logging.DEBUG
+            else:
+                level = logging.WARNING if name == "dead" else logging.INFO
+        if not log.isEnabledFor(level):
+            return
+        # A snooze is raised, but it is no error.
+        why = describe(error) if error is not None and name != "snoozed" else None
+        if name == "succeeded":
+            text = f"succeeded in {duration:.3f}s"
+        elif name == "retried":
+            delay = outcome.delay if outcome is not None else 0.0
+            text = f"failed in {duration:.3f}s, retry in {delay:.3g}s"
+        elif name == "dead":
+            text = f"failed in {duration:.3f}s, dead"
+        elif name == "snoozed":
+            delay = outcome.delay if outcome is not None else 0.0
+            text = f"snoozed in {duration:.3f}s, again in {delay:.3g}s"
+        else:
+            text = f"cancelled after {duration:.3f}s"
+            why = why or job.cancel_reason
+        if why:
+            text += f": {why}"
+        fields: dict[str, Any] = {"outcome": name, "duration": round(duration, 6)}
+        if why is not None and error is not None:
+            fields["error"] = why
+        job_log(level, job, "%s", text, **fields)
 
     def _fire_outcome(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
         events, job = self.jobs.events, outcome.job
@@ -308,6 +381,8 @@ class WorkerCore:
             events.fire("failed", job, duration=duration, error=error)
             name = "dead" if outcome.dead else "retried"
             events.fire(name, job, duration=duration, error=error)
+        elif outcome.kind is OutcomeKind.SNOOZED:
+            events.fire("snoozed", job, duration=duration, reason=f"{outcome.delay:g}")
 
     def settle(self, job: ClaimedJob) -> bool:
         """A transactional run is about to COMMIT its completion: from now on the
@@ -374,11 +449,14 @@ class WorkerCore:
                     yield from self._maintain()
                     if not (yield from self._claim()) and not self._due_soon(wait_scheduled):
                         return
-                failures = 0
+                if failures:
+                    failures = 0
+                    self._unreachable_since = None
             except Exception as exc:
                 if not is_database_error(exc):
                     raise
                 failures += 1
+                self._note_unreachable(exc)
                 pause = retry_pause(failures, exc)
                 log.warning(
                     "worker %s: database error, retrying in %.2fs: %s",
@@ -390,6 +468,14 @@ class WorkerCore:
                 continue
             if not self.more:
                 yield Sleep(self._sleep_for())
+
+    def _note_unreachable(self, exc: BaseException) -> None:
+        """For health: since when the database cannot be reached (a failure of another kind
+        means it answers)."""
+        if not unreachable(exc):
+            self._unreachable_since = None
+        elif self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
 
     def _claim_order(self) -> list[str]:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
@@ -521,6 +607,8 @@ class WorkerCore:
             raise
         with self._lock:
             self._unwritten -= len(batch)
+            self._outcomes_since = time.monotonic() if self._unwritten else None
+        self._unreachable_since = None
         self.driver.written()
         return True
 
@@ -556,6 +644,7 @@ class WorkerCore:
                 if not is_database_error(exc):
                     raise
                 failures += 1
+                self._note_unreachable(exc)
                 if self.stopping and failures > 5:
                     log.error(
                         "worker %s: could not record %d outcomes (%s); their jobs will run "
@@ -585,13 +674,25 @@ class WorkerCore:
         if poked is None:
             return False
         self.enforce_timeouts()
-        if poked or self._poked or time.monotonic() - self._last_beat >= every:
+        since = time.monotonic() - self._last_beat
+        if (
+            poked
+            or self._poked
+            or since >= every
+            or (since >= PROGRESS_EVERY and self._progress_waiting())
+        ):
             self._poked = False
             yield from self.beat()
         return True
 
+    def _progress_waiting(self) -> bool:
+        """A running handler left a progress note the heartbeat has not written."""
+        with self._lock:
+            return any(j.unwritten_progress() is not None for j in self._running.values())
+
     def beat(self) -> Steps:
-        """Extend the leases of every running claim, in one statement.
+        """Extend the leases of every running claim, and write their handlers' latest
+        progress notes, in one statement.
 
         A claim that does not come back is no longer this worker's: the job was
         cancelled, or its lease passed and another worker took it. Its handler is told to
@@ -602,13 +703,20 @@ class WorkerCore:
             running = [j for j in self._running.values() if not j.settled]
         if not running:
             return
+        notes = [j.unwritten_progress() for j in running]
         try:
-            kept = yield Io(db.beat, (self.queries, running, self.lease), Conn.TX)
+            kept = yield Io(db.beat, (self.queries, running, self.lease, notes), Conn.TX)
         except Exception as exc:
             self._last_beat = 0.0  # whatever failed, try again at the next tick
             if not is_database_error(exc):
                 raise
             log.warning("worker %s: heartbeat failed: %s", self.name, describe(exc))
+            if not unreachable(exc) and any(n is not None for n in notes):
+                # The server refused the statement, and a note may be why: the leases
+                # matter more, so the next beat goes without these notes.
+                for job, note in zip(running, notes, strict=True):
+                    if note is not None:
+                        job.progress_written(note)
             return
         with self._lock:
             # A claim settled while the statement ran (its completion may be written
@@ -618,6 +726,9 @@ class WorkerCore:
                 for j in running
                 if j.key not in kept and self._running.get(j.key) is j and not j.settled
             ]
+        for job, note in zip(running, notes, strict=True):
+            if note is not None and job.key in kept:
+                job.progress_written(note)
         for job in lost:
             if not job.is_cancelled:
                 job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
@@ -645,12 +756,15 @@ class WorkerCore:
             for job, _ in overdue:
                 del self._running[job.key]
                 job.settled = True
+                if not self._unwritten:
+                    self._outcomes_since = now
                 self._unwritten += 1
         for job, task in overdue:
-            job_log(logging.WARNING, job, "timed out after %ss", task.timeout)
             job.cancel(f"timed out after {task.timeout}s")
             outcome = timed_out(task, job)
-            error = TimeoutError(outcome.error)
+            error = TimeoutError((outcome.error or "").removeprefix("TimeoutError: "))
+            name = "dead" if outcome.dead else "retried"
+            self.log_end(job, name, now - job.started, outcome, error, level=logging.WARNING)
             self._fire_outcome(outcome, now - job.started, error)
             self.driver.record(outcome)
             self.driver.interrupt(job)
@@ -770,22 +884,40 @@ class WorkerCore:
         """A worker's whole run: start, the fetch loop beside the side duties, then the
         graceful shutdown. Raises :class:`~sqla_jobs.errors.WorkerError` at the end if a
         duty kept failing."""
+        return self.watched(
+            "fetch loop",
+            self._run(
+                listen=listen,
+                until_empty=until_empty,
+                wait_scheduled=wait_scheduled,
+                deadline=deadline,
+            ),
+        )
+
+    def _run(
+        self, *, listen: bool, until_empty: bool, wait_scheduled: float, deadline: float | None
+    ) -> Steps:
         self.reset()
         self.until_empty = until_empty
-        yield from self.starting()
-        yield StartDuties(tuple(self.duties(listen=listen)))
+        self._state = "running"
         try:
-            yield from self.supervised(
-                "fetch loop", lambda: self.fetch(wait_scheduled=wait_scheduled, deadline=deadline)
-            )
+            yield from self.starting()
+            yield StartDuties(tuple(self.duties(listen=listen)))
+            try:
+                yield from self._supervised(
+                    "fetch loop",
+                    lambda: self.fetch(wait_scheduled=wait_scheduled, deadline=deadline),
+                )
+            finally:
+                self.driver.stop()
+                yield from self.shutdown()
+                yield EndDuties()
+                # After the duties ended: no presence update can follow the row's deletion.
+                yield from self.leave()
+                self.stopping = False  # ready for another run
+                log.info("worker %s stopped", self.name)
         finally:
-            self.driver.stop()
-            yield from self.shutdown()
-            yield EndDuties()
-            # After the duties ended: no presence update can follow the row's deletion.
-            yield from self.leave()
-            self.stopping = False  # ready for another run
-            log.info("worker %s stopped", self.name)
+            self._state = "stopped"
         if self.fatal is not None:
             raise self.fatal
 
@@ -795,7 +927,11 @@ class WorkerCore:
 
         The completer and the heartbeat outlive the stop (outcomes must be written, and
         leases kept while handlers finish): they end by themselves, once nothing is left.
+        Each step the duty waits on is noted for :meth:`health`.
         """
+        return self.watched(name, self._supervised(name, run_once))
+
+    def _supervised(self, name: str, run_once: Callable[[], Steps] | None = None) -> Steps:
         run_once = run_once or self.duties(listen=True)[name]
         outlives_stop = name in ("completer", "heartbeat")
         state = DutyState(self, name)
@@ -824,6 +960,80 @@ class WorkerCore:
             yield Pause(pause, stoppable=not outlives_stop)
             if self.stopping and not outlives_stop:
                 return
+
+    # -- health ------------------------------------------------------------------------
+
+    def watched(self, name: str, steps: Steps) -> Steps:
+        """``yield from steps``, noting for :meth:`health` which step the loop ``name``
+        waits on, and since when. One clock reading per step."""
+        waiting = self._waiting
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    step = steps.throw(error) if error is not None else steps.send(value)
+                except StopIteration as stop:
+                    return stop.value
+                waiting[name] = (time.monotonic(), step)
+                try:
+                    value, error = (yield step), None
+                except GeneratorExit:
+                    raise
+                except BaseException as exc:
+                    value, error = None, exc
+        finally:
+            waiting[name] = (time.monotonic(), None)
+            steps.close()
+
+    def health(self, now: float | None = None) -> Health:
+        """Whether this worker is alive and doing its work, and if not, why.
+
+        Unhealthy when its run has ended (or a duty kept failing), when a loop (the fetch
+        loop, the completer, the heartbeat, the listener) has waited on one step for longer
+        than that step should take plus ``stuck_after`` (a statement that hangs, a thread
+        that never comes back), or when outcomes have waited ``stuck_after`` seconds
+        without a write while the database answers. A database that cannot be reached is
+        reported, but is not the worker's fault: restarting it would not help.
+        """
+        now = time.monotonic() if now is None else now
+        stuck_after = self.settings.stuck_after
+        problems: list[str] = []
+        loops: dict[str, dict[str, Any]] = {}
+        for name, (since, step) in sorted(dict(self._waiting).items()):
+            waited = max(0.0, now - since)
+            loops[name] = {"waiting_on": step_name(step), "seconds": round(waited, 3)}
+            if step is not None and waited > step_budget(step, stuck_after):
+                problems.append(f"{name} stuck: waiting on {step_name(step)} for {waited:.1f}s")
+        if self._state == "stopped":
+            problems.insert(0, "the worker is not running")
+        if self.fatal is not None:
+            problems.insert(0, str(self.fatal))
+        database = "ok"
+        unreachable_since = self._unreachable_since
+        if unreachable_since is not None:
+            database = f"unreachable for {now - unreachable_since:.1f}s"
+        outcomes_since = self._outcomes_since
+        if (
+            outcomes_since is not None
+            and self._unwritten
+            and now - outcomes_since > stuck_after
+            and unreachable_since is None
+        ):
+            problems.append(
+                f"{self._unwritten} outcomes waiting {now - outcomes_since:.1f}s for a write"
+            )
+        return Health(
+            healthy=not problems,
+            state=self._state,
+            worker=self.name,
+            problems=tuple(problems),
+            loops=loops,
+            running=self.running,
+            concurrency=self.settings.concurrency,
+            unwritten=self._unwritten,
+            database=database,
+        )
 
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
         """A duty raised: log it, and say how long to wait before running it again.
@@ -897,6 +1107,7 @@ class WorkerCore:
         late = self._take(lambda j: True)
         for job in late:
             job.cancel("worker stopping: grace period over")
+            self.log_end(job, "cancelled", time.monotonic() - job.started if job.started else 0.0)
             self.jobs.events.fire("cancelled", job, reason=job.cancel_reason)
             self.driver.interrupt(job)
         if late:
@@ -931,9 +1142,12 @@ class Run:
         with run:
             run.task.fn(*run.args, **run.kwargs)
         return run.outcome
+
+    Every way a run ends (:meth:`end`, :meth:`committed`, :meth:`lost`) is called in the
+    handler's own context, so the run hooks (:mod:`sqla_jobs.events`) are exited there.
     """
 
-    __slots__ = ("_token", "args", "core", "job", "kwargs", "outcome", "task")
+    __slots__ = ("_token", "args", "core", "hooks", "job", "kwargs", "outcome", "task")
 
     def __init__(
         self,
@@ -947,6 +1161,9 @@ class Run:
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.outcome: Outcome | None = None
+        #: The run hooks entered, with what each returned (a tuple: none, the usual case,
+        #: costs no allocation).
+        self.hooks: Sequence[tuple[RunHook, object]] = ()
 
     def __enter__(self) -> Run:
         return self
@@ -955,17 +1172,40 @@ class Run:
         self.outcome = self.end(error)
         return True
 
+    def enter_hooks(self, hooks: Iterable[RunHook]) -> None:
+        entered: list[tuple[RunHook, object]] = []
+        for hook in hooks:
+            try:
+                entered.append((hook, hook.enter(self.job)))
+            except Exception:
+                log.exception("run hook %r failed to enter", hook)
+        self.hooks = entered
+
+    def _exit_hooks(self, outcome: str, error: BaseException | None) -> None:
+        hooks, self.hooks = self.hooks, ()
+        for hook, state in reversed(hooks):
+            try:
+                hook.exit(self.job, state, outcome, error)
+            except Exception:
+                log.exception("run hook %r failed to exit", hook)
+
     def end(self, error: BaseException | None) -> Outcome:
         """The handler is done (``error`` is what it raised, if anything)."""
         reset_current(self._token)
-        return self.core.end(self.task, self.job, error)
+        outcome = self.core.end(self.task, self.job, error)
+        if self.hooks:
+            self._exit_hooks(outcome_name(outcome), error)
+        return outcome
 
     def committed(self) -> Outcome:
         """A transactional run committed its writes with its completion: nothing is left
         to record."""
         reset_current(self._token)
         duration = time.monotonic() - self.job.started
+        self.core.log_end(self.job, "succeeded", duration)
         self.core.jobs.events.fire("succeeded", self.job, duration=duration)
+        if self.hooks:
+            self._exit_hooks("succeeded", None)
         return Outcome(OutcomeKind.SETTLED, self.job)
 
     def lost(self) -> Outcome:
@@ -973,11 +1213,77 @@ class Run:
         (the lease passed, or the job was cancelled), and its writes were rolled back."""
         reset_current(self._token)
         job = self.job
-        job_log(logging.WARNING, job, "claim lost; its writes were rolled back")
-        job.cancel("lease lost, or cancelled: this claim is no longer this worker's")
         duration = time.monotonic() - job.started
+        job.cancel("lease lost, or cancelled: this claim is no longer this worker's")
+        job_log(
+            logging.WARNING,
+            job,
+            "claim lost; its writes were rolled back",
+            outcome="cancelled",
+            duration=round(duration, 6),
+        )
         self.core.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+        if self.hooks:
+            self._exit_hooks("cancelled", None)
         return Outcome(OutcomeKind.SETTLED, job)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What :meth:`WorkerCore.health` found (``sqla-jobs worker --health-port`` serves it)."""
+
+    healthy: bool
+    #: ``starting`` (before its run), ``running``, or ``stopped``.
+    state: str
+    worker: str
+    #: Why it is unhealthy, one sentence each (empty when healthy).
+    problems: tuple[str, ...]
+    #: Per loop: the step it waits on and for how many seconds (``None``: it ended).
+    loops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    running: int = 0
+    concurrency: int = 0
+    #: Outcomes recorded and not yet written.
+    unwritten: int = 0
+    #: ``ok``, or how long the completer has not reached it.
+    database: str = "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "healthy": self.healthy,
+            "state": self.state,
+            "worker": self.worker,
+            "problems": list(self.problems),
+            "loops": self.loops,
+            "running": self.running,
+            "concurrency": self.concurrency,
+            "unwritten_outcomes": self.unwritten,
+            "database": self.database,
+        }
+
+
+def step_name(step: Step | None) -> str | None:
+    """A step as health reports name it: ``Sleep``, ``Io claim``, ..."""
+    if step is None:
+        return None
+    if isinstance(step, Io):
+        return f"Io {getattr(step.fn, '__name__', step.fn)}"
+    return type(step).__name__
+
+
+def step_budget(step: Step, stuck_after: float) -> float:
+    """How long a loop may wait on ``step`` before it counts as stuck: what the step says
+    it waits for (a sleep, a poll) plus ``stuck_after``; a statement gets ``stuck_after``;
+    waits that are idle by nature (the completer waiting for a first outcome) have no
+    limit, since what they wait for is watched on its own."""
+    if isinstance(step, (Sleep, Pause, Tick, WaitIdle)):
+        return step.seconds + stuck_after
+    if isinstance(step, Notifications):
+        return step.timeout + stuck_after
+    if isinstance(step, TakeOutcomes):
+        return math.inf if step.timeout is None else step.timeout + stuck_after
+    if isinstance(step, (WaitWritten, EndDuties)):
+        return math.inf
+    return stuck_after
 
 
 class DutyState:

@@ -89,10 +89,15 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
 
 
 def beat(
-    conn: sa.Connection, queries: Queries, claims: list[ClaimedJob], lease: timedelta
+    conn: sa.Connection,
+    queries: Queries,
+    claims: list[ClaimedJob],
+    lease: timedelta,
+    progress: list[str | None] | None = None,
 ) -> set[tuple[int, int]]:
-    """Extend the leases of these claims; the ``(id, attempts)`` of those still held."""
-    rows = conn.execute(queries.heartbeat, dict(heartbeat_params(claims, lease)))
+    """Extend the leases of these claims (and write their new progress notes, one per
+    claim, None for none); the ``(id, attempts)`` of those still held."""
+    rows = conn.execute(queries.heartbeat, dict(heartbeat_params(claims, lease, progress)))
     return {(r.id, r.attempts) for r in rows}
 
 

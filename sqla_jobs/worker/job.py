@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import json
 import logging
 import os
 import socket
@@ -19,13 +20,15 @@ import traceback
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from ..errors import PermanentError, Snooze
+from ..limits import PROGRESS_MAX_BYTES
 from ..queries import Queries, batch_params, fail_params, snooze_params
+from ..tasks import json_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task
@@ -70,6 +73,8 @@ class ClaimedJob:
     priority: int
     run_at: datetime
     created_at: datetime
+    #: The job's ``meta`` as enqueued (a JSON object), or None.
+    meta: dict[str, Any] | None = None
     worker: str = ""
     #: Why the run was told to stop (see :attr:`cancelled`), or None.
     cancel_reason: str | None = field(default=None, repr=False)
@@ -79,6 +84,10 @@ class ClaimedJob:
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
+    #: The latest progress note (JSON text), and the one the heartbeat last wrote: two
+    #: fields, each written by one side only (the handler, the heartbeat), so no lock.
+    _progress: str | None = field(default=None, repr=False)
+    _progress_written: str | None = field(default=None, repr=False)
     #: ``(id, attempts)``: this claim of this job, as the guard names it. The worker keeps
     #: its running jobs by it, never by ``id`` alone.
     key: tuple[int, int] = field(init=False, repr=False)
@@ -121,6 +130,58 @@ class ClaimedJob:
             self.cancel_reason = reason
             self.cancelled.set()
 
+    def set_progress(self, value: Any = None, *, note: str | None = None) -> None:
+        """Say how far the run has got: ``value`` a number (``0.4``, ``120``) or a small
+        JSON value (``{"done": 3, "of": 7}``), ``note`` a short sentence.
+
+        Cheap: it only keeps the latest note in memory. The worker writes it to the job's
+        ``progress`` column with its next heartbeat, which comes within about a second
+        when a note is waiting (never more often), together with the notes of every other
+        running job; a failure or a snooze writes the latest one with the outcome. Stored
+        as ``{"value": ..., "note": ..., "at": "<ISO 8601 UTC>"}``.
+
+        :raises ValueError: not JSON, text PostgreSQL cannot store, or over 4 KiB.
+        """
+        if note is not None and not isinstance(note, str):
+            raise ValueError(f"progress note must be a string, got {note!r}")
+        entry = {"value": value, "note": note, "at": datetime.now(timezone.utc).isoformat()}
+        try:
+            text = _progress_json(entry)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"progress is not JSON-serialisable ({exc})") from None
+        # What JSON takes and PostgreSQL does not (NUL, surrogates, non-string keys): only
+        # looked for when the text shows a reason to.
+        if not text.isascii() or "\\u0000" in text or "{" in text[1:]:
+            problem = json_problem(entry, "progress")
+            if problem is not None:
+                raise ValueError(problem)
+        if len(text.encode()) > PROGRESS_MAX_BYTES:
+            raise ValueError(
+                f"progress is {len(text.encode())} bytes of JSON; at most "
+                f"{PROGRESS_MAX_BYTES} are allowed"
+            )
+        self._progress = text
+
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """The latest note given to :meth:`set_progress` in this run, or None."""
+        text = self._progress
+        return None if text is None else json.loads(text)
+
+    def unwritten_progress(self) -> str | None:
+        """The latest progress note if the heartbeat has not written it yet (JSON text)."""
+        text = self._progress
+        return None if text is None or text is self._progress_written else text
+
+    def progress_written(self, text: str) -> None:
+        """The heartbeat wrote ``text`` (what :meth:`unwritten_progress` gave it)."""
+        self._progress_written = text
+
+
+#: Progress notes keep their text as given (``ensure_ascii=False``): the size limit is in
+#: bytes of UTF-8, as stored.
+_progress_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
 
 _EVENT_LOCK = threading.Lock()
 
@@ -156,10 +217,11 @@ class Outcome:
         return self.kind is OutcomeKind.FAILED and (self.permanent or self.job.is_last_attempt)
 
 
-def job_log(level: int, job: ClaimedJob, message: str, *args: Any) -> None:
+def job_log(level: int, job: ClaimedJob, message: str, *args: Any, **fields: Any) -> None:
     """Log about one job: the message is prefixed with its id, task, queue and attempt,
     which are also passed as ``extra`` fields (``job_id``, ``task``, ``queue``,
-    ``attempt``) for structured log handlers."""
+    ``attempt``, ``worker``, and any ``fields`` given) for structured log handlers
+    (``sqla-jobs worker --log-format json`` prints them)."""
     if not log.isEnabledFor(level):
         return
     log.log(
@@ -171,8 +233,31 @@ def job_log(level: int, job: ClaimedJob, message: str, *args: Any) -> None:
         job.attempts,
         job.max_attempts,
         *args,
-        extra={"job_id": job.id, "task": job.task, "queue": job.queue, "attempt": job.attempts},
+        extra={
+            "job_id": job.id,
+            "task": job.task,
+            "queue": job.queue,
+            "attempt": job.attempts,
+            "worker": job.worker,
+            **fields,
+        },
     )
+
+
+def outcome_name(outcome: Outcome) -> str:
+    """The name of how a run ended, as the events and :class:`~sqla_jobs.testing.JobRun`
+    name it: ``succeeded``, ``retried``, ``dead``, ``snoozed``, or ``cancelled`` (the run
+    was told to stop, or its claim was settled elsewhere: timed out, handed back)."""
+    if outcome.job.is_cancelled:
+        return "cancelled"
+    kind = outcome.kind
+    if kind is OutcomeKind.SUCCEEDED:
+        return "succeeded"
+    if kind is OutcomeKind.FAILED:
+        return "dead" if outcome.dead else "retried"
+    if kind is OutcomeKind.SNOOZED:
+        return "snoozed"
+    return "cancelled"
 
 
 def format_error(exc: BaseException) -> str:
@@ -195,14 +280,15 @@ def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
 def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
     """A job whose task this worker does not know: a failure that follows the default
     retry policy, so a deploy that lags behind loses nothing."""
-    job_log(logging.ERROR, job, "unknown task, failing it")
-    return Outcome(
+    outcome = Outcome(
         OutcomeKind.FAILED,
         job,
         error=f"unknown task {job.task!r}: no handler of that name is registered in "
         f"worker {worker}",
         delay=retry_delay(jobs.retry, job, job.task),
     )
+    job_log(logging.ERROR, job, "unknown task, failing it", outcome=outcome_name(outcome))
+    return outcome
 
 
 def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None) -> Outcome:
@@ -213,7 +299,6 @@ def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None)
         return Outcome(OutcomeKind.SNOOZED, job, delay=exc.delay)
     if isinstance(exc, PermanentError):
         return Outcome(OutcomeKind.FAILED, job, error=format_error(exc), permanent=True)
-    job_log(logging.INFO, job, "failed: %r", exc)
     return Outcome(
         OutcomeKind.FAILED,
         job,
@@ -242,10 +327,17 @@ def outcome_statements(
         statements.append((queries.complete, dict(batch_params(done))))
     for o in batch:
         if o.kind is OutcomeKind.FAILED:
-            params = fail_params(o.job, o.error or "", o.delay, permanent=o.permanent)
+            params = fail_params(
+                o.job,
+                o.error or "",
+                o.delay,
+                permanent=o.permanent,
+                progress=o.job.unwritten_progress(),
+            )
             statements.append((queries.fail, dict(params)))
         elif o.kind is OutcomeKind.SNOOZED:
-            statements.append((queries.snooze, dict(snooze_params(o.job, o.delay))))
+            params_ = snooze_params(o.job, o.delay, o.job.unwritten_progress())
+            statements.append((queries.snooze, dict(params_)))
     return statements
 
 

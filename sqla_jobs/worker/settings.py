@@ -74,6 +74,18 @@ class WorkerSettings:
         "transaction pooling)",
         cli="no-listen",
     )
+    log_jobs: bool = _setting(
+        True,
+        "log one INFO line per finished run, with its duration and outcome (off: "
+        "successes and snoozes are logged at DEBUG; failures are always logged)",
+        cli="no-log-jobs",
+    )
+    stuck_after: float = _setting(
+        60.0,
+        "seconds a loop of the worker may overrun what it waits for (a statement, a sleep), "
+        "or outcomes may wait unwritten while the database answers, before the worker "
+        "reports itself unhealthy (see --health-port)",
+    )
     name: str | None = _setting(
         None, "this worker's name in locked_by and logs (default: host:pid:random)"
     )
@@ -97,10 +109,12 @@ class WorkerSettings:
         _seconds(self, "completion_interval", positive=False)
         _seconds(self, "prune_interval", positive=True)
         _seconds(self, "presence_interval", positive=True)
+        _seconds(self, "stuck_after", positive=True)
         if self.rescue_interval is not None:
             _seconds(self, "rescue_interval", positive=True)
-        if not isinstance(self.listen, bool):
-            raise ValueError(f"listen must be True or False, got {self.listen!r}")
+        for flag in ("listen", "log_jobs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.name is not None and (
             not isinstance(self.name, str) or not self.name or "\x00" in self.name
         ):
@@ -129,7 +143,7 @@ class WorkerSettings:
                 continue
             flag = "--" + (f.metadata["cli"] or f.name.replace("_", "-"))
             if isinstance(value, bool):
-                argv.append(flag)  # the only boolean flag turns a default True off
+                argv.append(flag)  # a boolean flag turns a default True off
             elif isinstance(value, tuple):
                 argv += [flag, ",".join(value)]
             else:
@@ -158,6 +172,8 @@ class WorkerOptions(TypedDict, total=False):
     prune_interval: float
     presence_interval: float
     listen: bool
+    log_jobs: bool
+    stuck_after: float
     name: str | None
 
 

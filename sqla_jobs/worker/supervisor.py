@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 __all__ = ["supervise"]
@@ -28,13 +28,20 @@ log = logging.getLogger("sqla_jobs.supervisor")
 _HEALTHY_AFTER = 5.0
 
 
-def supervise(child_argv: Sequence[str], processes: int, *, grace_period: float = 30.0) -> int:
+def supervise(
+    child_argv: Sequence[str],
+    processes: int,
+    *,
+    grace_period: float = 30.0,
+    child_args: Callable[[int], Sequence[str]] | None = None,
+) -> int:
     """Run ``processes`` copies of ``python -m sqla_jobs.cli <child_argv>`` until signalled.
 
     Returns 0 after a graceful stop. A child that exits while the supervisor is running is
     restarted (with a growing delay if it keeps dying at once, so a broken deploy does not
     spin). Children get ``grace_period`` seconds plus a margin after the stop signal, then
-    are killed.
+    are killed. ``child_args(i)`` adds arguments of child ``i`` (0 to ``processes - 1``, the
+    same for its restarts): its own metrics and health ports.
     """
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
@@ -70,7 +77,8 @@ def supervise(child_argv: Sequence[str], processes: int, *, grace_period: float 
                     children[i] = None
                     restart_at[i] = now + delay
                 if children[i] is None and now >= restart_at[i]:
-                    children[i] = subprocess.Popen(command)
+                    own = list(child_args(i)) if child_args is not None else []
+                    children[i] = subprocess.Popen([*command, *own])
                     started[i] = now
                     log.info("supervisor: started worker process %d", children[i].pid)  # type: ignore[union-attr]
             stopping.wait(0.1)

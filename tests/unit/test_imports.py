@@ -26,9 +26,28 @@ def import_without(module: str, blocked: str) -> subprocess.CompletedProcess[str
         ("sqla_jobs", "jinja2"),
         ("sqla_jobs.cli", "starlette"),
         ("sqla_jobs.admin", "starlette"),
+        ("sqla_jobs", "prometheus_client"),
+        ("sqla_jobs.cli", "prometheus_client"),
+        ("sqla_jobs", "opentelemetry"),
+        ("sqla_jobs.cli", "opentelemetry"),
     ],
 )
 def test_imports_without_optional_packages(module: str, blocked: str) -> None:
     result = import_without(module, blocked)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("sqla_jobs.metrics", "prometheus_client", "metrics"),
+        ("sqla_jobs.tracing", "opentelemetry", "tracing"),
+    ],
+)
+def test_an_extra_that_is_missing_says_how_to_install_it(
+    module: str, blocked: str, extra: str
+) -> None:
+    result = import_without(module, blocked)
+    assert result.returncode == 1
+    assert f"pip install 'sqla-jobs[{extra}]'" in result.stderr

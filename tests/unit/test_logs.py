@@ -1,0 +1,48 @@
+"""The JSON log lines of ``sqla-jobs worker --log-format json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from sqla_jobs.logs import JsonFormatter, configure
+
+
+def record(**extra: object) -> logging.LogRecord:
+    logger = logging.getLogger("sqla_jobs.worker")
+    rec = logger.makeRecord(
+        "sqla_jobs.worker", logging.WARNING, __file__, 1, "job %s: %s", (7, "ünïcode"), None
+    )
+    rec.__dict__.update(extra)
+    return rec
+
+
+def test_one_object_per_line_with_the_extra_fields() -> None:
+    line = JsonFormatter().format(record(job_id=7, outcome="dead", duration=0.5, obj=object()))
+    assert "\n" not in line
+    data = json.loads(line)
+    assert data["message"] == "job 7: ünïcode"
+    assert (data["level"], data["logger"]) == ("WARNING", "sqla_jobs.worker")
+    assert data["time"].endswith("+00:00")
+    assert (data["job_id"], data["outcome"], data["duration"]) == (7, "dead", 0.5)
+    assert data["obj"].startswith("<object object")  # anything else becomes its str()
+    assert "args" not in data and "msg" not in data  # the record's own attributes stay out
+
+
+def test_a_traceback_stays_on_the_line() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        rec = record()
+        rec.exc_info = sys.exc_info()
+    data = json.loads(JsonFormatter().format(rec))
+    assert data["exc_info"].startswith("Traceback") and "ValueError: boom" in data["exc_info"]
+
+
+def test_configure_refuses_an_unknown_format() -> None:
+    with pytest.raises(ValueError, match="text, json"):
+        configure("INFO", "yaml")
