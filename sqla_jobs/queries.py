@@ -550,6 +550,7 @@ def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
         status=p["status"],
         run_at=sa.func.coalesce(p["run_at"], sa.func.now()),
         unique_key=p["unique_key"],
+        meta=sa.cast(p["meta"], JSONB),
     )
     if unique:
         stmt = stmt.on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
@@ -565,10 +566,12 @@ class JobParams(TypedDict):
     status: str
     run_at: Any
     unique_key: str | None
+    meta: str | None
 
 
 def job_params(values: dict[str, Any]) -> JobParams:
     """Parameters of ``insert_job`` from checked values (:meth:`Jobs.job_values`)."""
+    meta = values.get("meta")
     return {
         "task": values["task"],
         "queue": values["queue"],
@@ -578,6 +581,7 @@ def job_params(values: dict[str, Any]) -> JobParams:
         "status": values["status"],
         "run_at": values.get("run_at"),
         "unique_key": values.get("unique_key"),
+        "meta": None if meta is None else _dumps(meta),
     }
 
 

@@ -222,3 +222,29 @@ def test_a_failure_writes_the_last_progress_note_with_the_error(
     assert row.status == "dead" and "page 4 is broken" in row.last_error
     assert row.progress["value"] == {"done": 3, "of": 7}
     assert row.progress["note"] == "stuck on page 4"
+
+
+def test_meta_through_with_options_and_on_a_core_connection(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q")
+    def work(n: int) -> None:
+        pass
+
+    tagged = work.with_options(meta={"tenant": 1})
+    with Session.begin() as session:
+        session.enqueue(tagged, n=1)
+        session.enqueue_many(tagged, [work.args(n=2)])
+        with pytest.raises(EnqueueError, match="option 'meta' given both"):
+            session.enqueue(tagged, n=9, meta={"tenant": 2})
+    with db.begin() as conn:
+        jobs.enqueue(conn, work, n=3, meta={"tenant": 3})
+        jobs.enqueue_many(conn, tagged, [{"n": 4}])
+    with pytest.raises(EnqueueError, match="meta"):
+        work.with_options(meta={"\x00": 1})
+    assert {r.args["n"]: r.meta for r in rows(db)} == {
+        1: {"tenant": 1},
+        2: {"tenant": 1},
+        3: {"tenant": 3},
+        4: {"tenant": 1},
+    }
