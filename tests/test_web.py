@@ -228,6 +228,15 @@ def test_a_job_in_full_and_unknown_ids(client: TestClient, db: sa.Engine) -> Non
     )
     page = client.get(f"/jobs/{running}").text
     assert "Running on host:1:abc" in page and "lease runs until" in page
+    tagged = insert(
+        db,
+        status="running",
+        attempts=1,
+        meta={"tenant": "acme"},
+        progress={"value": 0.5, "note": "half way <b>"},
+    )
+    page = client.get(f"/jobs/{tagged}").text
+    assert "acme" in page and "half way &lt;b&gt;" in page  # meta and progress, escaped
     for url in ("/jobs/987654321", "/jobs/not-a-number", "/jobs/0"):
         response = client.get(url)
         assert response.status_code == 404, url

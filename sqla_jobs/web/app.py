@@ -994,7 +994,14 @@ def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
         ("locked_by", job.locked_by or "-"),
         ("locked_until", t(job.locked_until)),
         ("unique_key", job.unique_key or "-"),
+        # Tags and correlation ids given at enqueue, and the handler's last progress note.
+        ("meta", _compact_json(job.meta)),
+        ("progress", _compact_json(job.progress)),
     ]
+
+
+def _compact_json(value: Any) -> str:
+    return "-" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 class _SecurityHeaders:
