@@ -36,7 +36,7 @@ from sqlalchemy import event
 
 from .errors import EnqueueError
 from .queries import insert_rows, job_params
-from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, merge_options
+from .tasks import OPTION_NAMES, ConfiguredTask, Jobs, Task, TaskArgs, merge_options
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -129,17 +129,6 @@ def async_connection(connection: object) -> AsyncConnection:
     )
 
 
-#: The option names ``Jobs.enqueue`` takes as keywords besides ``with_options``.
-_OPTIONS = (
-    "queue",
-    "priority",
-    "run_at",
-    "delay",
-    "max_attempts",
-    "unique",
-    "unique_key",
-    "meta",
-)
 
 
 def _resolve(
@@ -147,7 +136,7 @@ def _resolve(
 ) -> tuple[Jobs, Task[Any, Any] | str, dict[str, Any]]:
     """The registry, the task and the options of a call; option keywords are taken out of
     ``kwargs`` (no handler may have a parameter of those names)."""
-    given = {name: kwargs.pop(name) for name in _OPTIONS if name in kwargs}
+    given = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
         return jobs, jobs.get(plain), options

@@ -75,10 +75,20 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T", bound="Task[Any, Any]")
 
-#: Option names of ``session.enqueue``; a task may not use them as parameter names.
-RESERVED_NAMES = frozenset(
-    {"queue", "priority", "run_at", "delay", "max_attempts", "unique", "unique_key", "meta"}
+#: The enqueue options (``with_options``, and keywords of ``session.enqueue``), in the
+#: order ``job_values`` takes them.
+OPTION_NAMES = (
+    "queue",
+    "priority",
+    "run_at",
+    "delay",
+    "max_attempts",
+    "unique",
+    "unique_key",
+    "meta",
 )
+#: A handler parameter may not have an option's name: the keyword would be ambiguous.
+RESERVED_NAMES = frozenset(OPTION_NAMES)
 _SMALLINT_MAX = 32767
 
 
@@ -283,17 +293,6 @@ class TaskArgs(Generic[T]):
     kwargs: Mapping[str, Any]
 
 
-#: The options ``with_options`` binds, in the order ``job_values`` takes them.
-OPTION_NAMES = (
-    "queue",
-    "priority",
-    "run_at",
-    "delay",
-    "max_attempts",
-    "unique",
-    "unique_key",
-    "meta",
-)
 
 
 @dataclass(frozen=True, eq=False)
