@@ -800,6 +800,42 @@ class SeenJob(NamedTuple):
     status: str
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """The jobs an action is asked to act on, as its caller gave them."""
+
+    ids: Iterable[int] | None = None
+    queue: OneOrMany = None
+    task: OneOrMany = None
+    status: OneOrMany = None
+    all_jobs: bool = False
+    seen: Iterable[SeenJob] | None = None
+    up_to_id: int | None = None
+
+    def where(
+        self,
+        table: sa.Table,
+        allowed: tuple[str, ...],
+        default: tuple[str, ...],
+        action: str,
+        *,
+        extra: bool = False,
+        status_from_seen: bool = False,
+    ) -> tuple[list[int] | None, tuple[str, ...], list[sa.ColumnElement[bool]], Any]:
+        """The ids, the statuses, the WHERE of the action (``ValueError`` for a selection it
+        refuses), and the seen jobs it is guarded by."""
+        ids, guard = _seen(self.ids, self.seen)
+        status = self.status
+        if status_from_seen and guard is not None and status is None:
+            status = sorted({s.status for s in guard} & set(allowed)) or None
+        statuses = _statuses(status, allowed, action) or default
+        where = _selection(
+            table, ids, self.queue, self.task, status, statuses, self.all_jobs, extra=extra
+        )
+        where += _guards(table, guard, self.up_to_id)
+        return ids, statuses, where, guard
+
+
 def retry_jobs(
     bind: Bind,
     jobs: JobSource,
@@ -832,26 +868,14 @@ def retry_jobs(
     :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
         counted the selection.
     """
-    return len(_retry(bind, jobs, ids, queue, task, status, all_jobs, dry_run, seen, up_to_id))
+    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
+    return len(_retry(bind, jobs, selection, dry_run))
 
 
-def _retry(
-    bind: Bind,
-    jobs: JobSource,
-    ids: Iterable[int] | None,
-    queue: OneOrMany,
-    task: OneOrMany,
-    status: OneOrMany,
-    all_jobs: bool,
-    dry_run: bool,
-    seen: Iterable[SeenJob] | None,
-    up_to_id: int | None,
-) -> list[int]:
+def _retry(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
-    ids, guard = _seen(ids, seen)
-    statuses = _statuses(status, RETRYABLE, "retry") or RETRYABLE
-    where = _selection(table, ids, queue, task, status, statuses, all_jobs)
-    where += _guards(table, guard, up_to_id)
+    ids, statuses, where, guard = selection.where(table, RETRYABLE, RETRYABLE, "retry")
+    queue, task, up_to_id = selection.queue, selection.task, selection.up_to_id
     c = table.c
 
     # Unique keys: no live twin, and no newer retry candidate with the same key.
@@ -918,26 +942,13 @@ def cancel_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return len(_cancel(bind, jobs, ids, queue, task, status, all_jobs, dry_run, seen, up_to_id))
+    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
+    return len(_cancel(bind, jobs, selection, dry_run))
 
 
-def _cancel(
-    bind: Bind,
-    jobs: JobSource,
-    ids: Iterable[int] | None,
-    queue: OneOrMany,
-    task: OneOrMany,
-    status: OneOrMany,
-    all_jobs: bool,
-    dry_run: bool,
-    seen: Iterable[SeenJob] | None,
-    up_to_id: int | None,
-) -> list[int]:
+def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
-    ids, guard = _seen(ids, seen)
-    statuses = _statuses(status, CANCELLABLE, "cancel") or CANCELLABLE
-    where = _selection(table, ids, queue, task, status, statuses, all_jobs)
-    where += _guards(table, guard, up_to_id)
+    _, _, where, _ = selection.where(table, CANCELLABLE, CANCELLABLE, "cancel")
     if dry_run:
         return [0] * _count(bind, table, where)
     # Lock the targets first, to learn the status each had: RETURNING only sees the new row.
@@ -988,33 +999,33 @@ def purge_jobs(
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
     return len(
-        _purge(bind, jobs, ids, queue, task, status, older_than, all_jobs, dry_run, seen, up_to_id)
+        _purge(
+            bind,
+            jobs,
+            _Selection(ids, queue, task, status, all_jobs, seen, up_to_id),
+            older_than,
+            dry_run,
+        )
     )
 
 
 def _purge(
     bind: Bind,
     jobs: JobSource,
-    ids: Iterable[int] | None,
-    queue: OneOrMany,
-    task: OneOrMany,
-    status: OneOrMany,
+    selection: _Selection,
     older_than: float | timedelta | None,
-    all_jobs: bool,
     dry_run: bool,
-    seen: Iterable[SeenJob] | None,
-    up_to_id: int | None,
 ) -> list[int]:
     table = _table(jobs)
-    ids, guard = _seen(ids, seen)
-    if guard is not None and status is None:
+    _, statuses, where, _ = selection.where(
+        table,
+        PURGEABLE,
+        PURGEABLE_BY_DEFAULT,
+        "purge",
+        extra=older_than is not None,
         # A job seen scheduled or ready and deleted by id is a deliberate choice.
-        status = sorted({s.status for s in guard} & set(PURGEABLE)) or None
-    statuses = _statuses(status, PURGEABLE, "purge") or PURGEABLE_BY_DEFAULT
-    where = _selection(
-        table, ids, queue, task, status, statuses, all_jobs, extra=older_than is not None
+        status_from_seen=True,
     )
-    where += _guards(table, guard, up_to_id)
     if older_than is not None:
         age = older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
         if age < timedelta(0):
@@ -1083,11 +1094,11 @@ def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) ->
     acted: list[int] = []
     if eligible:
         if action == "retry":
-            acted = _retry(bind, jobs, None, None, None, None, False, False, eligible, None)
+            acted = _retry(bind, jobs, _Selection(seen=eligible), False)
         elif action == "cancel":
-            acted = _cancel(bind, jobs, None, None, None, None, False, False, eligible, None)
+            acted = _cancel(bind, jobs, _Selection(seen=eligible), False)
         else:
-            acted = _purge(bind, jobs, None, None, None, None, None, False, False, eligible, None)
+            acted = _purge(bind, jobs, _Selection(seen=eligible), None, False)
     for s in eligible:
         if s.id not in acted and s.id not in skipped:
             skipped[s.id] = "a live job holds its unique key"
