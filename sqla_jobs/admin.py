@@ -779,6 +779,8 @@ def run_schedule(bind: Bind, jobs: Jobs, name: str) -> int:
     if row is None:
         raise LookupError(f"no schedule named {name!r}")
     values = jobs.job_values(row.task, (), dict(row.args), queue=row.queue, priority=row.priority)
+    values.pop("unique_scope", None)  # a task's default scope: a schedule run is not unique
+    values.pop("unique_key", None)
     stmt = pg_insert(jobs.table).values(**values).returning(jobs.table.c.id)
     return int(_execute(bind, stmt).scalar_one())
 

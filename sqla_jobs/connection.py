@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from .errors import EnqueueError
-from .queries import insert_rows, job_params
+from .queries import enqueue_scoped, insert_rows, job_params
 from .tasks import OPTION_NAMES, ConfiguredTask, Jobs, Task, TaskArgs, merge_options
 
 if TYPE_CHECKING:
@@ -55,10 +55,17 @@ def enqueue(
     the key, new or not)."""
     registry, plain, options = _resolve(jobs, task, kwargs)
     values = registry.job_values(plain, args, kwargs, **options)
+    scope = values.pop("unique_scope", None)
     params = job_params(values)
     q = registry.queries
-    if params["unique_key"] is None:
-        job_id: int = connection.execute(q.insert_job, params).scalar_one()
+    job_id: int
+    if scope is not None:
+        # See sqla_jobs.queries.enqueue_scoped: the id of the new job, or of the holder
+        # (replaced, kept, or the finished one whose period still holds the key).
+        job_id, outcome = enqueue_scoped(connection, q, params, scope)
+        inserted = outcome == "new"
+    elif params["unique_key"] is None:
+        job_id = connection.execute(q.insert_job, params).scalar_one()
         inserted = True
     else:
         job_id, inserted = _insert_unique(connection, registry, params)

@@ -359,6 +359,7 @@ class Companions(NamedTuple):
     schedules: sa.Table
     workers: sa.Table
     throughput: sa.Table
+    unique_keys: sa.Table
 
 
 def companion_tables(table: sa.Table) -> Companions:
@@ -381,6 +382,13 @@ def companion_tables(table: sa.Table) -> Companions:
         deleted by default, so nothing else could count them; the workers add what their
         completer wrote at each presence beat, so the completion statement itself is
         unchanged and writers never wait on one another's counter rows for long.
+    ``<table>_unique_keys``
+        One row per key of a *scoped* unique job (``unique_for``, ``unique_states``,
+        ``unique_on_conflict``): the job that took the key and until when the key stays
+        taken whatever became of that job (finished jobs are deleted, so the jobs table
+        cannot remember them). Its primary key is also the lock that serialises two
+        enqueues of one key: each upserts the row first and holds it until it commits.
+        Plain ``unique=True`` jobs never touch it (``<table>_unique`` serves them).
     """
     existing = table.info.get("sqla_jobs_companions")
     if existing is not None:
@@ -452,7 +460,17 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Column("dead", sa.BigInteger, nullable=False, server_default="0"),
         schema=schema,
     )
-    companions = Companions(queues, schedules, workers, throughput)
+    unique_keys = sa.Table(
+        derived_name(name, "unique_keys"),
+        metadata,
+        sa.Column("key", sa.Text, primary_key=True),
+        # The job that took the key last; it may since have finished and been deleted.
+        sa.Column("job_id", sa.BigInteger),
+        # The key stays taken until then (``unique_for``), even once the job is gone.
+        sa.Column("until", sa.DateTime(timezone=True)),
+        schema=schema,
+    )
+    companions = Companions(queues, schedules, workers, throughput, unique_keys)
     table.info["sqla_jobs_companions"] = companions
     return companions
 

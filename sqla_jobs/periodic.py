@@ -184,6 +184,7 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
                 },
             )
             continue
+        values.pop("unique_scope", None)  # a tick is unique by its own key
         values["unique_key"] = periodic_key(row.name, latest)
         rows.append(values)
         conn.execute(

@@ -640,6 +640,149 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
     return inserted
 
 
+# -- scoped unique keys (<table>_unique_keys) -------------------------------------------
+
+
+# Take the row of a scoped unique key, creating it if new, through its primary key. The
+# upsert locks the row until the enqueuing transaction ends, so two enqueues of one key
+# run one after the other, the second seeing what the first committed (an INSERT of a new
+# key waits on the other's uncommitted INSERT the same way). Returns the job that took the
+# key last and whether the key's period still runs. ON CONFLICT reads the latest version
+# of the row, whatever the statement's snapshot.
+def _take_key(k: sa.Table) -> sa.Insert:
+    stmt = pg_insert(k).values(key=sa.bindparam("key", type_=sa.Text))
+    return stmt.on_conflict_do_update(
+        index_elements=[k.c.key], set_={"key": stmt.excluded.key}
+    ).returning(k.c.job_id, sa.func.coalesce(k.c.until > sa.func.now(), sa.false()))
+
+
+# Place a scoped unique job, the key's row being locked (take_key): in one statement,
+#   replaced: with :replace, the holder gets the new arguments and run time if it is
+#             still in :states (scheduled or ready). The UPDATE re-reads the row it waits
+#             for, so a holder claimed meanwhile is not replaced (and a new job is made);
+#   new:      otherwise a new job, unless the holder blocks it (:held, the key's period,
+#             or the holder in :states; never in replace mode), and the key then points
+#             at it (keys), its period counting from now;
+#   kept:     the holder, when it blocks and still exists.
+# One row comes back: (id, 'new' | 'replaced' | 'kept'); none if the key is held by its
+# period and the job that took it is gone. The holder is found by primary key.
+def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    p = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
+    holder = sa.bindparam("holder", type_=sa.BigInteger)
+    states = sa.bindparam("states", type_=ARRAY(sa.Text))
+    replace = sa.bindparam("replace", type_=sa.Boolean)
+    run_at = sa.func.coalesce(p["run_at"], sa.func.now())
+    replaced = (
+        sa.update(t)
+        .where(replace, c.id == holder, c.status == sa.any_(states))
+        .values(args=sa.cast(p["args"], JSONB), run_at=run_at, status=p["status"])
+        .returning(c.id)
+        .cte("replaced")
+    )
+    blocks = sa.or_(
+        sa.bindparam("held", type_=sa.Boolean),
+        sa.exists().where(c.id == holder, c.status == sa.any_(states)),
+    )
+    new = (
+        pg_insert(t)
+        .from_select(
+            [name for name, _ in _BULK_COLUMNS],
+            sa.select(
+                p["task"],
+                p["queue"],
+                sa.cast(p["args"], JSONB),
+                p["priority"],
+                p["max_attempts"],
+                p["status"],
+                run_at,
+                # The key stays in the row for people (admin, dashboard) but the partial
+                # unique index must not see it: that index allows one live job per key,
+                # while a scope may allow two (a running one and a waiting one).
+                sa.null(),
+                sa.cast(p["meta"], JSONB),
+            ).where(
+                ~sa.exists(sa.select(replaced.c.id)),
+                sa.or_(replace, ~blocks),
+            ),
+        )
+        .returning(c.id)
+        .cte("new")
+    )
+    keys = (
+        sa.update(k)
+        .where(k.c.key == sa.bindparam("key", type_=sa.Text), sa.exists(sa.select(new.c.id)))
+        .values(
+            job_id=sa.select(new.c.id).scalar_subquery(),
+            until=sa.func.now() + sa.bindparam("period", type_=sa.Interval),
+        )
+        .cte("keys")
+    )
+    kept = sa.select(c.id, sa.literal("kept")).where(
+        c.id == holder,
+        ~sa.exists(sa.select(replaced.c.id)),
+        ~sa.exists(sa.select(new.c.id)),
+    )
+    return (
+        sa.select(new.c.id, sa.literal("new"))
+        .union_all(sa.select(replaced.c.id, sa.literal("replaced")), kept)
+        .subquery("placed")
+        .select()
+        .add_cte(keys)
+    )
+
+
+# Retention of <table>_unique_keys (see worker.db.prune_unique_keys), through its primary
+# key: first lock a batch of keys whose period has passed, skipping those an enqueue
+# holds; then, in a new snapshot, delete those whose job is no longer live.
+def _lock_stale_keys(k: sa.Table) -> sa.Select[Any]:
+    return (
+        sa.select(k.c.key)
+        .where(sa.or_(k.c.until.is_(None), k.c.until < sa.func.now()))
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+    )
+
+
+def _prune_unique_keys(t: sa.Table, k: sa.Table) -> sa.Delete:
+    c = t.c
+    live = sa.exists().where(
+        c.id == k.c.job_id, c.status.in_([status_literal(s) for s in LIVE_STATUSES])
+    )
+    return (
+        sa.delete(k)
+        .where(k.c.key == sa.any_(sa.bindparam("keys", type_=ARRAY(sa.Text))), ~live)
+        .execution_options(preserve_rowcount=True)
+    )
+
+
+def enqueue_scoped(
+    connection: Any, queries: Queries, params: JobParams, scope: Any
+) -> tuple[int, str]:
+    """Enqueue a scoped unique job (:class:`sqla_jobs.tasks.UniqueScope`) on ``connection``
+    in its transaction; ``(id, outcome)``: ``"new"``, ``"replaced"`` (the waiting holder
+    took the arguments), ``"kept"`` (the holder blocks and is returned as it is) or
+    ``"gone"`` (the key's period holds it, and the id is of the job that took it, which
+    has finished and been deleted). Two statements: take the key's row (which waits for
+    a concurrent enqueue of the key to commit or roll back), then place the job."""
+    key = params["unique_key"]
+    holder, held = connection.execute(queries.take_key, {"key": key}).one()
+    row = connection.execute(
+        queries.place_scoped,
+        {
+            **params,
+            "holder": holder,
+            "held": held,
+            "states": list(scope.states),
+            "replace": scope.on_conflict == "replace",
+            "period": scope.period,
+        },
+    ).first()
+    if row is None:
+        return int(holder), "gone"
+    return int(row[0]), str(row[1])
+
+
 # -- schedules (<table>_schedules) -------------------------------------------------------
 
 
@@ -859,6 +1002,11 @@ class Queries:
         self.insert_job_unique = _insert_job(t, unique=True)
         self.insert_unique = _insert_unique(t)
         self.live_by_key = _live_by_key(t)
+        self.unique_keys_table = unique_keys = companions.unique_keys
+        self.take_key = _take_key(unique_keys)
+        self.place_scoped = _place_scoped(t, unique_keys)
+        self.lock_stale_keys = _lock_stale_keys(unique_keys)
+        self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
 
         self.now = sa.select(sa.func.now())
         self.due_schedules = _due_schedules(schedules)

@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
-from .queries import insert_rows
+from .queries import enqueue_scoped, insert_rows, job_params
 from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
@@ -56,6 +56,8 @@ T = TypeVar("T", bound=Task[Any, Any])
 _JOBS_KEY = "sqla_jobs.jobs"
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
+#: Options that make a job unique, which needs an INSERT now (awaited, on asyncio).
+_UNIQUE_OPTIONS = ("unique_key", "unique_for", "unique_states", "unique_on_conflict")
 
 
 class EnqueueMixin:
@@ -107,6 +109,9 @@ class EnqueueMixin:
         unique: Any = False,
         unique_key: Any = None,
         meta: Any = None,
+        unique_for: Any = None,
+        unique_states: Any = None,
+        unique_on_conflict: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -144,6 +149,9 @@ class EnqueueMixin:
                     "unique": unique,
                     "unique_key": unique_key,
                     "meta": meta,
+                    "unique_for": unique_for,
+                    "unique_states": unique_states,
+                    "unique_on_conflict": unique_on_conflict,
                 },
             )
             registry = plain.registry
@@ -162,11 +170,16 @@ class EnqueueMixin:
                 unique=unique,
                 unique_key=unique_key,
                 meta=meta,
+                unique_for=unique_for,
+                unique_states=unique_states,
+                unique_on_conflict=unique_on_conflict,
             )
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
-        if "unique_key" in values:
+        if "unique_scope" in values:
+            job, inserted = insert_scoped(session, registry, values)
+        elif "unique_key" in values:
             job, inserted = insert_unique(session, registry, values)
         else:
             job = registry.model(**values)
@@ -308,6 +321,12 @@ def many_values(
         if prepared is not None:
             for row in rows:
                 row["meta"] = prepared
+        if "unique_scope" in rows[0]:
+            raise EnqueueError(
+                "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
+                "(each job of such a scope takes its key's lock in turn): enqueue them one by "
+                "one with session.enqueue"
+            )
     elif meta is not None:
         check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
     return registry, rows
@@ -348,7 +367,11 @@ else:
 
         def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
             bound = task.options if isinstance(task, ConfiguredTask) else {}
-            if any(o.get("unique") or o.get("unique_key") is not None for o in (bound, kwargs)):
+            plain = task.task if isinstance(task, ConfiguredTask) else task
+            if (isinstance(plain, Task) and plain.unique) or any(
+                o.get("unique") or any(o.get(n) is not None for n in _UNIQUE_OPTIONS)
+                for o in (bound, kwargs)
+            ):
                 raise EnqueueError(
                     "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
                     "on an AsyncSession"
@@ -412,6 +435,22 @@ def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> t
             with session.no_autoflush:
                 return session.get(registry.model, job_id), inserted
     raise EnqueueError(f"unique key {values['unique_key']!r} keeps changing hands; try again")
+
+
+def insert_scoped(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
+    """Enqueue a scoped unique job now (see :func:`sqla_jobs.queries.enqueue_scoped`);
+    return the new job, the holder (replaced or kept), or None when the key's period
+    holds it and the job that took it is gone; and whether the job is new."""
+    scope = values.pop("unique_scope")
+    job_id, outcome = enqueue_scoped(
+        session.connection(), registry.queries, job_params(values), scope
+    )
+    if outcome == "gone":
+        return None, False
+    with session.no_autoflush:
+        # A replaced holder this session has loaded must show its new arguments.
+        job = session.get(registry.model, job_id, populate_existing=outcome == "replaced")
+    return job, outcome == "new"
 
 
 def _sync(session: Any) -> Session:

@@ -28,6 +28,7 @@ from typing import (
     Concatenate,
     Generic,
     Literal,
+    NamedTuple,
     ParamSpec,
     Protocol,
     TypedDict,
@@ -86,6 +87,9 @@ OPTION_NAMES = (
     "unique",
     "unique_key",
     "meta",
+    "unique_for",
+    "unique_states",
+    "unique_on_conflict",
 )
 #: A handler parameter may not have an option's name: the keyword would be ambiguous.
 RESERVED_NAMES = frozenset(OPTION_NAMES)
@@ -144,6 +148,9 @@ class Task(Generic[P, R]):
     timeout: float | None = None
     transactional: bool = False
     is_async: bool = False
+    #: Unique by default (``@jobs.task(unique=True, unique_for=...)``); a call's options win.
+    unique: bool = False
+    unique_scope: UniqueScope | None = None
     signature: inspect.Signature = field(init=False, repr=False)
     #: The parameter names when every parameter can be passed by keyword (no
     #: positional-only ones, no ``*args``/``**kwargs``), else None. Then a call made of
@@ -237,6 +244,9 @@ class Task(Generic[P, R]):
         unique: bool | None = None,
         unique_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> ConfiguredTask[P, R]:
         """This task with enqueue options bound, for a type-checked enqueue.
 
@@ -256,6 +266,9 @@ class Task(Generic[P, R]):
             unique=unique,
             unique_key=unique_key,
             meta=meta,
+            unique_for=unique_for,
+            unique_states=unique_states,
+            unique_on_conflict=unique_on_conflict,
         )
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
@@ -319,6 +332,9 @@ class ConfiguredTask(Generic[P, R]):
         unique: bool | None = None,
         unique_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> ConfiguredTask[P, R]:
         """These options on top of the ones already bound (a later one wins)."""
         given = {
@@ -330,6 +346,9 @@ class ConfiguredTask(Generic[P, R]):
             "unique": unique,
             "unique_key": unique_key,
             "meta": meta,
+            "unique_for": unique_for,
+            "unique_states": unique_states,
+            "unique_on_conflict": unique_on_conflict,
         }
         merged = dict(self.options)
         for key, value in given.items():
@@ -373,6 +392,9 @@ def check_options(options: Mapping[str, Any]) -> None:
         _check_unique_key(options["unique_key"])
     if "meta" in options:
         check_meta(options["meta"])
+    check_unique_scope(
+        options.get("unique_for"), options.get("unique_states"), options.get("unique_on_conflict")
+    )
     _run_at(options.get("run_at"), options.get("delay"), None)
 
 
@@ -600,6 +622,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: Literal[False] = False,
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> Task[P, R]: ...
 
     @overload
@@ -615,6 +641,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: Literal[True],
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> TransactionalTask[P, R]: ...
 
     @overload
@@ -630,6 +660,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: Literal[True],
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> TransactionalTask[P, R]: ...
 
     @overload
@@ -645,6 +679,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: bool,
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> Task[..., R]: ...
 
     @overload
@@ -660,6 +698,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: Literal[False] = False,
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     @overload
@@ -675,6 +717,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: Literal[True],
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> _TransactionalDecorator: ...
 
     @overload
@@ -690,6 +736,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: bool,
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> Callable[[Callable[..., R]], Task[..., R]]: ...
 
     def task(
@@ -703,6 +753,10 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         transactional: bool = False,
+        unique: bool = False,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: Literal["keep", "replace"] | None = None,
     ) -> Any:
         """Register a handler, as ``@jobs.task`` or ``@jobs.task(queue=..., ...)``.
 
@@ -711,7 +765,13 @@ class Jobs:
         :param timeout: seconds a run may take before it counts as failed.
         :param transactional: the handler takes a ``session``; its writes commit in the same
             transaction that completes the job, so they happen exactly once.
+        :param unique, unique_for, unique_states, unique_on_conflict: the task's jobs are
+            unique by default, as with the enqueue options of those names (which, given
+            at an enqueue, win). Any of the last three makes the jobs unique.
         """
+        scope = check_unique_scope(unique_for, unique_states, unique_on_conflict, ValueError)
+        if scope is None and (unique_states is not None or unique_on_conflict is not None):
+            unique = True  # the plain rule, asked for explicitly
 
         def register(f: Callable[P, R]) -> Task[P, R]:
             task_name = name or f"{f.__module__}.{f.__qualname__}"
@@ -741,6 +801,8 @@ class Jobs:
                 timeout=timeout,
                 transactional=transactional,
                 is_async=inspect.iscoroutinefunction(f),
+                unique=bool(unique) or scope is not None,
+                unique_scope=scope,
             )
             self.tasks[task_name] = t
             return t
@@ -963,12 +1025,20 @@ class Jobs:
         meta: Mapping[str, Any] | None = None,
         meta_prepared: bool = False,
         now: datetime | None = None,
+        unique_for: float | timedelta | None = None,
+        unique_states: Iterable[str] | None = None,
+        unique_on_conflict: str | None = None,
     ) -> dict[str, Any]:
         """Check a job and return its column values. Raises :class:`EnqueueError`.
 
         ``meta`` is checked and handed to the enqueue hooks (:meth:`job_meta`), unless
         ``meta_prepared`` says it is already :meth:`job_meta`'s result: ``enqueue_many``
         prepares it once for all its rows.
+
+        A scoped unique job (``unique_for``, ``unique_states``, ``unique_on_conflict``,
+        given here or by the task) also gets ``values["unique_scope"]``, a
+        :class:`UniqueScope`, which is not a column: its enqueue goes through
+        :func:`sqla_jobs.queries.enqueue_scoped`.
         """
         t = self.get(task)
         arguments = t.bind_args(args, kwargs)
@@ -1009,10 +1079,22 @@ class Jobs:
             values["run_at"] = when
             if when > (now or _utcnow()):
                 values["status"] = JobStatus.SCHEDULED.value
+        scope = t.unique_scope
+        scoped = unique_for is not None or unique_states is not None or unique_on_conflict is not None
+        if scoped:
+            scope = check_unique_scope(
+                unique_for,
+                unique_states,
+                unique_on_conflict,
+                EnqueueError,
+                default=scope,
+            )
+        if scope is not None:
+            values["unique_scope"] = scope
         if unique_key is not None:
             _check_unique_key(unique_key)
             values["unique_key"] = unique_key
-        elif unique:
+        elif unique or t.unique or scoped:
             values["unique_key"] = derive_unique_key(t.name, arguments)
         return values
 
@@ -1123,6 +1205,101 @@ def _check_unique_key(key: object) -> None:
     if not isinstance(key, str) or not key:
         raise EnqueueError(f"unique_key must be a non-empty string, got {key!r}")
     check_name(key, "unique_key", UNIQUE_KEY_MAX_BYTES, EnqueueError)
+
+
+class UniqueScope(NamedTuple):
+    """How a unique job's key is held, beyond "one live job per key" (see the README's
+    unique section). Built by :func:`check_unique_scope`; None stands for the plain rule.
+    """
+
+    #: The key stays taken this long after the enqueue that took it, whatever becomes of
+    #: the job (finished and deleted included); None: only while the job is in ``states``.
+    period: timedelta | None
+    #: The statuses of the holding job that block a new job with the key.
+    states: tuple[str, ...]
+    #: ``"keep"``: a blocked enqueue returns the holder unchanged. ``"replace"``: it
+    #: gives the waiting holder its arguments and run time (debounce).
+    on_conflict: str
+    #: ``states`` as given (None: the mode's default), so a call can override the rest.
+    given_states: tuple[str, ...] | None
+
+
+#: What ``unique_states`` may name: a finished job is remembered by ``unique_for`` only.
+_UNIQUE_STATES = (JobStatus.SCHEDULED.value, JobStatus.READY.value, JobStatus.RUNNING.value)
+#: Only a job that has not started can take new arguments.
+_REPLACEABLE_STATES = (JobStatus.SCHEDULED.value, JobStatus.READY.value)
+_CONFLICT_MODES = ("keep", "replace")
+
+
+def check_unique_scope(
+    unique_for: object,
+    unique_states: object,
+    on_conflict: object,
+    error: type[Exception] = EnqueueError,
+    default: UniqueScope | None = None,
+) -> UniqueScope | None:
+    """Check the scope options of a unique job (each None when not given, then taken from
+    ``default``, the task's); the scope, or None when they amount to the plain rule (one
+    live job per key, keep the holder), which ``<table>_unique`` enforces on its own.
+    Raises ``error`` naming the problem."""
+    if default is not None:
+        if unique_for is None:
+            unique_for = default.period
+        if unique_states is None:
+            unique_states = default.given_states
+        if on_conflict is None:
+            on_conflict = default.on_conflict
+    period: timedelta | None = None
+    if unique_for is not None:
+        seconds = unique_for.total_seconds() if isinstance(unique_for, timedelta) else unique_for
+        if (
+            not isinstance(seconds, (int, float))
+            or isinstance(seconds, bool)
+            or not 0 < seconds < 10 * 365 * 86400  # NaN fails both
+        ):
+            raise error(
+                f"unique_for must be a period > 0 (seconds or a timedelta, under ten "
+                f"years), got {unique_for!r}"
+            )
+        period = timedelta(seconds=seconds)
+    mode = "keep" if on_conflict is None else on_conflict
+    if mode not in _CONFLICT_MODES:
+        raise error(f"unique_on_conflict must be 'keep' or 'replace', got {on_conflict!r}")
+    given: tuple[str, ...] | None = None
+    if unique_states is not None:
+        if isinstance(unique_states, str) or not isinstance(unique_states, Iterable):
+            raise error(
+                f"unique_states must be a collection of statuses, e.g. ('scheduled', "
+                f"'ready'), got {unique_states!r}"
+            )
+        named = [str(s) if isinstance(s, JobStatus) else s for s in unique_states]
+        unknown = [s for s in named if s not in _UNIQUE_STATES]
+        if unknown:
+            raise error(
+                f"unique_states: {unknown!r} cannot hold a key; choose among "
+                f"{_UNIQUE_STATES} (unique_for covers finished jobs)"
+            )
+        if not named:
+            raise error("unique_states must name at least one status")
+        given = tuple(s for s in _UNIQUE_STATES if s in named)
+    if mode == "replace":
+        if period is not None:
+            raise error(
+                "unique_on_conflict='replace' cannot be combined with unique_for: a "
+                "finished job cannot take new arguments, so the last enqueue would be lost; "
+                "use delay= for the debounce window"
+            )
+        states = _REPLACEABLE_STATES if given is None else given
+        if not set(states) <= set(_REPLACEABLE_STATES):
+            raise error(
+                "unique_on_conflict='replace' replaces a job that has not started: "
+                f"unique_states must be among {_REPLACEABLE_STATES}, got {states!r}"
+            )
+    else:
+        states = _UNIQUE_STATES if given is None else given
+        if period is None and states == _UNIQUE_STATES:
+            return None
+    return UniqueScope(period, states, mode, given)
 
 
 def _check_max_attempts(value: object) -> None:

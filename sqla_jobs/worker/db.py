@@ -169,6 +169,8 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
     return [
         (queries.prune_dead, jobs.keep_dead),
         (queries.prune_done, jobs.keep_done or timedelta(0)),
+        # Keys of scoped unique jobs whose period has passed and whose job is not live.
+        (queries.prune_unique_keys, timedelta(0)),
     ]
 
 
@@ -178,7 +180,22 @@ def prune_batch(
     """Delete one batch (in its own short transaction); None if another worker is pruning."""
     if not conn.execute(jobs.queries.try_lock).scalar():
         return None
+    if statement is jobs.queries.prune_unique_keys:
+        return prune_unique_keys(conn, jobs)
     return int(conn.execute(statement, {"age": age, "limit": PRUNE_BATCH}).rowcount)
+
+
+def prune_unique_keys(conn: sa.Connection, jobs: Jobs) -> int:
+    """Delete a batch of stale ``<table>_unique_keys`` rows, in two statements: lock the
+    rows whose period has passed (SKIP LOCKED: never wait for an enqueue that holds one),
+    then delete those whose job is not live. The second statement's snapshot is taken
+    with the rows locked, so it sees the job of any enqueue that took one of those keys
+    before: a single statement would judge a just-taken key by its old job."""
+    q = jobs.queries
+    keys = list(conn.execute(q.lock_stale_keys, {"limit": PRUNE_BATCH}).scalars())
+    if not keys:
+        return 0
+    return int(conn.execute(q.prune_unique_keys, {"keys": keys}).rowcount)
 
 
 def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
