@@ -136,8 +136,6 @@ def async_connection(connection: object) -> AsyncConnection:
     )
 
 
-
-
 def _resolve(
     jobs: Jobs, task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, kwargs: dict[str, Any]
 ) -> tuple[Jobs, Task[Any, Any] | str, dict[str, Any]]:

@@ -306,8 +306,6 @@ class TaskArgs(Generic[T]):
     kwargs: Mapping[str, Any]
 
 
-
-
 @dataclass(frozen=True, eq=False)
 class ConfiguredTask(Generic[P, R]):
     """A task with enqueue options bound (see :meth:`Task.with_options`).
@@ -1080,7 +1078,7 @@ class Jobs:
             if when > (now or _utcnow()):
                 values["status"] = JobStatus.SCHEDULED.value
         scope = t.unique_scope
-        scoped = unique_for is not None or unique_states is not None or unique_on_conflict is not None
+        scoped = not (unique_for is None and unique_states is None and unique_on_conflict is None)
         if scoped:
             scope = check_unique_scope(
                 unique_for,
