@@ -668,7 +668,8 @@ def _take_key(k: sa.Table) -> sa.Insert:
 # period and the job that took it is gone. The holder is found by primary key.
 def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     c = t.c
-    p = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
+    # Prefixed: a parameter named like a column would join the UPDATEs' SET lists.
+    p = {name: sa.bindparam(f"p_{name}", type_=type_) for name, type_ in _BULK_COLUMNS}
     holder = sa.bindparam("holder", type_=sa.BigInteger)
     states = sa.bindparam("states", type_=ARRAY(sa.Text))
     replace = sa.bindparam("replace", type_=sa.Boolean)
@@ -711,7 +712,8 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     )
     keys = (
         sa.update(k)
-        .where(k.c.key == sa.bindparam("key", type_=sa.Text), sa.exists(sa.select(new.c.id)))
+        .where(k.c.key == sa.bindparam("p_unique_key", type_=sa.Text))
+        .where(sa.exists(sa.select(new.c.id)))
         .values(
             job_id=sa.select(new.c.id).scalar_subquery(),
             until=sa.func.now() + sa.bindparam("period", type_=sa.Interval),
@@ -770,7 +772,7 @@ def enqueue_scoped(
     row = connection.execute(
         queries.place_scoped,
         {
-            **params,
+            **{f"p_{name}": value for name, value in params.items()},
             "holder": holder,
             "held": held,
             "states": list(scope.states),
