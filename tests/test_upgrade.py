@@ -1,0 +1,97 @@
+"""An install of sqla-jobs 0.1 upgraded the way users upgrade: the 0.1 migration applied,
+then ``alembic revision --autogenerate`` against the current models, ``upgrade``, and
+``alembic check`` clean; then the features of this release work on the upgraded tables.
+
+The 0.1 schema is the example application's first migration
+(``examples/shortener/migrations/versions/0001_snip_tables.py``), written by 0.1's
+autogenerate, copied into a throwaway project as it is.
+
+Each feature that needs a schema change adds a check to ``UPGRADED_FEATURES``: a function
+that takes the upgraded project's ``Jobs`` registry and engine and exercises the feature
+on them (raising if it does not work). The upgrade runs once for all of them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs, JobSession, Worker
+
+from .test_alembic import Project, section
+from .test_alembic import make_project as make_project  # the fixture, re-exported
+
+V01_MIGRATION = (
+    Path(__file__).parent.parent
+    / "examples"
+    / "shortener"
+    / "migrations"
+    / "versions"
+    / "0001_snip_tables.py"
+)
+
+
+def check_unique_scopes(jobs: Jobs, engine: sa.Engine) -> None:
+    """unique_for (through <table>_unique_keys, new in 0.2) holds a key after the job
+    finished; debounce replaces a waiting job's arguments."""
+
+    @jobs.task(queue="upgrade")
+    def refresh(user_id: int) -> None:
+        pass
+
+    hourly = refresh.with_options(unique_for=timedelta(hours=1))
+    with JobSession(engine, jobs=jobs) as session:
+        first = session.enqueue(hourly, 1)
+        assert session.enqueue(hourly, 1) is first
+        session.commit()
+    Worker(jobs, engine, queues=["upgrade"], listen=False).run_until_empty(timeout=10)
+    with JobSession(engine, jobs=jobs) as session:
+        assert session.enqueue(hourly, 1) is None  # finished, deleted, still held
+        debounced = refresh.with_options(unique_key="u2", unique_on_conflict="replace", delay=60)
+        a = session.enqueue(debounced, 2)
+        b = session.enqueue(debounced, 3)
+        assert a is b and b.args == {"user_id": 3}
+        session.commit()
+
+
+#: (name, check) for each feature of this release that the upgrade must bring along.
+UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
+    ("unique scopes", check_unique_scopes),
+]
+
+
+def test_a_0_1_install_upgrades_through_autogenerate(make_project: Any) -> None:
+    project: Project = make_project(explicit_schema=False)
+    project.exclude = "links"  # the example app's own table, not ours
+    project.write_ini()
+    shutil.copy(V01_MIGRATION, project.root / "migrations" / "versions" / V01_MIGRATION.name)
+    project.upgrade()
+    with project.engine.begin() as conn:  # a 0.1 install in use: a waiting job
+        conn.execute(sa.text("INSERT INTO jobs (task, queue) VALUES ('old.task', 'old')"))
+
+    script = project.autogenerate("sqla-jobs 0.2")
+    upgrade = section(script, "upgrade")
+    # No hand edits: the new companion table is a plain create_table.
+    assert any(s.startswith("op.create_table('jobs_unique_keys',") for s in upgrade), upgrade
+    project.upgrade()
+    project.check()  # alembic check: the upgraded database matches the models
+    assert [d for d in project.compare() if "links" not in str(d)] == []
+
+    models = project.load_models()
+    jobs = Jobs(models.Job)
+    for name, check in UPGRADED_FEATURES:
+        try:
+            check(jobs, project.engine)
+        except Exception as exc:
+            raise AssertionError(f"{name} does not work on an upgraded 0.1 install") from exc
+    with project.engine.connect() as conn:  # the 0.1 job is still there, untouched
+        assert conn.execute(sa.text("SELECT count(*) FROM jobs WHERE task = 'old.task'")).scalar()
+
+    project.downgrade("0001")  # and the generated downgrade goes back to 0.1
+    project.upgrade()
+    project.check()
