@@ -17,7 +17,7 @@ from sqla_jobs.model import companion_tables
 from sqla_jobs.worker.db import prune
 
 from . import app
-from .helpers import count, rows
+from .helpers import count, rows, wait_for
 
 KEYS = companion_tables(app.Job.__table__).unique_keys
 
@@ -360,3 +360,51 @@ def test_prune_forgets_keys_whose_period_passed_and_job_is_gone(
     prune(db, jobs)
     # Kept: the live job's key (past its period), and the key still in its period.
     assert sorted(k.job_id for k in _keys(db).values()) == sorted([live, held])
+
+
+def test_debounce_racing_a_claim_never_replaces_a_started_job(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """The claim has locked the waiting job and not committed yet when a debounce comes:
+    the debounce waits for it, sees the job running, and enqueues a new one, so the
+    started job keeps the arguments it runs with and the last ones still run."""
+
+    @jobs.task(queue="q", unique_on_conflict="replace")
+    def sync(user_id: int, n: int) -> None:
+        pass
+
+    keyed = sync.with_options(unique_key="sync:1")
+    with Session.begin() as session:
+        first_id = session.enqueue(keyed, 1, 1).id
+    t = app.Job.__table__
+    errors: list[BaseException] = []
+    placed: list[int] = []
+
+    def debounce() -> None:
+        try:
+            with Session.begin() as session:
+                placed.append(session.enqueue(keyed, 1, 2).id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with db.connect() as claim:
+        claim.execute(sa.update(t).where(t.c.id == first_id).values(status="running"))
+        thread = threading.Thread(target=debounce)
+        thread.start()
+        wait_for(lambda: _waiting_on_a_lock(db))
+        claim.commit()
+    thread.join(15)
+    assert not errors and placed and placed[0] != first_id
+    assert sorted((r.status, r.args["n"]) for r in rows(db)) == [("ready", 2), ("running", 1)]
+
+
+def _waiting_on_a_lock(db: sa.Engine) -> bool:
+    with db.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
+                )
+            ).scalar()
+        )
