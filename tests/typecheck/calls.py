@@ -6,6 +6,8 @@ both mypy and pyright.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Session
@@ -64,6 +66,9 @@ def right(s: JobSession) -> None:
     s.enqueue(send, "a@example.com", cc=["b@example.com"])
     s.enqueue(send.with_options(queue="urgent", delay=60, priority=3), to="a@example.com")
     s.enqueue(send.with_options(unique=True).with_options(max_attempts=9), "a@example.com")
+    s.enqueue(send.with_options(unique_for=timedelta(minutes=5)), "a@example.com")
+    s.enqueue(send.with_options(unique_on_conflict="replace", delay=30), "a@example.com")
+    s.enqueue(send.with_options(unique_states=("scheduled", "ready")), "a@example.com")
     s.enqueue(pay, payment_id=1)
     s.enqueue(pay_async, 2)
     s.enqueue(session_last, anything="goes")  # session not first: checked at run time only
