@@ -856,7 +856,9 @@ class Jobs:
         connection in autocommit it is committed by this one round trip. Nothing is
         committed for you. Options are bound with ``task.with_options(...)`` (or given
         as keywords, unchecked by a type checker, as for ``session.enqueue``). A unique job
-        whose key a live job holds is not inserted: that job's id is returned.
+        whose key a live job holds is not inserted: that job's id is returned. A scoped
+        one (``unique_for``, ...) returns the holder's id too: replaced, kept, or the
+        finished job whose period still holds the key (two statements, not one).
         """
         from . import connection as core
 
