@@ -648,12 +648,13 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
 # run one after the other, the second seeing what the first committed (an INSERT of a new
 # key waits on the other's uncommitted INSERT the same way). Returns the job that took the
 # key last and whether the key's period still runs. ON CONFLICT reads the latest version
-# of the row, whatever the statement's snapshot.
+# of the row, whatever the statement's snapshot. Periods use statement_timestamp(), not
+# now(): an enqueue late in a long transaction must not see its start time.
 def _take_key(k: sa.Table) -> sa.Insert:
     stmt = pg_insert(k).values(key=sa.bindparam("key", type_=sa.Text))
     return stmt.on_conflict_do_update(
         index_elements=[k.c.key], set_={"key": stmt.excluded.key}
-    ).returning(k.c.job_id, sa.func.coalesce(k.c.until > sa.func.now(), sa.false()))
+    ).returning(k.c.job_id, sa.func.coalesce(k.c.until > sa.func.statement_timestamp(), sa.false()))
 
 
 # Place a scoped unique job, the key's row being locked (take_key): in one statement,
@@ -716,7 +717,7 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
         .where(sa.exists(sa.select(new.c.id)))
         .values(
             job_id=sa.select(new.c.id).scalar_subquery(),
-            until=sa.func.now() + sa.bindparam("period", type_=sa.Interval),
+            until=sa.func.statement_timestamp() + sa.bindparam("period", type_=sa.Interval),
         )
         .cte("keys")
     )
