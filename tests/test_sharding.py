@@ -1,0 +1,286 @@
+"""Sharding: jobs follow their rows into the shard, and workers serve several shards.
+
+Two real PostgreSQL servers: the test session's own (shard "a") and a second embedded one
+started here (shard "b"). Links whose code starts with "a" live in shard a, the others in
+shard b.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import sessionmaker
+
+from sqla_jobs import EnqueueError, Jobs, create_engine, sharding
+from sqla_jobs.db import embedded_url, normalize_url
+from sqla_jobs.sharding import ShardedJobSession, ShardedWorker
+
+from . import app
+
+#: Nothing listens here: a shard that is down.
+DEAD_URL = "postgresql+psycopg://postgres@127.0.0.1:9/nothing?connect_timeout=2"
+
+
+@pytest.fixture(scope="module")
+def engine_b() -> Iterator[sa.Engine]:
+    url = os.environ.get("SQLA_JOBS_SECOND_DATABASE_URL") or embedded_url()
+    eng = create_engine(normalize_url(url))
+    with eng.begin() as conn:
+        conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.SCHEMA}" CASCADE'))
+        conn.execute(sa.text(f'CREATE SCHEMA "{app.SCHEMA}"'))
+        app.Base.metadata.create_all(conn)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def shards(db: sa.Engine, engine_b: sa.Engine) -> dict[str, sa.Engine]:
+    tables = ", ".join(f'"{app.SCHEMA}"."{t.name}"' for t in app.Base.metadata.sorted_tables)
+    with engine_b.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    return {"a": db, "b": engine_b}
+
+
+def _chooser(mapper: Any, instance: Any, clause: Any = None) -> str:
+    if isinstance(instance, app.Link):
+        return "a" if instance.code.startswith("a") else "b"
+    raise ValueError(f"no shard for {instance!r}")
+
+
+@pytest.fixture
+def Sharded(shards: dict[str, sa.Engine], jobs: Jobs) -> sessionmaker[ShardedJobSession]:
+    return sessionmaker(
+        class_=ShardedJobSession,
+        shards=shards,
+        shard_chooser=_chooser,
+        identity_chooser=lambda *a, **kw: list(shards),
+        execute_chooser=lambda context: list(shards),
+        jobs=jobs,
+    )
+
+
+def _count(engine: sa.Engine, table: Any, *where: Any) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(sa.func.count()).select_from(table).where(*where)
+        ).scalar_one()
+
+
+def _task(jobs: Jobs, seen: list[tuple[str, str]] | None = None) -> Any:
+    @jobs.task(queue="links")
+    def fetch(code: str) -> None:
+        if seen is not None:
+            seen.append((code, threading.current_thread().name))
+
+    return fetch
+
+
+JOB = app.Job.__table__
+
+
+def test_enqueue_lands_in_the_shard_of_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a1", url="u"))
+        session.enqueue(fetch, code="a1")
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b1", url="u"))
+        session.enqueue(fetch, code="b1")
+    for name, code in (("a", "a1"), ("b", "b1")):
+        engine = shards[name]
+        assert _count(engine, app.Link.__table__) == 1
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": code}]
+
+
+def test_enqueue_rolls_back_with_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.add(app.Link(code="b2", url="u"))
+        session.enqueue(fetch, code="b2")
+        session.flush()
+        assert _count(shards["b"], JOB) == 0  # not visible before the commit
+        raise RuntimeError("the request failed")
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+        assert _count(engine, app.Link.__table__) == 0
+
+
+def test_in_a_savepoint_a_job_shares_the_fate_of_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    # SQLAlchemy's ShardedSession flushes through the outermost transaction's connections,
+    # so a rolled-back begin_nested() does not take back what it flushed: neither the row
+    # nor its job. What must hold is that they share one fate.
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a3", url="u"))
+        session.enqueue(fetch, code="a3")
+        with pytest.raises(RuntimeError), session.begin_nested():
+            session.add(app.Link(code="a3-nested", url="u"))
+            session.enqueue(fetch, code="a3-nested")
+            session.flush()
+            raise RuntimeError
+    with shards["a"].connect() as conn:
+        codes = set(conn.execute(sa.select(app.Link.code)).scalars())
+        args = {a["code"] for a in conn.execute(sa.select(JOB.c.args)).scalars()}
+    assert "a3" in codes
+    assert args == codes
+    assert _count(shards["b"], JOB) == 0
+
+
+def test_shard_with_and_explicit_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a4", url="u"))
+        session.add(b := app.Link(code="b4", url="u"))
+        session.enqueue(fetch, code="b4", shard_with=b)  # pending: where it will go
+        session.enqueue(fetch, code="to-a", shard="a")
+    with Sharded.begin() as session:
+        # Loaded: where it came from. The session's transaction writes nothing else.
+        loaded = session.get(app.Link, "a4")
+        assert loaded is not None
+        session.enqueue(fetch, code="a4-again", shard_with=loaded)
+    with shards["a"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "to-a"}, {"code": "a4-again"}]
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "b4"}]
+
+
+def test_the_shard_of_rows_flushed_earlier_in_the_transaction(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b5", url="u"))
+        session.flush()
+        assert not session.new
+        session.enqueue(fetch, code="b5")
+    assert _count(shards["b"], JOB) == 1
+    # A new transaction starts with no shard of its own.
+    with Sharded.begin() as session, pytest.raises(EnqueueError, match="writes no rows"):
+        session.enqueue(fetch, code="b5")
+
+
+def test_a_job_whose_shard_cannot_be_told_is_refused(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded() as session:
+        with pytest.raises(EnqueueError, match="writes no rows"):
+            session.enqueue(fetch, code="x")
+        session.add(app.Link(code="a6", url="u"))
+        session.add(app.Link(code="b6", url="u"))
+        with pytest.raises(EnqueueError, match=r"shards \['a', 'b'\]"):
+            session.enqueue(fetch, code="x")
+        with pytest.raises(EnqueueError, match="not one of this session's shards"):
+            session.enqueue(fetch, code="x", shard="c")
+        with pytest.raises(EnqueueError, match="not both"):
+            session.enqueue(fetch, code="x", shard="a", shard_with=app.Link(code="a", url=""))
+        with pytest.raises(EnqueueError, match="ORM object"):
+            session.enqueue(fetch, code="x", shard_with="a6")
+        with pytest.raises(EnqueueError, match="unique"):
+            session.enqueue(fetch.with_options(unique=True), code="x", shard="a")
+        assert not [o for o in session.new if isinstance(o, app.Job)]
+        session.rollback()
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+
+
+def test_enqueue_many_lands_in_its_shard_and_rolls_back_with_it(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b7", url="u"))
+        assert session.enqueue_many(fetch, [{"code": f"b7-{i}"} for i in range(3)]) == 3
+    assert _count(shards["b"], JOB) == 3
+    assert _count(shards["a"], JOB) == 0
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.enqueue_many(fetch, [{"code": "gone"}], shard="a")
+        raise RuntimeError
+    assert _count(shards["a"], JOB) == 0
+
+
+def _fill(shards: dict[str, sa.Engine], jobs: Jobs, task: Any, per_shard: int) -> None:
+    for name, engine in shards.items():
+        with engine.begin() as conn:
+            jobs.enqueue_many(conn, task, [{"code": f"{name}-{i}"} for i in range(per_shard)])
+
+
+def test_a_worker_serving_two_shards_drains_both_exactly_once(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    seen: list[tuple[str, str]] = []
+    fetch = _task(jobs, seen)
+    _fill(shards, jobs, fetch, 200)
+    worker = ShardedWorker(jobs, shards, concurrency=8, name="w")
+    assert worker.run_until_empty(timeout=60) == {"a": 200, "b": 200}
+    codes = [code for code, _ in seen]
+    assert len(codes) == len(set(codes)) == 400
+    assert {c.split("-")[0] for c in codes} == {"a", "b"}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0  # finished jobs are deleted
+    assert {w.name for w in worker.workers.values()} == {"w@a", "w@b"}
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_shard_that_is_down_does_not_stop_the_others(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    seen: list[tuple[str, str]] = []
+    fetch = _task(jobs, seen)
+    live = shards["a"]
+    worker = ShardedWorker(jobs, {"down": DEAD_URL, "a": live}, concurrency=4)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    runner.start()
+    try:
+        # Enqueued while the worker runs: the live shard's worker is claiming and
+        # listening though the other cannot even connect.
+        _fill({"a": live}, jobs, fetch, 50)
+        _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
+        assert worker.workers["down"].processed == 0
+        assert worker.workers["a"].processed == 50
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+
+
+def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
+    fetch = _task(jobs)
+    _fill({"a": shards["a"]}, jobs, fetch, 2)
+    _fill({"b": shards["b"]}, jobs, fetch, 3)
+    engines = {**shards, "down": create_engine(DEAD_URL)}
+    results = sharding.stats(engines, jobs)
+    assert [r.shard for r in results] == ["a", "b", "down"]
+    assert [(q.queue, q.ready) for q in results[0].value or ()] == [("links", 2)]
+    assert results[2].value is None and results[2].error
+    [links] = sharding.total(results)
+    assert (links.queue, links.ready) == ("links", 5)
+    assert links.lag_seconds is not None
+    found, failed = sharding.list_jobs(engines, jobs, limit=4)
+    assert len(found) == 4
+    assert {shard for shard, _ in found} == {"a", "b"}
+    assert [r.shard for r in failed] == ["down"]
+    stamps = [job.created_at for _, job in found]
+    assert stamps == sorted(stamps, reverse=True)
