@@ -284,3 +284,101 @@ def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) 
     assert [r.shard for r in failed] == ["down"]
     stamps = [job.created_at for _, job in found]
     assert stamps == sorted(stamps, reverse=True)
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+def _url(engine: sa.Engine) -> str:
+    return engine.url.render_as_string(hide_password=False)
+
+
+def _runs_by_worker(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        stmt = sa.select(app.Run.worker, sa.func.count()).group_by(app.Run.worker)
+        return {w: n for w, n in conn.execute(stmt).all()}
+
+
+def _add(engine: sa.Engine, n: int) -> None:
+    row = {"task": "tests.app.record_run", "queue": "records"}
+    with engine.begin() as conn:
+        conn.execute(sa.insert(app.Job).values([row] * n))
+
+
+def test_cli_worker_until_empty_drains_every_shard(shards: dict[str, sa.Engine]) -> None:
+    from .test_cli import cli
+
+    _add(shards["a"], 5)
+    _add(shards["b"], 7)
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    done = cli("worker", "tests.app:jobs", *flags, "--until-empty", "--name", "w")
+    assert done.returncode == 0, done.stderr
+    # tests.app's handler records each run in DATABASE_URL's database, shard a.
+    assert _runs_by_worker(shards["a"]) == {"w@a": 5, "w@b": 7}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+
+
+def test_cli_worker_supervises_a_process_per_shard(shards: dict[str, sa.Engine]) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "p"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 3)
+        _add(shards["b"], 4)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"p@a": 3, "p@b": 4}, timeout=60)
+        with shards["a"].connect() as conn:
+            pids = set(conn.execute(sa.select(app.Run.pid).distinct()).scalars())
+        assert len(pids) == 2  # one process per shard
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_stats_and_jobs_list_across_shards(shards: dict[str, sa.Engine]) -> None:
+    import json
+
+    from .test_cli import in_parallel
+
+    _add(shards["a"], 2)
+    _add(shards["b"], 3)
+    flags = (f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}")
+    down = f"--shard=down={DEAD_URL}"
+    stats, table, listing, failing, both = in_parallel(
+        ("stats", "tests.app:jobs", *flags, "--json"),
+        ("stats", "tests.app:jobs", *flags),
+        ("jobs", "list", "tests.app:jobs", *flags, "--json", "--limit", "4"),
+        ("stats", "tests.app:jobs", *flags, down, "--json"),
+        ("stats", "tests.app:jobs", *flags, "--database-url", _url(shards["a"])),
+    )
+    assert stats.returncode == 0, stats.stderr
+    out = json.loads(stats.stdout)
+    assert [(s["shard"], [q["ready"] for q in s["queues"]]) for s in out["shards"]] == [
+        ("a", [2]),
+        ("b", [3]),
+    ]
+    assert [(q["queue"], q["ready"]) for q in out["queues"]] == [("records", 5)]
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[1].split()[:2] == ["SHARD", "QUEUE"]
+    assert [line.split()[:3] for line in lines[2:]] == [
+        ["a", "records", "active"],
+        ["b", "records", "active"],
+        ["*", "records", "active"],
+    ]
+    assert listing.returncode == 0, listing.stderr
+    found = json.loads(listing.stdout)
+    assert len(found) == 4 and {j["shard"] for j in found} == {"a", "b"}
+    assert failing.returncode == 1
+    assert "shard down: " in failing.stderr
+    assert [q["ready"] for q in json.loads(failing.stdout)["queues"]] == [5]
+    assert both.returncode == 2 and "not both" in both.stderr
