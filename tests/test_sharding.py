@@ -382,3 +382,46 @@ def test_cli_stats_and_jobs_list_across_shards(shards: dict[str, sa.Engine]) -> 
     assert "shard down: " in failing.stderr
     assert [q["ready"] for q in json.loads(failing.stdout)["queues"]] == [5]
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+# -- the dashboard ------------------------------------------------------------------------
+
+
+def test_dashboard_over_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
+    import re
+
+    pytest.importorskip("starlette")
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    @jobs.task(queue="mail")
+    def send(to: str) -> None: ...
+
+    with shards["a"].begin() as conn:
+        jobs.enqueue_many(conn, send, [{"to": "x"}] * 2)
+    with shards["b"].begin() as conn:
+        jobs.enqueue_many(conn, send, [{"to": "only-in-b"}] * 3)
+    dashboard = create_app(jobs, engines={**shards, "down": DEAD_URL})
+    outer = Starlette(routes=[Mount("/ops", dashboard)])
+    with TestClient(outer) as client:
+        page = client.get("/ops/")
+        assert page.status_code == 200
+        text = page.text
+        cells = re.findall(r'<td class="num ?">(\d+)</td>', text)
+        assert cells.count("2") >= 1 and cells.count("3") >= 1
+        assert 'href="/ops/shards/a/"' in text and 'href="/ops/shards/b/"' in text
+        assert "cannot be reached" in text
+        assert '<th class="num">5</th>' in text  # ready, summed
+        b_jobs = client.get("/ops/shards/b/jobs")
+        assert b_jobs.status_code == 200
+        assert "only-in-b" in b_jobs.text
+        assert 'href="/ops/">All shards' in b_jobs.text
+        assert "only-in-b" not in client.get("/ops/shards/a/jobs").text
+        assert client.get("/ops/shards/down/").status_code == 503
+    with pytest.raises(ValueError, match="not both"):
+        create_app(jobs, shards["a"], engines=shards)
+    with pytest.raises(ValueError, match="shard name"):
+        create_app(jobs, engines={"a/b": shards["a"]})
