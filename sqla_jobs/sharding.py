@@ -64,7 +64,7 @@ from .model import JobMixin
 from .queries import insert_rows
 from .session import EnqueueMixin, _announce, _boundary, many_values
 from .tasks import Jobs
-from .worker.core import describe, retry_pause, unreachable
+from .worker.core import describe, unreachable
 from .worker.settings import WorkerSettings, resolve
 from .worker.threaded import Worker
 
@@ -85,6 +85,9 @@ __all__ = [
 T = TypeVar("T")
 
 log = logging.getLogger("sqla_jobs.sharding")
+
+#: Longest pause before starting again the worker of a shard that could not be reached.
+_RESTART_CAP = 5.0
 
 #: Where a job's chosen shard is kept: the job's ``InstanceState.info``, until its flush.
 _SHARD_KEY = "sqla_jobs.shard"
@@ -361,7 +364,10 @@ class ShardedWorker:
                             self.stop()
                         return
                     failures += 1
-                    pause = retry_pause(failures, exc)
+                    # Slower than a running worker's retries (which must be back within
+                    # a second of a restart): a shard may be down for long, and each try
+                    # logs.
+                    pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
                     log.warning(
                         "shard %s: cannot reach the database, starting its worker again in "
                         "%.2fs: %s",
