@@ -1060,7 +1060,12 @@ def cmd_web(args: argparse.Namespace) -> int:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
         ) from None
-    target, engine = _prepare(args)
+    shards = shards_from(args)
+    if shards is not None:
+        target: Jobs | type[Any] = load_target(args.target)
+        engine = None
+    else:
+        target, engine = _prepare(args)
     authorize = None
     if args.authorize:
         authorize = _import_path(args.authorize)
@@ -1075,6 +1080,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     app = create_app(
         target,
         engine,
+        engines=None if shards is None else _shard_engines(shards),
         authorize=authorize,
         read_only=None if authorize is not None else not args.allow_actions,
         title=args.title,
@@ -1114,6 +1120,7 @@ def _add_web(sub: Any) -> None:
         help="the path prefix a reverse proxy serves it under (e.g. /jobs)",
     )
     web.add_argument("--title", default="sqla-jobs", help="the name in the page header")
+    _shard_option(web, ": a page of every shard's queues, and each shard's own dashboard")
     web.set_defaults(func=cmd_web)
 
 

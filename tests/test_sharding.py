@@ -425,3 +425,44 @@ def test_dashboard_over_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None
         create_app(jobs, shards["a"], engines=shards)
     with pytest.raises(ValueError, match="shard name"):
         create_app(jobs, engines={"a/b": shards["a"]})
+
+
+def test_cli_web_over_shards(shards: dict[str, sa.Engine]) -> None:
+    import socket
+    import subprocess
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from .test_cli import ROOT, command, environment
+
+    _add(shards["b"], 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    proc = subprocess.Popen(
+        command("web", "tests.app:jobs", *flags, "--port", str(port)),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(proc.stderr.read() if proc.stderr else "") from None
+                time.sleep(0.1)
+        assert page.status_code == 200
+        assert 'href="/shards/a/"' in page.text and 'href="/shards/b/"' in page.text
+        b_jobs = httpx.get(f"http://127.0.0.1:{port}/shards/b/jobs", timeout=5)
+        assert b_jobs.status_code == 200 and "tests.app.record_run" in b_jobs.text
+    finally:
+        proc.terminate()
+        proc.wait(10)
