@@ -8,8 +8,11 @@
     $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
     $ sqla-jobs queues pause myapp.tasks:jobs webhooks
     $ sqla-jobs web myapp.tasks:jobs --port 8080
+    $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
-The database URL comes from ``--database-url`` or ``DATABASE_URL``; the jobs from a
+The database URL comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
+``stats``, ``jobs list`` and ``web``, several ``--shard NAME=URL``: see
+:mod:`sqla_jobs.sharding`); the jobs from a
 ``module:attribute`` path, imported from the current directory first, as ``python -m``
 would. ``worker`` needs the :class:`~sqla_jobs.Jobs` registry (it runs the handlers); the
 operating commands also take the bare ``JobMixin`` model, so they work from a box that
