@@ -100,6 +100,17 @@ def child(url: str, schema: str) -> None:
     )
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all cores since boot, from /proc/stat (Linux only)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def drain(urls: list[str], schema: str, jobs: int) -> dict[str, Any]:
     for url in urls:
         preload(url, schema, jobs)
@@ -117,6 +128,7 @@ def drain(urls: list[str], schema: str, jobs: int) -> dict[str, Any]:
         line = p.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"a worker process did not start: {line!r}")
+    before = cpu_ticks()
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -127,6 +139,7 @@ def drain(urls: list[str], schema: str, jobs: int) -> dict[str, Any]:
         if p.returncode:
             raise RuntimeError(f"a worker process failed with {p.returncode}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
+    after = cpu_ticks()
     for url in urls:
         check_empty(url, schema)
     total = sum(r["done"] for r in reports)
@@ -137,6 +150,10 @@ def drain(urls: list[str], schema: str, jobs: int) -> dict[str, Any]:
         "rate": total / wall,
         "per_shard": [r["done"] / (r["end"] - r["start"]) for r in reports],
         "cpu_per_job_us": sum(r["cpu"] for r in reports) / total * 1e6,
+        # How busy the whole machine was (every process, the servers included).
+        "machine_busy": None
+        if before is None or after is None
+        else (after[0] - before[0]) / max(1, after[1] - before[1]),
     }
 
 
@@ -168,20 +185,22 @@ def main() -> None:
     )
     print(
         "| shards | worker processes | drain, all shards (jobs/s) | per shard (jobs/s) "
-        "| vs 1 shard | worker CPU per job (µs) |"
+        "| vs 1 shard | worker CPU per job (µs) | machine CPU busy |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     base = None
     for n in range(1, len(urls) + 1):
         runs = [drain(urls[:n], args.schema, args.jobs) for _ in range(args.repeat)]
         rates = [r["rate"] for r in runs]
         per = [statistics.median(r["per_shard"]) for r in runs]
         cpu = [r["cpu_per_job_us"] for r in runs]
+        busy = [r["machine_busy"] for r in runs if r["machine_busy"] is not None]
         median = statistics.median(rates)
         base = base or median
+        busy_text = f"{statistics.median(busy):.0%}" if busy else "-"
         print(
             f"| {n} | {n} | {cell(rates)} | {cell(per)} | {median / base:.2f}x "
-            f"| {statistics.median(cpu):.0f} |",
+            f"| {statistics.median(cpu):.0f} | {busy_text} |",
             flush=True,
         )
     for url in urls:
