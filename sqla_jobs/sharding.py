@@ -113,31 +113,74 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
     ``enqueue_many`` writes its rows at once (one INSERT on the shard's connection, in the
     caller's transaction), not at the next flush as on a plain session: the batch must go
     through its shard's connection, and the flush only knows connections per object.
-    Unique jobs (``unique=True``, ``unique_key=``) are not supported on a sharded session
-    yet: enqueue them on the shard's connection with ``jobs.enqueue(conn, ...)``.
+    A unique job (``unique=True``, ``unique_key=``) is INSERTed at once on its shard, as on
+    a plain session; its key is unique per shard. ``enqueue_many(..., unique=True)`` is not
+    supported on a sharded session yet.
     """
 
     def __init__(
         self,
         shard_chooser: Callable[..., Any],
-        *args: Any,
+        identity_chooser: Callable[..., Any] | None = None,
+        execute_chooser: Callable[..., Any] | None = None,
         shards: Mapping[str, Any] | None = None,
         **kw: Any,
     ) -> None:
         self._user_chooser = shard_chooser
+        self._user_identity_chooser = identity_chooser
+        self._user_execute_chooser = execute_chooser
         self._shard_names = frozenset(shards or ())
         self._written: set[Any] = set()
-        super().__init__(self._choose, *args, shards=shards, **kw)
+        #: The shard of the job being enqueued, while ``enqueue`` inserts a unique job.
+        self._enqueuing_on: Any = None
+        super().__init__(
+            self._choose,
+            None if identity_chooser is None else self._choose_identity,
+            None if execute_chooser is None else self._choose_execute,
+            shards=shards,
+            **kw,
+        )
         event.listen(self, "after_flush", _after_flush)
         event.listen(self, "after_transaction_end", _after_transaction_end)
 
+    # The choosers the session runs. A job object goes where ``enqueue`` decided; while
+    # ``enqueue`` inserts a unique job (a statement on ``session.connection()``, then
+    # ``session.get`` of the job), everything goes to that job's shard; the rest is the
+    # application's choice.
+
     def _choose(self, mapper: Mapper[Any], instance: Any, clause: Any = None, **kw: Any) -> Any:
-        """The ``shard_chooser`` the session runs: a job goes where ``enqueue`` decided."""
         if instance is not None:
             shard = inspect(instance).info.get(_SHARD_KEY)
             if shard is not None:
                 return shard
+        if self._enqueuing_on is not None:
+            return self._enqueuing_on
         return self._user_chooser(mapper, instance, clause=clause, **kw)
+
+    def _choose_identity(self, *args: Any, **kw: Any) -> Any:
+        if self._enqueuing_on is not None:
+            return [self._enqueuing_on]
+        assert self._user_identity_chooser is not None
+        return self._user_identity_chooser(*args, **kw)
+
+    def _choose_execute(self, context: Any) -> Any:
+        if self._enqueuing_on is not None:
+            return [self._enqueuing_on]
+        assert self._user_execute_chooser is not None
+        return self._user_execute_chooser(context)
+
+    def get_bind(
+        self,
+        mapper: Any = None,
+        *,
+        shard_id: Any = None,
+        instance: Any = None,
+        clause: Any = None,
+        **kw: Any,
+    ) -> Any:
+        if shard_id is None and instance is None and self._enqueuing_on is not None:
+            shard_id = self._enqueuing_on
+        return super().get_bind(mapper, shard_id=shard_id, instance=instance, clause=clause, **kw)
 
     def enqueue(
         self,
@@ -153,20 +196,16 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         :raises EnqueueError: no shard can be determined, or it is not one of ``shards``;
             the session is left untouched.
         """
-        options = dict(getattr(task, "options", None) or {})
-        if (
-            kwargs.get("unique")
-            or kwargs.get("unique_key") is not None
-            or options.get("unique")
-            or options.get("unique_key") is not None
-        ):
-            raise EnqueueError(
-                "unique jobs are not supported on a sharded session yet: enqueue them "
-                "with jobs.enqueue(session.connection(bind_arguments={'shard_id': ...}), ...)"
-            )
         target = self.shard_of_job(shard=shard, shard_with=shard_with)
-        job = super().enqueue(task, *args, **kwargs)
-        inspect(job).info[_SHARD_KEY] = target
+        # A unique job is INSERTed now, on the shard's connection, and read back with
+        # session.get: both are steered to the target shard for the duration of the call.
+        self._enqueuing_on = target
+        try:
+            job = super().enqueue(task, *args, **kwargs)
+        finally:
+            self._enqueuing_on = None
+        if inspect(job).key is None:
+            inspect(job).info[_SHARD_KEY] = target
         return job
 
     def enqueue_many(

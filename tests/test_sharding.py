@@ -192,12 +192,36 @@ def test_a_job_whose_shard_cannot_be_told_is_refused(
             session.enqueue(fetch, code="x", shard="a", shard_with=app.Link(code="a", url=""))
         with pytest.raises(EnqueueError, match="ORM object"):
             session.enqueue(fetch, code="x", shard_with="a6")
-        with pytest.raises(EnqueueError, match="unique"):
-            session.enqueue(fetch.with_options(unique=True), code="x", shard="a")
         assert not [o for o in session.new if isinstance(o, app.Job)]
         session.rollback()
     for engine in shards.values():
         assert _count(engine, JOB) == 0
+
+
+def test_a_unique_job_is_unique_within_its_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:  # job 1 of shard a, so that ids collide across shards
+        session.enqueue(fetch, code="plain", shard="a")
+    unique = fetch.with_options(unique=True)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b8", url="u"))
+        first = session.enqueue(unique, code="b8")
+        again = session.enqueue(unique, code="b8")
+        assert again is first
+        assert first.args == {"code": "b8"}  # shard b's job 1, not shard a's
+        other = session.enqueue(unique, code="b8", shard="a")  # another shard, another key
+        assert other is not first and other.args == {"code": "b8"}
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "b8"}]
+    with shards["a"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "plain"}, {"code": "b8"}]
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.enqueue(unique, code="gone", shard="b")
+        raise RuntimeError
+    assert _count(shards["b"], JOB) == 1
 
 
 def test_enqueue_many_lands_in_its_shard_and_rolls_back_with_it(
