@@ -114,8 +114,8 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
     caller's transaction), not at the next flush as on a plain session: the batch must go
     through its shard's connection, and the flush only knows connections per object.
     A unique job (``unique=True``, ``unique_key=``) is INSERTed at once on its shard, as on
-    a plain session; its key is unique per shard. ``enqueue_many(..., unique=True)`` is not
-    supported on a sharded session yet.
+    a plain session; its key is unique per shard (as with ``enqueue_many(...,
+    unique=True)``).
     """
 
     def __init__(
@@ -220,8 +220,6 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
     ) -> int:
         """Like :meth:`EnqueueMixin.enqueue_many`, but the rows are INSERTed at once, on
         the chosen shard's connection (in the caller's transaction, or savepoint)."""
-        if options.get("unique"):
-            raise EnqueueError("unique jobs are not supported on a sharded session yet")
         target = self.shard_of_job(shard=shard, shard_with=shard_with)
         registry, rows = many_values(task, arguments, self, **options)
         if rows:

@@ -222,6 +222,11 @@ def test_a_unique_job_is_unique_within_its_shard(
         session.enqueue(unique, code="gone", shard="b")
         raise RuntimeError
     assert _count(shards["b"], JOB) == 1
+    with Sharded.begin() as session:
+        session.enqueue_many(fetch, [{"code": "b8"}, {"code": "b9"}], shard="b", unique=True)
+    with shards["b"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "b8"}, {"code": "b9"}]  # b8's key is held: skipped
 
 
 def test_enqueue_many_lands_in_its_shard_and_rolls_back_with_it(
