@@ -26,7 +26,7 @@ shard), and:
     )
     with Session.begin() as session:
         session.add(order)                               # goes to order.region
-        session.enqueue(send_receipt, order_id=order.id) # goes where order goes
+        session.enqueue(send_receipt, order_ref=order.ref) # where order goes
 
     ShardedWorker(jobs, {"eu": eu_url, "us": us_url}, concurrency=32).run()
 
@@ -77,6 +77,7 @@ __all__ = [
     "ShardResult",
     "ShardedJobSession",
     "ShardedWorker",
+    "across",
     "list_jobs",
     "stats",
     "total",
