@@ -8,8 +8,11 @@
     $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
     $ sqla-jobs queues pause myapp.tasks:jobs webhooks
     $ sqla-jobs web myapp.tasks:jobs --port 8080
+    $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
-The database URL comes from ``--database-url`` or ``DATABASE_URL``; the jobs from a
+The database URL comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
+``stats``, ``jobs list`` and ``web``, several ``--shard NAME=URL``: see
+:mod:`sqla_jobs.sharding`); the jobs from a
 ``module:attribute`` path, imported from the current directory first, as ``python -m``
 would. ``worker`` needs the :class:`~sqla_jobs.Jobs` registry (it runs the handlers); the
 operating commands also take the bare ``JobMixin`` model, so they work from a box that
@@ -41,7 +44,7 @@ from typing import Any, NoReturn
 import sqlalchemy as sa
 
 from . import admin, logs
-from .db import create_engine
+from .db import create_engine, normalize_url
 from .errors import WorkerError
 from .model import STATUSES, job_table
 from .tasks import Jobs
@@ -119,6 +122,42 @@ def engine_from(args: argparse.Namespace) -> sa.Engine:
         return create_engine(url)
     except Exception as exc:
         raise CommandError(f"bad database URL: {exc}") from None
+
+
+_SHARD_NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
+
+
+def _shard(text: str) -> tuple[str, str]:
+    """``NAME=URL``, or a bare URL (named by its host, port and database)."""
+    m = _SHARD_NAME.match(text)
+    name, url = (m.group(1), m.group(2)) if m else ("", text)
+    try:
+        parsed = normalize_url(url)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: {exc}") from None
+    if not name:
+        host = parsed.host or parsed.query.get("host") or "localhost"
+        name = f"{host}:{parsed.port or 5432}/{parsed.database or ''}"
+    return name, parsed.render_as_string(hide_password=False)
+
+
+def shards_from(args: argparse.Namespace) -> dict[str, str] | None:
+    """The ``--shard`` URLs by name, or None when none was given (one database)."""
+    given: list[tuple[str, str]] | None = getattr(args, "shard", None)
+    if not given:
+        return None
+    if getattr(args, "database_url", None):
+        raise CommandError("give either --database-url or --shard, not both")
+    shards: dict[str, str] = {}
+    for name, url in given:
+        if name in shards:
+            raise CommandError(f"--shard: two shards are named {name!r}")
+        shards[name] = url
+    return shards
+
+
+def _shard_engines(shards: dict[str, str]) -> dict[str, sa.Engine]:
+    return {name: create_engine(url) for name, url in shards.items()}
 
 
 def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
@@ -308,6 +347,9 @@ def _error_summary(text: str | None, width: int = 60) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    shards = shards_from(args)
+    if shards is not None:
+        return _sharded_stats(args, shards)
     target, engine = _prepare(args)
     table = admin.source_table(target)
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
@@ -346,8 +388,69 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def _sharded_stats(args: argparse.Namespace, shards: dict[str, str]) -> int:
+    """``stats --shard ...``: one row per shard and queue, then the sums (SHARD ``*``)."""
+    from . import sharding
+
+    target = load_target(args.target)
+    table = admin.source_table(target)
+    engines = _shard_engines(shards)
+    failed = False
+    try:
+        while True:
+            results = sharding.stats(engines, target, window=args.window)
+            totals = sharding.total(results)
+            failed = any(r.error is not None for r in results)
+            for r in results:
+                if r.error is not None:
+                    print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+            now = datetime.now(timezone.utc)
+            if args.json:
+                _print_json(
+                    {
+                        "time": now.isoformat(),
+                        "table": table.fullname,
+                        "window_seconds": args.window,
+                        "shards": [
+                            {"shard": r.shard, "error": r.error}
+                            | {"queues": [q.to_dict() for q in r.value or ()]}
+                            for r in results
+                        ],
+                        "queues": [q.to_dict() for q in totals],
+                    }
+                )
+            else:
+                if args.watch is not None:
+                    print()
+                rows = [(r.shard, q) for r in results for q in r.value or ()]
+                rows += [("*", q) for q in totals]
+                _print_stats(
+                    table.fullname,
+                    [q for _, q in rows],
+                    args.window,
+                    now,
+                    args.watch,
+                    shard_names=[name for name, _ in rows],
+                )
+            if args.watch is None:
+                break
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        for engine in engines.values():
+            engine.dispose()
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
 def _print_stats(
-    table: str, queues: list[admin.QueueStats], window: float, now: datetime, watch: float | None
+    table: str,
+    queues: list[admin.QueueStats],
+    window: float,
+    now: datetime,
+    watch: float | None,
+    *,
+    shard_names: list[str] | None = None,
 ) -> None:
     span = _span(window)
     headers = [
@@ -381,12 +484,17 @@ def _print_stats(
         ]
         for q in queues
     ]
+    right = set(range(2, len(headers)))
+    if shard_names is not None:
+        headers.insert(0, "SHARD")
+        rows = [[name, *row] for name, row in zip(shard_names, rows, strict=True)]
+        right = {i + 1 for i in right}
     suffix = f", every {_span(watch)} (Ctrl-C to stop)" if watch is not None else ""
     print(f"{table} at {_when(now)}{suffix}")
     if not rows:
         print("no queues yet")
         return
-    _print_table(headers, rows, right=set(range(2, len(headers))))
+    _print_table(headers, rows, right=right)
 
 
 def _span(value: float | None) -> str:
@@ -399,6 +507,9 @@ def _span(value: float | None) -> str:
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
+    shards = shards_from(args)
+    if shards is not None:
+        return _sharded_jobs_list(args, shards)
     target, engine = _prepare(args)
     with _database_errors(), engine.connect() as conn:
         found = admin.list_jobs(
@@ -434,6 +545,56 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     if len(found) == args.limit:
         print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
     return EXIT_OK
+
+
+def _sharded_jobs_list(args: argparse.Namespace, shards: dict[str, str]) -> int:
+    """``jobs list --shard ...``: the newest jobs of every shard, with a SHARD column."""
+    from . import sharding
+
+    target = load_target(args.target)
+    engines = _shard_engines(shards)
+    try:
+        with _database_errors():
+            found, failed = sharding.list_jobs(
+                engines,
+                target,
+                queue=args.queue,
+                status=args.status,
+                task=args.task,
+                meta=dict(args.meta) if args.meta else None,
+                limit=args.limit,
+            )
+    finally:
+        for engine in engines.values():
+            engine.dispose()
+    for r in failed:
+        print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+    code = EXIT_FAILURE if failed else EXIT_OK
+    if args.json:
+        _print_json([{"shard": shard} | j.to_dict() for shard, j in found])
+        return code
+    if not found:
+        print("no matching jobs")
+        return code
+    rows = [
+        [
+            shard,
+            str(j.id),
+            j.status,
+            j.queue,
+            j.task,
+            f"{j.attempts}/{j.max_attempts}",
+            _when(j.run_at),
+            _error_summary(j.last_error),
+        ]
+        for shard, j in found
+    ]
+    _print_table(
+        ["SHARD", "ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"],
+        rows,
+        right={1, 5},
+    )
+    return code
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
@@ -627,6 +788,9 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     jobs = load_registry(args.registry)
+    shards = shards_from(args)
+    if shards is not None:
+        return _sharded_worker(args, jobs, shards)
     engine = engine_from(args)
     settings = _worker_settings(args)
     metrics_at = getattr(args, "metrics_port", None)
@@ -679,6 +843,49 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
     return EXIT_OK
+
+
+def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]) -> int:
+    """``worker --shard A=URL --shard B=URL``: one worker per shard.
+
+    ``--until-empty`` drains every shard in this process (a :class:`ShardedWorker`);
+    otherwise a supervisor runs ``--processes`` worker processes per shard, each on its own
+    shard's database, and restarts one that dies: a shard that is down only keeps its own
+    processes restarting."""
+    settings = _worker_settings(args)
+    if getattr(args, "metrics_port", None) is not None or getattr(args, "health_port", None):
+        raise CommandError("--metrics-port and --health-port do not work with --shard yet")
+    if args.until_empty:
+        if args.asyncio:
+            raise CommandError("--until-empty --shard runs the threaded worker; drop --asyncio")
+        from .sharding import ShardedWorker
+
+        try:
+            ShardedWorker(jobs, shards, settings).run_until_empty()
+        except WorkerError as exc:
+            raise CommandError(str(exc), EXIT_FAILURE) from None
+        return EXIT_OK
+    from .worker.supervisor import supervise
+
+    names = list(shards)
+    child = ["-v"] * args.verbose
+    child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args)]
+    if args.asyncio:
+        child.append("--asyncio")
+
+    def shard_of(index: int) -> list[str]:
+        name = names[index % len(names)]
+        own = ["--database-url", shards[name]]
+        if settings.name is not None:
+            own += ["--name", f"{settings.name}@{name}"]
+        return own
+
+    return supervise(
+        child,
+        args.processes * len(names),
+        grace_period=settings.grace_period,
+        child_args=shard_of,
+    )
 
 
 def _run_async_worker(
@@ -856,7 +1063,12 @@ def cmd_web(args: argparse.Namespace) -> int:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
         ) from None
-    target, engine = _prepare(args)
+    shards = shards_from(args)
+    if shards is not None:
+        target: Jobs | type[Any] = load_target(args.target)
+        engine = None
+    else:
+        target, engine = _prepare(args)
     authorize = None
     if args.authorize:
         authorize = _import_path(args.authorize)
@@ -871,6 +1083,7 @@ def cmd_web(args: argparse.Namespace) -> int:
     app = create_app(
         target,
         engine,
+        engines=None if shards is None else _shard_engines(shards),
         authorize=authorize,
         read_only=None if authorize is not None else not args.allow_actions,
         title=args.title,
@@ -910,6 +1123,7 @@ def _add_web(sub: Any) -> None:
         help="the path prefix a reverse proxy serves it under (e.g. /jobs)",
     )
     web.add_argument("--title", default="sqla-jobs", help="the name in the page header")
+    _shard_option(web, ": a page of every shard's queues, and each shard's own dashboard")
     web.set_defaults(func=cmd_web)
 
 
@@ -927,6 +1141,16 @@ def _common(target: bool = True) -> argparse.ArgumentParser:
     if target:
         parent.add_argument("target", metavar="JOBS", help=JOBS_HELP)
     return parent
+
+
+def _shard_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--shard",
+        action="append",
+        type=_shard,
+        metavar="[NAME=]URL",
+        help=f"a shard's database, instead of --database-url (repeatable){what}",
+    )
 
 
 def _filter_options(parser: argparse.ArgumentParser, accepted: str, default: str) -> None:
@@ -1027,6 +1251,11 @@ def _add_worker(sub: Any) -> None:
         help="serve GET /healthz on this port: 200 while the worker is healthy, 503 once a "
         "loop is stuck (see --stuck-after); with --processes N, PORT + index as above",
     )
+    _shard_option(
+        worker,
+        ": --processes worker processes per shard, each on its own shard's database, so a "
+        "shard that is down pauses only its own",
+    )
     worker.set_defaults(func=cmd_worker)
 
 
@@ -1058,6 +1287,10 @@ def _add_stats(sub: Any) -> None:
         metavar="DURATION",
         help="how far back DONE/ and DEAD/ count (default: 5m; e.g. 90s, 15m, 1h)",
     )
+    _shard_option(
+        stats,
+        ": a row per shard and queue, then their sums (SHARD *)",
+    )
     stats.set_defaults(func=cmd_stats)
 
 
@@ -1088,6 +1321,10 @@ def _add_jobs(sub: Any) -> None:
         "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"
     )
     listing.add_argument("--json", action="store_true", help="a JSON array of jobs")
+    _shard_option(
+        listing,
+        ": the newest jobs of all of them, with their shard",
+    )
     listing.set_defaults(func=cmd_jobs_list)
 
     show = jobs_sub.add_parser(

@@ -6,7 +6,7 @@ import hmac
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -128,7 +128,10 @@ class Dashboard:
         read_only: bool,
         title: str,
         refresh: float,
+        shard: str | None = None,
     ) -> None:
+        #: The shard this dashboard shows, when it is one of several (see .shards).
+        self.shard = shard
         self.jobs = jobs
         self.engine = engine
         self.authorize = authorize
@@ -198,6 +201,7 @@ class Dashboard:
             "page_title": self.title,
             "notice": None,
             "notice_kind": "ok",
+            "home": self._home(request),
         }
         base.update(context)
         html = self.env.get_template(template).render(base)
@@ -213,6 +217,14 @@ class Dashboard:
             )
         response.headers["cache-control"] = "no-store"
         return response
+
+    def _home(self, request: Request) -> str | None:
+        """The page of every shard, when this dashboard is one shard's (mounted at
+        ``/shards/<name>`` under it)."""
+        if self.shard is None:
+            return None
+        root = (request.scope.get("root_path") or "").rstrip("/")
+        return root.removesuffix(f"/shards/{self.shard}") + "/"
 
     def path(self, request: Request, name: str, **params: Any) -> str:
         """The path of one of the dashboard's own routes, under wherever it is mounted.
@@ -1026,8 +1038,9 @@ class _SecurityHeaders:
 
 def create_app(
     jobs: Jobs | type[Any],
-    engine: sa.Engine | str,
+    engine: sa.Engine | str | None = None,
     *,
+    engines: Mapping[str, sa.Engine | str] | None = None,
     authorize: Authorize | None = None,
     read_only: bool | None = None,
     title: str = "sqla-jobs",
@@ -1038,6 +1051,9 @@ def create_app(
     :param jobs: the :class:`~sqla_jobs.Jobs` registry, or the bare ``JobMixin`` model
         (then "Run now" on schedules is not offered: it needs the tasks).
     :param engine: a SQLAlchemy ``Engine`` (or a database URL to make one from).
+    :param engines: instead of ``engine``, the shards, by name (see
+        :mod:`sqla_jobs.sharding`): a page of every shard's queues at ``/``, and each
+        shard's own dashboard at ``/shards/<name>/``.
     :param authorize: ``request -> bool``: whether a request may act (retry, cancel,
         delete, pause, resume, run a schedule). Giving it turns actions on.
     :param read_only: ``True`` (the default without ``authorize``) refuses every action;
@@ -1053,6 +1069,16 @@ def create_app(
     if not refresh > 0:
         raise ValueError(f"refresh must be > 0 seconds, got {refresh!r}")
     admin.source_table(jobs)  # TypeError for anything but a registry or a model
+    if engines is not None:
+        if engine is not None:
+            raise ValueError("give engine= or engines= (shards), not both")
+        from .shards import sharded_app
+
+        return sharded_app(
+            jobs, engines, authorize=authorize, read_only=read_only, title=title, refresh=refresh
+        )
+    if engine is None:
+        raise TypeError("create_app needs an engine (or engines=, one per shard)")
     if isinstance(engine, str):
         from ..db import create_engine
 

@@ -1,0 +1,541 @@
+"""Jobs across several databases, on SQLAlchemy's horizontal sharding.
+
+When one PostgreSQL primary is not enough, an application shards its data with
+:mod:`sqlalchemy.ext.horizontal_shard`: a ``ShardedSession`` whose ``shard_chooser``
+decides, per object, which engine its row lives in. Its jobs follow its rows. Each shard
+gets its own jobs table (the same ``JobMixin`` model, created by the same migration on every
+shard), and:
+
+* :class:`ShardedJobSession` is a ``ShardedSession`` with ``enqueue``: a job is written into
+  the shard where the same unit of work writes its rows, so it commits (or rolls back)
+  with them;
+* :class:`ShardedWorker` serves the jobs tables of several engines, one
+  :class:`~sqla_jobs.Worker` per shard, so a shard that is down pauses only its own;
+* :func:`stats`, :func:`total` and :func:`list_jobs` look at every shard for the admin
+  API, the CLI (``--shard NAME=URL``) and the dashboard (``create_app(jobs, engines=...)``).
+
+.. code-block:: python
+
+    Session = sessionmaker(
+        class_=ShardedJobSession,
+        shards={"eu": eu_engine, "us": us_engine},
+        shard_chooser=lambda mapper, instance, clause=None: instance.region,
+        identity_chooser=...,
+        execute_chooser=...,
+        jobs=jobs,
+    )
+    with Session.begin() as session:
+        session.add(order)                               # goes to order.region
+        session.enqueue(send_receipt, order_ref=order.ref) # where order goes
+
+    ShardedWorker(jobs, {"eu": eu_url, "us": us_url}, concurrency=32).run()
+
+.. warning::
+
+   A ``ShardedSession``'s transaction holds one connection per shard it touched, and commits
+   them one after another: it is not a two-phase commit. If the second COMMIT fails, the
+   first shard's rows (and jobs) are committed and the second's are not. What sqla-jobs
+   promises is per shard: a job commits with its own shard's rows, in the same
+   transaction, never without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event, inspect
+from sqlalchemy.ext.horizontal_shard import ShardedSession
+from sqlalchemy.orm import Mapper, Session, SessionTransaction
+
+from . import admin
+from .errors import EnqueueError, WorkerError
+from .model import JobMixin
+from .queries import insert_rows
+from .session import EnqueueMixin, _announce, _boundary, many_values
+from .tasks import Jobs
+from .worker.core import describe, unreachable
+from .worker.settings import WorkerSettings, resolve
+from .worker.threaded import Worker
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .worker.settings import WorkerOptions
+
+__all__ = [
+    "ShardResult",
+    "ShardedJobSession",
+    "ShardedWorker",
+    "across",
+    "list_jobs",
+    "stats",
+    "total",
+]
+
+T = TypeVar("T")
+
+log = logging.getLogger("sqla_jobs.sharding")
+
+#: Longest pause before starting again the worker of a shard that could not be reached.
+_RESTART_CAP = 5.0
+
+#: Where a job's chosen shard is kept: the job's ``InstanceState.info``, until its flush.
+_SHARD_KEY = "sqla_jobs.shard"
+
+
+class ShardedJobSession(EnqueueMixin, ShardedSession):
+    """A ``ShardedSession`` whose ``enqueue`` writes each job into the shard of its rows.
+
+    Takes what ``ShardedSession`` takes (``shards``, ``shard_chooser``, ...) and ``jobs=``.
+    The shard of a job is, in this order:
+
+    1. ``shard="eu"``: that shard, named explicitly;
+    2. ``shard_with=order``: the shard of that ORM object (where it was loaded from, or
+       where ``shard_chooser`` sends it if it is new);
+    3. otherwise the one shard this unit of work writes to: the shards of the objects that
+       are new, changed or deleted in the session now, and of those flushed earlier in the
+       same transaction. If that is no shard or more than one, ``enqueue`` raises
+       :class:`EnqueueError` rather than guess.
+
+    ``shard`` and ``shard_with`` are options of the sharded session, so a handler cannot
+    take arguments with those names through it.
+
+    ``enqueue_many`` writes its rows at once (one INSERT on the shard's connection, in the
+    caller's transaction), not at the next flush as on a plain session: the batch must go
+    through its shard's connection, and the flush only knows connections per object.
+    A unique job (``unique=True``, ``unique_key=``) is INSERTed at once on its shard, as on
+    a plain session; its key is unique per shard (as with ``enqueue_many(...,
+    unique=True)``).
+    """
+
+    def __init__(
+        self,
+        shard_chooser: Callable[..., Any],
+        identity_chooser: Callable[..., Any] | None = None,
+        execute_chooser: Callable[..., Any] | None = None,
+        shards: Mapping[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        self._user_chooser = shard_chooser
+        self._user_identity_chooser = identity_chooser
+        self._user_execute_chooser = execute_chooser
+        self._shard_names = frozenset(shards or ())
+        self._written: set[Any] = set()
+        #: The shard of the job being enqueued, while ``enqueue`` inserts a unique job.
+        self._enqueuing_on: Any = None
+        super().__init__(
+            self._choose,
+            None if identity_chooser is None else self._choose_identity,
+            None if execute_chooser is None else self._choose_execute,
+            shards=shards,
+            **kw,
+        )
+        event.listen(self, "after_flush", _after_flush)
+        event.listen(self, "after_transaction_end", _after_transaction_end)
+
+    # The choosers the session runs. A job object goes where ``enqueue`` decided; while
+    # ``enqueue`` inserts a unique job (a statement on ``session.connection()``, then
+    # ``session.get`` of the job), everything goes to that job's shard; the rest is the
+    # application's choice.
+
+    def _choose(self, mapper: Mapper[Any], instance: Any, clause: Any = None, **kw: Any) -> Any:
+        if instance is not None:
+            shard = inspect(instance).info.get(_SHARD_KEY)
+            if shard is not None:
+                return shard
+        if self._enqueuing_on is not None:
+            return self._enqueuing_on
+        return self._user_chooser(mapper, instance, clause=clause, **kw)
+
+    def _choose_identity(self, *args: Any, **kw: Any) -> Any:
+        if self._enqueuing_on is not None:
+            return [self._enqueuing_on]
+        assert self._user_identity_chooser is not None
+        return self._user_identity_chooser(*args, **kw)
+
+    def _choose_execute(self, context: Any) -> Any:
+        if self._enqueuing_on is not None:
+            return [self._enqueuing_on]
+        assert self._user_execute_chooser is not None
+        return self._user_execute_chooser(context)
+
+    def get_bind(
+        self,
+        mapper: Any = None,
+        *,
+        shard_id: Any = None,
+        instance: Any = None,
+        clause: Any = None,
+        **kw: Any,
+    ) -> Any:
+        if shard_id is None and instance is None and self._enqueuing_on is not None:
+            shard_id = self._enqueuing_on
+        return super().get_bind(mapper, shard_id=shard_id, instance=instance, clause=clause, **kw)
+
+    def enqueue(
+        self,
+        task: Any,
+        /,
+        *args: Any,
+        shard: Any = None,
+        shard_with: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the class says.
+
+        :raises EnqueueError: no shard can be determined, or it is not one of ``shards``;
+            the session is left untouched.
+        """
+        target = self.shard_of_job(shard=shard, shard_with=shard_with)
+        # A unique job is INSERTed now, on the shard's connection, and read back with
+        # session.get: both are steered to the target shard for the duration of the call.
+        self._enqueuing_on = target
+        try:
+            job = super().enqueue(task, *args, **kwargs)
+        finally:
+            self._enqueuing_on = None
+        if inspect(job).key is None:
+            inspect(job).info[_SHARD_KEY] = target
+        return job
+
+    def enqueue_many(
+        self,
+        task: Any,
+        arguments: Iterable[Any],
+        /,
+        *,
+        shard: Any = None,
+        shard_with: Any = None,
+        **options: Any,
+    ) -> int:
+        """Like :meth:`EnqueueMixin.enqueue_many`, but the rows are INSERTed at once, on
+        the chosen shard's connection (in the caller's transaction, or savepoint)."""
+        target = self.shard_of_job(shard=shard, shard_with=shard_with)
+        registry, rows = many_values(task, arguments, self, **options)
+        if rows:
+            boundary = _boundary(self)
+            connection = self.connection(bind_arguments={"shard_id": target})
+            insert_rows(connection, registry.queries, rows)
+            self._written.add(target)
+            if registry.events.wants("enqueued"):
+                _announce(self, registry, rows, boundary)
+        return len(rows)
+
+    def shard_of_job(self, *, shard: Any = None, shard_with: Any = None) -> Any:
+        """The shard a job enqueued now with these options would go to.
+
+        :raises EnqueueError: as :meth:`enqueue` does.
+        """
+        if shard is not None and shard_with is not None:
+            raise EnqueueError("give shard= or shard_with=, not both")
+        if shard is not None:
+            return self._known(shard, "shard=")
+        if shard_with is not None:
+            try:
+                state = inspect(shard_with)
+            except sa.exc.NoInspectionAvailable:
+                raise EnqueueError(
+                    f"shard_with= takes an ORM object, got {type(shard_with).__name__}"
+                ) from None
+            found = self._shard_of(state)
+            if found is None:
+                raise EnqueueError(f"the shard of {shard_with!r} cannot be determined")
+            return self._known(found, "shard_with=")
+        shards = self.unit_of_work_shards()
+        if len(shards) == 1:
+            return self._known(next(iter(shards)), "this unit of work")
+        if not shards:
+            raise EnqueueError(
+                "cannot tell which shard this job belongs to: this unit of work writes no "
+                "rows yet; pass shard= or shard_with="
+            )
+        raise EnqueueError(
+            f"cannot tell which shard this job belongs to: this unit of work writes to "
+            f"shards {sorted(map(str, shards))}; pass shard= or shard_with="
+        )
+
+    def unit_of_work_shards(self) -> set[Any]:
+        """The shards this transaction writes to: those of the new, changed and deleted
+        objects of the session (jobs aside), and those flushed to earlier in it."""
+        shards = set(self._written)
+        for obj in (*self.new, *self.dirty, *self.deleted):
+            if isinstance(obj, JobMixin):
+                continue
+            shard = self._shard_of(inspect(obj))
+            if shard is not None:
+                shards.add(shard)
+        return shards
+
+    def _shard_of(self, state: Any) -> Any:
+        if state.key is not None:
+            return state.key[2]
+        if state.identity_token is not None:
+            return state.identity_token
+        # New: where its flush will send it (the chooser is asked again then).
+        return self._user_chooser(state.mapper, state.obj(), clause=None)
+
+    def _known(self, shard: Any, source: str) -> Any:
+        if self._shard_names and shard not in self._shard_names:
+            raise EnqueueError(
+                f"{source} names shard {shard!r}, which is not one of this session's "
+                f"shards {sorted(map(str, self._shard_names))}"
+            )
+        return shard
+
+
+def _after_flush(session: Session, flush_context: Any) -> None:
+    # new, dirty and deleted still hold what was just flushed, with their shards assigned.
+    assert isinstance(session, ShardedJobSession)
+    for obj in (*session.new, *session.dirty, *session.deleted):
+        if not isinstance(obj, JobMixin):
+            state = inspect(obj)
+            shard = state.key[2] if state.key is not None else state.identity_token
+            if shard is not None:
+                session._written.add(shard)
+
+
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is None:
+        assert isinstance(session, ShardedJobSession)
+        session._written.clear()
+
+
+# -- workers ------------------------------------------------------------------------------
+
+
+class ShardedWorker:
+    """One :class:`~sqla_jobs.Worker` per shard, in one process, each with its own engine,
+    connections, LISTEN and leases.
+
+    ``ShardedWorker(jobs, {"eu": eu_engine_or_url, "us": ...}, settings=None, **options)``:
+    every worker gets the same settings (with ``name``, if given, suffixed ``@shard``).
+    A shard that is down pauses only its own worker, which retries with a capped pause as
+    any worker does after database errors; the others go on. If one worker stops with a
+    :class:`~sqla_jobs.errors.WorkerError` (a duty kept failing), all are stopped and
+    the error is raised.
+
+    One process runs handlers on one core (the GIL): to use more cores, run one process
+    per shard (``sqla-jobs worker --shard NAME=URL ...`` does).
+    """
+
+    def __init__(
+        self,
+        jobs: Jobs,
+        shards: Mapping[str, sa.Engine | str],
+        settings: WorkerSettings | None = None,
+        **options: Unpack[WorkerOptions],
+    ) -> None:
+        if not shards:
+            raise ValueError("ShardedWorker needs at least one shard")
+        base = resolve(settings, options)
+        self.workers: dict[str, Worker] = {}
+        for name, bind in shards.items():
+            own = base
+            if base.name is not None:
+                own = dataclasses.replace(base, name=f"{base.name}@{name}")
+            self.workers[name] = Worker(jobs, bind, own)
+        self._stopping = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"<ShardedWorker shards={list(self.workers)}>"
+
+    @property
+    def processed(self) -> int:
+        """Jobs finished by the workers of every shard."""
+        return sum(w.processed for w in self.workers.values())
+
+    def stop(self) -> None:
+        """Ask every shard's worker to stop gracefully. Thread-safe."""
+        self._stopping.set()
+        for worker in self.workers.values():
+            worker.stop()
+
+    def run(self, *, install_signal_handlers: bool = True) -> None:
+        """Run every shard's worker until :meth:`stop`, SIGINT or SIGTERM."""
+        with self._signals(install_signal_handlers):
+            self._all(lambda w: w.run(install_signal_handlers=False), deadline=None)
+
+    def run_until_empty(self, *, timeout: float | None = None, **kw: Any) -> dict[str, int]:
+        """Run each shard's worker until its shard has no ready job; return how many ran on
+        each. A shard that cannot be reached is retried until ``timeout`` (for ever
+        without one), then left out of the result."""
+        counts: dict[str, int] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def run(worker: Worker) -> None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            counts[self._name_of(worker)] = worker.run_until_empty(timeout=left, **kw)
+
+        self._all(run, deadline=deadline)
+        return counts
+
+    def _name_of(self, worker: Worker) -> str:
+        return next(name for name, w in self.workers.items() if w is worker)
+
+    def _all(self, target: Callable[[Worker], Any], *, deadline: float | None) -> None:
+        errors: list[BaseException] = []
+
+        def body(name: str, worker: Worker) -> None:
+            failures = 0
+            while True:
+                try:
+                    target(worker)
+                    return
+                except Exception as exc:
+                    # A worker fails at its start when its database cannot be reached.
+                    # Here that must not stop the other shards: wait, and start it again.
+                    late = deadline is not None and time.monotonic() >= deadline
+                    if not unreachable(exc) or self._stopping.is_set() or late:
+                        if not unreachable(exc):
+                            errors.append(exc)
+                            self.stop()
+                        return
+                    failures += 1
+                    # Slower than a running worker's retries (which must be back within
+                    # a second of a restart): a shard may be down for long, and each try
+                    # logs.
+                    pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
+                    log.warning(
+                        "shard %s: cannot reach the database, starting its worker again in "
+                        "%.2fs: %s",
+                        name,
+                        pause,
+                        describe(exc),
+                    )
+                    if self._stopping.wait(pause):
+                        return
+
+        threads = [
+            threading.Thread(
+                target=body, args=(name, w), name=f"sqla-jobs-shard-{name}", daemon=True
+            )
+            for name, w in self.workers.items()
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            # A timed join, so that the main thread still takes signals.
+            while thread.is_alive():
+                thread.join(0.2)
+        if errors:
+            first = errors[0]
+            if isinstance(first, WorkerError):
+                raise first
+            raise WorkerError(f"a shard's worker failed: {describe(first)}") from first
+
+    @contextlib.contextmanager
+    def _signals(self, install: bool) -> Iterator[None]:
+        if not install or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            for worker in self.workers.values():
+                worker.core.signalled(signal.Signals(signum).name)
+            self.stop()
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+# -- looking across shards ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardResult(Generic[T]):
+    """What one shard answered: ``value``, or the ``error`` (one line) that kept it from
+    answering. A shard that is down is reported, not fatal: the others still answer."""
+
+    shard: str
+    value: T | None
+    error: str | None = None
+
+
+def across(
+    engines: Mapping[str, sa.Engine], read: Callable[[sa.Connection], T]
+) -> list[ShardResult[T]]:
+    """``read`` on a connection of each shard, in the order given."""
+    results: list[ShardResult[T]] = []
+    for name, engine in engines.items():
+        try:
+            with engine.connect() as conn:
+                results.append(ShardResult(name, read(conn)))
+        except sa.exc.DBAPIError as exc:
+            results.append(ShardResult(name, None, describe(exc)))
+    return results
+
+
+def stats(
+    engines: Mapping[str, sa.Engine], jobs: admin.JobSource, *, window: float = admin.DEFAULT_WINDOW
+) -> list[ShardResult[list[admin.QueueStats]]]:
+    """:func:`sqla_jobs.admin.stats` of each shard (see :func:`total` for the sum)."""
+    return across(engines, lambda conn: admin.stats(conn, jobs, window=window))
+
+
+def total(results: Iterable[ShardResult[list[admin.QueueStats]]]) -> list[admin.QueueStats]:
+    """Per-queue stats summed over the shards that answered.
+
+    Counts add up; the lag is the largest (the oldest ready job anywhere); a queue is
+    paused if it is paused on any shard; ``done_recent`` is unknown (None) if it is
+    unknown on any shard.
+    """
+    merged: dict[str, admin.QueueStats] = {}
+    for result in results:
+        for q in result.value or ():
+            seen = merged.get(q.queue)
+            if seen is None:
+                merged[q.queue] = q
+                continue
+            lags = [x for x in (seen.lag_seconds, q.lag_seconds) if x is not None]
+            merged[q.queue] = admin.QueueStats(
+                queue=q.queue,
+                paused=seen.paused or q.paused,
+                scheduled=seen.scheduled + q.scheduled,
+                ready=seen.ready + q.ready,
+                running=seen.running + q.running,
+                lease_expired=seen.lease_expired + q.lease_expired,
+                done=seen.done + q.done,
+                dead=seen.dead + q.dead,
+                cancelled=seen.cancelled + q.cancelled,
+                lag_seconds=max(lags) if lags else None,
+                done_recent=None
+                if seen.done_recent is None or q.done_recent is None
+                else seen.done_recent + q.done_recent,
+                dead_recent=seen.dead_recent + q.dead_recent,
+            )
+    return sorted(merged.values(), key=lambda s: s.queue)
+
+
+def list_jobs(
+    engines: Mapping[str, sa.Engine],
+    jobs: admin.JobSource,
+    *,
+    limit: int = 50,
+    **filters: Any,
+) -> tuple[list[tuple[str, admin.JobInfo]], list[ShardResult[Any]]]:
+    """:func:`sqla_jobs.admin.list_jobs` over every shard: the newest ``limit`` jobs (by
+    ``created_at``: ids are numbered per shard and do not compare across shards), each
+    with its shard's name, and the shards that could not answer."""
+    results = across(engines, lambda conn: admin.list_jobs(conn, jobs, limit=limit, **filters))
+    found = [(r.shard, job) for r in results for job in r.value or ()]
+    found.sort(key=lambda pair: (_sort_time(pair[1].created_at), pair[1].id), reverse=True)
+    return found[:limit], [r for r in results if r.error is not None]
+
+
+def _sort_time(value: datetime) -> float:
+    return value.timestamp()

@@ -1,0 +1,497 @@
+"""Sharding: jobs follow their rows into the shard, and workers serve several shards.
+
+Two real PostgreSQL servers: the test session's own (shard "a") and a second embedded one
+started here (shard "b"). Links whose code starts with "a" live in shard a, the others in
+shard b.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import sessionmaker
+
+from sqla_jobs import EnqueueError, Jobs, create_engine, sharding
+from sqla_jobs.db import embedded_url, normalize_url
+from sqla_jobs.sharding import ShardedJobSession, ShardedWorker
+
+from . import app
+
+#: Nothing listens here: a shard that is down.
+DEAD_URL = "postgresql+psycopg://postgres@127.0.0.1:9/nothing?connect_timeout=2"
+
+
+@pytest.fixture(scope="module")
+def engine_b() -> Iterator[sa.Engine]:
+    url = os.environ.get("SQLA_JOBS_SECOND_DATABASE_URL") or embedded_url()
+    eng = create_engine(normalize_url(url))
+    with eng.begin() as conn:
+        conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.SCHEMA}" CASCADE'))
+        conn.execute(sa.text(f'CREATE SCHEMA "{app.SCHEMA}"'))
+        app.Base.metadata.create_all(conn)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def shards(db: sa.Engine, engine_b: sa.Engine) -> dict[str, sa.Engine]:
+    tables = ", ".join(f'"{app.SCHEMA}"."{t.name}"' for t in app.Base.metadata.sorted_tables)
+    with engine_b.begin() as conn:
+        conn.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    return {"a": db, "b": engine_b}
+
+
+def _chooser(mapper: Any, instance: Any, clause: Any = None) -> str:
+    if isinstance(instance, app.Link):
+        return "a" if instance.code.startswith("a") else "b"
+    raise ValueError(f"no shard for {instance!r}")
+
+
+@pytest.fixture
+def Sharded(shards: dict[str, sa.Engine], jobs: Jobs) -> sessionmaker[ShardedJobSession]:
+    return sessionmaker(
+        class_=ShardedJobSession,
+        shards=shards,
+        shard_chooser=_chooser,
+        identity_chooser=lambda *a, **kw: list(shards),
+        execute_chooser=lambda context: list(shards),
+        jobs=jobs,
+    )
+
+
+def _count(engine: sa.Engine, table: Any, *where: Any) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(sa.func.count()).select_from(table).where(*where)
+        ).scalar_one()
+
+
+def _task(jobs: Jobs, seen: list[tuple[str, str]] | None = None) -> Any:
+    @jobs.task(queue="links")
+    def fetch(code: str) -> None:
+        if seen is not None:
+            seen.append((code, threading.current_thread().name))
+
+    return fetch
+
+
+JOB = app.Job.__table__
+
+
+def test_enqueue_lands_in_the_shard_of_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a1", url="u"))
+        session.enqueue(fetch, code="a1")
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b1", url="u"))
+        session.enqueue(fetch, code="b1")
+    for name, code in (("a", "a1"), ("b", "b1")):
+        engine = shards[name]
+        assert _count(engine, app.Link.__table__) == 1
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": code}]
+
+
+def test_enqueue_rolls_back_with_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.add(app.Link(code="b2", url="u"))
+        session.enqueue(fetch, code="b2")
+        session.flush()
+        assert _count(shards["b"], JOB) == 0  # not visible before the commit
+        raise RuntimeError("the request failed")
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+        assert _count(engine, app.Link.__table__) == 0
+
+
+def test_in_a_savepoint_a_job_shares_the_fate_of_its_rows(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    # SQLAlchemy's ShardedSession flushes through the outermost transaction's connections,
+    # so a rolled-back begin_nested() does not take back what it flushed: neither the row
+    # nor its job. What must hold is that they share one fate.
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a3", url="u"))
+        session.enqueue(fetch, code="a3")
+        with pytest.raises(RuntimeError), session.begin_nested():
+            session.add(app.Link(code="a3-nested", url="u"))
+            session.enqueue(fetch, code="a3-nested")
+            session.flush()
+            raise RuntimeError
+    with shards["a"].connect() as conn:
+        codes = set(conn.execute(sa.select(app.Link.code)).scalars())
+        args = {a["code"] for a in conn.execute(sa.select(JOB.c.args)).scalars()}
+    assert "a3" in codes
+    assert args == codes
+    assert _count(shards["b"], JOB) == 0
+
+
+def test_shard_with_and_explicit_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a4", url="u"))
+        session.add(b := app.Link(code="b4", url="u"))
+        session.enqueue(fetch, code="b4", shard_with=b)  # pending: where it will go
+        session.enqueue(fetch, code="to-a", shard="a")
+    with Sharded.begin() as session:
+        # Loaded: where it came from. The session's transaction writes nothing else.
+        loaded = session.get(app.Link, "a4")
+        assert loaded is not None
+        session.enqueue(fetch, code="a4-again", shard_with=loaded)
+    with shards["a"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "to-a"}, {"code": "a4-again"}]
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "b4"}]
+
+
+def test_the_shard_of_rows_flushed_earlier_in_the_transaction(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b5", url="u"))
+        session.flush()
+        assert not session.new
+        session.enqueue(fetch, code="b5")
+    assert _count(shards["b"], JOB) == 1
+    # A new transaction starts with no shard of its own.
+    with Sharded.begin() as session, pytest.raises(EnqueueError, match="writes no rows"):
+        session.enqueue(fetch, code="b5")
+
+
+def test_a_job_whose_shard_cannot_be_told_is_refused(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded() as session:
+        with pytest.raises(EnqueueError, match="writes no rows"):
+            session.enqueue(fetch, code="x")
+        session.add(app.Link(code="a6", url="u"))
+        session.add(app.Link(code="b6", url="u"))
+        with pytest.raises(EnqueueError, match=r"shards \['a', 'b'\]"):
+            session.enqueue(fetch, code="x")
+        with pytest.raises(EnqueueError, match="not one of this session's shards"):
+            session.enqueue(fetch, code="x", shard="c")
+        with pytest.raises(EnqueueError, match="not both"):
+            session.enqueue(fetch, code="x", shard="a", shard_with=app.Link(code="a", url=""))
+        with pytest.raises(EnqueueError, match="ORM object"):
+            session.enqueue(fetch, code="x", shard_with="a6")
+        assert not [o for o in session.new if isinstance(o, app.Job)]
+        session.rollback()
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+
+
+def test_a_unique_job_is_unique_within_its_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:  # job 1 of shard a, so that ids collide across shards
+        session.enqueue(fetch, code="plain", shard="a")
+    unique = fetch.with_options(unique=True)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b8", url="u"))
+        first = session.enqueue(unique, code="b8")
+        again = session.enqueue(unique, code="b8")
+        assert again is first
+        assert first.args == {"code": "b8"}  # shard b's job 1, not shard a's
+        other = session.enqueue(unique, code="b8", shard="a")  # another shard, another key
+        assert other is not first and other.args == {"code": "b8"}
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "b8"}]
+    with shards["a"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "plain"}, {"code": "b8"}]
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.enqueue(unique, code="gone", shard="b")
+        raise RuntimeError
+    assert _count(shards["b"], JOB) == 1
+    with Sharded.begin() as session:
+        session.enqueue_many(fetch, [{"code": "b8"}, {"code": "b9"}], shard="b", unique=True)
+    with shards["b"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "b8"}, {"code": "b9"}]  # b8's key is held: skipped
+
+
+def test_enqueue_many_lands_in_its_shard_and_rolls_back_with_it(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b7", url="u"))
+        assert session.enqueue_many(fetch, [{"code": f"b7-{i}"} for i in range(3)]) == 3
+    assert _count(shards["b"], JOB) == 3
+    assert _count(shards["a"], JOB) == 0
+    with pytest.raises(RuntimeError), Sharded.begin() as session:
+        session.enqueue_many(fetch, [{"code": "gone"}], shard="a")
+        raise RuntimeError
+    assert _count(shards["a"], JOB) == 0
+
+
+def _fill(shards: dict[str, sa.Engine], jobs: Jobs, task: Any, per_shard: int) -> None:
+    for name, engine in shards.items():
+        with engine.begin() as conn:
+            jobs.enqueue_many(conn, task, [{"code": f"{name}-{i}"} for i in range(per_shard)])
+
+
+def test_a_worker_serving_two_shards_drains_both_exactly_once(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    seen: list[tuple[str, str]] = []
+    fetch = _task(jobs, seen)
+    _fill(shards, jobs, fetch, 200)
+    worker = ShardedWorker(jobs, shards, concurrency=8, name="w")
+    assert worker.run_until_empty(timeout=60) == {"a": 200, "b": 200}
+    codes = [code for code, _ in seen]
+    assert len(codes) == len(set(codes)) == 400
+    assert {c.split("-")[0] for c in codes} == {"a", "b"}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0  # finished jobs are deleted
+    assert {w.name for w in worker.workers.values()} == {"w@a", "w@b"}
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_shard_that_is_down_does_not_stop_the_others(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    seen: list[tuple[str, str]] = []
+    fetch = _task(jobs, seen)
+    live = shards["a"]
+    worker = ShardedWorker(jobs, {"down": DEAD_URL, "a": live}, concurrency=4)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    runner.start()
+    try:
+        # Enqueued while the worker runs: the live shard's worker is claiming and
+        # listening though the other cannot even connect.
+        _fill({"a": live}, jobs, fetch, 50)
+        _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
+        assert worker.workers["down"].processed == 0
+        assert worker.workers["a"].processed == 50
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+
+
+def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
+    fetch = _task(jobs)
+    _fill({"a": shards["a"]}, jobs, fetch, 2)
+    _fill({"b": shards["b"]}, jobs, fetch, 3)
+    engines = {**shards, "down": create_engine(DEAD_URL)}
+    results = sharding.stats(engines, jobs)
+    assert [r.shard for r in results] == ["a", "b", "down"]
+    assert [(q.queue, q.ready) for q in results[0].value or ()] == [("links", 2)]
+    assert results[2].value is None and results[2].error
+    [links] = sharding.total(results)
+    assert (links.queue, links.ready) == ("links", 5)
+    assert links.lag_seconds is not None
+    found, failed = sharding.list_jobs(engines, jobs, limit=4)
+    assert len(found) == 4
+    assert {shard for shard, _ in found} == {"a", "b"}
+    assert [r.shard for r in failed] == ["down"]
+    stamps = [job.created_at for _, job in found]
+    assert stamps == sorted(stamps, reverse=True)
+
+
+# -- the command --------------------------------------------------------------------------
+
+
+def _url(engine: sa.Engine) -> str:
+    return engine.url.render_as_string(hide_password=False)
+
+
+def _runs_by_worker(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        stmt = sa.select(app.Run.worker, sa.func.count()).group_by(app.Run.worker)
+        return {w: n for w, n in conn.execute(stmt).all()}
+
+
+def _add(engine: sa.Engine, n: int) -> None:
+    row = {"task": "tests.app.record_run", "queue": "records"}
+    with engine.begin() as conn:
+        conn.execute(sa.insert(app.Job).values([row] * n))
+
+
+def test_cli_worker_until_empty_drains_every_shard(shards: dict[str, sa.Engine]) -> None:
+    from .test_cli import cli
+
+    _add(shards["a"], 5)
+    _add(shards["b"], 7)
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    done = cli("worker", "tests.app:jobs", *flags, "--until-empty", "--name", "w")
+    assert done.returncode == 0, done.stderr
+    # tests.app's handler records each run in DATABASE_URL's database, shard a.
+    assert _runs_by_worker(shards["a"]) == {"w@a": 5, "w@b": 7}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+
+
+def test_cli_worker_supervises_a_process_per_shard(shards: dict[str, sa.Engine]) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "p"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 3)
+        _add(shards["b"], 4)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"p@a": 3, "p@b": 4}, timeout=60)
+        with shards["a"].connect() as conn:
+            pids = set(conn.execute(sa.select(app.Run.pid).distinct()).scalars())
+        assert len(pids) == 2  # one process per shard
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_stats_and_jobs_list_across_shards(shards: dict[str, sa.Engine]) -> None:
+    import json
+
+    from .test_cli import in_parallel
+
+    _add(shards["a"], 2)
+    _add(shards["b"], 3)
+    flags = (f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}")
+    down = f"--shard=down={DEAD_URL}"
+    stats, table, listing, failing, both = in_parallel(
+        ("stats", "tests.app:jobs", *flags, "--json"),
+        ("stats", "tests.app:jobs", *flags),
+        ("jobs", "list", "tests.app:jobs", *flags, "--json", "--limit", "4"),
+        ("stats", "tests.app:jobs", *flags, down, "--json"),
+        ("stats", "tests.app:jobs", *flags, "--database-url", _url(shards["a"])),
+    )
+    assert stats.returncode == 0, stats.stderr
+    out = json.loads(stats.stdout)
+    assert [(s["shard"], [q["ready"] for q in s["queues"]]) for s in out["shards"]] == [
+        ("a", [2]),
+        ("b", [3]),
+    ]
+    assert [(q["queue"], q["ready"]) for q in out["queues"]] == [("records", 5)]
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[1].split()[:2] == ["SHARD", "QUEUE"]
+    assert [line.split()[:3] for line in lines[2:]] == [
+        ["a", "records", "active"],
+        ["b", "records", "active"],
+        ["*", "records", "active"],
+    ]
+    assert listing.returncode == 0, listing.stderr
+    found = json.loads(listing.stdout)
+    assert len(found) == 4 and {j["shard"] for j in found} == {"a", "b"}
+    assert failing.returncode == 1
+    assert "shard down: " in failing.stderr
+    assert [q["ready"] for q in json.loads(failing.stdout)["queues"]] == [5]
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+# -- the dashboard ------------------------------------------------------------------------
+
+
+def test_dashboard_over_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
+    import re
+
+    pytest.importorskip("starlette")
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    @jobs.task(queue="mail")
+    def send(to: str) -> None: ...
+
+    with shards["a"].begin() as conn:
+        jobs.enqueue_many(conn, send, [{"to": "x"}] * 2)
+    with shards["b"].begin() as conn:
+        jobs.enqueue_many(conn, send, [{"to": "only-in-b"}] * 3)
+    dashboard = create_app(jobs, engines={**shards, "down": DEAD_URL})
+    outer = Starlette(routes=[Mount("/ops", dashboard)])
+    with TestClient(outer) as client:
+        page = client.get("/ops/")
+        assert page.status_code == 200
+        text = page.text
+        cells = re.findall(r'<td class="num ?">(\d+)</td>', text)
+        assert cells.count("2") >= 1 and cells.count("3") >= 1
+        assert 'href="/ops/shards/a/"' in text and 'href="/ops/shards/b/"' in text
+        assert "cannot be reached" in text
+        assert '<th class="num">5</th>' in text  # ready, summed
+        b_jobs = client.get("/ops/shards/b/jobs")
+        assert b_jobs.status_code == 200
+        assert "only-in-b" in b_jobs.text
+        assert 'href="/ops/">All shards' in b_jobs.text
+        assert "only-in-b" not in client.get("/ops/shards/a/jobs").text
+        assert client.get("/ops/shards/down/").status_code == 503
+    with pytest.raises(ValueError, match="not both"):
+        create_app(jobs, shards["a"], engines=shards)
+    with pytest.raises(ValueError, match="shard name"):
+        create_app(jobs, engines={"a/b": shards["a"]})
+
+
+def test_cli_web_over_shards(shards: dict[str, sa.Engine]) -> None:
+    import socket
+    import subprocess
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from .test_cli import ROOT, command, environment
+
+    _add(shards["b"], 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    proc = subprocess.Popen(
+        command("web", "tests.app:jobs", *flags, "--port", str(port)),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(proc.stderr.read() if proc.stderr else "") from None
+                time.sleep(0.1)
+        assert page.status_code == 200
+        assert 'href="/shards/a/"' in page.text and 'href="/shards/b/"' in page.text
+        b_jobs = httpx.get(f"http://127.0.0.1:{port}/shards/b/jobs", timeout=5)
+        assert b_jobs.status_code == 200 and "tests.app.record_run" in b_jobs.text
+    finally:
+        proc.terminate()
+        proc.wait(10)
