@@ -14,6 +14,7 @@ the web request that made it instead of a worker an hour later.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -51,6 +52,7 @@ from .limits import (
     text_problem,
 )
 from .model import JobStatus, job_table
+from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -144,6 +146,9 @@ class Task(Generic[P, R]):
     timeout: float | None = None
     transactional: bool = False
     is_async: bool = False
+    #: Computes the job's ``concurrency_key`` from its arguments at enqueue (see
+    #: :mod:`sqla_jobs.throttle`).
+    concurrency_key: ConcurrencyKey | None = None
     signature: inspect.Signature = field(init=False, repr=False)
     #: The parameter names when every parameter can be passed by keyword (no
     #: positional-only ones, no ``*args``/``**kwargs``), else None. Then a call made of
@@ -291,8 +296,6 @@ class TaskArgs(Generic[T]):
 
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
-
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -568,6 +571,10 @@ class Jobs:
         #: Hooks for metrics and logs; see :mod:`sqla_jobs.events`.
         self.events = Events()
         self._queries: Queries | None = None
+        #: Limits declared with :meth:`queue`.
+        self.queue_limits: dict[str, QueueLimits] = {}
+        #: Queues of tasks that declare a ``concurrency_key``.
+        self._keyed_queues: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<Jobs table={self.table.fullname!r} tasks={sorted(self.tasks)}>"
@@ -599,6 +606,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[False] = False,
     ) -> Task[P, R]: ...
 
@@ -614,6 +622,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
     ) -> TransactionalTask[P, R]: ...
 
@@ -629,6 +638,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
     ) -> TransactionalTask[P, R]: ...
 
@@ -644,6 +654,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool,
     ) -> Task[..., R]: ...
 
@@ -659,6 +670,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[False] = False,
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
@@ -674,6 +686,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
     ) -> _TransactionalDecorator: ...
 
@@ -689,6 +702,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool,
     ) -> Callable[[Callable[..., R]], Task[..., R]]: ...
 
@@ -702,6 +716,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool = False,
     ) -> Any:
         """Register a handler, as ``@jobs.task`` or ``@jobs.task(queue=..., ...)``.
@@ -711,6 +726,10 @@ class Jobs:
         :param timeout: seconds a run may take before it counts as failed.
         :param transactional: the handler takes a ``session``; its writes commit in the same
             transaction that completes the job, so they happen exactly once.
+        :param concurrency_key: a function of the job's arguments (as keywords) that
+            returns its key, or None; at most ``key_concurrency`` jobs of the queue with the
+            same key run at once (1 unless :meth:`queue` says otherwise). See
+            :mod:`sqla_jobs.throttle`.
         """
 
         def register(f: Callable[P, R]) -> Task[P, R]:
@@ -729,6 +748,11 @@ class Jobs:
             _check_priority(priority)
             if timeout is not None and timeout <= 0:
                 raise ValueError(f"task {task_name!r}: timeout must be > 0 seconds")
+            if concurrency_key is not None and not callable(concurrency_key):
+                raise ValueError(
+                    f"task {task_name!r}: concurrency_key must be a function of the task's "
+                    f"arguments, got {concurrency_key!r}"
+                )
             cls = TransactionalTask if transactional else Task
             t: Task[P, R] = cls(
                 fn=f,
@@ -741,11 +765,55 @@ class Jobs:
                 timeout=timeout,
                 transactional=transactional,
                 is_async=inspect.iscoroutinefunction(f),
+                concurrency_key=concurrency_key,
             )
             self.tasks[task_name] = t
+            if concurrency_key is not None:
+                self._keyed_queues.add(q)
             return t
 
         return register(fn) if fn is not None else register
+
+    def queue(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: str | None = None,
+        key_concurrency: int | None = None,
+    ) -> QueueLimits:
+        """Declare a queue's limits, enforced by every worker of this registry.
+
+        :param concurrency: most jobs of the queue running at once, across all workers.
+        :param rate: most jobs started per period, in any window of it: ``"100/minute"``,
+            ``"20/s"``, ``"5/10s"``, ``"1000/hour"``, ``"10/day"``. A job that cannot start
+            yet stays ready, and no attempt is spent.
+        :param key_concurrency: most running jobs with the same ``concurrency_key`` (1 when
+            not given); giving it makes the queue take keyed jobs of any task.
+
+        Raises ``ValueError`` for a bad limit or a queue declared twice. See
+        :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.
+        """
+        try:
+            _check_queue(name)
+        except EnqueueError as exc:
+            raise ValueError(str(exc)) from None
+        if name in self.queue_limits:
+            raise ValueError(f"queue {name!r} is already declared")
+        limits = QueueLimits.declare(
+            name, concurrency=concurrency, rate=rate, key_concurrency=key_concurrency
+        )
+        self.queue_limits[name] = limits
+        return limits
+
+    def limits(self, queue: str) -> QueueLimits:
+        """The limits of a queue, as declared with :meth:`queue` and by keyed tasks."""
+        declared = self.queue_limits.get(queue)
+        if declared is None:
+            declared = QueueLimits(queue)
+        if queue in self._keyed_queues and not declared.keyed:
+            declared = dataclasses.replace(declared, keyed=True)
+        return declared
 
     # -- enqueue on a Core connection (see sqla_jobs.connection) --------------------------
 
@@ -1004,6 +1072,16 @@ class Jobs:
             prepared = self.job_meta(t.name, q, meta)
             if prepared is not None:
                 values["meta"] = prepared
+        if t.concurrency_key is not None:
+            key = concurrency_key_of(t.name, t.concurrency_key, arguments)
+            if key is not None:
+                if q != t.queue and not self.limits(q).keyed:
+                    raise EnqueueError(
+                        f"task {t.name!r}: queue {q!r} does not enforce concurrency keys (no "
+                        f"task of it declares concurrency_key); declare "
+                        f"jobs.queue({q!r}, key_concurrency=1) to send keyed jobs there"
+                    )
+                values["concurrency_key"] = key
         when = _run_at(run_at, delay, now)
         if when is not None:
             values["run_at"] = when
