@@ -383,17 +383,20 @@ def limited_claim_params(
     rate: int | None,
     period: float | None,
     key_limit: int,
+    keyed: bool = True,
 ) -> LimitedClaimParams:
     """The plain claim's parameters and the queue's limits. ``scan``: how many ready rows
-    the per-key choice looks at (enough that a few busy keys at the head do not hide the
-    others' jobs; the rows of keys already at their limit are skipped before it)."""
+    the per-key choice looks at: for a keyed queue, enough that a few busy keys at the
+    head do not hide the others' jobs (the rows of keys already at their limit are
+    skipped before it); for a queue without keys, ``limit``, as the plain claim."""
+    limit = params["limit"]
     return {
         **params,
         "concurrency": concurrency,
         "rate": rate,
         "period": None if period is None else interval(period),
         "key_limit": key_limit,
-        "scan": max(params["limit"] * 4, 64),
+        "scan": max(limit * 4, 64) if keyed else limit,
     }
 
 

@@ -3,6 +3,7 @@ enqueue, the limited claim under concurrent claimers, and real worker processes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -365,7 +366,7 @@ def test_one_job_per_key_at_a_time_across_workers(
         by_key.setdefault(s.key, []).append(s)
     assert sorted(by_key) == ["a", "b", "c"] and all(len(v) == 50 for v in by_key.values())
     for key, mine in by_key.items():
-        for before, after in zip(mine, mine[1:], strict=False):
+        for before, after in itertools.pairwise(mine):
             assert before.ended <= after.started, f"two jobs of key {key!r} overlapped"
     overlapping = sum(
         1

@@ -548,6 +548,7 @@ class WorkerCore:
             rate=limits.rate,
             period=limits.rate_period,
             key_limit=limits.key_concurrency,
+            keyed=limits.keyed,
         )
         found: db.LimitedClaim = yield Io(db.claim_limited, (self.queries, limited), Conn.CLAIM)
         self._rate_held.discard(queue)
