@@ -38,6 +38,11 @@ future jobs never sit in the claim path, however many of them the table holds:
   the table: 130-210 ms instead of 10-20). A row enters it only when a job dies, never
   on the claim or on a success, so the hot path does not pay for it.
 
+* ``<table>_keys``: ``(queue, concurrency_key) WHERE status = 'running' AND
+  concurrency_key IS NOT NULL``: the limited claim counts the running jobs of each key
+  (:mod:`sqla_jobs.throttle`). Only running jobs that have a key are in it, so queues
+  without keys pay nothing for it.
+
 One index is not about status: ``<table>_meta``, ``GIN (meta jsonb_path_ops) WHERE meta IS
 NOT NULL``, for finding jobs by a tag or a correlation id in any status (``meta @> ...``).
 It is partial so that the jobs that carry no ``meta``, most of them in most applications,
