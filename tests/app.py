@@ -106,8 +106,11 @@ class Span(Base):
     ended: Mapped[float | None] = mapped_column(sa.Float)
 
 
-jobs.queue("limited", concurrency=3)
-jobs.queue("rated", rate="20/s")
+#: The limited queues' registry, on the same table: tests of other features list the
+#: queues of ``jobs`` and should not see these.
+limited_jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
+limited_jobs.queue("limited", concurrency=3)
+limited_jobs.queue("rated", rate="20/s")
 
 
 def span(key: str | None, seconds: float) -> None:
@@ -123,16 +126,21 @@ def span(key: str | None, seconds: float) -> None:
         )
 
 
-@jobs.task(queue="limited")
+@limited_jobs.task(queue="limited")
 def limited_work(seconds: float) -> None:
     span(None, seconds)
 
 
-@jobs.task(queue="keyed", concurrency_key=lambda account, **_: account)
+@limited_jobs.task(queue="keyed", concurrency_key=lambda account, **_: account)
 def keyed_work(account: str, seconds: float) -> None:
     span(account, seconds)
 
 
-@jobs.task(queue="rated")
+@limited_jobs.task(queue="rated")
 def rated_work() -> None:
     span(None, 0.0)
+
+
+@limited_jobs.task(queue="unlimited")
+def unlimited_work() -> None:
+    """A queue of the same registry with no limits: claimed by the plain statement."""

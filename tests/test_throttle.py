@@ -209,38 +209,40 @@ def _race(
 
 def test_concurrent_claims_never_pass_the_concurrency_limit(db: sa.Engine) -> None:
     with db.begin() as conn:
-        app.jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 40)
-    found = _race(db, app.jobs, "limited", 6, concurrency=3)
+        app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 40)
+    found = _race(db, app.limited_jobs, "limited", 6, concurrency=3)
     assert sum(len(f.rows) for f in found) == 3
     assert count(db, status="running") == 3
     assert all(f.held for f in found if len(f.rows) < 10)
     # A second round claims nothing: the three still run.
-    assert sum(len(f.rows) for f in _race(db, app.jobs, "limited", 3, concurrency=3)) == 0
+    assert sum(len(f.rows) for f in _race(db, app.limited_jobs, "limited", 3, concurrency=3)) == 0
 
 
 def test_concurrent_claims_take_one_job_per_key(db: sa.Engine) -> None:
     with db.begin() as conn:
         for account in "abc":
-            app.jobs.enqueue_many(
+            app.limited_jobs.enqueue_many(
                 conn, app.keyed_work, [{"account": account, "seconds": 0}] * 20
             )
-        app.jobs.enqueue(conn, app.keyed_work.with_options(priority=5), account="d", seconds=0)
-    found = _race(db, app.jobs, "keyed", 6, key_limit=1)
+        app.limited_jobs.enqueue(
+            conn, app.keyed_work.with_options(priority=5), account="d", seconds=0
+        )
+    found = _race(db, app.limited_jobs, "keyed", 6, key_limit=1)
     assert sum(len(f.rows) for f in found) == 4
     running = [r.concurrency_key for r in rows(db) if r.status == "running"]
     assert sorted(running) == ["a", "b", "c", "d"]
-    found = _race(db, app.jobs, "keyed", 2, key_limit=2)
+    found = _race(db, app.limited_jobs, "keyed", 2, key_limit=2)
     assert sum(len(f.rows) for f in found) == 3  # a, b, c get a second; d has no more
 
 
 def test_concurrent_claims_share_one_rate(db: sa.Engine) -> None:
     with db.begin() as conn:
-        app.jobs.enqueue_many(conn, app.rated_work, [{}] * 40)
-    found = _race(db, app.jobs, "rated", 5, rate=7, period=60.0)
+        app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 40)
+    found = _race(db, app.limited_jobs, "rated", 5, rate=7, period=60.0)
     assert sum(len(f.rows) for f in found) == 7
     late = [f for f in found if not f.rows]
     assert late and all(f.held and 59 < (f.rate_free_in or 0) <= 60 for f in late)
-    queues = app.jobs.queries.queues_table
+    queues = app.limited_jobs.queries.queues_table
     with db.connect() as conn:
         log = conn.execute(sa.select(queues.c.rate_log).where(queues.c.name == "rated")).scalar()
     assert len(log) == 7
@@ -251,8 +253,8 @@ def test_an_unlimited_queue_keeps_the_plain_claim(db: sa.Engine, make_worker: An
     """The plain claim statement, byte for byte, for the unlimited queue; the lock and the
     limited claim for the limited one; and both queues' jobs run."""
     with db.begin() as conn:
-        app.jobs.enqueue(conn, app.record_run)
-        app.jobs.enqueue(conn, app.limited_work, seconds=0)
+        app.limited_jobs.enqueue(conn, app.unlimited_work)
+        app.limited_jobs.enqueue(conn, app.limited_work, seconds=0)
     claims: list[tuple[str, Any]] = []
 
     def seen(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
@@ -262,15 +264,40 @@ def test_an_unlimited_queue_keeps_the_plain_claim(db: sa.Engine, make_worker: An
 
     sa.event.listen(sa.Engine, "before_cursor_execute", seen)
     try:
-        worker = make_worker(app.jobs, db, queues=["records", "limited"])
+        worker = make_worker(app.limited_jobs, db, queues=["unlimited", "limited"])
         assert set(worker.core.limits) == {"limited"}
         assert worker.run_until_empty() == 2
     finally:
         sa.event.remove(sa.Engine, "before_cursor_execute", seen)
-    plain = str(app.jobs.queries.claim.compile(db))
-    limited = str(app.jobs.queries.limited_claim.compile(db))
-    assert {q for s, q in claims if s == plain} == {"records"}
+    plain = str(app.limited_jobs.queries.claim.compile(db))
+    limited = str(app.limited_jobs.queries.limited_claim.compile(db))
+    assert {q for s, q in claims if s == plain} == {"unlimited"}
     assert {q for s, q in claims if s == limited} == {"limited"}
+
+
+def test_limits_are_listed(db: sa.Engine) -> None:
+    from sqla_jobs import admin
+
+    with db.connect() as conn:
+        listed = {q.name: q.limits for q in admin.list_queues(conn, app.limited_jobs)}
+    assert listed == {
+        "keyed": "1 per key",
+        "limited": "concurrency 3",
+        "rated": "20/1s",
+        "unlimited": "",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "queues", "list", "tests.app:limited_jobs"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["QUEUE", "STATE", "SINCE", "LIMITS"]
+    assert any(line.split()[0] == "limited" and "concurrency 3" in line for line in lines)
 
 
 # -- worker processes ---------------------------------------------------------------------
@@ -284,7 +311,7 @@ def _start_workers(n: int, queue: str, concurrency: int) -> list[subprocess.Pope
                 "-m",
                 "sqla_jobs.cli",
                 "worker",
-                "tests.app:jobs",
+                "tests.app:limited_jobs",
                 "--queues",
                 queue,
                 "--concurrency",
@@ -326,7 +353,7 @@ def test_four_workers_never_run_more_than_three(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
     with db.begin() as conn:
-        app.jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0.05}] * 60)
+        app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0.05}] * 60)
     workers += _start_workers(4, "limited", 16)
     most = 0
     samples = 0
@@ -355,7 +382,7 @@ def test_one_job_per_key_at_a_time_across_workers(
 ) -> None:
     with db.begin() as conn:
         for account in ("a", "b", "c"):
-            app.jobs.enqueue_many(
+            app.limited_jobs.enqueue_many(
                 conn, app.keyed_work, [{"account": account, "seconds": 0.01}] * 50
             )
     workers += _start_workers(3, "keyed", 8)
@@ -381,7 +408,7 @@ def test_a_rate_of_twenty_per_second_across_workers(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
     with db.begin() as conn:
-        app.jobs.enqueue_many(conn, app.rated_work, [{}] * 300)
+        app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 300)
     workers += _start_workers(3, "rated", 8)
     wait_for(lambda: count(db, app.Span) >= 1, timeout=30)
     first = min(s.started for s in _spans(db))
@@ -396,3 +423,25 @@ def test_a_rate_of_twenty_per_second_across_workers(
     assert 80 <= len(starts) <= 100
     assert count(db, status="ready") > 0
     assert all(r.attempts <= 1 and r.max_attempts == 5 for r in rows(db))
+
+
+def test_run_until_empty_waits_for_the_rate(db: sa.Engine, make_worker: Any) -> None:
+    """Ready jobs that the rate holds back are not "empty": the run waits for the window,
+    and spends no attempt on them."""
+    jobs = Jobs(app.Job)
+    jobs.queue("slow", rate="4/s")
+    ran: list[float] = []
+
+    @jobs.task(queue="slow")
+    def tick() -> None:
+        ran.append(time.monotonic())
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, tick, [{}] * 9)
+    worker = make_worker(jobs, db, queues=["slow"], concurrency=8)
+    assert worker.run_until_empty() == 9
+    assert count(db) == 0
+    ran.sort()
+    assert ran[-1] - ran[0] >= 1.9  # 4, then 4 a second later, then 1 a second after that
+    for i, at in enumerate(ran):
+        assert sum(1 for other in ran[i:] if other < at + 0.9) <= 4

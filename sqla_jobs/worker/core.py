@@ -460,7 +460,10 @@ class WorkerCore:
                     yield WaitWritten()
                     self._next_refresh = 0.0
                     yield from self._maintain()
-                    if not (yield from self._claim()) and not self._due_soon(wait_scheduled):
+                    # A limited queue that held ready jobs back is not empty: wait for
+                    # its slot or its rate window (the sleep below ends when it is due).
+                    claimed = yield from self._claim()
+                    if not claimed and not self._held and not self._due_soon(wait_scheduled):
                         return
                 if failures:
                     failures = 0
