@@ -445,3 +445,41 @@ def test_run_until_empty_waits_for_the_rate(db: sa.Engine, make_worker: Any) -> 
     assert ran[-1] - ran[0] >= 1.9  # 4, then 4 a second later, then 1 a second after that
     for i, at in enumerate(ran):
         assert sum(1 for other in ran[i:] if other < at + 0.9) <= 4
+
+
+def test_session_claim_honours_the_limit_across_transactions(db: sa.Engine) -> None:
+    """A session claim of a limited queue holds its lock until its transaction ends; the
+    next one waits for it, then sees what it claimed."""
+    jobs = app.limited_jobs
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 10)
+    other: list[int] = []
+    with JobSession(db, jobs=jobs) as first:
+        assert len(first.claim("limited", limit=2)) == 2
+
+        def second() -> None:
+            with JobSession(db, jobs=jobs) as session, session.begin():
+                other.append(len(session.claim("limited", limit=5)))
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        waiting = sa.text(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+        )
+        with db.connect() as conn:
+            wait_for(lambda: conn.execute(waiting).scalar_one() == 1 or conn.rollback())
+        assert thread.is_alive() and not other
+        first.commit()
+    thread.join(10)
+    assert other == [1]  # 3 - 2
+    assert count(db, status="running") == 3
+    with JobSession(db, jobs=jobs) as session:
+        assert session.claim("limited", limit=5) == []
+
+
+def test_session_claim_of_a_limited_queue_needs_read_committed(db: sa.Engine) -> None:
+    with JobSession(db, jobs=app.limited_jobs) as session:
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+        with pytest.raises(ValueError, match="only enforce under READ COMMITTED"):
+            session.claim("limited")

@@ -81,7 +81,9 @@ def claim_limited(
     lock, then claim in a second statement, which sees every claim committed before the
     lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
     transaction is begun and ended here, by hand."""
-    conn.exec_driver_sql("BEGIN")
+    # READ COMMITTED whatever the server's default: the claim must see what committed
+    # while it waited for the lock, which a REPEATABLE READ snapshot would not.
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
         result = conn.execute(queries.limited_claim, dict(params)).all()
