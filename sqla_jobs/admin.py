@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -381,6 +381,8 @@ class QueueSummary:
     expired: int
     dead: int
     lag_seconds: float | None
+    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
+    limits: str = ""
 
 
 def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
@@ -470,6 +472,11 @@ def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
     }
     for name in _registry_queues(jobs) - found.keys():
         found[name] = QueueSummary(name, False, None, 0, 0, 0, 0, 0, None)
+    if isinstance(jobs, Jobs):
+        for name, summary in found.items():
+            limits = jobs.limits(name).describe()
+            if limits:
+                found[name] = replace(summary, limits=limits)
     return [found[name] for name in sorted(found)]
 
 

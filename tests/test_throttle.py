@@ -286,6 +286,17 @@ def test_limits_are_listed(db: sa.Engine) -> None:
         "rated": "20/1s",
         "unlimited": "",
     }
+    with db.connect() as conn:
+        summaries = {q.queue: q.limits for q in admin.overview(conn, app.limited_jobs)}
+    assert summaries == listed
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    page = TestClient(create_app(app.limited_jobs, db)).get("/")
+    assert page.status_code == 200
+    assert '<span class="muted small" title="limits">concurrency 3</span>' in page.text
     result = subprocess.run(
         [sys.executable, "-m", "sqla_jobs.cli", "queues", "list", "tests.app:limited_jobs"],
         cwd=ROOT,
