@@ -1073,7 +1073,7 @@ class Jobs:
             if prepared is not None:
                 values["meta"] = prepared
         if t.concurrency_key is not None:
-            key = concurrency_key_of(t.name, t.concurrency_key, arguments)
+            key = concurrency_key_of(t.name, t.concurrency_key, arguments, t.signature)
             if key is not None:
                 if q != t.queue and not self.limits(q).keyed:
                     raise EnqueueError(

@@ -44,6 +44,7 @@ Why this design
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -167,11 +168,23 @@ class QueueLimits:
         return ", ".join(parts)
 
 
-def concurrency_key_of(task: str, fn: ConcurrencyKey, arguments: Mapping[str, Any]) -> str | None:
-    """Run a task's key function on checked arguments; ``EnqueueError`` if it raises or
-    returns something that cannot be a key, so the job is refused at enqueue, not lost."""
+def concurrency_key_of(
+    task: str,
+    fn: ConcurrencyKey,
+    arguments: Mapping[str, Any],
+    signature: inspect.Signature | None = None,
+) -> str | None:
+    """Run a task's key function on checked arguments, the handler's defaults filled in
+    from its ``signature`` (a key may come from a parameter the caller left out);
+    ``EnqueueError`` if it raises or returns something that cannot be a key, so the job
+    is refused at enqueue, not lost."""
+    given = dict(arguments)
+    if signature is not None:
+        for name, parameter in signature.parameters.items():
+            if name not in given and parameter.default is not parameter.empty:
+                given[name] = parameter.default
     try:
-        key = fn(**arguments)
+        key = fn(**given)
     except Exception as exc:
         raise EnqueueError(
             f"task {task!r}: its concurrency_key function raised {type(exc).__name__}: {exc}"

@@ -160,6 +160,19 @@ def test_a_key_function_that_raises_fails_the_enqueue(db: sa.Engine) -> None:
     assert count(db) == 0
 
 
+def test_the_key_function_sees_the_handler_defaults(db: sa.Engine) -> None:
+    jobs = Jobs(app.Job)
+
+    @jobs.task(queue="k", concurrency_key=lambda region, **_: f"region:{region}")
+    def work(n: int, region: str = "eu") -> None: ...
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(work, n=1)
+        session.enqueue(work, 2, region="us")
+        session.commit()
+    assert _keys(db) == ["region:eu", "region:us"]
+
+
 def test_a_keyed_job_needs_a_keyed_queue(db: sa.Engine, keyed: Jobs) -> None:
     sync = keyed.tasks[next(iter(keyed.tasks))]
     with JobSession(db, jobs=keyed) as session:
