@@ -499,7 +499,8 @@ class WorkerCore:
         queues = [q for q in self.queues if q not in self._paused]
         if self._held:
             now = time.monotonic()
-            queues = [q for q in queues if self._held.get(q, 0.0) <= now]
+            with self._lock:
+                queues = [q for q in queues if self._held.get(q, 0.0) <= now]
         if not queues:
             return []
         start = self._turn % len(queues)
@@ -554,15 +555,19 @@ class WorkerCore:
             keyed=limits.keyed,
         )
         found: db.LimitedClaim = yield Io(db.claim_limited, (self.queries, limited), Conn.CLAIM)
-        self._rate_held.discard(queue)
-        if len(found.rows) < params["limit"] and found.held:
-            wait = LIMIT_RECHECK
-            if found.rate_free_in is not None:
-                wait = found.rate_free_in
-                self._rate_held.add(queue)
-            self._held[queue] = time.monotonic() + max(0.0, min(wait, self.settings.poll_interval))
-        else:
-            self._held.pop(queue, None)
+        # Under the lock: the completer (another thread in the threaded worker) ends
+        # waits in _freed.
+        with self._lock:
+            self._rate_held.discard(queue)
+            if len(found.rows) < params["limit"] and found.held:
+                wait = LIMIT_RECHECK
+                if found.rate_free_in is not None:
+                    wait = found.rate_free_in
+                    self._rate_held.add(queue)
+                wait = max(0.0, min(wait, self.settings.poll_interval))
+                self._held[queue] = time.monotonic() + wait
+            else:
+                self._held.pop(queue, None)
         return found.rows
 
     def maintain(self) -> Steps:
@@ -610,7 +615,9 @@ class WorkerCore:
         now = time.monotonic()
         sleep = min(self.settings.poll_interval, max(0.0, self._next_refresh - now))
         if self._held:
-            sleep = min(sleep, max(0.0, min(self._held.values()) - now) + 0.001)
+            with self._lock:
+                held = min(self._held.values(), default=now)
+            sleep = min(sleep, max(0.0, held - now) + 0.001)
         if self._next_due is not None:
             sleep = min(sleep, max(0.0, self._next_due - now) + 0.001)
         return sleep
@@ -722,9 +729,10 @@ class WorkerCore:
             return
         freed = {o.job.queue for o in batch} & self.limits.keys()
         woken = False
-        for queue in freed - self._rate_held:
-            if self._held.pop(queue, None) is not None:
-                woken = True
+        with self._lock:
+            for queue in freed - self._rate_held:
+                if self._held.pop(queue, None) is not None:
+                    woken = True
         if woken:
             self.driver.wake()
 
