@@ -462,8 +462,12 @@ def test_run_until_empty_waits_for_the_rate(db: sa.Engine, make_worker: Any) -> 
 
     with db.begin() as conn:
         jobs.enqueue_many(conn, tick, [{}] * 9)
-    worker = make_worker(jobs, db, queues=["slow"], concurrency=8)
+    # A poll interval far longer than the run: the worker wakes when the window has room,
+    # which the claim told it, not at its next poll.
+    worker = make_worker(jobs, db, queues=["slow"], concurrency=8, poll_interval=30)
+    began = time.monotonic()
     assert worker.run_until_empty() == 9
+    assert time.monotonic() - began < 15
     assert count(db) == 0
     ran.sort()
     assert ran[-1] - ran[0] >= 1.9  # 4, then 4 a second later, then 1 a second after that
@@ -507,3 +511,50 @@ def test_session_claim_of_a_limited_queue_needs_read_committed(db: sa.Engine) ->
         session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
         with pytest.raises(ValueError, match="only enforce under READ COMMITTED"):
             session.claim("limited")
+
+
+def test_a_rate_held_queue_waits_without_spinning_or_blocking_others(
+    db: sa.Engine, make_worker: Any
+) -> None:
+    """Two jobs a minute: the third waits, ready, no attempt spent, while another queue of
+    the same worker is drained, and the held queue is claimed about once a poll interval
+    (not in a loop)."""
+    from .helpers import running
+
+    jobs = Jobs(app.Job)
+    jobs.queue("slow", rate="2/minute")
+
+    @jobs.task(queue="slow")
+    def slow() -> None: ...
+
+    @jobs.task(queue="fast")
+    def fast(n: int) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, slow, [{}] * 5)
+    claims: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        held = isinstance(params, dict) and params.get("queue_name") == "slow"
+        if held and "pg_advisory_xact_lock" in statement:
+            claims.append("slow")
+
+    sa.event.listen(sa.Engine, "before_cursor_execute", seen)
+    try:
+        worker = make_worker(jobs, db, queues=["slow", "fast"], poll_interval=0.5)
+        with running(worker):
+            wait_for(lambda: count(db, queue="slow", status="ready") == 3)
+            with db.begin() as conn:
+                jobs.enqueue_many(conn, fast, [{"n": n} for n in range(20)])
+            wait_for(lambda: count(db, queue="fast") == 0)
+            started = len(claims)
+            began = time.monotonic()
+            wait_for(lambda: len(claims) >= started + 3, timeout=20)
+            took = time.monotonic() - began
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", seen)
+    # Three more claims of the held queue took a poll interval each (0.5 s), not a loop's
+    # few milliseconds.
+    assert took >= 1.0, took
+    left = [r for r in rows(db) if r.queue == "slow"]
+    assert [(r.status, r.attempts) for r in left] == [("ready", 0)] * 3
