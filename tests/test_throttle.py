@@ -67,7 +67,15 @@ def test_bad_concurrency_is_refused_at_declaration(field: str, value: Any) -> No
 
 def test_a_queue_is_declared_once_and_unlimited_queues_stay_plain() -> None:
     jobs = Jobs(app.Job)
-    jobs.queue("q", concurrency=2)
+    with pytest.raises(ValueError, match="queue must be a non-empty string"):
+        jobs.queue("", concurrency=2)
+    with pytest.raises(ValueError, match="rate must be a string"):
+        jobs.queue("q", rate=100)  # type: ignore[arg-type]
+    limits = jobs.queue("q", concurrency=2)
+    assert limits.describe() == "concurrency 2"
+    assert jobs.queue("r", rate="100/minute", key_concurrency=2).describe() == (
+        "100/60s, 2 per key"
+    )
     with pytest.raises(ValueError, match="already declared"):
         jobs.queue("q", rate="1/s")
     assert jobs.limits("q").limited
