@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -198,6 +198,9 @@ class QueueInfo:
     name: str
     paused: bool
     updated_at: datetime | None
+    #: The limits the registry declares for it (``concurrency 3, 100/60s, 1 per key``),
+    #: empty when none or when only a model or table was given (see sqla_jobs.throttle).
+    limits: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_value(v) for k, v in asdict(self).items()}
@@ -378,6 +381,8 @@ class QueueSummary:
     expired: int
     dead: int
     lag_seconds: float | None
+    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
+    limits: str = ""
 
 
 def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
@@ -467,6 +472,11 @@ def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
     }
     for name in _registry_queues(jobs) - found.keys():
         found[name] = QueueSummary(name, False, None, 0, 0, 0, 0, 0, None)
+    if isinstance(jobs, Jobs):
+        for name, summary in found.items():
+            limits = jobs.limits(name).describe()
+            if limits:
+                found[name] = replace(summary, limits=limits)
     return [found[name] for name in sorted(found)]
 
 
@@ -1200,9 +1210,12 @@ def list_queues(bind: Bind, jobs: JobSource) -> list[QueueInfo]:
     names = set(known) | _registry_queues(jobs)
     names.update(_execute(bind, sa.select(table.c.queue).distinct()).scalars())
     return [
-        QueueInfo(n, bool(known[n].paused), known[n].updated_at)
-        if n in known
-        else QueueInfo(n, False, None)
+        QueueInfo(
+            n,
+            bool(known[n].paused) if n in known else False,
+            known[n].updated_at if n in known else None,
+            jobs.limits(n).describe() if isinstance(jobs, Jobs) else "",
+        )
         for n in sorted(names)
     ]
 
@@ -1241,7 +1254,7 @@ def _queues_table(table: sa.Table) -> sa.Table:
 def _registry_queues(jobs: JobSource) -> set[str]:
     if not isinstance(jobs, Jobs):
         return set()
-    return {t.queue for t in jobs.tasks.values()}
+    return {t.queue for t in jobs.tasks.values()} | set(jobs.queue_limits)
 
 
 def _execute(bind: Bind, stmt: sa.Executable, params: Mapping[str, Any] | None = None) -> Any:

@@ -15,8 +15,11 @@ The simplest way to use the queue, for a loop of your own, a cron script, or a w
 request that works off a few jobs: no worker, no lease to keep alive. The claim is the
 workers' own statement (the ``FOR NO KEY UPDATE SKIP LOCKED`` CTE), so any number of
 these loops and workers share a queue without taking a job twice; it also skips a paused
-queue, as workers do. Settling is guarded by ``(id, attempts)``, like every worker
-statement, and follows the task's retry policy and ``max_attempts``. Nothing here commits:
+queue, as workers do, and applies the queue's concurrency and rate limits
+(:mod:`sqla_jobs.throttle`): a limited queue's claim holds the queue's lock until your
+transaction ends, so keep that transaction short. Settling is guarded by ``(id,
+attempts)``, like every worker statement, and follows the task's retry policy and
+``max_attempts``. Nothing here commits:
 the job's outcome, and whatever else your transaction wrote, commit together.
 
 **The trade-off.** The claimed rows stay locked, and the transaction open, while the work
@@ -43,8 +46,17 @@ from sqlalchemy.orm import Session
 
 from .errors import EnqueueError
 from .model import JobStatus
-from .queries import batch_params, claim_params, fail_params, interval, snooze_params
+from .queries import (
+    ClaimParams,
+    batch_params,
+    claim_params,
+    fail_params,
+    interval,
+    limited_claim_params,
+    snooze_params,
+)
 from .tasks import Jobs
+from .throttle import QueueLimits
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -95,16 +107,63 @@ def claim(
         raise ValueError(f"lease must be > 0 seconds, got {lease!r}")
     params = claim_params(queue, limit, interval(seconds), name or _default_name())
     model = registry.model
-    claimed = list(
-        session.scalars(
-            select(model).from_statement(registry.queries.session_claim),
-            dict(params),
-            execution_options={"populate_existing": True},
+    limits = registry.limits(queue)
+    if limits.limited:
+        ids = _claim_limited(session, registry, limits, params)
+        found = select(model).where(model.id.in_(ids)) if ids else None
+        claimed = (
+            []
+            if found is None
+            else list(session.scalars(found, execution_options={"populate_existing": True}))
         )
-    )
+    else:
+        claimed = list(
+            session.scalars(
+                select(model).from_statement(registry.queries.session_claim),
+                dict(params),
+                execution_options={"populate_existing": True},
+            )
+        )
     # UPDATE ... RETURNING gives rows in no particular order.
     claimed.sort(key=lambda j: (-j.priority, j.run_at, j.id))
     return claimed
+
+
+def _claim_limited(
+    session: Session, registry: Jobs, limits: QueueLimits, params: ClaimParams
+) -> list[int]:
+    """The workers' limited claim (:mod:`sqla_jobs.throttle`) in the caller's transaction:
+    the queue's lock, held until that transaction ends (so the queue's other limited
+    claims wait for it), then the claim. Needs READ COMMITTED, under which the claim sees
+    what committed while it waited for the lock."""
+    connection = session.connection()
+    level = connection.get_isolation_level()
+    if level != "READ COMMITTED":
+        raise ValueError(
+            f"queue {limits.name!r} has limits, which session.claim can only enforce under "
+            f"READ COMMITTED isolation (this transaction is {level})"
+        )
+    queries = registry.queries
+    paused = select(queries.queues_table.c.name).where(
+        queries.queues_table.c.name == limits.name, queries.queues_table.c.paused
+    )
+    if session.execute(paused).first() is not None:
+        return []
+    session.execute(queries.limit_lock, {"queue_name": limits.name})
+    rows = session.execute(
+        queries.limited_claim,
+        dict(
+            limited_claim_params(
+                params,
+                concurrency=limits.concurrency,
+                rate=limits.rate,
+                period=limits.rate_period,
+                key_limit=limits.key_concurrency,
+                keyed=limits.keyed,
+            )
+        ),
+    ).all()
+    return [r.id for r in rows if r.id is not None]
 
 
 def complete(session: Session, job: Any, *, jobs: Jobs | None = None) -> bool:

@@ -760,8 +760,11 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
     if not queues:
         print("no queues yet")
         return EXIT_OK
-    rows = [[q.name, "paused" if q.paused else "active", _when(q.updated_at)] for q in queues]
-    _print_table(["QUEUE", "STATE", "SINCE"], rows, right=set())
+    rows = [
+        [q.name, "paused" if q.paused else "active", _when(q.updated_at), q.limits or "-"]
+        for q in queues
+    ]
+    _print_table(["QUEUE", "STATE", "SINCE", "LIMITS"], rows, right=set())
     return EXIT_OK
 
 

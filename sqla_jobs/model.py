@@ -38,6 +38,11 @@ future jobs never sit in the claim path, however many of them the table holds:
   the table: 130-210 ms instead of 10-20). A row enters it only when a job dies, never
   on the claim or on a success, so the hot path does not pay for it.
 
+* ``<table>_keys``: ``(queue, concurrency_key) WHERE status = 'running' AND
+  concurrency_key IS NOT NULL``: the limited claim counts the running jobs of each key
+  (:mod:`sqla_jobs.throttle`). Only running jobs that have a key are in it, so queues
+  without keys pay nothing for it.
+
 One index is not about status: ``<table>_meta``, ``GIN (meta jsonb_path_ops) WHERE meta IS
 NOT NULL``, for finding jobs by a tag or a correlation id in any status (``meta @> ...``).
 It is partial so that the jobs that carry no ``meta``, most of them in most applications,
@@ -186,6 +191,10 @@ class JobMixin:
     #: What the running handler last said about its progress
     #: (``current_job().set_progress(...)``), written with the heartbeat.
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    #: The key a task's ``concurrency_key`` function computed from the job's arguments at
+    #: enqueue: at most ``key_concurrency`` running jobs of a queue share one (see
+    #: :mod:`sqla_jobs.throttle`). NULL: no key.
+    concurrency_key: Mapped[str | None] = mapped_column(sa.Text)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         # Declarative builds the Table inside super().__init_subclass__. Constraints and
@@ -257,6 +266,15 @@ def add_constraints(table: sa.Table) -> None:
         postgresql_using="gin",
         postgresql_ops={"meta": "jsonb_path_ops"},
         postgresql_where=sa.text("meta IS NOT NULL"),
+    )
+    # The limited claim counts the running jobs of each key (sqla_jobs.throttle). Only
+    # running rows that have a key are in it: nothing for queues without keys, and a
+    # handful of rows at any time for those with.
+    sa.Index(
+        derived_name(name, "keys"),
+        c.queue,
+        c.concurrency_key,
+        postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
     )
 
 
@@ -366,7 +384,8 @@ def companion_tables(table: sa.Table) -> Companions:
     """The small tables that live beside a jobs table, in its metadata and schema.
 
     ``<table>_queues``
-        One row per queue that has been paused (or resumed). Workers read it at every
+        One row per queue that has been paused (or resumed), or that has a rate limit
+        (``rate_log``: the start times within the last period). Workers read it at every
         poll, so pausing takes effect across all of them without touching the claim.
     ``<table>_schedules``
         Periodic jobs: one row per schedule, declared in code or added at run time.
@@ -399,6 +418,9 @@ def companion_tables(table: sa.Table) -> Companions:
         metadata,
         sa.Column("name", sa.Text, primary_key=True),
         sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+        # A rate-limited queue's sliding log: when each job started within the last
+        # period (at most the rate's count of them), written by the limited claim.
+        sa.Column("rate_log", ARRAY(sa.DateTime(timezone=True))),
         sa.Column(
             "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),

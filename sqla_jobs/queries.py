@@ -24,7 +24,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
+from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from .model import LIVE_STATUSES, UNIQUE_WHERE, JobStatus, companion_tables, notify_channel
@@ -199,6 +200,204 @@ class ClaimParams(TypedDict):
 
 def claim_params(queue: str, limit: int, lease: timedelta, worker: str) -> ClaimParams:
     return {"queue_name": queue, "limit": limit, "lease": lease, "worker": worker}
+
+
+# -- the limited claim (sqla_jobs.throttle) ------------------------------------------------
+
+
+# Serialise the claims of one limited queue: a transaction-scoped advisory lock, keyed by
+# the table (first key) and the queue (second key). The two-key form has a key space of its
+# own, apart from the pruner's one-key lock. Run first in the claim's transaction, so that
+# the limited claim after it sees every claim committed before the lock was granted.
+def _limit_lock(t: sa.Table) -> sa.Select[Any]:
+    return sa.select(
+        sa.func.pg_advisory_xact_lock(
+            sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),
+            sa.func.hashtext(sa.bindparam("queue_name", type_=sa.Text)),
+        )
+    )
+
+
+# Limited claim: the plain claim's order and lease, but only as many jobs as the queue's
+# limits leave room for (run under _limit_lock, see sqla_jobs.throttle):
+#   budget   least(:limit, :concurrency - running, :rate - starts in the window); a NULL
+#            limit drops out of least();
+#   running  the queue's running rows, through <table>_running (a few hundred at most);
+#   per key  running rows per concurrency_key, through <table>_keys; keys at
+#            :key_limit are skipped, the others get rows up to their room, by row_number()
+#            over the first :scan ready rows (through <table>_claim);
+#   rate     <table>_queues.rate_log, trimmed to the window and extended by one
+#            clock_timestamp() per job claimed (only when the queue has a rate).
+# Always returns one row at least: the claimed jobs, or one row of NULL job columns, each
+# with ``ready_seen`` (ready rows seen, up to :limit + 1: more than were claimed means the
+# limits held some back) and ``rate_free_in`` (seconds until the window has room again,
+# when the rate is used up).
+LIMITED_COLUMNS = ("ready_seen", "rate_free_in")
+
+
+def _limited_claim(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    queues = companion_tables(t).queues
+    queue_name = sa.bindparam("queue_name", type_=sa.Text)
+    # Cast: a bare NULL parameter next to a timestamp reads as a timestamp, not an interval.
+    period = sa.cast(sa.bindparam("period", type_=sa.Interval), sa.Interval)
+    rate = sa.bindparam("rate", type_=sa.Integer)
+    key_limit = sa.bindparam("key_limit", type_=sa.Integer)
+    ready = (c.status == status_literal(JobStatus.READY), c.queue == queue_name)
+    running = (c.status == status_literal(JobStatus.RUNNING), c.queue == queue_name)
+
+    clock = sa.select(sa.func.clock_timestamp().label("at")).cte("clock")
+    stamp = sa.func.unnest(queues.c.rate_log).table_valued("at").render_derived(name="stamp")
+    recent = (
+        sa.select(
+            sa.func.coalesce(
+                sa.func.array_agg(aggregate_order_by(stamp.c.at, stamp.c.at)),
+                sa.cast(sa.literal_column("'{}'"), ARRAY(sa.DateTime(timezone=True))),
+            ).label("log")
+        )
+        .select_from(queues.join(stamp, sa.true()).join(clock, sa.true()))
+        .where(queues.c.name == queue_name, stamp.c.at > clock.c.at - period)
+        .cte("recent")
+    )
+    n_running = sa.select(sa.func.count().label("n")).where(*running).cte("n_running")
+    budget = (
+        sa.select(
+            sa.func.greatest(
+                0,
+                sa.func.least(
+                    sa.bindparam("limit", type_=sa.Integer),
+                    sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n,
+                    rate - sa.func.cardinality(recent.c.log),
+                ),
+            ).label("n")
+        )
+        .select_from(n_running.join(recent, sa.true()))
+        .cte("budget")
+    )
+    busy_keys = (
+        sa.select(c.concurrency_key.label("key"), sa.func.count().label("n"))
+        .where(*running, c.concurrency_key.is_not(None))
+        .group_by(c.concurrency_key)
+        .cte("busy_keys")
+    )
+    full_keys = sa.select(busy_keys.c.key).where(busy_keys.c.n >= key_limit)
+    head = (
+        sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
+        .where(
+            *ready,
+            c.run_at <= sa.func.now(),
+            sa.or_(c.concurrency_key.is_(None), c.concurrency_key.not_in(full_keys)),
+        )
+        .order_by(c.priority.desc(), c.run_at, c.id)
+        .limit(sa.bindparam("scan", type_=sa.Integer))
+        .subquery("head")
+    )
+    candidates = sa.select(
+        head,
+        sa.func.row_number()
+        .over(
+            partition_by=head.c.concurrency_key,
+            order_by=(head.c.priority.desc(), head.c.run_at, head.c.id),
+        )
+        .label("nth"),
+    ).cte("candidates")
+    chosen = (
+        sa.select(candidates.c.id)
+        .select_from(
+            candidates.outerjoin(busy_keys, busy_keys.c.key == candidates.c.concurrency_key)
+        )
+        .where(
+            sa.or_(
+                candidates.c.concurrency_key.is_(None),
+                candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+            )
+        )
+        .order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
+        .limit(sa.select(budget.c.n).scalar_subquery())
+        .cte("chosen")
+    )
+    claimed = (
+        sa.update(t)
+        .where(c.id == chosen.c.id, c.status == status_literal(JobStatus.READY))
+        .values(
+            status=JobStatus.RUNNING.value,
+            attempts=c.attempts + 1,
+            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_by=sa.bindparam("worker"),
+        )
+        .returning(*(c[name] for name in CLAIMED_COLUMNS))
+        .cte("claimed")
+    )
+    n_claimed = sa.select(sa.func.count()).select_from(claimed).scalar_subquery()
+    new_log = recent.c.log.op("||")(
+        sa.func.array_fill(clock.c.at, pg_array([sa.cast(n_claimed, sa.Integer)]))
+    )
+    log_insert = pg_insert(queues).from_select(
+        ["name", "rate_log"],
+        sa.select(queue_name, new_log)
+        .select_from(recent.join(clock, sa.true()))
+        .where(rate.is_not(None), n_claimed > 0),
+    )
+    logged = (
+        log_insert.on_conflict_do_update(
+            index_elements=[queues.c.name], set_={"rate_log": log_insert.excluded.rate_log}
+        )
+        .returning(queues.c.name)
+        .cte("logged")
+    )
+    seen = (
+        sa.select(sa.literal(1))
+        .where(*ready, c.run_at <= sa.func.now())
+        .limit(sa.bindparam("limit", type_=sa.Integer) + 1)
+        .subquery("seen")
+    )
+    used = sa.func.cardinality(recent.c.log) + n_claimed
+    oldest = sa.func.coalesce(recent.c.log[1], clock.c.at)
+    free_in = sa.case((used >= rate, sa.extract("epoch", oldest + period - clock.c.at)), else_=None)
+    info = (
+        sa.select(
+            sa.select(sa.func.count()).select_from(seen).scalar_subquery().label("ready_seen"),
+            sa.cast(free_in, sa.Float).label("rate_free_in"),
+            sa.select(sa.func.count()).select_from(logged).scalar_subquery().label("logged"),
+        )
+        .select_from(recent.join(clock, sa.true()))
+        .subquery("info")
+    )
+    return sa.select(
+        *(claimed.c[name] for name in CLAIMED_COLUMNS), info.c.ready_seen, info.c.rate_free_in
+    ).select_from(info.outerjoin(claimed, sa.true()))
+
+
+class LimitedClaimParams(ClaimParams):
+    concurrency: int | None
+    rate: int | None
+    period: timedelta | None
+    key_limit: int
+    scan: int
+
+
+def limited_claim_params(
+    params: ClaimParams,
+    *,
+    concurrency: int | None,
+    rate: int | None,
+    period: float | None,
+    key_limit: int,
+    keyed: bool = True,
+) -> LimitedClaimParams:
+    """The plain claim's parameters and the queue's limits. ``scan``: how many ready rows
+    the per-key choice looks at: for a keyed queue, enough that a few busy keys at the
+    head do not hide the others' jobs (the rows of keys already at their limit are
+    skipped before it); for a queue without keys, ``limit``, as the plain claim."""
+    limit = params["limit"]
+    return {
+        **params,
+        "concurrency": concurrency,
+        "rate": rate,
+        "period": None if period is None else interval(period),
+        "key_limit": key_limit,
+        "scan": max(limit * 4, 64) if keyed else limit,
+    }
 
 
 # -- outcomes -----------------------------------------------------------------------------
@@ -500,22 +699,24 @@ _BULK_COLUMNS: tuple[tuple[str, Any], ...] = (
 # one enqueue_many call adds): INSERT ... SELECT FROM unnest(:args, :unique_key), the shared
 # values (meta among them: one enqueue_many call gives all its jobs the same) as scalars.
 # The statement is the same whatever the batch size, so it is compiled once, and only two
-# arrays are built and sent. ON CONFLICT skips rows whose unique key
+# arrays are built and sent (a third, concurrency_key, is NULLs unless the task declares
+# a key). ON CONFLICT skips rows whose unique key
 # belongs to a live job (<table>_unique).
 def _bulk_insert(t: sa.Table) -> sa.Insert:
     each = (
         sa.func.unnest(
             sa.bindparam("args", type_=ARRAY(sa.Text)),
             sa.bindparam("unique_key", type_=ARRAY(sa.Text)),
+            sa.bindparam("concurrency_key", type_=ARRAY(sa.Text)),
         )
-        .table_valued("args", "unique_key")
+        .table_valued("args", "unique_key", "concurrency_key")
         .render_derived(name="rows")
     )
     shared = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
     return (
         pg_insert(t)
         .from_select(
-            [name for name, _ in _BULK_COLUMNS],
+            [*(name for name, _ in _BULK_COLUMNS), "concurrency_key"],
             sa.select(
                 shared["task"],
                 shared["queue"],
@@ -526,6 +727,7 @@ def _bulk_insert(t: sa.Table) -> sa.Insert:
                 sa.func.coalesce(shared["run_at"], sa.func.now()),
                 each.c.unique_key,
                 sa.cast(shared["meta"], JSONB),
+                each.c.concurrency_key,
             ),
         )
         .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
@@ -551,6 +753,7 @@ def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
         run_at=sa.func.coalesce(p["run_at"], sa.func.now()),
         unique_key=p["unique_key"],
         meta=sa.cast(p["meta"], JSONB),
+        concurrency_key=sa.bindparam("concurrency_key", type_=sa.Text),
     )
     if unique:
         stmt = stmt.on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
@@ -567,6 +770,7 @@ class JobParams(TypedDict):
     run_at: Any
     unique_key: str | None
     meta: str | None
+    concurrency_key: str | None
 
 
 def job_params(values: dict[str, Any]) -> JobParams:
@@ -582,6 +786,7 @@ def job_params(values: dict[str, Any]) -> JobParams:
         "run_at": values.get("run_at"),
         "unique_key": values.get("unique_key"),
         "meta": None if meta is None else _dumps(meta),
+        "concurrency_key": values.get("concurrency_key"),
     }
 
 
@@ -636,6 +841,7 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
             params["meta"] = _dumps(params["meta"])
         params["args"] = [_dumps(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
+        params["concurrency_key"] = [r.get("concurrency_key") for r in same]
         inserted += connection.execute(statement, params).rowcount
     return inserted
 
@@ -674,11 +880,18 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     holder = sa.bindparam("holder", type_=sa.BigInteger)
     states = sa.bindparam("states", type_=ARRAY(sa.Text))
     replace = sa.bindparam("replace", type_=sa.Boolean)
+    # The new arguments' concurrency key (sqla_jobs.throttle), NULL when the task has none.
+    p_key = sa.bindparam("p_concurrency_key", type_=sa.Text)
     run_at = sa.func.coalesce(p["run_at"], sa.func.now())
     replaced = (
         sa.update(t)
         .where(replace, c.id == holder, c.status == sa.any_(states))
-        .values(args=sa.cast(p["args"], JSONB), run_at=run_at, status=p["status"])
+        .values(
+            args=sa.cast(p["args"], JSONB),
+            run_at=run_at,
+            status=p["status"],
+            concurrency_key=p_key,
+        )
         .returning(c.id)
         .cte("replaced")
     )
@@ -689,7 +902,7 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     new = (
         pg_insert(t)
         .from_select(
-            [name for name, _ in _BULK_COLUMNS],
+            [*(name for name, _ in _BULK_COLUMNS), "concurrency_key"],
             sa.select(
                 p["task"],
                 p["queue"],
@@ -703,6 +916,7 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
                 # while a scope may allow two (a running one and a waiting one).
                 sa.null(),
                 sa.cast(p["meta"], JSONB),
+                p_key,
             ).where(
                 ~sa.exists(sa.select(replaced.c.id)),
                 sa.or_(replace, ~blocks),
@@ -984,6 +1198,8 @@ class Queries:
 
         self.claim = _claim(t)
         self.session_claim = _claim(t, for_session=True)
+        self.limit_lock = _limit_lock(t)
+        self.limited_claim = _limited_claim(t)
         self.complete = _complete(t, keep_done=keep_done)
         self.fail = _fail(t)
         self.snooze = _snooze(t)

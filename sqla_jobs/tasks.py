@@ -14,6 +14,7 @@ the web request that made it instead of a worker an hour later.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -52,6 +53,7 @@ from .limits import (
     text_problem,
 )
 from .model import JobStatus, job_table
+from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -151,6 +153,9 @@ class Task(Generic[P, R]):
     #: Unique by default (``@jobs.task(unique=True, unique_for=...)``); a call's options win.
     unique: bool = False
     unique_scope: UniqueScope | None = None
+    #: Computes the job's ``concurrency_key`` from its arguments at enqueue (see
+    #: :mod:`sqla_jobs.throttle`).
+    concurrency_key: ConcurrencyKey | None = None
     signature: inspect.Signature = field(init=False, repr=False)
     #: The parameter names when every parameter can be passed by keyword (no
     #: positional-only ones, no ``*args``/``**kwargs``), else None. Then a call made of
@@ -588,6 +593,10 @@ class Jobs:
         #: Hooks for metrics and logs; see :mod:`sqla_jobs.events`.
         self.events = Events()
         self._queries: Queries | None = None
+        #: Limits declared with :meth:`queue`.
+        self.queue_limits: dict[str, QueueLimits] = {}
+        #: Queues of tasks that declare a ``concurrency_key``.
+        self._keyed_queues: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<Jobs table={self.table.fullname!r} tasks={sorted(self.tasks)}>"
@@ -619,6 +628,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[False] = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -638,6 +648,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -657,6 +668,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -676,6 +688,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -695,6 +708,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[False] = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -714,6 +728,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -733,6 +748,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -750,6 +766,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
         transactional: bool = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -766,6 +783,10 @@ class Jobs:
         :param unique, unique_for, unique_states, unique_on_conflict: the task's jobs are
             unique by default, as with the enqueue options of those names (which, given
             at an enqueue, win). Any of the last three makes the jobs unique.
+        :param concurrency_key: a function of the job's arguments (as keywords) that
+            returns its key, or None; at most ``key_concurrency`` jobs of the queue with the
+            same key run at once (1 unless :meth:`queue` says otherwise). See
+            :mod:`sqla_jobs.throttle`.
         """
         scope = check_unique_scope(unique_for, unique_states, unique_on_conflict, ValueError)
         if scope is None and (unique_states is not None or unique_on_conflict is not None):
@@ -787,6 +808,11 @@ class Jobs:
             _check_priority(priority)
             if timeout is not None and timeout <= 0:
                 raise ValueError(f"task {task_name!r}: timeout must be > 0 seconds")
+            if concurrency_key is not None and not callable(concurrency_key):
+                raise ValueError(
+                    f"task {task_name!r}: concurrency_key must be a function of the task's "
+                    f"arguments, got {concurrency_key!r}"
+                )
             cls = TransactionalTask if transactional else Task
             t: Task[P, R] = cls(
                 fn=f,
@@ -801,11 +827,55 @@ class Jobs:
                 is_async=inspect.iscoroutinefunction(f),
                 unique=bool(unique) or scope is not None,
                 unique_scope=scope,
+                concurrency_key=concurrency_key,
             )
             self.tasks[task_name] = t
+            if concurrency_key is not None:
+                self._keyed_queues.add(q)
             return t
 
         return register(fn) if fn is not None else register
+
+    def queue(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: str | None = None,
+        key_concurrency: int | None = None,
+    ) -> QueueLimits:
+        """Declare a queue's limits, enforced by every worker of this registry.
+
+        :param concurrency: most jobs of the queue running at once, across all workers.
+        :param rate: most jobs started per period, in any window of it: ``"100/minute"``,
+            ``"20/s"``, ``"5/10s"``, ``"1000/hour"``, ``"10/day"``. A job that cannot start
+            yet stays ready, and no attempt is spent.
+        :param key_concurrency: most running jobs with the same ``concurrency_key`` (1 when
+            not given); giving it makes the queue take keyed jobs of any task.
+
+        Raises ``ValueError`` for a bad limit or a queue declared twice. See
+        :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.
+        """
+        try:
+            _check_queue(name)
+        except EnqueueError as exc:
+            raise ValueError(str(exc)) from None
+        if name in self.queue_limits:
+            raise ValueError(f"queue {name!r} is already declared")
+        limits = QueueLimits.declare(
+            name, concurrency=concurrency, rate=rate, key_concurrency=key_concurrency
+        )
+        self.queue_limits[name] = limits
+        return limits
+
+    def limits(self, queue: str) -> QueueLimits:
+        """The limits of a queue, as declared with :meth:`queue` and by keyed tasks."""
+        declared = self.queue_limits.get(queue)
+        if declared is None:
+            declared = QueueLimits(queue)
+        if queue in self._keyed_queues and not declared.keyed:
+            declared = dataclasses.replace(declared, keyed=True)
+        return declared
 
     # -- enqueue on a Core connection (see sqla_jobs.connection) --------------------------
 
@@ -1074,6 +1144,16 @@ class Jobs:
             prepared = self.job_meta(t.name, q, meta)
             if prepared is not None:
                 values["meta"] = prepared
+        if t.concurrency_key is not None:
+            key = concurrency_key_of(t.name, t.concurrency_key, arguments, t.signature)
+            if key is not None:
+                if q != t.queue and not self.limits(q).keyed:
+                    raise EnqueueError(
+                        f"task {t.name!r}: queue {q!r} does not enforce concurrency keys (no "
+                        f"task of it declares concurrency_key); declare "
+                        f"jobs.queue({q!r}, key_concurrency=1) to send keyed jobs there"
+                    )
+                values["concurrency_key"] = key
         when = _run_at(run_at, delay, now)
         if when is not None:
             values["run_at"] = when

@@ -89,3 +89,58 @@ def slow_record(seconds: float) -> None:
     """Record the start, then take a while."""
     record()
     time.sleep(seconds)
+
+
+# -- limited queues (tests/test_throttle.py) ------------------------------------------------
+
+
+class Span(Base):
+    """When a handler of a limited queue started and ended (from any process)."""
+
+    __tablename__ = "spans"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger)
+    key: Mapped[str | None] = mapped_column(sa.Text)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    started: Mapped[float] = mapped_column(sa.Float)
+    ended: Mapped[float | None] = mapped_column(sa.Float)
+
+
+#: The limited queues' registry, on the same table: tests of other features list the
+#: queues of ``jobs`` and should not see these.
+limited_jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
+limited_jobs.queue("limited", concurrency=3)
+limited_jobs.queue("rated", rate="20/s")
+
+
+def span(key: str | None, seconds: float) -> None:
+    """Record the start, work for ``seconds``, record the end."""
+    job = current_job()
+    started = time.time()
+    time.sleep(seconds)
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.insert(Span).values(
+                job_id=job.id, key=key, pid=os.getpid(), started=started, ended=time.time()
+            )
+        )
+
+
+@limited_jobs.task(queue="limited")
+def limited_work(seconds: float) -> None:
+    span(None, seconds)
+
+
+@limited_jobs.task(queue="keyed", concurrency_key=lambda account, **_: account)
+def keyed_work(account: str, seconds: float) -> None:
+    span(account, seconds)
+
+
+@limited_jobs.task(queue="rated")
+def rated_work() -> None:
+    span(None, 0.0)
+
+
+@limited_jobs.task(queue="unlimited")
+def unlimited_work() -> None:
+    """A queue of the same registry with no limits: claimed by the plain statement."""

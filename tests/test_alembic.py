@@ -581,6 +581,46 @@ def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
     project.check()
 
 
+def test_limits_columns_reach_an_existing_table_through_autogenerate(
+    make_project: Any,
+) -> None:
+    """A table made before limits existed: autogenerate writes the ``concurrency_key``
+    column, the ``<table>_keys`` index and ``<table>_queues.rate_log``, nothing by hand."""
+    project = make_project(explicit_schema=True)
+    first = project.autogenerate("jobs")
+    project.edit(first, ["sa.Column('concurrency_key'", "sa.Index('jobs_keys'"])
+    # <table>_queues is an op.create_table of its own, outside create_jobs_table.
+    lines = first.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if "sa.Column('rate_log'" not in line]
+    assert len(kept) == len(lines) - 1
+    first.write_text("".join(kept))
+    shutil.rmtree(first.parent / "__pycache__", ignore_errors=True)
+    project.upgrade()
+
+    second = project.autogenerate("limits")
+    upgrade = section(second, "upgrade")
+    assert len(upgrade) == 3, upgrade
+    schema = project.schema
+    assert (
+        "op.add_column('jobs', sa.Column('concurrency_key', sa.Text(), nullable=True), "
+        f"schema='{schema}')"
+    ) in upgrade
+    create_index = next(s for s in upgrade if s.startswith("op.create_index("))
+    assert create_index.startswith(
+        "op.create_index('jobs_keys', 'jobs', ['queue', 'concurrency_key']"
+    )
+    assert "status = 'running' AND concurrency_key IS NOT NULL" in create_index
+    add_log = next(s for s in upgrade if "rate_log" in s)
+    assert add_log.startswith("op.add_column('jobs_queues', sa.Column('rate_log', ")
+
+    project.upgrade()
+    project.check()
+    assert project.compare() == []
+    project.downgrade("-1")
+    project.upgrade()
+    project.check()
+
+
 def test_removed_jobs_table_is_dropped_with_its_trigger(make_project: Any) -> None:
     """A jobs model removed from the app: the drop takes the function along, and the
     downgrade re-creates the table as the database had it."""

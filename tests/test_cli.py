@@ -311,13 +311,13 @@ def test_queues(db: sa.Engine) -> None:
     assert typo.returncode == 0 and "no job or task uses queue 'recrods'" in typo.stderr
     listing, as_json = in_parallel(("queues", "list", JOBS), ("queues", "list", JOBS, "--json"))
     lines = listing.stdout.splitlines()
-    assert lines[0].split() == ["QUEUE", "STATE", "SINCE"]
+    assert lines[0].split() == ["QUEUE", "STATE", "SINCE", "LIMITS"]
     assert [line.split()[:2] for line in lines[1:]] == [
         ["records", "paused"],
         ["recrods", "paused"],
     ]
     data = json.loads(as_json.stdout)
-    assert [set(q) for q in data] == [{"name", "paused", "updated_at"}] * 2
+    assert [set(q) for q in data] == [{"name", "paused", "updated_at", "limits"}] * 2
     resume = cli("queues", "resume", JOBS, "records")
     assert (resume.returncode, resume.stdout) == (0, "resumed queue 'records'\n")
     after = json.loads(cli("queues", "list", JOBS, "--json").stdout)

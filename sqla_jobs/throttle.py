@@ -1,0 +1,200 @@
+"""Concurrency and rate limits: how many jobs of a queue (or of one key) run, or start, at once.
+
+.. code-block:: python
+
+    jobs.queue("exports", concurrency=3)            # never more than 3 running, all workers
+    jobs.queue("partner-api", rate="100/minute")    # at most 100 started in any minute
+
+    @jobs.task(queue="sync", concurrency_key=lambda account_id, **_: account_id)
+    def sync_account(account_id: str, full: bool = False) -> None: ...
+    # one sync per account at a time (key_concurrency=1 by default), any number of accounts
+
+The limits are declared in code, like the tasks, and every worker enforces the ones its
+registry declares. A queue that declares none is claimed by the plain claim statement, the
+same SQL as a queue had before limits existed; a limited queue is claimed by another
+statement (:func:`sqla_jobs.queries` ``_limited_claim``) that takes a lock for its queue,
+counts what runs and what started, and takes only what fits.
+
+Why this design
+---------------
+* **The lock.** The claims of one limited queue take turns on a transaction-scoped
+  advisory lock (``pg_advisory_xact_lock``) keyed by the table and the queue. The limits
+  are then checked in the *next* statement of that transaction, which, under READ
+  COMMITTED, sees every claim committed before the lock was granted. Checking them in the
+  statement that takes the lock would not be safe: its snapshot is older than the lock,
+  so it would miss the claim it waited for. The cost is two extra round trips (the lock
+  and the COMMIT) and the claims of one queue running one after another; claims of other
+  queues, and of unlimited queues, never wait on it.
+* **What counts as running.** The rows whose ``status`` is ``running`` (and, for a key,
+  whose ``concurrency_key`` is that key): no counter to keep in step with completions,
+  retries, rescues, hand-backs and cancels. A job whose worker died keeps counting until
+  its lease passes and it is rescued, so a dead worker can hold a slot for up to one lease:
+  the limit errs on the side of running fewer, never more.
+* **The rate.** A sliding log: ``<table>_queues.rate_log`` holds the start times of the
+  jobs started within the last period (at most N of them), written by the claim under the
+  lock. "At most N in any window of the period" holds exactly, unlike a fixed window or a
+  token bucket, which allow up to 2N across a boundary. A job that cannot start stays
+  ``ready`` (no attempt spent), and the worker skips that queue until the oldest start
+  leaves the window, while it keeps claiming its other queues.
+* **Declared in code.** Limits are part of the application, reviewed and deployed with
+  the tasks that need them. All workers of a queue must run code that declares the same
+  limits: a worker that does not know a queue is limited claims it with the plain
+  statement.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EnqueueError
+from .limits import UNIQUE_KEY_MAX_BYTES, check_name
+
+__all__ = ["ConcurrencyKey", "QueueLimits", "concurrency_key_of", "parse_rate"]
+
+#: A task's key function: its arguments, as keywords, to the key (None: no key, no limit).
+ConcurrencyKey = Callable[..., "str | None"]
+
+#: A concurrency key sits in an index (``<table>_keys``), like a unique key.
+CONCURRENCY_KEY_MAX_BYTES = UNIQUE_KEY_MAX_BYTES
+
+_PERIODS = {
+    "s": 1.0,
+    "sec": 1.0,
+    "second": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "minute": 60.0,
+    "h": 3600.0,
+    "hour": 3600.0,
+    "d": 86400.0,
+    "day": 86400.0,
+}
+_RATE = re.compile(r"^\s*(-?\d+)\s*/\s*(\d*\.?\d*)\s*([a-z]+)\s*$")
+#: The log holds one timestamp per start in the window; past this it is not a small row.
+RATE_MAX = 10_000
+
+
+def parse_rate(rate: str) -> tuple[int, float]:
+    """``"100/minute"`` (or ``"20/s"``, ``"5/10s"``, ``"1000/hour"``, ``"10/day"``) as
+    ``(count, seconds)``. Raises ``ValueError`` naming what is wrong."""
+    if not isinstance(rate, str):
+        raise ValueError(f"rate must be a string like '100/minute', got {rate!r}")
+    match = _RATE.match(rate.lower())
+    if match is None:
+        raise ValueError(
+            f"rate {rate!r} is not '<count>/<period>' (for example '100/minute', '20/s', '5/10s')"
+        )
+    count_text, multiple_text, unit = match.groups()
+    if unit not in _PERIODS and len(unit) > 3 and unit[:-1] in _PERIODS:
+        unit = unit[:-1]  # minutes, hours
+    if unit not in _PERIODS:
+        raise ValueError(
+            f"rate {rate!r}: unknown period {unit!r}; use second, minute, hour or day "
+            "(or s, m, h, d)"
+        )
+    count = int(count_text)
+    if not 1 <= count <= RATE_MAX:
+        raise ValueError(f"rate {rate!r}: the count must be between 1 and {RATE_MAX}")
+    multiple = float(multiple_text) if multiple_text not in ("", ".") else 1.0
+    if multiple <= 0:
+        raise ValueError(f"rate {rate!r}: the period must be longer than 0")
+    return count, multiple * _PERIODS[unit]
+
+
+def _positive(name: str, value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"queue {name!r}: {what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """What a queue may run and start, across every worker (see :meth:`Jobs.queue
+    <sqla_jobs.Jobs.queue>`)."""
+
+    name: str
+    #: Most jobs of the queue running at once; None: no limit.
+    concurrency: int | None = None
+    #: Most jobs started per ``rate_period`` seconds, in any window; None: no limit.
+    rate: int | None = None
+    rate_period: float | None = None
+    #: Most running jobs that share one ``concurrency_key``.
+    key_concurrency: int = 1
+    #: Some task of this queue declares a ``concurrency_key``.
+    keyed: bool = False
+
+    @classmethod
+    def declare(
+        cls,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: str | None = None,
+        key_concurrency: int | None = None,
+    ) -> QueueLimits:
+        """Checked limits; ``ValueError`` names the bad one. Giving ``key_concurrency``
+        makes the queue keyed (it takes keyed jobs of any task)."""
+        count, period = parse_rate(rate) if rate is not None else (None, None)
+        key_limit = _positive(name, key_concurrency, "key_concurrency")
+        return cls(
+            name,
+            _positive(name, concurrency, "concurrency"),
+            count,
+            period,
+            key_limit or 1,
+            keyed=key_limit is not None,
+        )
+
+    @property
+    def limited(self) -> bool:
+        """The queue needs the limited claim (else the plain one, unchanged)."""
+        return self.concurrency is not None or self.rate is not None or self.keyed
+
+    def describe(self) -> str:
+        """``concurrency 3, 100/60s, 1 per key`` (empty when unlimited), for listings."""
+        parts = []
+        if self.concurrency is not None:
+            parts.append(f"concurrency {self.concurrency}")
+        if self.rate is not None:
+            parts.append(f"{self.rate}/{self.rate_period:g}s")
+        if self.keyed:
+            parts.append(f"{self.key_concurrency} per key")
+        return ", ".join(parts)
+
+
+def concurrency_key_of(
+    task: str,
+    fn: ConcurrencyKey,
+    arguments: Mapping[str, Any],
+    signature: inspect.Signature | None = None,
+) -> str | None:
+    """Run a task's key function on checked arguments, the handler's defaults filled in
+    from its ``signature`` (a key may come from a parameter the caller left out);
+    ``EnqueueError`` if it raises or returns something that cannot be a key, so the job
+    is refused at enqueue, not lost."""
+    given = dict(arguments)
+    if signature is not None:
+        for name, parameter in signature.parameters.items():
+            if name not in given and parameter.default is not parameter.empty:
+                given[name] = parameter.default
+    try:
+        key = fn(**given)
+    except Exception as exc:
+        raise EnqueueError(
+            f"task {task!r}: its concurrency_key function raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key:
+        raise EnqueueError(
+            f"task {task!r}: its concurrency_key function must return a non-empty string or "
+            f"None, got {key!r}"
+        )
+    check_name(key, f"task {task!r}: concurrency key", CONCURRENCY_KEY_MAX_BYTES, EnqueueError)
+    return key
