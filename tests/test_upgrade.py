@@ -59,9 +59,31 @@ def check_unique_scopes(jobs: Jobs, engine: sa.Engine) -> None:
         session.commit()
 
 
+def check_limits(jobs: Jobs, engine: sa.Engine) -> None:
+    """A keyed, rate-limited queue (concurrency_key and <table>_keys on the jobs table,
+    rate_log on <table>_queues, new in 0.2) is claimed by the limited claim."""
+    jobs.queue("upgrade-limited", concurrency=1, rate="1000/minute")
+
+    @jobs.task(queue="upgrade-limited", concurrency_key=lambda account, **_: account)
+    def sync(account: str) -> None:
+        pass
+
+    with JobSession(engine, jobs=jobs) as session:
+        session.enqueue_many(sync, [{"account": "a"}, {"account": "b"}])
+        session.commit()
+    worker = Worker(jobs, engine, queues=["upgrade-limited"], listen=False)
+    assert worker.run_until_empty(timeout=10) == 2
+    with engine.connect() as conn:
+        log = conn.execute(
+            sa.text("SELECT cardinality(rate_log) FROM jobs_queues WHERE name = 'upgrade-limited'")
+        ).scalar()
+    assert log == 2
+
+
 #: (name, check) for each feature of this release that the upgrade must bring along.
 UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("unique scopes", check_unique_scopes),
+    ("concurrency and rate limits", check_limits),
 ]
 
 
