@@ -181,6 +181,11 @@ class JobInfo:
     meta: dict[str, Any] | None = None
     #: The latest progress note of its handler: ``{"value", "note", "at"}``, or None.
     progress: dict[str, Any] | None = None
+    #: What its handler returned, for a job that keeps its result (once done).
+    result: Any = None
+    #: The jobs it waits for (``after=``), and how many of them have not yet succeeded.
+    parents: list[int] | None = None
+    waiting: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
@@ -966,6 +971,15 @@ def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -
         .returning(c.id, target.c.was)
     )
     rows = _execute(bind, changed).all()
+    if rows:
+        # Workflows: what waits on a cancelled job is cancelled too (or released, for
+        # jobs that run anyway), in this transaction. One index probe when nothing waits.
+        from .queries import Queries
+        from .tasks import Jobs
+        from .worker.db import settle_children
+
+        queries = jobs.queries if isinstance(jobs, Jobs) else Queries(table)
+        settle_children(bind, queries, [], [r.id for r in rows])
     if any(r.was == JobStatus.RUNNING for r in rows):
         # Ask workers to heartbeat now rather than at their next beat: the handler of a
         # cancelled running job learns it within moments (sent at commit).

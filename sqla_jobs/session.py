@@ -107,6 +107,9 @@ class EnqueueMixin:
         unique: Any = False,
         unique_key: Any = None,
         meta: Any = None,
+        keep_result: Any = None,
+        after: Any = None,
+        on_parent_failure: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -130,6 +133,13 @@ class EnqueueMixin:
             job, or the live one that already holds the key, is returned.
         :param meta: a JSON object stored with the job (tags, correlation ids), shown by
             ``admin`` and the CLI, and searchable (``jobs list --meta key=value``).
+        :param keep_result: keep the handler's return value (``True``, or a retention
+            ``timedelta``) for :meth:`Jobs.result`; overrides the task's.
+        :param after: jobs (pending or persistent ``Job`` objects of this table) or job
+            ids: this job runs once all of them have succeeded. Pending parents get their
+            ids at the flush, which links them in the same transaction.
+        :param on_parent_failure: ``"cancel"`` (default): a parent that ends dead or
+            cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
         if isinstance(task, ConfiguredTask):
@@ -144,6 +154,9 @@ class EnqueueMixin:
                     "unique": unique,
                     "unique_key": unique_key,
                     "meta": meta,
+                    "keep_result": keep_result,
+                    "after": after,
+                    "on_parent_failure": on_parent_failure,
                 },
             )
             registry = plain.registry
@@ -162,11 +175,20 @@ class EnqueueMixin:
                 unique=unique,
                 unique_key=unique_key,
                 meta=meta,
+                keep_result=keep_result,
+                after=after,
+                on_parent_failure=on_parent_failure,
             )
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
-        if "unique_key" in values:
+        if "after" in values:
+            if "unique_key" in values:
+                raise EnqueueError("a job with after= cannot be unique")
+            from .flow import _add_child
+
+            job = _add_child(session, registry, values)
+        elif "unique_key" in values:
             job, inserted = insert_unique(session, registry, values)
         else:
             job = registry.model(**values)
@@ -290,6 +312,8 @@ def many_values(
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
         registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    if options.get("after") is not None or options.get("on_parent_failure") is not None:
+        raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
     meta = options.pop("meta", None)
     # One clock reading for the whole batch: with a delay, every row gets the same
     # run_at, so the batch stays one run of the bulk INSERT.

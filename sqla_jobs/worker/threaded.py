@@ -256,7 +256,8 @@ class Worker(DriverBase[sa.Engine]):
         with run:
             result = run.task.fn(*run.args, **run.kwargs)
             if run.task.is_async:
-                asyncio.run(self._coroutine(job, result))
+                result = asyncio.run(self._coroutine(job, result))
+            run.value = result
         return run.outcome
 
     async def _coroutine(self, job: ClaimedJob, coro: Any) -> Any:
