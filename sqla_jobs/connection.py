@@ -131,8 +131,6 @@ def async_connection(connection: object) -> AsyncConnection:
     )
 
 
-
-
 def _enqueue_after(connection: sa.Connection, registry: Jobs, values: dict[str, Any]) -> int:
     """A job with ``after=``: INSERTed held, then linked to its parents, atomically (in
     autocommit, inside a BEGIN/COMMIT of its own)."""

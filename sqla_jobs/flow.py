@@ -32,6 +32,7 @@ How it is stored (see the README's "Results and workflows" for why):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -113,7 +114,9 @@ def link(
     reason = None
     if ended and not run_anyway:
         status, waiting = JobStatus.CANCELLED.value, 0
-        reason = f"cancelled: job {ended[0]}, which it waits for (after=), ended {status_of[ended[0]]}"
+        reason = (
+            f"cancelled: job {ended[0]}, which it waits for (after=), ended {status_of[ended[0]]}"
+        )
     elif waiting:
         status = JobStatus.SCHEDULED.value
     else:
@@ -131,7 +134,9 @@ def link(
     return status
 
 
-def defer_link(session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool) -> None:
+def defer_link(
+    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
+) -> None:
     """Link an ORM job at the session's flush, once it and its parents have ids.
 
     Parents added to the session before the child are INSERTed by the same flush (the ORM
@@ -170,7 +175,9 @@ def _link_flushed(session: Session, flush_context: Any) -> None:
                 ids.append(parent.id)
         conn = session.connection(bind_arguments={"mapper": registry.model})
         link(conn, registry.queries, child.id, ids, run_anyway)
-        session.expire(child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"])
+        session.expire(
+            child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"]
+        )
         for parent in parents:
             if not isinstance(parent, int):
                 session.expire(parent, ["meta"])
@@ -217,7 +224,9 @@ def group(
         raise EnqueueError("jobs.group needs at least one member job")
     cb_task, cb_args = _pair(then, "then")
     if results in cb_args.kwargs:
-        raise EnqueueError(f"jobs.group: the callback's {results!r} argument is filled by the group")
+        raise EnqueueError(
+            f"jobs.group: the callback's {results!r} argument is filled by the group"
+        )
     plain = cb_task.task if isinstance(cb_task, ConfiguredTask) else cb_task
     if results not in plain.signature.parameters:
         raise EnqueueError(
@@ -246,7 +255,9 @@ def _add_child(session: Any, registry: Jobs, values: dict[str, Any]) -> Any:
     values["run_at"] = HELD_UNTIL
     job = registry.model(**values)
     session.add(job)
-    defer_link(_sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway)
+    defer_link(
+        _sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway
+    )
     return job
 
 
@@ -355,11 +366,12 @@ async def result_async(
             left = _RECHECK if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise _timeout(job_id, timeout or 0.0)
-            try:
-                async with asyncio.timeout(min(left, _RECHECK)):
-                    async for note in raw.notifies():
-                        if note.payload == mine:
-                            break
-            except TimeoutError:
-                pass
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(_next_note(raw, mine), min(left, _RECHECK))
 
+
+async def _next_note(raw: Any, payload: str) -> None:
+    """Until a notification with ``payload`` arrives on an async psycopg connection."""
+    async for note in raw.notifies():
+        if note.payload == payload:
+            return

@@ -592,13 +592,15 @@ def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     left = c.waiting - _parent_count(c)
     free = left <= 0
-    each = sa.func.unnest(c.parents).table_valued("pid", with_ordinality="n").render_derived(
-        name="u"
+    each = (
+        sa.func.unnest(c.parents).table_valued("pid", with_ordinality="n").render_derived(name="u")
     )
     p = t.alias("parent")
     results = (
         sa.select(
-            sa.func.coalesce(sa.func.jsonb_agg(sa.text("parent.result ORDER BY u.n")), sa.text("'[]'"))
+            sa.func.coalesce(
+                sa.func.jsonb_agg(sa.text("parent.result ORDER BY u.n")), sa.text("'[]'")
+            )
         )
         .select_from(each.outerjoin(p, p.c.id == each.c.pid))
         .scalar_subquery()
@@ -720,11 +722,10 @@ def _link_child(t: sa.Table) -> sa.Update:
             waiting=waiting,
             status=status,
             run_at=sa.case(
-                (waiting > 0, sa.literal_column("'9999-01-01 00:00:00+00'::timestamptz")), else_=sa.func.now()
+                (waiting > 0, sa.literal_column("'9999-01-01 00:00:00+00'::timestamptz")),
+                else_=sa.func.now(),
             ),
-            finished_at=sa.case(
-                (status == JobStatus.CANCELLED.value, sa.func.now()), else_=None
-            ),
+            finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
             last_error=sa.bindparam("reason", type_=sa.Text),
         )
     )

@@ -305,8 +305,6 @@ class TaskArgs(Generic[T]):
     kwargs: Mapping[str, Any]
 
 
-
-
 @dataclass(frozen=True, eq=False)
 class ConfiguredTask(Generic[P, R]):
     """A task with enqueue options bound (see :meth:`Task.with_options`).

@@ -212,16 +212,17 @@ def test_sibling_parents_completing_concurrently_release_once(
         with Session.begin() as session:
             p1, p2 = session.enqueue(parent), session.enqueue(parent)
             kid = session.enqueue(child.with_options(after=[p1, p2]))
-        q = jobs.queries
         barrier = threading.Barrier(2)
         errors: list[BaseException] = []
 
-        def finish(pid: int) -> None:
+        def finish(
+            pid: int, barrier: threading.Barrier = barrier, errors: list[BaseException] = errors
+        ) -> None:
             try:
                 with db.begin() as conn:
                     conn.execute(sa.delete(app.Job).where(app.Job.id == pid))
                     barrier.wait(5)
-                    settle_children(conn, q, [pid], [])
+                    settle_children(conn, jobs.queries, [pid], [])
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
@@ -295,31 +296,28 @@ def test_core_enqueue_after_existing_ids(db: sa.Engine, jobs: Jobs) -> None:
     with db.begin() as conn, pytest.raises(EnqueueError, match="no job 999"):
         jobs.enqueue(conn, step.with_options(after=[999]))
     # An ORM job of another jobs table is refused by name.
-    with pytest.raises(EnqueueError, match="another table"):
-        with db.begin() as conn:
-            jobs.enqueue(conn, step.with_options(after=[app.OtherJob(id=1, task="x")]))
+    with pytest.raises(EnqueueError, match="another table"), db.begin() as conn:
+        jobs.enqueue(conn, step.with_options(after=[app.OtherJob(id=1, task="x")]))
 
 
 def test_rolled_back_workflow_leaves_nothing(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
     @jobs.task(queue="flow")
     def step() -> None: ...
 
-    with Session() as session:
-        with session.begin():
-            a = session.enqueue(step)
-            session.enqueue(step.with_options(after=[a]))
-            session.flush()  # both inserted and linked...
-            assert len(session.execute(sa.select(app.Job)).all()) == 2
-            session.rollback()  # ...and gone with the transaction
+    with Session() as session, session.begin():
+        a = session.enqueue(step)
+        session.enqueue(step.with_options(after=[a]))
+        session.flush()  # both inserted and linked...
+        assert len(session.execute(sa.select(app.Job)).all()) == 2
+        session.rollback()  # ...and gone with the transaction
     assert rows(db) == []
     # In a savepoint: the workflow rolls back with it, the job before it stays.
     with Session.begin() as session:
         keep = session.enqueue(step)
-        with pytest.raises(RuntimeError):
-            with session.begin_nested():
-                x = session.enqueue(step.with_options(after=[keep]))
-                session.enqueue(step.with_options(after=[x]))
-                raise RuntimeError
+        with pytest.raises(RuntimeError), session.begin_nested():
+            x = session.enqueue(step.with_options(after=[keep]))
+            session.enqueue(step.with_options(after=[x]))
+            raise RuntimeError
     assert [r.id for r in rows(db)] == [keep.id]
     assert _row(db, keep.id).meta is None or "sqla_jobs.children" not in _row(db, keep.id).meta
 

@@ -8,7 +8,7 @@ through ``AsyncConnection.run_sync``. Each runs one statement or a few from
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,8 +83,15 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     succeeded: list[int] = []
     ended: list[int] = []
     for statement, params in plain:
-        _count(conn.execute(statement, params).all(), statement, queries, queue_of, tally,
-               succeeded, ended)
+        _count(
+            conn.execute(statement, params).all(),
+            statement,
+            queries,
+            queue_of,
+            tally,
+            succeeded,
+            ended,
+        )
     if succeeded or ended:
         # Children enqueued while their parent ran (after its claim, so its meta did not
         # say so): released now, in a statement of their own (see the README's Workflows
@@ -95,8 +102,15 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
         conn.exec_driver_sql("BEGIN")
         try:
             for statement, params in flow:
-                _count(conn.execute(statement, params).all(), statement, queries, queue_of,
-                       tally, succeeded, ended)
+                _count(
+                    conn.execute(statement, params).all(),
+                    statement,
+                    queries,
+                    queue_of,
+                    tally,
+                    succeeded,
+                    ended,
+                )
             settle_children(conn, queries, succeeded, ended)
         except BaseException:
             conn.exec_driver_sql("ROLLBACK")
@@ -106,7 +120,7 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
 
 
 def _count(
-    rows: list[Any],
+    rows: Sequence[Any],
     statement: sa.Executable,
     queries: Queries,
     queue_of: dict[int, str],
