@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -52,7 +52,7 @@ from sqlalchemy.orm import Session
 from .limits import QUEUE_MAX_BYTES, check_name
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
 from .queries import status_literal as _lit
-from .tasks import Jobs
+from .tasks import CHILDREN_KEY, Jobs
 from .worker.job import CANCEL_PAYLOAD
 
 __all__ = [
@@ -186,6 +186,8 @@ class JobInfo:
     #: The jobs it waits for (``after=``), and how many of them have not yet succeeded.
     parents: list[int] | None = None
     waiting: int | None = None
+    #: The jobs that wait for it (filled by :func:`get_job` only), newest last.
+    children: list[int] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
@@ -208,7 +210,8 @@ class QueueInfo:
         return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
-_JOB_FIELDS: tuple[str, ...] = tuple(JobInfo.__dataclass_fields__)
+#: The columns a JobInfo is read from (``children`` is looked up by get_job).
+_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobInfo.__dataclass_fields__ if f != "children")
 
 
 def _json_value(value: Any) -> Any:
@@ -355,7 +358,21 @@ def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnEleme
 def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
     """One job by id, or ``None`` if there is no such row (finished jobs may be deleted)."""
     found = list_jobs(bind, jobs, ids=[job_id], limit=1)
-    return found[0] if found else None
+    if not found:
+        return None
+    info = found[0]
+    if info.meta and CHILDREN_KEY in info.meta:
+        # Its dependent jobs, through <table>_parents (only a parent's page asks).
+        c = _table(jobs).c
+        ids = _execute(
+            bind,
+            sa.select(c.id)
+            .where(c.parents.overlap(sa.literal([job_id], ARRAY(sa.BigInteger))))
+            .order_by(c.id)
+            .limit(1000),
+        ).scalars()
+        info = replace(info, children=list(ids))
+    return info
 
 
 # -- the dashboard's reads ---------------------------------------------------------------

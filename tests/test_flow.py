@@ -358,3 +358,24 @@ def test_validation(Session: Any, jobs: Jobs) -> None:
             session.enqueue(step.with_options(keep_result="yes"))  # type: ignore[arg-type]
         with pytest.raises(EnqueueError, match="enqueue_many"):
             session.enqueue_many(step.with_options(after=[1]), [{}])
+
+
+def test_cli_and_web_show_parents_children_and_result(Session: Any, db: sa.Engine) -> None:
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    from .test_cli import JOBS, cli
+
+    with Session.begin() as session:
+        a = session.enqueue(app.record_run, n=1)
+        b = session.enqueue(app.record_run.with_options(after=[a]), n=2)
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).where(app.Job.id == a.id).values(result={"ok": 1}))
+    parent, child = cli("jobs", "show", JOBS, str(a.id)), cli("jobs", "show", JOBS, str(b.id))
+    assert parent.returncode == 0, parent.stderr
+    assert f"  children      {b.id}" in parent.stdout
+    assert '  result        {"ok": 1}' in parent.stdout
+    assert f"  parents       {a.id}" in child.stdout and "  waiting for   1" in child.stdout
+    page = TestClient(create_app(app.jobs, db)).get(f"/jobs/{b.id}").text
+    assert "waiting for" in page and f"{a.id}" in page
