@@ -366,10 +366,18 @@ def outcome_statements(
     :attr:`Queries.fail_flow`; the caller writes those in one transaction with the
     statements that release or cancel their children."""
     statements: list[tuple[sa.Executable, dict[str, Any]]] = []
-    done = [o.job for o in batch if o.kind is OutcomeKind.SUCCEEDED and not is_flow(o.job)]
+    done: list[ClaimedJob] = []
+    flow: list[Outcome] = []
+    for o in batch:
+        if o.kind is OutcomeKind.SUCCEEDED:
+            # Inline is_flow: this loop sees every success of every batch.
+            meta = o.job.meta
+            if meta is not None and (KEEP_KEY in meta or CHILDREN_KEY in meta):
+                flow.append(o)
+            else:
+                done.append(o.job)
     if done:
         statements.append((queries.complete, dict(batch_params(done))))
-    flow = [o for o in batch if o.kind is OutcomeKind.SUCCEEDED and is_flow(o.job)]
     if flow:
         params_f = dict(batch_params(o.job for o in flow))
         params_f["result_list"] = [o.result for o in flow]
