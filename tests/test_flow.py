@@ -379,3 +379,26 @@ def test_cli_and_web_show_parents_children_and_result(Session: Any, db: sa.Engin
     assert f"  parents       {a.id}" in child.stdout and "  waiting for   1" in child.stdout
     page = TestClient(create_app(app.jobs, db)).get(f"/jobs/{b.id}").text
     assert "waiting for" in page and f"{a.id}" in page
+
+
+def test_transactional_task_keeps_its_result(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    @jobs.task(queue="q", keep_result=True, transactional=True)
+    def write(session: Any, code: str) -> str:
+        session.add(app.Link(code=code, url="u"))
+        return code.upper()
+
+    @jobs.task(queue="q", keep_result=True, transactional=True)
+    def odd(session: Any) -> object:
+        session.add(app.Link(code="odd", url="u"))
+        return object()
+
+    with Session.begin() as session:
+        job = session.enqueue(write, code="ab")
+        bad = session.enqueue(odd)
+    make_worker(jobs, db, queues=["q"], listen=False).run_until_empty()
+    assert jobs.result(db, job.id, timeout=5) == "AB"
+    with pytest.raises(JobFailedError, match="ResultError"):
+        jobs.result(db, bad.id, timeout=5)
+    assert [r.code for r in rows(db, app.Link)] == ["ab"]  # odd's write rolled back

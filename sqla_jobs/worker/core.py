@@ -412,8 +412,8 @@ class WorkerCore:
         """
         job = run.job
         try:
-            yield CallHandler()
-            done = yield OnSession(db.complete_in, (self.queries, job))
+            value = yield CallHandler()
+            done = yield OnSession(db.complete_in, (self.queries, job, value))
         except BaseException as exc:  # the handler's own, or a database error
             yield Rollback()
             return run.end(exc)

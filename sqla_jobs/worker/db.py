@@ -183,10 +183,22 @@ def hand_back(conn: sa.Connection, queries: Queries, claims: list[ClaimedJob]) -
     return sum(int(r.n) for r in rows)
 
 
-def complete_in(session: Session | sa.Connection, queries: Queries, job: ClaimedJob) -> bool:
+def complete_in(
+    session: Session | sa.Connection, queries: Queries, job: ClaimedJob, value: Any = None
+) -> bool:
     """The guarded completion of one claim, in the caller's transaction (a transactional
-    task's). False if the claim is no longer this worker's."""
-    row = session.execute(queries.complete, dict(batch_params([job]))).first()
+    task's), with its children released in it too. False if the claim is no longer this
+    worker's. A result-keeping job keeps ``value`` (the handler's return; a value that is
+    not JSON raises :class:`~sqla_jobs.ResultError`, which fails the run)."""
+    from .job import keeps, result_json
+
+    keep = keeps(job)
+    if keep is not None:
+        params = dict(batch_params([job]))
+        params.update(result_list=[result_json(value)], keep_list=[keep])
+        row = session.execute(queries.complete_flow, params).first()
+    else:
+        row = session.execute(queries.complete, dict(batch_params([job]))).first()
     if row is not None and row[1]:
         settle_children(session, queries, [job.id], [])
     return row is not None
