@@ -322,19 +322,29 @@ def result(engine: sa.Engine, jobs: Jobs, job_id: int, *, timeout: float | None 
     queries = jobs.queries
     deadline = None if timeout is None else time.monotonic() + timeout
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        from .worker.db import listen_sql
+        from .worker.db import listen_sql, unlisten_sql
 
         conn.exec_driver_sql(listen_sql(queries.results_channel))
-        raw = conn.connection.driver_connection
+        raw: Any = conn.connection.driver_connection
         mine = str(job_id)
-        while True:
-            seen = _look(conn, queries, job_id)
-            if seen.done:
-                return seen.value
-            left = _RECHECK if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise _timeout(job_id, timeout or 0.0)
-            _wait_notify(raw, mine, min(left, _RECHECK))
+        try:
+            while True:
+                seen = _look(conn, queries, job_id)
+                if seen.done:
+                    return seen.value
+                left = _RECHECK if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise _timeout(job_id, timeout or 0.0)
+                _wait_notify(raw, mine, min(left, _RECHECK))
+        finally:
+            # The connection goes back to the pool: it must not keep listening (nor keep
+            # notifications queued) for whoever takes it next.
+            try:
+                conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                for _ in raw.notifies(timeout=0):
+                    pass
+            except Exception:
+                conn.invalidate()
 
 
 def _wait_notify(raw: Any, payload: str, seconds: float) -> None:
@@ -354,20 +364,28 @@ async def result_async(
     deadline = None if timeout is None else time.monotonic() + timeout
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        from .worker.db import listen_sql
+        from .worker.db import listen_sql, unlisten_sql
 
         await conn.exec_driver_sql(listen_sql(queries.results_channel))
-        raw = (await conn.get_raw_connection()).driver_connection
+        raw: Any = (await conn.get_raw_connection()).driver_connection
         mine = str(job_id)
-        while True:
-            seen = await conn.run_sync(_look, queries, job_id)
-            if seen.done:
-                return seen.value
-            left = _RECHECK if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise _timeout(job_id, timeout or 0.0)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_next_note(raw, mine), min(left, _RECHECK))
+        try:
+            while True:
+                seen = await conn.run_sync(_look, queries, job_id)
+                if seen.done:
+                    return seen.value
+                left = _RECHECK if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise _timeout(job_id, timeout or 0.0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_next_note(raw, mine), min(left, _RECHECK))
+        finally:
+            try:
+                await conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                async for _ in raw.notifies(timeout=0):
+                    pass
+            except Exception:
+                await conn.invalidate()
 
 
 async def _next_note(raw: Any, payload: str) -> None:

@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import EnqueueError, JobFailedError, Jobs, JobSession, admin, current_job
+from sqla_jobs import (
+    EnqueueError,
+    JobFailedError,
+    Jobs,
+    JobSession,
+    admin,
+    create_engine,
+    current_job,
+)
 from sqla_jobs.worker.db import prune
 
 from . import app
@@ -76,7 +84,8 @@ def test_result_waits_through_notify(
     with Session.begin() as session:
         job = session.enqueue(slow)
     got: list[Any] = []
-    waiter = threading.Thread(target=lambda: got.append(jobs.result(db, job.id, timeout=20)))
+    one = create_engine(db.url, pool_size=1, max_overflow=0)  # the waiter's connection, alone
+    waiter = threading.Thread(target=lambda: got.append(jobs.result(one, job.id, timeout=20)))
     with running(make_worker(jobs, db, queues=["q"])):
         waiter.start()
         time.sleep(0.2)  # the waiter is listening and has seen the job running
@@ -87,6 +96,11 @@ def test_result_waits_through_notify(
         # Woken by the NOTIFY, not by its 5 s safety re-check.
         assert time.monotonic() - started < 3
     assert got == ["late"]
+    # The connection went back to the pool no longer listening.
+    with one.connect() as conn:
+        listening = conn.exec_driver_sql("SELECT pg_listening_channels()").scalars().all()
+    one.dispose()
+    assert listening == []
 
 
 def test_result_timeout_names_the_job(Session: Any, db: sa.Engine, jobs: Jobs) -> None:

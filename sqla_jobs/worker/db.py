@@ -292,6 +292,11 @@ def listen_sql(channel: str) -> str:
     return 'LISTEN "{}"'.format(channel.replace('"', '""'))
 
 
+def unlisten_sql(channel: str) -> str:
+    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
+    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
+
+
 class HeldConnection:
     """A pooled connection that one duty keeps between statements, in autocommit.
 
