@@ -369,7 +369,8 @@ def _make_scheduled_due(conn: sa.Connection, table: sa.Table, queues: Sequence[s
     c = table.c
     stmt = (
         sa.update(table)
-        .where(c.status == JobStatus.SCHEDULED)
+        # Not a job held for its parents (after=): it runs when they have succeeded.
+        .where(c.status == JobStatus.SCHEDULED, sa.or_(c.waiting.is_(None), c.waiting == 0))
         .values(status=JobStatus.READY, run_at=sa.func.now())
     )
     if queues:

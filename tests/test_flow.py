@@ -416,3 +416,31 @@ def test_transactional_task_keeps_its_result(
     with pytest.raises(JobFailedError, match="ResultError"):
         jobs.result(db, bad.id, timeout=5)
     assert [r.code for r in rows(db, app.Link)] == ["ab"]  # odd's write rolled back
+
+
+def test_run_queued_jobs_follows_dependencies(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    from sqla_jobs.testing import run_queued_jobs
+
+    order: list[str] = []
+
+    @jobs.task(queue="flow", keep_result=True)
+    def step(name: str) -> str:
+        order.append(name)
+        return name
+
+    @jobs.task(queue="flow")
+    def total(results: list[str]) -> None:
+        order.append("+".join(results))
+
+    with Session() as session, session.begin():
+        last = session.enqueue(step.with_options(queue="other"), name="first")
+        b = session.enqueue(step.with_options(after=[last]), name="second")
+        jobs.group(
+            session, [(step, step.args("g1")), (step, step.args("g2"))], (total, total.args())
+        )
+        summary = run_queued_jobs(session, jobs, include_scheduled=True)
+        assert summary.succeeded == 5
+        assert order.index("first") < order.index("second")
+        assert order[-1] == "g1+g2"
+        assert session.get(app.Job, b.id).result == "second"  # type: ignore[union-attr]
+        session.rollback()
