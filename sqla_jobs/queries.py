@@ -679,14 +679,33 @@ def _cancel_children(t: sa.Table, results_channel: str) -> sa.Select[Any]:
             status=JobStatus.CANCELLED.value,
             finished_at=sa.func.now(),
             last_error=sa.bindparam("reason", type_=sa.Text),
+            meta=sa.case((_has_children(t), _settled(c)), else_=c.meta),
         )
         .returning(c.id)
         .cte("cancelled")
     )
+    # The ended parents are settled: the retention pass's sweep (_unsettled_parents) must
+    # not settle them again (a child that runs anyway would be counted down twice).
+    settled = (
+        sa.update(t)
+        .where(
+            c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            _has_children(t),
+        )
+        .values(meta=_settled(c))
+        .cte("settled")
+    )
     return sa.select(
         cancelled.c.id,
         sa.func.pg_notify(sa.literal(results_channel), sa.cast(cancelled.c.id, sa.Text)),
+    ).add_cte(settled)
+
+
+def _settled(c: Any) -> sa.ColumnElement[Any]:
+    settled: sa.ColumnElement[Any] = c.meta.op("||", return_type=JSONB)(
+        sa.text(f"""'{{"{CHILDREN_KEY}": false}}'::jsonb""")
     )
+    return settled
 
 
 # Link a new job to its parents (enqueue with after=): mark each parent as having
@@ -728,6 +747,25 @@ def _link_child(t: sa.Table) -> sa.Update:
             finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
             last_error=sa.bindparam("reason", type_=sa.Text),
         )
+    )
+
+
+# The retention pass's safety net for workflows: dead or cancelled parents whose
+# children were never settled (a parent that died by its lease: the rescue marks jobs dead
+# in bulk, and does not look for children), through <table>_meta (jsonb_path_ops serves
+# @>). Settling marks a parent {"sqla_jobs.children": false} (see _cancel_children).
+def _unsettled_parents(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    return (
+        sa.select(c.id)
+        .where(
+            c.meta.op("@>", return_type=sa.Boolean)(
+                sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+            ),
+            c.status.in_([status_literal(JobStatus.DEAD), status_literal(JobStatus.CANCELLED)]),
+        )
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
     )
 
 
@@ -1115,6 +1153,7 @@ class Queries:
         self.mark_parents = _mark_parents(t)
         self.link_child = _link_child(t)
         self.outcome = _outcome(t)
+        self.unsettled_parents = _unsettled_parents(t)
 
         self.promote = _promote(t, channel)
         self.rescue = _rescue(t, channel)

@@ -444,3 +444,30 @@ def test_run_queued_jobs_follows_dependencies(Session: Any, db: sa.Engine, jobs:
         assert order[-1] == "g1+g2"
         assert session.get(app.Job, b.id).result == "second"  # type: ignore[union-attr]
         session.rollback()
+
+
+def test_retention_cancels_children_of_a_parent_that_died_by_its_lease(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+        c = session.enqueue(step.with_options(after=[b]))
+        r = session.enqueue(step.with_options(after=[a], on_parent_failure="run"))
+    # What the rescue does to a job out of attempts: dead, without looking for children.
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).where(app.Job.id == a.id).values(status="dead"))
+    prune(db, jobs)
+    state = {row.id: (row.status, row.waiting) for row in rows(db)}
+    assert state[b.id][0] == state[c.id][0] == "cancelled"
+    assert state[r.id] == ("ready", 0)  # it runs anyway
+    # Settled once: another pass changes nothing.
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(app.Job).where(app.Job.id == r.id).values(status="scheduled", waiting=1)
+        )
+    prune(db, jobs)
+    assert _row(db, r.id).waiting == 1
