@@ -244,6 +244,11 @@ def group(
     values["args"].pop(results, None)
     values["meta"] = {**(values.get("meta") or {}), RESULTS_KEY: results}
     callback = _add_child(session, registry, values)
+    if registry.events.wants("enqueued"):
+        from .session import _announce, _boundary, _sync
+
+        sync = _sync(session)
+        _announce(sync, registry, [callback], _boundary(sync))
     return added, callback
 
 
