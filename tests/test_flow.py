@@ -471,3 +471,21 @@ def test_retention_cancels_children_of_a_parent_that_died_by_its_lease(
         )
     prune(db, jobs)
     assert _row(db, r.id).waiting == 1
+
+
+def test_session_claim_complete_and_fail_settle_children(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="own")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a, b = session.enqueue(step), session.enqueue(step)
+        ok = session.enqueue(step.with_options(queue="kids", after=[a]))
+        gone = session.enqueue(step.with_options(queue="kids", after=[b]))
+    with Session.begin() as session:
+        first, second = session.claim("own", limit=2)
+        session.complete(first)
+        session.fail(second, "no", permanent=True)
+    assert _row(db, ok.id).status == "ready"
+    assert _row(db, gone.id).status == "cancelled"
