@@ -489,3 +489,34 @@ def test_session_claim_complete_and_fail_settle_children(
         session.fail(second, "no", permanent=True)
     assert _row(db, ok.id).status == "ready"
     assert _row(db, gone.id).status == "cancelled"
+
+
+def test_async_session_workflow(db: sa.Engine, jobs: Jobs) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.session import AsyncJobSession
+
+    @jobs.task(queue="flow")
+    def step(n: int) -> int:
+        return n
+
+    @jobs.task(queue="flow")
+    def total(results: list[int]) -> None: ...
+
+    async def main() -> list[int]:
+        engine = create_async_engine(db.url.render_as_string(hide_password=False))
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs, expire_on_commit=False)
+        try:
+            async with make.begin() as session:
+                a = session.enqueue(step, 1)
+                b = session.enqueue(step.with_options(after=[a]), 2)
+                _, cb = jobs.group(session, [(step, step.args(3))], (total, total.args()))
+            return [a.id, b.id, cb.id]
+        finally:
+            await engine.dispose()
+
+    a, b, cb = asyncio.run(main())
+    state = {r.id: (r.status, r.parents) for r in rows(db)}
+    assert state[a] == ("ready", None)
+    assert state[b] == ("scheduled", [a]) and state[cb][0] == "scheduled"
