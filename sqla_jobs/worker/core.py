@@ -549,12 +549,6 @@ class WorkerCore:
         """Retention, in batches of their own short transactions; stops at once if another
         worker holds the pruner lock. Returns how many rows were deleted."""
         total = 0
-        for _ in range(max_batches):
-            settled = yield Io(db.settle_unsettled, (self.jobs,), Conn.TX)
-            if settled is None:
-                return total
-            if settled < db.PRUNE_BATCH:
-                break
         for statement, age in db.prune_work(self.jobs):
             for _ in range(max_batches):
                 deleted = yield Io(db.prune_batch, (self.jobs, statement, age), Conn.TX)

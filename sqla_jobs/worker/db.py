@@ -262,12 +262,11 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
     ]
 
 
-def settle_unsettled(conn: sa.Connection, jobs: Jobs) -> int | None:
-    """Retention's first step: settle the children of dead or cancelled parents that were
-    not (a parent rescued dead by its lease): cancelled, or released if they run anyway.
-    How many parents were settled; None if another worker is pruning."""
-    if not conn.execute(jobs.queries.try_lock).scalar():
-        return None
+def settle_unsettled(conn: sa.Connection, jobs: Jobs) -> int:
+    """Settle the children of dead or cancelled parents that were not (a parent rescued
+    dead by its lease): cancelled, or released if they run anyway. Run by the pruner
+    before each batch of dead rows, so that no parent is pruned unsettled. How many
+    parents were settled."""
     ids = list(conn.execute(jobs.queries.unsettled_parents, {"limit": PRUNE_BATCH}).scalars())
     if ids:
         settle_children(conn, jobs.queries, [], ids)
@@ -280,6 +279,8 @@ def prune_batch(
     """Delete one batch (in its own short transaction); None if another worker is pruning."""
     if not conn.execute(jobs.queries.try_lock).scalar():
         return None
+    if statement is jobs.queries.prune_dead:
+        settle_unsettled(conn, jobs)
     return int(conn.execute(statement, {"age": age, "limit": PRUNE_BATCH}).rowcount)
 
 
@@ -287,13 +288,6 @@ def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
     """Run retention now; how many rows were deleted. Does nothing while another worker
     holds the pruner lock. (Workers do this by themselves every ``prune_interval``.)"""
     total = 0
-    for _ in range(max_batches):
-        with engine.begin() as conn:
-            settled = settle_unsettled(conn, jobs)
-        if settled is None:
-            return total
-        if settled < PRUNE_BATCH:
-            break
     for statement, age in prune_work(jobs):
         for _ in range(max_batches):
             with engine.begin() as conn:
