@@ -12,10 +12,17 @@
         a = session.enqueue(resize, image_id=1)
         b = session.enqueue(resize, image_id=2)
         c = session.enqueue(notify.with_options(after=[a, b]), image_id=1)   # after both
-        jobs.group(session, [resize.args(image_id=3), resize.args(image_id=4)],
-                   then=publish.args(image_id=9))          # publish gets both results
+        jobs.group(session, [(resize, resize.args(image_id=3)), (resize, resize.args(image_id=4))],
+                   then=(publish, publish.args(image_id=9)))   # publish gets both results
 
-    jobs.result(engine, job_id, timeout=30)                # waits through LISTEN/NOTIFY
+    jobs.result(engine, a.id, timeout=30)                  # waits through LISTEN/NOTIFY
+
+.. warning::
+
+    A job can only wait for jobs of its own table, that exist when it is enqueued (a job
+    that succeeded without ``keep_result`` is deleted at once). A parent that ends dead
+    or cancelled cancels what waits on it unless ``on_parent_failure="run"``; retrying
+    that parent later does not bring its cancelled children back.
 
 How it is stored (see the README's "Results and workflows" for why):
 
@@ -26,7 +33,8 @@ How it is stored (see the README's "Results and workflows" for why):
   ``waiting`` reaches 0. ``<table>_parents`` (GIN) finds a parent's children.
 * ``meta`` keys in the library's ``sqla_jobs.`` namespace mark what the worker must know
   from the claimed row alone: ``sqla_jobs.keep`` (seconds), ``sqla_jobs.children`` (this
-  job has dependents), ``sqla_jobs.run_anyway`` and ``sqla_jobs.results``.
+  job has dependents; ``false`` once a dead or cancelled parent's children were
+  settled), ``sqla_jobs.run_anyway`` and ``sqla_jobs.results``.
 """
 
 from __future__ import annotations
