@@ -52,7 +52,7 @@ from sqlalchemy.orm import Session
 from .limits import QUEUE_MAX_BYTES, check_name
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
 from .queries import status_literal as _lit
-from .tasks import Jobs
+from .tasks import CHILDREN_KEY, Jobs
 from .worker.job import CANCEL_PAYLOAD
 
 __all__ = [
@@ -181,6 +181,13 @@ class JobInfo:
     meta: dict[str, Any] | None = None
     #: The latest progress note of its handler: ``{"value", "note", "at"}``, or None.
     progress: dict[str, Any] | None = None
+    #: What its handler returned, for a job that keeps its result (once done).
+    result: Any = None
+    #: The jobs it waits for (``after=``), and how many of them have not yet succeeded.
+    parents: list[int] | None = None
+    waiting: int | None = None
+    #: The jobs that wait for it (filled by :func:`get_job` only), newest last.
+    children: list[int] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
@@ -206,7 +213,8 @@ class QueueInfo:
         return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
-_JOB_FIELDS: tuple[str, ...] = tuple(JobInfo.__dataclass_fields__)
+#: The columns a JobInfo is read from (``children`` is looked up by get_job).
+_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobInfo.__dataclass_fields__ if f != "children")
 
 
 def _json_value(value: Any) -> Any:
@@ -353,7 +361,21 @@ def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnEleme
 def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
     """One job by id, or ``None`` if there is no such row (finished jobs may be deleted)."""
     found = list_jobs(bind, jobs, ids=[job_id], limit=1)
-    return found[0] if found else None
+    if not found:
+        return None
+    info = found[0]
+    if info.meta and CHILDREN_KEY in info.meta:
+        # Its dependent jobs, through <table>_parents (only a parent's page asks).
+        c = _table(jobs).c
+        ids = _execute(
+            bind,
+            sa.select(c.id)
+            .where(c.parents.overlap(sa.literal([job_id], ARRAY(sa.BigInteger))))
+            .order_by(c.id)
+            .limit(1000),
+        ).scalars()
+        info = replace(info, children=list(ids))
+    return info
 
 
 # -- the dashboard's reads ---------------------------------------------------------------
@@ -978,6 +1000,15 @@ def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -
         .returning(c.id, target.c.was)
     )
     rows = _execute(bind, changed).all()
+    if rows:
+        # Workflows: what waits on a cancelled job is cancelled too (or released, for
+        # jobs that run anyway), in this transaction. One index probe when nothing waits.
+        from .queries import Queries
+        from .tasks import Jobs
+        from .worker.db import settle_children
+
+        queries = jobs.queries if isinstance(jobs, Jobs) else Queries(table)
+        settle_children(bind, queries, [], [r.id for r in rows])
     if any(r.was == JobStatus.RUNNING for r in rows):
         # Ask workers to heartbeat now rather than at their next beat: the handler of a
         # cancelled running job learns it within moments (sent at commit).

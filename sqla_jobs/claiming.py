@@ -177,6 +177,10 @@ def complete(session: Session, job: Any, *, jobs: Jobs | None = None) -> bool:
     done = session.execute(registry.queries.complete, dict(batch_params([job]))).first()
     if done is None:
         return False
+    if done.has_children:  # workflows: its children are released in this transaction
+        from .worker.db import settle_children
+
+        settle_children(session, registry.queries, [job.id], [])
     if registry.keep_done is None:
         session.expunge(job)
     else:
@@ -244,6 +248,10 @@ def _fail(
 ) -> JobStatus | None:
     params = fail_params(job, error, delay, permanent=permanent)
     row = session.execute(registry.queries.fail, dict(params)).first()
+    if row is not None and row.status == JobStatus.DEAD and row.has_children:
+        from .worker.db import settle_children
+
+        settle_children(session, registry.queries, [], [job.id])
     session.expire(job, _SETTLED)
     return None if row is None else JobStatus(row.status)
 

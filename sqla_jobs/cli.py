@@ -308,6 +308,19 @@ def _plural(n: int, word: str = "job") -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _flow_fields(job: Any) -> list[tuple[str, str]]:
+    """Results and workflows, on a job's view: only for jobs that have them."""
+    fields = []
+    if job.parents is not None:
+        fields.append(("parents", ", ".join(map(str, job.parents))))
+        fields.append(("waiting for", str(job.waiting or 0)))
+    if job.children:
+        fields.append(("children", ", ".join(map(str, job.children))))
+    if job.result is not None:
+        fields.append(("result", json.dumps(job.result, sort_keys=True, ensure_ascii=False)))
+    return fields
+
+
 def _progress(progress: dict[str, Any] | None) -> str:
     """``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
     if not progress:
@@ -623,6 +636,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
         ("args", json.dumps(job.args, sort_keys=True)),
         ("meta", "-" if job.meta is None else json.dumps(job.meta, sort_keys=True)),
         ("progress", _progress(job.progress)),
+        *_flow_fields(job),
     ]
     print(f"job {job.id}")
     for name, value in fields:

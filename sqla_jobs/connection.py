@@ -56,6 +56,8 @@ def enqueue(
     registry, plain, options = _resolve(jobs, task, kwargs)
     values = registry.job_values(plain, args, kwargs, **options)
     scope = values.pop("unique_scope", None)
+    if "after" in values:
+        return _enqueue_after(connection, registry, values)
     params = job_params(values)
     q = registry.queries
     job_id: int
@@ -134,6 +136,34 @@ def async_connection(connection: object) -> AsyncConnection:
         "jobs.enqueue takes a Connection or an AsyncConnection, got "
         f"{type(connection).__name__}{hint}"
     )
+
+
+def _enqueue_after(connection: sa.Connection, registry: Jobs, values: dict[str, Any]) -> int:
+    """A job with ``after=``: INSERTed held, then linked to its parents, atomically (in
+    autocommit, inside a BEGIN/COMMIT of its own)."""
+    from .flow import HELD_UNTIL, link, parent_ids
+
+    if values.get("unique_key") is not None:
+        raise EnqueueError("a job with after= cannot be unique")
+    parents = parent_ids(registry, values.pop("after"), pending_ok=False)
+    run_anyway = bool((values.get("meta") or {}).get("sqla_jobs.run_anyway"))
+    values["run_at"] = HELD_UNTIL
+    q = registry.queries
+    own = _autocommit(connection)
+    if own:
+        connection.exec_driver_sql("BEGIN")
+    try:
+        job_id: int = connection.execute(q.insert_job, job_params(values)).scalar_one()
+        link(connection, q, job_id, parents, run_anyway)
+    except BaseException:
+        if own:
+            connection.exec_driver_sql("ROLLBACK")
+        raise
+    if own:
+        connection.exec_driver_sql("COMMIT")
+    if registry.events.wants("enqueued"):
+        _announce(connection, registry, [values])
+    return job_id
 
 
 def _resolve(

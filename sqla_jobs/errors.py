@@ -4,8 +4,10 @@ from __future__ import annotations
 
 __all__ = [
     "EnqueueError",
+    "JobFailedError",
     "JobsError",
     "PermanentError",
+    "ResultError",
     "Snooze",
     "UnknownTaskError",
     "WorkerError",
@@ -49,3 +51,21 @@ class Snooze(Exception):
 
 class PermanentError(Exception):
     """Raise from a handler (or raise ``from`` a cause) to fail the job at once, with no retry."""
+
+
+class ResultError(PermanentError):
+    """A result-keeping handler returned a value that is not JSON: the job fails at once
+    (dead, no retry: the next run would return the same kind of value), with this error
+    naming the value's type, rather than finishing with its result silently dropped."""
+
+
+class JobFailedError(JobsError):
+    """:meth:`Jobs.result <sqla_jobs.Jobs.result>` waited for a job that ended dead or
+    cancelled: ``status`` says which, ``last_error`` why (its traceback, for a dead job)."""
+
+    def __init__(self, job_id: int, status: str, last_error: str | None) -> None:
+        last = (last_error or "").strip().splitlines()
+        super().__init__(f"job {job_id} ended {status}" + (f": {last[-1]}" if last else ""))
+        self.job_id = job_id
+        self.status = status
+        self.last_error = last_error

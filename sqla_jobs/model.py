@@ -62,7 +62,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql.base import PGDialect
 from sqlalchemy.orm import Mapped, mapped_column
 
-__all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel"]
+__all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel", "result_channel"]
 
 
 class JobStatus(str, enum.Enum):
@@ -125,6 +125,13 @@ def notify_channel(table: sa.Table) -> str:
         digest = hashlib.sha1(name.encode()).hexdigest()[:12]
         name = f"{name.encode()[:50].decode(errors='ignore')}.{digest}"
     return name
+
+
+def result_channel(table: sa.Table) -> str:
+    """The channel on which a finished result-keeping job's id is announced (NOTIFY,
+    sent at commit): :meth:`Jobs.result <sqla_jobs.Jobs.result>` waits on it. Apart from
+    the workers' channel, so that results never wake a fetch loop."""
+    return notify_channel(sa.Table(f"{table.name}!results", sa.MetaData(), schema=table.schema))
 
 
 def derived_name(table_name: str, suffix: str) -> str:
@@ -195,6 +202,15 @@ class JobMixin:
     #: enqueue: at most ``key_concurrency`` running jobs of a queue share one (see
     #: :mod:`sqla_jobs.throttle`). NULL: no key.
     concurrency_key: Mapped[str | None] = mapped_column(sa.Text)
+    #: The handler's return value, for a job enqueued with ``keep_result``: written by the
+    #: completion that marks it ``done`` (see :meth:`Jobs.result <sqla_jobs.Jobs.result>`).
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    #: The jobs this one waits for (``enqueue(..., after=[...])``), or None. Searched by
+    #: ``<table>_parents`` when a parent finishes.
+    parents: Mapped[list[int] | None] = mapped_column(ARRAY(sa.BigInteger))
+    #: How many of ``parents`` have not yet succeeded. A job with ``waiting > 0`` is held
+    #: as ``scheduled`` with ``run_at`` in the year 9999, which the promoter never reaches.
+    waiting: Mapped[int | None] = mapped_column(sa.Integer)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         # Declarative builds the Table inside super().__init_subclass__. Constraints and
@@ -275,6 +291,14 @@ def add_constraints(table: sa.Table) -> None:
         c.queue,
         c.concurrency_key,
         postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
+    )
+    # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.
+    # Partial: the jobs that wait for nothing (nearly all) add nothing to it.
+    sa.Index(
+        derived_name(name, "parents"),
+        c.parents,
+        postgresql_using="gin",
+        postgresql_where=sa.text("parents IS NOT NULL"),
     )
 
 

@@ -28,7 +28,15 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from .model import LIVE_STATUSES, UNIQUE_WHERE, JobStatus, companion_tables, notify_channel
+from .model import (
+    LIVE_STATUSES,
+    UNIQUE_WHERE,
+    JobStatus,
+    companion_tables,
+    notify_channel,
+    result_channel,
+)
+from .tasks import CHILDREN_KEY, RESULTS_KEY, RUN_ANYWAY_KEY
 
 if TYPE_CHECKING:
     from sqlalchemy.sql.expression import CTE
@@ -412,9 +420,58 @@ def _complete(t: sa.Table, *, keep_done: bool) -> sa.Executable:
             sa.update(t)
             .where(guarded(t, batch))
             .values(status=JobStatus.DONE.value, locked_until=None, finished_at=sa.func.now())
-            .returning(t.c.id)
+            .returning(t.c.id, _has_children(t))
         )
-    return sa.delete(t).where(guarded(t, batch)).returning(t.c.id)
+    return sa.delete(t).where(guarded(t, batch)).returning(t.c.id, _has_children(t))
+
+
+def _has_children(t: sa.Table) -> sa.ColumnElement[bool]:
+    """``meta ? 'sqla_jobs.children'``: jobs were enqueued ``after`` this one. Returned by
+    every completion, so that a parent whose child was enqueued while it ran (after its
+    claim) still releases it."""
+    return sa.func.coalesce(
+        t.c.meta.op("?", return_type=sa.Boolean)(sa.literal_column(f"'{CHILDREN_KEY}'")),
+        sa.false(),
+    ).label("has_children")
+
+
+# Complete jobs that keep their result or have dependent jobs ("flow" jobs, told apart by
+# the worker from the claimed meta): kept as 'done' with their result, locked_until the
+# end of its retention (pruning reads it), and their ids announced on the results
+# channel (NOTIFY, at commit) for Jobs.result. Jobs that keep nothing never come here.
+def _complete_flow(t: sa.Table, results_channel: str) -> sa.Select[Any]:
+    batch = (
+        sa.func.unnest(
+            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
+            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+            sa.bindparam("result_list", type_=ARRAY(sa.Text)),
+            sa.bindparam("keep_list", type_=ARRAY(sa.Float)),
+        )
+        .table_valued("id", "attempts", "result", "keep")
+        .render_derived(name="batch")
+    )
+    done = (
+        sa.update(t)
+        .where(guarded(t, batch))
+        .values(
+            status=JobStatus.DONE.value,
+            result=sa.cast(batch.c.result, JSONB),
+            locked_until=sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, batch.c.keep),
+            finished_at=sa.func.now(),
+        )
+        .returning(t.c.id, _has_children(t))
+        .cte("done")
+    )
+    return sa.select(
+        done.c.id,
+        done.c.has_children,
+        sa.func.pg_notify(sa.literal(results_channel), sa.cast(done.c.id, sa.Text)),
+    )
+
+
+class FlowParams(BatchParams):
+    result_list: list[str | None]
+    keep_list: list[float]
 
 
 # Fail one attempt: retry after :delay (scheduled), or dead once attempts are used up or the
@@ -435,7 +492,18 @@ def _fail(t: sa.Table) -> sa.Update:
             last_error=sa.bindparam("error"),
             progress=_latest_progress(c, sa.bindparam("progress", None, type_=sa.Text)),
         )
-        .returning(c.id, c.status)
+        .returning(c.id, c.status, _has_children(t))
+    )
+
+
+# A flow job's failure: the same guarded UPDATE, and a dead one announced on the results
+# channel (Jobs.result raises its error).
+def _fail_flow(t: sa.Table, results_channel: str) -> sa.Select[Any]:
+    failed = _fail(t).cte("failed")
+    dead = failed.c.status == status_literal(JobStatus.DEAD)
+    note = sa.func.pg_notify(sa.literal(results_channel), sa.cast(failed.c.id, sa.Text))
+    return sa.select(
+        failed.c.id, failed.c.status, failed.c.has_children, sa.case((dead, note), else_=None)
     )
 
 
@@ -673,6 +741,238 @@ def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
         .scalar_subquery()
     )
     return sa.delete(t).where(c.id.in_(old))
+
+
+# Retention of done jobs: as _prune, except a row whose kept result (locked_until, set by
+# _complete_flow) has not yet expired.
+def _prune_done(t: sa.Table) -> sa.Delete:
+    c = t.c
+    old = (
+        sa.select(c.id)
+        .where(
+            c.status == status_literal(JobStatus.DONE),
+            c.finished_at < sa.func.now() - sa.bindparam("age", type_=sa.Interval),
+            sa.or_(c.locked_until.is_(None), c.locked_until < sa.func.now()),
+        )
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return sa.delete(t).where(c.id.in_(old))
+
+
+# -- workflows ----------------------------------------------------------------------------
+
+
+def _parent_count(c: Any) -> sa.ColumnElement[int]:
+    """How many of the row's parents are among ``:parent_ids`` (a child may have several
+    parents in one batch)."""
+    each = sa.func.unnest(c.parents).table_valued("pid").render_derived(name="p")
+    return (
+        sa.select(sa.func.count())
+        .select_from(each)
+        .where(each.c.pid == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))))
+        .scalar_subquery()
+    )
+
+
+# Release children: these parents succeeded (or, for children that run anyway, ended).
+# Run as its own statement in the completion's transaction, after it: its snapshot is
+# taken once the completion holds the parents' row locks, so it sees every child
+# committed before (a child enqueued while its parent ran holds that parent's lock until
+# it commits). Children are found through <table>_parents (&&) and each is decremented by
+# how many of its parents are in the batch; two sibling parents completing at once both
+# UPDATE the child, the second waits for the first's row lock and PostgreSQL re-reads the
+# row before applying its own decrement, so exactly one of them sees waiting reach 0.
+# A child reaching 0 becomes ready now (its queue woken at commit); a group callback gets
+# its parents' results in the argument named by meta->'sqla_jobs.results'.
+def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
+    c = t.c
+    left = c.waiting - _parent_count(c)
+    free = left <= 0
+    each = (
+        sa.func.unnest(c.parents).table_valued("pid", with_ordinality="n").render_derived(name="u")
+    )
+    p = t.alias("parent")
+    results = (
+        sa.select(
+            sa.func.coalesce(
+                sa.func.jsonb_agg(sa.text("parent.result ORDER BY u.n")), sa.text("'[]'")
+            )
+        )
+        .select_from(each.outerjoin(p, p.c.id == each.c.pid))
+        .scalar_subquery()
+    )
+    wants = c.meta.op("->>", return_type=sa.Text)(sa.literal_column(f"'{RESULTS_KEY}'"))
+    released = (
+        sa.update(t)
+        .where(
+            c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            c.status == _SCHEDULED_VIA_PK,
+            c.waiting > 0,
+        )
+        .values(
+            waiting=sa.func.greatest(left, 0),
+            status=sa.case((free, JobStatus.READY.value), else_=c.status),
+            run_at=sa.case((free, sa.func.now()), else_=c.run_at),
+            args=sa.case(
+                (
+                    sa.and_(free, wants.is_not(None)),
+                    c.args.op("||", return_type=JSONB)(sa.func.jsonb_build_object(wants, results)),
+                ),
+                else_=c.args,
+            ),
+        )
+        .returning(c.queue, c.status)
+        .cte("released")
+    )
+    return _notify_queues(channel, released)
+
+
+_SCHEDULED_VIA_PK = sa.select(status_literal(JobStatus.SCHEDULED)).scalar_subquery()
+
+
+# Cancel what waits on jobs that ended dead or cancelled: their waiting children, and
+# theirs, down the chain (a recursive walk through <table>_parents), except children
+# enqueued with on_parent_failure="run" (released by _release instead, with what waits on
+# them left waiting). Returns the ids cancelled, each announced on the results channel.
+def _cancel_children(t: sa.Table, results_channel: str) -> sa.Select[Any]:
+    c = t.c
+    cancels = sa.and_(
+        c.status == _SCHEDULED_VIA_PK,
+        c.waiting > 0,
+        sa.not_(
+            sa.func.coalesce(
+                c.meta.op("?", return_type=sa.Boolean)(sa.literal_column(f"'{RUN_ANYWAY_KEY}'")),
+                sa.false(),
+            )
+        ),
+    )
+    first = sa.select(c.id).where(
+        c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))), cancels
+    )
+    doomed = first.cte("doomed", recursive=True)
+    child = t.alias("child")
+    cc = child.c
+    doomed = doomed.union(
+        sa.select(cc.id)
+        .select_from(child.join(doomed, cc.parents.overlap(pg_array([doomed.c.id]))))
+        .where(
+            cc.status == _SCHEDULED_VIA_PK,
+            cc.waiting > 0,
+            sa.not_(
+                sa.func.coalesce(
+                    cc.meta.op("?", return_type=sa.Boolean)(
+                        sa.literal_column(f"'{RUN_ANYWAY_KEY}'")
+                    ),
+                    sa.false(),
+                )
+            ),
+        )
+    )
+    cancelled = (
+        sa.update(t)
+        .where(c.id.in_(sa.select(doomed.c.id)), c.status == _SCHEDULED_VIA_PK)
+        .values(
+            status=JobStatus.CANCELLED.value,
+            finished_at=sa.func.now(),
+            last_error=sa.bindparam("reason", type_=sa.Text),
+            meta=sa.case((_has_children(t), _settled(c)), else_=c.meta),
+        )
+        .returning(c.id)
+        .cte("cancelled")
+    )
+    # The ended parents are settled: the retention pass's sweep (_unsettled_parents) must
+    # not settle them again (a child that runs anyway would be counted down twice).
+    settled = (
+        sa.update(t)
+        .where(
+            c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            _has_children(t),
+        )
+        .values(meta=_settled(c))
+        .cte("settled")
+    )
+    return sa.select(
+        cancelled.c.id,
+        sa.func.pg_notify(sa.literal(results_channel), sa.cast(cancelled.c.id, sa.Text)),
+    ).add_cte(settled)
+
+
+def _settled(c: Any) -> sa.ColumnElement[Any]:
+    settled: sa.ColumnElement[Any] = c.meta.op("||", return_type=JSONB)(
+        sa.text(f"""'{{"{CHILDREN_KEY}": false}}'::jsonb""")
+    )
+    return settled
+
+
+# Link a new job to its parents (enqueue with after=): mark each parent as having
+# children (meta), which also locks it until the enqueue commits, so that a completion
+# racing with the enqueue waits for it and then sees the child; returns each parent's
+# status to count the ones still to succeed.
+def _mark_parents(t: sa.Table) -> sa.Update:
+    c = t.c
+    return (
+        sa.update(t)
+        .where(c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))))
+        .values(
+            meta=sa.func.coalesce(c.meta, sa.text("'{}'::jsonb")).op("||", return_type=JSONB)(
+                sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+            )
+        )
+        .returning(c.id, c.status)
+    )
+
+
+# Then the child: its parents, how many it waits for, and its status: held (scheduled in
+# the year 9999, which the promoter never reaches; not 'infinity', which Python cannot
+# read), ready at once, or cancelled.
+def _link_child(t: sa.Table) -> sa.Update:
+    c = t.c
+    waiting = sa.bindparam("waiting", type_=sa.Integer)
+    status = sa.bindparam("child_status", type_=sa.Text)
+    return (
+        sa.update(t)
+        .where(c.id == sa.bindparam("child_id"))
+        .values(
+            parents=sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger)),
+            waiting=waiting,
+            status=status,
+            run_at=sa.case(
+                (waiting > 0, sa.literal_column("'9999-01-01 00:00:00+00'::timestamptz")),
+                else_=sa.func.now(),
+            ),
+            finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
+            last_error=sa.bindparam("reason", type_=sa.Text),
+        )
+    )
+
+
+# The retention pass's safety net for workflows: dead or cancelled parents whose
+# children were never settled (a parent that died by its lease: the rescue marks jobs dead
+# in bulk, and does not look for children), through <table>_meta (jsonb_path_ops serves
+# @>). Settling marks a parent {"sqla_jobs.children": false} (see _cancel_children).
+def _unsettled_parents(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    return (
+        sa.select(c.id)
+        .where(
+            c.meta.op("@>", return_type=sa.Boolean)(
+                sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+            ),
+            c.status.in_([status_literal(JobStatus.DEAD), status_literal(JobStatus.CANCELLED)]),
+        )
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+    )
+
+
+# A job's outcome as Jobs.result reads it, by primary key.
+def _outcome(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    return sa.select(c.status, c.result, c.last_error, c.task, c.meta).where(
+        c.id == sa.bindparam("job_id")
+    )
 
 
 # One pruner at a time per table: a transaction-scoped advisory lock elects it.
@@ -1205,13 +1505,23 @@ class Queries:
         self.snooze = _snooze(t)
         self.hand_back = _hand_back(t, channel)
         self.heartbeat = _heartbeat(t)
+        # Results and workflows.
+        self.results_channel = results = result_channel(t)
+        self.complete_flow = _complete_flow(t, results)
+        self.fail_flow = _fail_flow(t, results)
+        self.release = _release(t, channel)
+        self.cancel_children = _cancel_children(t, results)
+        self.mark_parents = _mark_parents(t)
+        self.link_child = _link_child(t)
+        self.outcome = _outcome(t)
+        self.unsettled_parents = _unsettled_parents(t)
 
         self.promote = _promote(t, channel)
         self.rescue = _rescue(t, channel)
         self.next_due = _next_due(t)
         self.ready_depth = _ready_depth(t)
         self.prune_dead = _prune(t, (JobStatus.DEAD, JobStatus.CANCELLED))
-        self.prune_done = _prune(t, (JobStatus.DONE,))
+        self.prune_done = _prune_done(t)
         self.try_lock = _try_lock(t)
         # Paused queues (<table>_queues): read once per poll interval, not per claim.
         self.paused = sa.select(queues.c.name).where(queues.c.paused)

@@ -112,6 +112,9 @@ class EnqueueMixin:
         unique_for: Any = None,
         unique_states: Any = None,
         unique_on_conflict: Any = None,
+        keep_result: Any = None,
+        after: Any = None,
+        on_parent_failure: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -135,6 +138,13 @@ class EnqueueMixin:
             job, or the live one that already holds the key, is returned.
         :param meta: a JSON object stored with the job (tags, correlation ids), shown by
             ``admin`` and the CLI, and searchable (``jobs list --meta key=value``).
+        :param keep_result: keep the handler's return value (``True``, or a retention
+            ``timedelta``) for :meth:`Jobs.result`; overrides the task's.
+        :param after: jobs (pending or persistent ``Job`` objects of this table) or job
+            ids: this job runs once all of them have succeeded. Pending parents get their
+            ids at the flush, which links them in the same transaction.
+        :param on_parent_failure: ``"cancel"`` (default): a parent that ends dead or
+            cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
         if isinstance(task, ConfiguredTask):
@@ -152,6 +162,9 @@ class EnqueueMixin:
                     "unique_for": unique_for,
                     "unique_states": unique_states,
                     "unique_on_conflict": unique_on_conflict,
+                    "keep_result": keep_result,
+                    "after": after,
+                    "on_parent_failure": on_parent_failure,
                 },
             )
             registry = plain.registry
@@ -173,11 +186,18 @@ class EnqueueMixin:
                 unique_for=unique_for,
                 unique_states=unique_states,
                 unique_on_conflict=unique_on_conflict,
+                keep_result=keep_result,
+                after=after,
+                on_parent_failure=on_parent_failure,
             )
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
-        if "unique_scope" in values:
+        if "after" in values:  # never unique: job_values refuses the two together
+            from .flow import _add_child
+
+            job = _add_child(session, registry, values)
+        elif "unique_scope" in values:
             job, inserted = insert_scoped(session, registry, values)
         elif "unique_key" in values:
             job, inserted = insert_unique(session, registry, values)
@@ -303,6 +323,8 @@ def many_values(
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
         registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    if options.get("after") is not None or options.get("on_parent_failure") is not None:
+        raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
     meta = options.pop("meta", None)
     # One clock reading for the whole batch: with a delay, every row gets the same
     # run_at, so the batch stays one run of the bulk INSERT.

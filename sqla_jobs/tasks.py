@@ -56,7 +56,7 @@ from .model import JobStatus, job_table
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
     from typing_extensions import Unpack
 
@@ -92,6 +92,9 @@ OPTION_NAMES = (
     "unique_for",
     "unique_states",
     "unique_on_conflict",
+    "keep_result",
+    "after",
+    "on_parent_failure",
 )
 #: A handler parameter may not have an option's name: the keyword would be ambiguous.
 RESERVED_NAMES = frozenset(OPTION_NAMES)
@@ -156,6 +159,9 @@ class Task(Generic[P, R]):
     #: Computes the job's ``concurrency_key`` from its arguments at enqueue (see
     #: :mod:`sqla_jobs.throttle`).
     concurrency_key: ConcurrencyKey | None = None
+    #: Keep the handler's return value (``True``: for the registry's default retention,
+    #: or a ``timedelta``); see :meth:`Jobs.result`.
+    keep_result: bool | float | timedelta = False
     signature: inspect.Signature = field(init=False, repr=False)
     #: The parameter names when every parameter can be passed by keyword (no
     #: positional-only ones, no ``*args``/``**kwargs``), else None. Then a call made of
@@ -252,6 +258,9 @@ class Task(Generic[P, R]):
         unique_for: float | timedelta | None = None,
         unique_states: Iterable[str] | None = None,
         unique_on_conflict: Literal["keep", "replace"] | None = None,
+        keep_result: bool | float | timedelta | None = None,
+        after: Iterable[Any] | None = None,
+        on_parent_failure: str | None = None,
     ) -> ConfiguredTask[P, R]:
         """This task with enqueue options bound, for a type-checked enqueue.
 
@@ -274,6 +283,9 @@ class Task(Generic[P, R]):
             unique_for=unique_for,
             unique_states=unique_states,
             unique_on_conflict=unique_on_conflict,
+            keep_result=keep_result,
+            after=after,
+            on_parent_failure=on_parent_failure,
         )
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
@@ -338,6 +350,9 @@ class ConfiguredTask(Generic[P, R]):
         unique_for: float | timedelta | None = None,
         unique_states: Iterable[str] | None = None,
         unique_on_conflict: Literal["keep", "replace"] | None = None,
+        keep_result: bool | float | timedelta | None = None,
+        after: Iterable[Any] | None = None,
+        on_parent_failure: str | None = None,
     ) -> ConfiguredTask[P, R]:
         """These options on top of the ones already bound (a later one wins)."""
         given = {
@@ -352,6 +367,9 @@ class ConfiguredTask(Generic[P, R]):
             "unique_for": unique_for,
             "unique_states": unique_states,
             "unique_on_conflict": unique_on_conflict,
+            "keep_result": keep_result,
+            "after": None if after is None else list(after),
+            "on_parent_failure": on_parent_failure,
         }
         merged = dict(self.options)
         for key, value in given.items():
@@ -398,6 +416,10 @@ def check_options(options: Mapping[str, Any]) -> None:
     check_unique_scope(
         options.get("unique_for"), options.get("unique_states"), options.get("unique_on_conflict")
     )
+    if "keep_result" in options:
+        keep_seconds(options["keep_result"], None)
+    if "on_parent_failure" in options:
+        _check_on_parent_failure(options["on_parent_failure"])
     _run_at(options.get("run_at"), options.get("delay"), None)
 
 
@@ -629,6 +651,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: Literal[False] = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -649,6 +672,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -669,6 +693,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -689,6 +714,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: bool,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -709,6 +735,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: Literal[False] = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -729,6 +756,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: Literal[True],
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -749,6 +777,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: bool,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -767,6 +796,7 @@ class Jobs:
         priority: int = 0,
         timeout: float | None = None,
         concurrency_key: ConcurrencyKey | None = None,
+        keep_result: bool | float | timedelta = False,
         transactional: bool = False,
         unique: bool = False,
         unique_for: float | timedelta | None = None,
@@ -778,6 +808,9 @@ class Jobs:
         :param name: the stored name; defaults to ``module.qualname``. Keep it stable: jobs
             already in the table refer to it.
         :param timeout: seconds a run may take before it counts as failed.
+        :param keep_result: keep the handler's return value (JSON) on the finished row,
+            for :meth:`result` and group callbacks: ``True`` (for ``keep_done``, or a day)
+            or a ``timedelta``. A return value that is not JSON fails the job, dead.
         :param transactional: the handler takes a ``session``; its writes commit in the same
             transaction that completes the job, so they happen exactly once.
         :param unique, unique_for, unique_states, unique_on_conflict: the task's jobs are
@@ -813,6 +846,10 @@ class Jobs:
                     f"task {task_name!r}: concurrency_key must be a function of the task's "
                     f"arguments, got {concurrency_key!r}"
                 )
+            try:
+                keep_seconds(keep_result, None)
+            except EnqueueError as exc:
+                raise ValueError(f"task {task_name!r}: {exc}") from None
             cls = TransactionalTask if transactional else Task
             t: Task[P, R] = cls(
                 fn=f,
@@ -828,6 +865,7 @@ class Jobs:
                 unique=bool(unique) or scope is not None,
                 unique_scope=scope,
                 concurrency_key=concurrency_key,
+                keep_result=keep_result,
             )
             self.tasks[task_name] = t
             if concurrency_key is not None:
@@ -1063,6 +1101,43 @@ class Jobs:
 
         return register
 
+    # -- results and workflows (see sqla_jobs.flow) ---------------------------------------
+
+    def result(self, engine: sa.Engine, job_id: int, *, timeout: float | None = None) -> Any:
+        """Wait for a job enqueued with ``keep_result`` and return what its handler
+        returned.
+
+        LISTENs on the table's results channel, looks at the row, and looks again at each
+        notification about this job (sent when it finishes), so it neither polls nor misses
+        a job that finished before the call.
+
+        :raises TimeoutError: not finished within ``timeout`` seconds (naming the job).
+        :raises JobFailedError: it ended dead or cancelled (``last_error`` says why).
+        :raises LookupError: no such row (a job that keeps no result is deleted when it
+            succeeds), or a job that does not keep its result.
+        """
+        from .flow import result
+
+        return result(engine, self, job_id, timeout=timeout)
+
+    async def result_async(
+        self, engine: AsyncEngine, job_id: int, *, timeout: float | None = None
+    ) -> Any:
+        """:meth:`result`, awaited, on an ``AsyncEngine``."""
+        from .flow import result_async
+
+        return await result_async(engine, self, job_id, timeout=timeout)
+
+    def group(
+        self, session: Any, members: Iterable[Any], then: Any, *, results: str = "results"
+    ) -> tuple[list[Any], Any]:
+        """Enqueue ``members`` (``(task, task.args(...))`` pairs) and a callback ``then``
+        (a pair too) that runs once, after all of them succeeded, with their return values
+        as its ``results`` argument; see :func:`sqla_jobs.flow.group`."""
+        from .flow import group
+
+        return group(session, members, then, results=results)
+
     def get(self, task: Task[Any, Any] | str) -> Task[Any, Any]:
         """The registered task of that name (or that task, checked to belong here)."""
         if isinstance(task, Task):
@@ -1098,6 +1173,9 @@ class Jobs:
         unique_for: float | timedelta | None = None,
         unique_states: Iterable[str] | None = None,
         unique_on_conflict: str | None = None,
+        keep_result: bool | float | timedelta | None = None,
+        after: Iterable[Any] | None = None,
+        on_parent_failure: str | None = None,
     ) -> dict[str, Any]:
         """Check a job and return its column values. Raises :class:`EnqueueError`.
 
@@ -1176,7 +1254,52 @@ class Jobs:
             values["unique_key"] = unique_key
         elif unique or t.unique or scoped:
             values["unique_key"] = derive_unique_key(t.name, arguments)
+        keep = keep_seconds(t.keep_result if keep_result is None else keep_result, self)
+        if keep is not None or after is not None or on_parent_failure is not None:
+            self._flow_values(values, keep, after, on_parent_failure)
         return values
+
+    def _flow_values(
+        self,
+        values: dict[str, Any],
+        keep: float | None,
+        after: Iterable[Any] | None,
+        on_parent_failure: str | None,
+    ) -> None:
+        """Results and dependencies of one job: the library's keys in ``meta`` (read by
+        the worker from the claimed row, so the claim needs no new column), and the
+        parents to link once the job has an id (``values["after"]``, taken out by the
+        enqueue paths)."""
+        flow: dict[str, Any] = {}
+        if keep is not None:
+            flow[KEEP_KEY] = keep
+        if on_parent_failure is not None:
+            _check_on_parent_failure(on_parent_failure)
+            if after is None:
+                raise EnqueueError("on_parent_failure= needs after=[...]")
+            if on_parent_failure == "run":
+                flow[RUN_ANYWAY_KEY] = True
+        if after is not None:
+            if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+                raise EnqueueError(f"after= takes a list of jobs or job ids, got {after!r}")
+            parents = list(after)
+            if parents:
+                if "run_at" in values:
+                    raise EnqueueError(
+                        "a job with after= runs when its parents have succeeded: "
+                        "run_at and delay cannot be given too"
+                    )
+                if "unique_key" in values:
+                    # Refused here, before anything reaches the session or the database.
+                    raise EnqueueError(
+                        "a job with after= cannot be unique (unique, unique_key, "
+                        "unique_for, unique_states or unique_on_conflict, given here or by "
+                        "the task)"
+                    )
+                values["after"] = parents
+                values["status"] = JobStatus.SCHEDULED.value
+        if flow:
+            values["meta"] = {**(values.get("meta") or {}), **flow}
 
     def job_meta(
         self, task: str, queue: str, meta: Mapping[str, Any] | None
@@ -1385,3 +1508,42 @@ def check_unique_scope(
 def _check_max_attempts(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
+
+
+#: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
+#: namespace is the library's): seconds a result is kept; this job has dependent jobs;
+#: run this job even if a parent ends dead or cancelled; the parameter a group's callback
+#: receives its parents' results in.
+KEEP_KEY = "sqla_jobs.keep"
+CHILDREN_KEY = "sqla_jobs.children"
+RUN_ANYWAY_KEY = "sqla_jobs.run_anyway"
+RESULTS_KEY = "sqla_jobs.results"
+
+#: How long ``keep_result=True`` keeps a result when the registry keeps no done jobs.
+DEFAULT_RESULT_TTL = timedelta(days=1)
+
+
+def keep_seconds(value: object, registry: Jobs | None) -> float | None:
+    """``keep_result`` as seconds (None: keep nothing). ``True`` is the registry's
+    ``keep_done``, or a day."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        ttl = (registry.keep_done if registry is not None else None) or DEFAULT_RESULT_TTL
+        return ttl.total_seconds()
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise EnqueueError(
+            f"keep_result must be True, False, seconds or a timedelta, got {value!r}"
+        )
+    if not seconds >= 0 or seconds == float("inf"):
+        raise EnqueueError(f"keep_result must be a finite duration >= 0, got {value!r}")
+    return seconds
+
+
+def _check_on_parent_failure(value: object) -> None:
+    if value not in ("cancel", "run"):
+        raise EnqueueError(f"on_parent_failure must be 'cancel' or 'run', got {value!r}")

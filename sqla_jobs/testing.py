@@ -37,6 +37,7 @@ from .queries import claim_params, interval
 from .session import insert_pending, pending_jobs, session_registry
 from .tasks import Jobs, Task
 from .worker import Worker
+from .worker.db import settle_children
 from .worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_statements
 
 __all__ = [
@@ -368,7 +369,8 @@ def _make_scheduled_due(conn: sa.Connection, table: sa.Table, queues: Sequence[s
     c = table.c
     stmt = (
         sa.update(table)
-        .where(c.status == JobStatus.SCHEDULED)
+        # Not a job held for its parents (after=): it runs when they have succeeded.
+        .where(c.status == JobStatus.SCHEDULED, sa.or_(c.waiting.is_(None), c.waiting == 0))
         .values(status=JobStatus.READY, run_at=sa.func.now())
     )
     if queues:
@@ -392,6 +394,11 @@ def _record(session: Session, q: Any, outcome: Outcome) -> JobRun:
         row = conn.execute(statement, params).first()
         if outcome.kind is OutcomeKind.FAILED:
             result = "dead" if row is not None and row.status == JobStatus.DEAD else "retried"
+        # Workflows: children of this job are released (or cancelled) as a worker would.
+        if row is not None and getattr(row, "has_children", False):
+            dead = outcome.kind is OutcomeKind.FAILED and row.status == JobStatus.DEAD
+            if dead or outcome.kind is OutcomeKind.SUCCEEDED:
+                settle_children(conn, q, [] if dead else [job.id], [job.id] if dead else [])
     return JobRun(job.id, job.task, job.queue, job.attempts, result, outcome.error)
 
 

@@ -80,10 +80,30 @@ def check_limits(jobs: Jobs, engine: sa.Engine) -> None:
     assert log == 2
 
 
+def check_results_and_workflows(jobs: Jobs, engine: sa.Engine) -> None:
+    """A kept result (the result column) and a chain (parents, waiting and
+    <table>_parents, new in 0.2): the child runs after its parent, and both results are
+    read back."""
+
+    @jobs.task(queue="upgrade-flow", keep_result=True)
+    def double(n: int) -> int:
+        return 2 * n
+
+    with JobSession(engine, jobs=jobs) as session:
+        parent = session.enqueue(double, 1)
+        child = session.enqueue(double.with_options(after=[parent]), 2)
+        session.commit()
+        ids = parent.id, child.id
+    worker = Worker(jobs, engine, queues=["upgrade-flow"], listen=False)
+    assert worker.run_until_empty(timeout=10) == 2
+    assert [jobs.result(engine, i, timeout=5) for i in ids] == [2, 4]
+
+
 #: (name, check) for each feature of this release that the upgrade must bring along.
 UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("unique scopes", check_unique_scopes),
     ("concurrency and rate limits", check_limits),
+    ("results and workflows", check_results_and_workflows),
 ]
 
 

@@ -1009,6 +1009,14 @@ def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
         # Tags and correlation ids given at enqueue, and the handler's last progress note.
         ("meta", _compact_json(job.meta)),
         ("progress", _compact_json(job.progress)),
+        # Workflows and results, only for jobs that have them.
+        *(
+            [("parents", ", ".join(map(str, job.parents))), ("waiting for", str(job.waiting or 0))]
+            if job.parents is not None
+            else []
+        ),
+        *([("children", ", ".join(map(str, job.children)))] if job.children else []),
+        *([("result", _compact_json(job.result))] if job.result is not None else []),
     ]
 
 

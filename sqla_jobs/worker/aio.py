@@ -243,7 +243,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
         if not run.task.transactional:
             with run:
-                await (
+                run.value = await (
                     fn(*args, **kwargs)
                     if run.task.is_async
                     else asyncio.to_thread(fn, *args, **kwargs)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import sqlalchemy as sa
 
-from ..errors import WorkerError
+from ..errors import ResultError, WorkerError
 from ..queries import ClaimParams, WorkerSeenParams, claim_params, interval, limited_claim_params
 from . import db
 from .job import (
@@ -41,9 +41,11 @@ from .job import (
     Outcome,
     OutcomeKind,
     job_log,
+    keeps,
     outcome_name,
     outcome_of,
     reset_current,
+    result_json,
     set_current,
     timed_out,
     unknown_task,
@@ -423,8 +425,8 @@ class WorkerCore:
         """
         job = run.job
         try:
-            yield CallHandler()
-            done = yield OnSession(db.complete_in, (self.queries, job))
+            value = yield CallHandler()
+            done = yield OnSession(db.complete_in, (self.queries, job, value))
         except BaseException as exc:  # the handler's own, or a database error
             yield Rollback()
             return run.end(exc)
@@ -1218,7 +1220,7 @@ class Run:
     handler's own context, so the run hooks (:mod:`sqla_jobs.events`) are exited there.
     """
 
-    __slots__ = ("_token", "args", "core", "hooks", "job", "kwargs", "outcome", "task")
+    __slots__ = ("_token", "args", "core", "hooks", "job", "kwargs", "outcome", "task", "value")
 
     def __init__(
         self,
@@ -1232,6 +1234,8 @@ class Run:
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] = {}
         self.outcome: Outcome | None = None
+        #: What the handler returned (the driver sets it): kept for a result-keeping job.
+        self.value: Any = None
         #: The run hooks entered, with what each returned (a tuple: none, the usual case,
         #: costs no allocation).
         self.hooks: Sequence[tuple[RunHook, object]] = ()
@@ -1240,7 +1244,15 @@ class Run:
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
-        self.outcome = self.end(error)
+        result: str | None = None
+        if error is None and keeps(self.job) is not None:
+            try:
+                result = result_json(self.value)
+            except ResultError as exc:
+                error = exc
+        outcome = self.outcome = self.end(error)
+        if result is not None and outcome.kind is OutcomeKind.SUCCEEDED:
+            outcome.result = result
         return True
 
     def enter_hooks(self, hooks: Iterable[RunHook]) -> None:

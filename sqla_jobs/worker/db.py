@@ -8,7 +8,7 @@ through ``AsyncConnection.run_sync``. Each runs one statement or a few from
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -114,17 +114,92 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     batch = list(batch)
     queue_of = {o.job.id: o.job.queue for o in batch}
     tally: Tally = {}
+    plain: list[tuple[sa.Executable, dict[str, Any]]] = []
+    flow: list[tuple[sa.Executable, dict[str, Any]]] = []
     for statement, params in outcome_statements(queries, batch):
-        rows = conn.execute(statement, params).all()
-        if statement is queries.complete:
-            for row in rows:
-                tally.setdefault(queue_of[row[0]], [0, 0, 0])[0] += 1
-        elif statement is queries.fail:
-            for row in rows:
-                counts = tally.setdefault(queue_of[row[0]], [0, 0, 0])
-                counts[1] += 1
-                counts[2] += row[1] == "dead"
+        is_flow = statement is queries.complete_flow or statement is queries.fail_flow
+        (flow if is_flow else plain).append((statement, params))
+    succeeded: list[int] = []
+    ended: list[int] = []
+    for statement, params in plain:
+        _count(
+            conn.execute(statement, params).all(),
+            statement,
+            queries,
+            queue_of,
+            tally,
+            succeeded,
+            ended,
+        )
+    if succeeded or ended:
+        # Children enqueued while their parent ran (after its claim, so its meta did not
+        # say so): released now, in a statement of their own (see the README's Workflows
+        # for the crash window this leaves).
+        settle_children(conn, queries, succeeded, ended)
+    if flow:
+        succeeded, ended = [], []
+        conn.exec_driver_sql("BEGIN")
+        try:
+            for statement, params in flow:
+                _count(
+                    conn.execute(statement, params).all(),
+                    statement,
+                    queries,
+                    queue_of,
+                    tally,
+                    succeeded,
+                    ended,
+                )
+            settle_children(conn, queries, succeeded, ended)
+        except BaseException:
+            conn.exec_driver_sql("ROLLBACK")
+            raise
+        conn.exec_driver_sql("COMMIT")
     return tally
+
+
+def _count(
+    rows: Sequence[Any],
+    statement: sa.Executable,
+    queries: Queries,
+    queue_of: dict[int, str],
+    tally: Tally,
+    succeeded: list[int],
+    ended: list[int],
+) -> None:
+    """Add written outcomes to the tally, and note the parents among them."""
+    if statement is queries.complete or statement is queries.complete_flow:
+        for row in rows:
+            tally.setdefault(queue_of[row[0]], [0, 0, 0])[0] += 1
+            if row[1]:
+                succeeded.append(row[0])
+    elif statement is queries.fail or statement is queries.fail_flow:
+        for row in rows:
+            counts = tally.setdefault(queue_of[row[0]], [0, 0, 0])
+            counts[1] += 1
+            dead = row[1] == "dead"
+            counts[2] += dead
+            if dead and row[2]:
+                ended.append(row[0])
+
+
+def settle_children(
+    conn: sa.Connection | Session, queries: Queries, succeeded: list[int], ended: list[int]
+) -> None:
+    """What waits on these parents: children of ``succeeded`` ones are released (ready
+    once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
+    are cancelled down the chain, except those that run anyway, which are released.
+    Statements of their own, run after the parents' own in the same transaction."""
+    if ended:
+        reason = (
+            "cancelled: a job it waited for (after=) ended dead or cancelled "
+            f"(job {', '.join(map(str, ended[:10]))})"
+        )
+        rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
+        cancelled = [r[0] for r in rows]
+        conn.execute(queries.release, {"parent_ids": ended + cancelled}).all()
+    if succeeded:
+        conn.execute(queries.release, {"parent_ids": succeeded}).all()
 
 
 def beat(
@@ -147,10 +222,25 @@ def hand_back(conn: sa.Connection, queries: Queries, claims: list[ClaimedJob]) -
     return sum(int(r.n) for r in rows)
 
 
-def complete_in(session: Session | sa.Connection, queries: Queries, job: ClaimedJob) -> bool:
+def complete_in(
+    session: Session | sa.Connection, queries: Queries, job: ClaimedJob, value: Any = None
+) -> bool:
     """The guarded completion of one claim, in the caller's transaction (a transactional
-    task's). False if the claim is no longer this worker's."""
-    return session.execute(queries.complete, dict(batch_params([job]))).first() is not None
+    task's), with its children released in it too. False if the claim is no longer this
+    worker's. A result-keeping job keeps ``value`` (the handler's return; a value that is
+    not JSON raises :class:`~sqla_jobs.ResultError`, which fails the run)."""
+    from .job import keeps, result_json
+
+    keep = keeps(job)
+    if keep is not None:
+        params = dict(batch_params([job]))
+        params.update(result_list=[result_json(value)], keep_list=[keep])
+        row = session.execute(queries.complete_flow, params).first()
+    else:
+        row = session.execute(queries.complete, dict(batch_params([job]))).first()
+    if row is not None and row[1]:
+        settle_children(session, queries, [job.id], [])
+    return row is not None
 
 
 def worker_seen(
@@ -213,14 +303,27 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
     ]
 
 
+def settle_unsettled(conn: sa.Connection, jobs: Jobs) -> int:
+    """Settle the children of dead or cancelled parents that were not (a parent rescued
+    dead by its lease): cancelled, or released if they run anyway. Run by the pruner
+    before each batch of dead rows, so that no parent is pruned unsettled. How many
+    parents were settled."""
+    ids = list(conn.execute(jobs.queries.unsettled_parents, {"limit": PRUNE_BATCH}).scalars())
+    if ids:
+        settle_children(conn, jobs.queries, [], ids)
+    return len(ids)
+
+
 def prune_batch(
-    conn: sa.Connection, jobs: Jobs, statement: sa.Delete, age: timedelta
+    conn: sa.Connection, jobs: Jobs, statement: sa.Executable, age: timedelta
 ) -> int | None:
     """Delete one batch (in its own short transaction); None if another worker is pruning."""
     if not conn.execute(jobs.queries.try_lock).scalar():
         return None
     if statement is jobs.queries.prune_unique_keys:
         return prune_unique_keys(conn, jobs)
+    if statement is jobs.queries.prune_dead:
+        settle_unsettled(conn, jobs)
     return int(conn.execute(statement, {"age": age, "limit": PRUNE_BATCH}).rowcount)
 
 
@@ -256,6 +359,11 @@ def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
 def listen_sql(channel: str) -> str:
     """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
     return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+def unlisten_sql(channel: str) -> str:
+    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
+    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
 
 
 class HeldConnection:

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from ..errors import PermanentError, Snooze
+from ..errors import PermanentError, ResultError, Snooze
 from ..limits import PROGRESS_MAX_BYTES
 from ..queries import Queries, batch_params, fail_params, snooze_params
-from ..tasks import json_problem
+from ..tasks import CHILDREN_KEY, KEEP_KEY, json_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task
@@ -210,6 +210,8 @@ class Outcome:
     error: str | None = None
     delay: float = 0.0
     permanent: bool = False
+    #: A result-keeping job's return value, as JSON text (see :func:`keeps`).
+    result: str | None = None
 
     @property
     def dead(self) -> bool:
@@ -316,15 +318,71 @@ def timed_out(task: Task[Any, Any], job: ClaimedJob) -> Outcome:
     )
 
 
+def keeps(job: ClaimedJob) -> float | None:
+    """Seconds this job's result is to be kept, or None (its ``meta``, as claimed)."""
+    meta = job.meta
+    if meta is None:
+        return None
+    keep = meta.get(KEEP_KEY)
+    return None if keep is None else float(keep)
+
+
+def is_flow(job: ClaimedJob) -> bool:
+    """A job that keeps its result or has dependent jobs: its outcome is written by the
+    flow statements, in a transaction with the release (or cancellation) of its children.
+    Decided from the claimed ``meta``; most jobs have none, and pay one ``is None``."""
+    meta = job.meta
+    return meta is not None and (KEEP_KEY in meta or CHILDREN_KEY in meta)
+
+
+def result_json(value: Any) -> str:
+    """A handler's return value as stored JSON text.
+
+    :raises ResultError: not JSON (naming its type), or text PostgreSQL cannot store.
+    """
+    try:
+        text = _result_json(value)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ResultError(
+            f"the handler returned a {type(value).__qualname__}, which is not "
+            f"JSON-serialisable ({exc}); a task that keeps its result must return JSON"
+        ) from None
+    if not text.isascii() or "\\u0000" in text or "{" in text:
+        problem = json_problem(value, "result")
+        if problem is not None:
+            raise ResultError(problem)
+    return text
+
+
+_result_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+
 def outcome_statements(
     queries: Queries, batch: Iterable[Outcome]
 ) -> list[tuple[sa.Executable, dict[str, Any]]]:
     """The statements that record a batch: one for all successes, one per failure or
-    snooze. Each is guarded, so running them again after a partial failure is harmless."""
+    snooze. Each is guarded, so running them again after a partial failure is harmless.
+    Flow jobs (:func:`is_flow`) get :attr:`Queries.complete_flow` and
+    :attr:`Queries.fail_flow`; the caller writes those in one transaction with the
+    statements that release or cancel their children."""
     statements: list[tuple[sa.Executable, dict[str, Any]]] = []
-    done = [o.job for o in batch if o.kind is OutcomeKind.SUCCEEDED]
+    done: list[ClaimedJob] = []
+    flow: list[Outcome] = []
+    for o in batch:
+        if o.kind is OutcomeKind.SUCCEEDED:
+            # Inline is_flow: this loop sees every success of every batch.
+            meta = o.job.meta
+            if meta is not None and (KEEP_KEY in meta or CHILDREN_KEY in meta):
+                flow.append(o)
+            else:
+                done.append(o.job)
     if done:
         statements.append((queries.complete, dict(batch_params(done))))
+    if flow:
+        params_f = dict(batch_params(o.job for o in flow))
+        params_f["result_list"] = [o.result for o in flow]
+        params_f["keep_list"] = [keeps(o.job) or 0.0 for o in flow]
+        statements.append((queries.complete_flow, params_f))
     for o in batch:
         if o.kind is OutcomeKind.FAILED:
             params = fail_params(
@@ -334,7 +392,8 @@ def outcome_statements(
                 permanent=o.permanent,
                 progress=o.job.unwritten_progress(),
             )
-            statements.append((queries.fail, dict(params)))
+            fail = queries.fail_flow if is_flow(o.job) else queries.fail
+            statements.append((fail, dict(params)))
         elif o.kind is OutcomeKind.SNOOZED:
             params_ = snooze_params(o.job, o.delay, o.job.unwritten_progress())
             statements.append((queries.snooze, dict(params_)))

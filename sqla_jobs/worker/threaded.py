@@ -256,7 +256,8 @@ class Worker(DriverBase[sa.Engine]):
         with run:
             result = run.task.fn(*run.args, **run.kwargs)
             if run.task.is_async:
-                asyncio.run(self._coroutine(job, result))
+                result = asyncio.run(self._coroutine(job, result))
+            run.value = result
         return run.outcome
 
     async def _coroutine(self, job: ClaimedJob, coro: Any) -> Any:
@@ -281,7 +282,7 @@ class Worker(DriverBase[sa.Engine]):
         # The test's session (sqla_jobs.testing), behind a savepoint that a failure rolls
         # back; the test writes the outcome with the real statements.
         with run, session.begin_nested():
-            fn(*args, session=session, **kwargs)
+            run.value = fn(*args, session=session, **kwargs)
             session.flush()
             insert_pending(session)
         assert run.outcome is not None

@@ -1,0 +1,408 @@
+"""Results and workflows: keep what a job returned, wait for it, and run jobs after others.
+
+.. code-block:: python
+
+    @jobs.task(keep_result=True)
+    def resize(image_id: int) -> dict[str, int]: ...
+
+    @jobs.task(keep_result=True)
+    def publish(image_id: int, results: list[dict[str, int]]) -> None: ...
+
+    with Session.begin() as session:                       # one transaction: all or nothing
+        a = session.enqueue(resize, image_id=1)
+        b = session.enqueue(resize, image_id=2)
+        c = session.enqueue(notify.with_options(after=[a, b]), image_id=1)   # after both
+        jobs.group(session, [(resize, resize.args(image_id=3)), (resize, resize.args(image_id=4))],
+                   then=(publish, publish.args(image_id=9)))   # publish gets both results
+
+    jobs.result(engine, a.id, timeout=30)                  # waits through LISTEN/NOTIFY
+
+.. warning::
+
+    A job can only wait for jobs of its own table, that exist when it is enqueued (a job
+    that succeeded without ``keep_result`` is deleted at once). A parent that ends dead
+    or cancelled cancels what waits on it unless ``on_parent_failure="run"``; retrying
+    that parent later does not bring its cancelled children back.
+
+How it is stored (see the README's "Results and workflows" for why):
+
+* ``result jsonb``: the return value of a job enqueued with ``keep_result``; the row stays
+  ``done`` until ``locked_until`` (its retention) and is pruned after.
+* ``parents bigint[]`` and ``waiting int`` on the child: it is held as ``scheduled`` at
+  ``run_at`` in the year 9999 (no new status, so the CHECK constraint is unchanged) until
+  ``waiting`` reaches 0. ``<table>_parents`` (GIN) finds a parent's children.
+* ``meta`` keys in the library's ``sqla_jobs.`` namespace mark what the worker must know
+  from the claimed row alone: ``sqla_jobs.keep`` (seconds), ``sqla_jobs.children`` (this
+  job has dependents; ``false`` once a dead or cancelled parent's children were
+  settled), ``sqla_jobs.run_anyway`` and ``sqla_jobs.results``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, inspect
+
+from .errors import EnqueueError, JobFailedError
+from .model import LIVE_STATUSES, JobStatus
+from .tasks import KEEP_KEY, RESULTS_KEY, ConfiguredTask, Task, TaskArgs
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.orm import Session
+
+    from .queries import Queries
+    from .tasks import Jobs
+
+__all__ = ["group", "link", "result", "result_async"]
+
+#: The placeholder ``run_at`` of a job inserted with ``after=``, also the mark of a held job
+#: (``'infinity'`` would be neater, but Python's datetime cannot read it back).
+HELD_UNTIL = datetime(9999, 1, 1, tzinfo=timezone.utc)
+
+_LINK_KEY = "sqla_jobs.links"
+
+
+# -- dependencies ----------------------------------------------------------------------
+
+
+def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
+    """Check ``after=``: job ids, or job objects of this registry's model (pending ones
+    only where their ids will be known before linking: ``pending_ok``)."""
+    out: list[Any] = []
+    for parent in parents:
+        if isinstance(parent, bool) or not isinstance(parent, (int, registry.model)):
+            if hasattr(parent, "__table__") and hasattr(parent, "task"):
+                raise EnqueueError(
+                    f"after=: {parent!r} is a job of another table "
+                    f"({parent.__table__.fullname}); a job can only wait for jobs of "
+                    f"{registry.table.fullname}"
+                )
+            raise EnqueueError(f"after= takes jobs or job ids, got {parent!r}")
+        if isinstance(parent, int):
+            out.append(parent)
+        elif parent.id is not None:
+            out.append(parent.id)
+        elif pending_ok:
+            out.append(parent)
+        else:
+            raise EnqueueError(f"after=: {parent!r} has no id yet (flush the session first)")
+    return out
+
+
+def link(
+    conn: sa.Connection, queries: Queries, child_id: int, parents: Sequence[int], run_anyway: bool
+) -> str:
+    """Tie a just-inserted job to its parents, in the enqueue's transaction; its status.
+
+    Two statements: mark (and lock) the parents, then set the child's parents, how many
+    it waits for, and its status. A parent already ``done`` counts as succeeded; one that
+    is dead or cancelled cancels the child at once (or, ``run_anyway``, counts as done).
+    A cycle cannot be made: a parent must exist before its child is enqueued.
+    """
+    ids = sorted(set(parents))
+    if child_id in ids:
+        raise EnqueueError(f"after=: job {child_id} cannot wait for itself")
+    rows = conn.execute(queries.mark_parents, {"parent_ids": ids}).all()
+    status_of = {int(r[0]): r[1] for r in rows}
+    missing = [i for i in ids if i not in status_of]
+    if missing:
+        raise EnqueueError(
+            f"after=: no job {', '.join(map(str, missing))} in {queries.table.fullname} "
+            "(a job that succeeded without keep_result= is deleted: it cannot be waited for)"
+        )
+    waiting = sum(1 for s in status_of.values() if s in LIVE_STATUSES)
+    ended = sorted(i for i, s in status_of.items() if s in (JobStatus.DEAD, JobStatus.CANCELLED))
+    reason = None
+    if ended and not run_anyway:
+        status, waiting = JobStatus.CANCELLED.value, 0
+        reason = (
+            f"cancelled: job {ended[0]}, which it waits for (after=), ended {status_of[ended[0]]}"
+        )
+    elif waiting:
+        status = JobStatus.SCHEDULED.value
+    else:
+        status = JobStatus.READY.value
+    conn.execute(
+        queries.link_child,
+        {
+            "child_id": child_id,
+            "parent_ids": ids,
+            "waiting": waiting,
+            "child_status": status,
+            "reason": reason,
+        },
+    )
+    return status
+
+
+def defer_link(
+    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
+) -> None:
+    """Link an ORM job at the session's flush, once it and its parents have ids.
+
+    Parents added to the session before the child are INSERTed by the same flush (the ORM
+    inserts the rows of one mapper in the order they were added, and returns their ids),
+    so after the flush every id is known, and the link runs in the flush's transaction:
+    a rollback (of the transaction or of the savepoint) takes the whole workflow with it.
+    """
+    links: list[tuple[Jobs, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
+    if links is None:
+        links = session.info[_LINK_KEY] = []
+        if not event.contains(session, "after_flush_postexec", _link_flushed):
+            event.listen(session, "after_flush_postexec", _link_flushed)
+            event.listen(session, "after_transaction_end", _forget_links)
+    links.append((registry, child, parents, run_anyway))
+
+
+def _link_flushed(session: Session, flush_context: Any) -> None:
+    links = session.info.get(_LINK_KEY)
+    if not links:
+        return
+    session.info[_LINK_KEY] = []
+    for registry, child, parents, run_anyway in links:
+        state = inspect(child)
+        if not state.persistent:
+            continue  # rolled back with its savepoint before it was flushed
+        ids = []
+        for parent in parents:
+            if isinstance(parent, int):
+                ids.append(parent)
+            elif parent.id is None:
+                raise EnqueueError(
+                    f"after=: {parent!r} was not flushed with the job that waits for it "
+                    "(was it expunged?)"
+                )
+            else:
+                ids.append(parent.id)
+        conn = session.connection(bind_arguments={"mapper": registry.model})
+        link(conn, registry.queries, child.id, ids, run_anyway)
+        session.expire(
+            child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"]
+        )
+        for parent in parents:
+            if not isinstance(parent, int):
+                session.expire(parent, ["meta"])
+
+
+def _forget_links(session: Session, transaction: Any) -> None:
+    if transaction.parent is None:
+        session.info.pop(_LINK_KEY, None)
+
+
+# -- groups ---------------------------------------------------------------------------
+
+
+def group(
+    session: Session,
+    members: Iterable[tuple[Task[Any, Any] | ConfiguredTask[Any, Any], TaskArgs[Any]] | Any],
+    then: Any,
+    *,
+    results: str = "results",
+) -> tuple[list[Any], Any]:
+    """Enqueue jobs and a callback that runs once, after all of them succeeded, with their
+    return values (in the order given) as its ``results`` argument.
+
+    ``members`` are ``(task, task.args(...))`` pairs; ``then`` is ``(callback_task,
+    callback_task.args(...))`` for the callback's other arguments. Each member keeps its
+    result (``keep_result=True`` unless its task keeps it longer). Everything is added to
+    ``session`` (one transaction: the group is created whole or not at all). Returns the
+    member jobs and the callback job. If a member ends dead, the callback is cancelled.
+    """
+    from .session import EnqueueMixin
+
+    if not isinstance(session, EnqueueMixin):
+        raise TypeError("jobs.group takes a session with enqueue (sqla_jobs.JobSession)")
+    added = []
+    for member in members:
+        task, args = _pair(member, "member")
+        options: dict[str, Any] = {}
+        plain = task.task if isinstance(task, ConfiguredTask) else task
+        bound = task.options if isinstance(task, ConfiguredTask) else {}
+        if not plain.keep_result and "keep_result" not in bound:
+            options["keep_result"] = True
+        added.append(session.enqueue(task.with_options(**options), *args.args, **args.kwargs))
+    if not added:
+        raise EnqueueError("jobs.group needs at least one member job")
+    cb_task, cb_args = _pair(then, "then")
+    if results in cb_args.kwargs:
+        raise EnqueueError(
+            f"jobs.group: the callback's {results!r} argument is filled by the group"
+        )
+    plain = cb_task.task if isinstance(cb_task, ConfiguredTask) else cb_task
+    if results not in plain.signature.parameters:
+        raise EnqueueError(
+            f"jobs.group: callback task {plain.name!r} has no parameter {results!r} "
+            "to receive the results"
+        )
+    registry = plain.registry
+    cb_options = dict(cb_task.options) if isinstance(cb_task, ConfiguredTask) else {}
+    if "after" in cb_options:
+        raise EnqueueError("jobs.group: the callback waits for the group, not for after=")
+    # Checked with a placeholder for the results (filled when the last member succeeds).
+    values = registry.job_values(
+        plain, cb_args.args, {**cb_args.kwargs, results: []}, **cb_options, after=added
+    )
+    values["args"].pop(results, None)
+    values["meta"] = {**(values.get("meta") or {}), RESULTS_KEY: results}
+    callback = _add_child(session, registry, values)
+    if registry.events.wants("enqueued"):
+        from .session import _announce, _boundary, _sync
+
+        sync = _sync(session)
+        _announce(sync, registry, [callback], _boundary(sync))
+    return added, callback
+
+
+def _add_child(session: Any, registry: Jobs, values: dict[str, Any]) -> Any:
+    from .session import _sync
+
+    parents = values.pop("after")
+    run_anyway = bool((values.get("meta") or {}).get("sqla_jobs.run_anyway"))
+    values["run_at"] = HELD_UNTIL
+    job = registry.model(**values)
+    session.add(job)
+    defer_link(
+        _sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway
+    )
+    return job
+
+
+def _pair(item: Any, what: str) -> tuple[Any, TaskArgs[Any]]:
+    if (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], (Task, ConfiguredTask))
+        and isinstance(item[1], TaskArgs)
+    ):
+        return item[0], item[1]
+    raise EnqueueError(f"jobs.group: each {what} is (task, task.args(...)), got {item!r}")
+
+
+# -- waiting for a result ---------------------------------------------------------------
+
+
+class _Waiting:
+    """The outcome of one look at the row: a value, an error, or "not yet"."""
+
+    def __init__(self, done: bool, value: Any = None) -> None:
+        self.done, self.value = done, value
+
+
+def _look(conn: sa.Connection, queries: Queries, job_id: int) -> _Waiting:
+    row = conn.execute(queries.outcome, {"job_id": job_id}).first()
+    if row is None:
+        raise LookupError(
+            f"job {job_id} is not in {queries.table.fullname}: it never existed, or it "
+            "finished and was deleted (enqueue it with keep_result= to wait for its result)"
+        )
+    status, value, last_error, task, meta = row
+    if status == JobStatus.DONE:
+        if KEEP_KEY not in (meta or {}):
+            raise LookupError(
+                f"job {job_id} ({task}) succeeded but did not keep its result "
+                "(enqueue it with keep_result=)"
+            )
+        return _Waiting(True, value)
+    if status in (JobStatus.DEAD, JobStatus.CANCELLED):
+        raise JobFailedError(job_id, status, last_error)
+    if KEEP_KEY not in (meta or {}):
+        raise LookupError(
+            f"job {job_id} ({task}) does not keep its result: nothing announces when it "
+            "finishes (enqueue it with keep_result=)"
+        )
+    return _Waiting(False)
+
+
+def _timeout(job_id: int, timeout: float) -> TimeoutError:
+    return TimeoutError(f"job {job_id} did not finish within {timeout:g}s")
+
+
+#: Longest wait for a NOTIFY before looking at the row again: a safety net for a
+#: notification missed while the listening connection was being set up elsewhere; the
+#: wait normally ends with the notification itself.
+_RECHECK = 5.0
+
+
+def result(engine: sa.Engine, jobs: Jobs, job_id: int, *, timeout: float | None = None) -> Any:
+    """Wait for a result-keeping job and return its value (see :meth:`Jobs.result`)."""
+    queries = jobs.queries
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        from .worker.db import listen_sql, unlisten_sql
+
+        conn.exec_driver_sql(listen_sql(queries.results_channel))
+        raw: Any = conn.connection.driver_connection
+        mine = str(job_id)
+        try:
+            while True:
+                seen = _look(conn, queries, job_id)
+                if seen.done:
+                    return seen.value
+                left = _RECHECK if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise _timeout(job_id, timeout or 0.0)
+                _wait_notify(raw, mine, min(left, _RECHECK))
+        finally:
+            # The connection goes back to the pool: it must not keep listening (nor keep
+            # notifications queued) for whoever takes it next.
+            try:
+                conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                for _ in raw.notifies(timeout=0):
+                    pass
+            except Exception:
+                conn.invalidate()
+
+
+def _wait_notify(raw: Any, payload: str, seconds: float) -> None:
+    """Wait on a psycopg connection until a notification with ``payload`` (or time)."""
+    end = time.monotonic() + seconds
+    for note in raw.notifies(timeout=seconds):
+        if note.payload == payload or time.monotonic() >= end:
+            return
+    return
+
+
+async def result_async(
+    engine: AsyncEngine, jobs: Jobs, job_id: int, *, timeout: float | None = None
+) -> Any:
+    """:func:`result` on an ``AsyncEngine``: the same wait, without blocking the loop."""
+    queries = jobs.queries
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+        from .worker.db import listen_sql, unlisten_sql
+
+        await conn.exec_driver_sql(listen_sql(queries.results_channel))
+        raw: Any = (await conn.get_raw_connection()).driver_connection
+        mine = str(job_id)
+        try:
+            while True:
+                seen = await conn.run_sync(_look, queries, job_id)
+                if seen.done:
+                    return seen.value
+                left = _RECHECK if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise _timeout(job_id, timeout or 0.0)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_next_note(raw, mine), min(left, _RECHECK))
+        finally:
+            try:
+                await conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                async for _ in raw.notifies(timeout=0):
+                    pass
+            except Exception:
+                await conn.invalidate()
+
+
+async def _next_note(raw: Any, payload: str) -> None:
+    """Until a notification with ``payload`` arrives on an async psycopg connection."""
+    async for note in raw.notifies():
+        if note.payload == payload:
+            return
