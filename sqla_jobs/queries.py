@@ -872,8 +872,10 @@ def _take_key(k: sa.Table) -> sa.Insert:
 #             at it (keys), its period counting from now;
 #   kept:     the holder, when it blocks and still exists.
 # One row comes back: (id, 'new' | 'replaced' | 'kept'); none if the key is held by its
-# period and the job that took it is gone. The holder is found by primary key.
-def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
+# period and the job that took it is gone. The holder is found by primary key. A new job
+# wakes the workers through the table's INSERT trigger; a replaced one that is ready now
+# (a debounce whose wait is over) wakes them here, with the same NOTIFY (sent at commit).
+def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     # Prefixed: a parameter named like a column would join the UPDATEs' SET lists.
     p = {name: sa.bindparam(f"p_{name}", type_=type_) for name, type_ in _BULK_COLUMNS}
@@ -892,9 +894,16 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
             status=p["status"],
             concurrency_key=p_key,
         )
-        .returning(c.id)
+        .returning(c.id, c.queue, c.status)
         .cte("replaced")
     )
+    # An UPDATE fires no INSERT trigger: notify as the trigger would. The count makes the
+    # 'replaced' row below depend on the NOTIFY, so PostgreSQL runs it (an unreferenced
+    # SELECT in WITH is never evaluated).
+    woken = sa.select(sa.func.pg_notify(sa.literal(channel), replaced.c.queue)).where(
+        replaced.c.status == status_literal(JobStatus.READY)
+    )
+    n_woken = sa.select(sa.func.count()).select_from(woken.subquery("woken")).scalar_subquery()
     blocks = sa.or_(
         sa.bindparam("held", type_=sa.Boolean),
         sa.exists().where(c.id == holder, c.status == sa.any_(states)),
@@ -942,7 +951,7 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     )
     return (
         sa.select(new.c.id, sa.literal("new"))
-        .union_all(sa.select(replaced.c.id, sa.literal("replaced")), kept)
+        .union_all(sa.select(replaced.c.id, sa.literal("replaced")).where(n_woken >= 0), kept)
         .subquery("placed")
         .select()
         .add_cte(keys)
@@ -1223,7 +1232,7 @@ class Queries:
         self.live_by_key = _live_by_key(t)
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)
-        self.place_scoped = _place_scoped(t, unique_keys)
+        self.place_scoped = _place_scoped(t, unique_keys, channel)
         self.lock_stale_keys = _lock_stale_keys(unique_keys)
         self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
 
