@@ -160,6 +160,8 @@ def _claim_limited(
                 period=limits.rate_period,
                 key_limit=limits.key_concurrency,
                 keyed=limits.keyed,
+                key_rate=limits.key_rate,
+                key_period=limits.key_rate_period,
             )
         ),
     ).all()

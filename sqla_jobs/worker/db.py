@@ -72,6 +72,8 @@ class LimitedClaim:
     rows: list[Any]
     held: bool
     rate_free_in: float | None
+    #: Seconds until the first key held by the queue's ``key_rate`` has room (or None).
+    key_free_in: float | None = None
 
 
 def claim_limited(
@@ -95,8 +97,12 @@ def claim_limited(
     rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
     first = result[0]
     free_in = first.rate_free_in
+    key_free_in = first.key_free_in
     return LimitedClaim(
-        rows, int(first.ready_seen) > len(rows), None if free_in is None else float(free_in)
+        rows,
+        int(first.ready_seen) > len(rows),
+        None if free_in is None else float(free_in),
+        None if key_free_in is None else float(key_free_in),
     )
 
 
