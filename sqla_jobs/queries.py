@@ -787,6 +787,19 @@ def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
     return sa.delete(t).where(c.id.in_(old))
 
 
+# Retention of <table>_key_starts: a batch of logs whose newest start has left the window
+# (expires_at), which tell the claim nothing any more. A claim that writes one of them
+# meanwhile moves its expires_at, and the DELETE re-checks the row it waited for.
+def _prune_key_starts(ks: sa.Table) -> sa.Delete:
+    stale = (
+        sa.select(ks.c.queue, ks.c.key)
+        .where(ks.c.expires_at < sa.func.now())
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+    )
+    return sa.delete(ks).where(sa.tuple_(ks.c.queue, ks.c.key).in_(stale))
+
+
 # One pruner at a time per table: a transaction-scoped advisory lock elects it.
 def _try_lock(t: sa.Table) -> sa.Select[Any]:
     return sa.select(sa.func.pg_try_advisory_xact_lock(sa.func.hashtext(f"sqla_jobs:{t.fullname}")))
@@ -1347,6 +1360,8 @@ class Queries:
         self.place_scoped = _place_scoped(t, unique_keys, channel)
         self.lock_stale_keys = _lock_stale_keys(unique_keys)
         self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
+        self.key_starts_table = key_starts = companions.key_starts
+        self.prune_key_starts = _prune_key_starts(key_starts)
 
         self.now = sa.select(sa.func.now())
         self.due_schedules = _due_schedules(schedules)

@@ -16,6 +16,7 @@ from sqla_jobs import Jobs
 from sqla_jobs.model import companion_tables, job_table
 from sqla_jobs.queries import claim_params, interval, limited_claim_params
 from sqla_jobs.worker import db as worker_db
+from sqla_jobs.worker.db import prune
 
 from . import app
 from .helpers import count, rows, running, wait_for
@@ -213,3 +214,27 @@ def test_two_keys_at_ten_per_second_across_workers(
     assert len({s.pid for s in spans}) > 1
     assert count(db, status="ready") > 0
     assert all(r.attempts <= 1 for r in rows(db))
+
+
+def test_retention_forgets_key_logs_that_left_their_window(db: sa.Engine) -> None:
+    """A key's log row lives until its newest start leaves the window (``expires_at``),
+    then the pruner deletes it; the logs still in their window stay."""
+    jobs = Jobs(app.Job)
+    jobs.queue("kr", key_rate="5/minute")
+
+    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
+    def sync(account: str) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, sync, [{"account": a} for a in "abc"])
+    found = _race(db, jobs, "kr", 1, key_rate=5, key_period=60.0)
+    assert len(found[0].rows) == 3 and sorted(_logs(db, "kr")) == ["a", "b", "c"]
+    assert prune(db, jobs) == 0  # all three still in their minute
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(KEY_STARTS)
+            .where(KEY_STARTS.c.key != "b")
+            .values(expires_at=sa.func.now() - interval(1))
+        )
+    assert prune(db, jobs) == 2
+    assert sorted(_logs(db, "kr")) == ["b"]

@@ -216,6 +216,8 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
         (queries.prune_done, jobs.keep_done or timedelta(0)),
         # Keys of scoped unique jobs whose period has passed and whose job is not live.
         (queries.prune_unique_keys, timedelta(0)),
+        # Per-key rate logs (sqla_jobs.throttle) whose newest start left the window.
+        (queries.prune_key_starts, timedelta(0)),
     ]
 
 
