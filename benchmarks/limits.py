@@ -16,12 +16,14 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
      the limit never binds, so the row is the price of the limited statement itself;
    * with ``concurrency=64``: half the worker's slots, a limit that binds all the time;
    * with ``rate="10000/s"``: the sliding log rewritten at every claim;
-   * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each).
+   * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each);
+   * keyed by the same 1,000 keys, ``key_rate="10000/s"`` and no key concurrency: each
+     claimed key's log upserted in ``<table>_key_starts`` at every claim.
 
 B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 jobs each,
    on one held autocommit connection, each claim's jobs deleted after it untimed): the
-   plain claim against the limited one (non-binding concurrency limit; and keyed), the
-   statement's own cost without a worker around it.
+   plain claim against the limited one (non-binding concurrency limit; keyed; per-key
+   rate), the statement's own cost without a worker around it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "concurrency=64 (binds)": ("capped", {"concurrency": 64}, False),
     'rate="10000/s"': ("rated", {"rate": "10000/s"}, False),
     "keyed, 1 per key, 1,000 keys": ("keyed", {}, True),
+    'key_rate="10000/s" (never binds), 1,000 keys': ("key_rated", {"key_rate": "10000/s"}, True),
 }
 KEYS = 1_000
 
@@ -69,7 +72,7 @@ def declare(app: bench.App) -> None:
 
             app.jobs.task(
                 keyed_noop,
-                name="bench.keyed_noop",
+                name=f"bench.{queue}_noop",
                 queue=queue,
                 concurrency_key=lambda account, **_: account,
             )
@@ -84,10 +87,11 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
     admin.execute(
         sql.SQL(
             "INSERT INTO {} (task, queue, args, concurrency_key) "
-            "SELECT 'bench.keyed_noop', %s, jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
+            "SELECT 'bench.' || %s || '_noop', %s, "
+            "jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
             "'k' || g %% %s FROM generate_series(1, %s) AS g"
         ).format(app.qualified),
-        (queue, KEYS, KEYS, n),
+        (queue, queue, KEYS, KEYS, n),
     )
     admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
 
@@ -112,6 +116,7 @@ def claim_micros(
     queue, limits, keyed = VARIANTS[variant]
     preload(admin, app, claims * 10 + 100, variant)
     queries = app.jobs.queries
+    declared = app.jobs.limits(queue)
     times: list[float] = []
     with engine.connect() as c:
         conn = c.execution_options(isolation_level="AUTOCOMMIT")
@@ -125,11 +130,13 @@ def claim_micros(
                     queries,
                     limited_claim_params(
                         params,
-                        concurrency=limits.get("concurrency"),
-                        rate=None,
-                        period=None,
-                        key_limit=1,
-                        keyed=keyed,
+                        concurrency=declared.concurrency,
+                        rate=declared.rate,
+                        period=declared.rate_period,
+                        key_limit=declared.key_concurrency,
+                        keyed=declared.keyed,
+                        key_rate=declared.key_rate,
+                        key_period=declared.key_rate_period,
                     ),
                 )
                 ids = [r[0] for r in found.rows]
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
-        picked = [names[0], names[1], names[4]]
+        picked = [names[0], names[1], names[4], names[5]]
         micros: dict[str, list[float]] = {name: [] for name in picked}
         for r in range(repeat):
             for name in picked[r % len(picked) :] + picked[: r % len(picked)]:
