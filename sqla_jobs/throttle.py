@@ -4,6 +4,7 @@
 
     jobs.queue("exports", concurrency=3)            # never more than 3 running, all workers
     jobs.queue("partner-api", rate="100/minute")    # at most 100 started in any minute
+    jobs.queue("per-partner", key_rate="10/minute")  # at most 10 a minute per key
 
     @jobs.task(queue="sync", concurrency_key=lambda account_id, **_: account_id)
     def sync_account(account_id: str, full: bool = False) -> None: ...
@@ -36,6 +37,12 @@ Why this design
   token bucket, which allow up to 2N across a boundary. A job that cannot start stays
   ``ready`` (no attempt spent), and the worker skips that queue until the oldest start
   leaves the window, while it keeps claiming its other queues.
+* **The rate of a key.** The same sliding log, one per (queue, key), in the companion
+  table ``<table>_key_starts``, read and written by the limited claim under the same
+  lock. Its ``full_until`` (indexed) lets the claim skip the keys with no room before it
+  scans the ready rows, reading no other key's row; ``expires_at`` lets retention drop
+  the logs that say nothing any more. A row per key, not one array on the queue's row,
+  so that a claim rewrites only the keys it claimed, whatever the number of keys.
 * **Declared in code.** Limits are part of the application, reviewed and deployed with
   the tasks that need them. All workers of a queue must run code that declares the same
   limits: a worker that does not know a queue is limited claims it with the plain
