@@ -235,12 +235,15 @@ def _limit_lock(t: sa.Table) -> sa.Select[Any]:
 # Always returns one row at least: the claimed jobs, or one row of NULL job columns, each
 # with ``ready_seen`` (ready rows seen, up to :limit + 1: more than were claimed means the
 # limits held some back) and ``rate_free_in`` (seconds until the window has room again,
-# when the rate is used up) and ``key_free_in`` (seconds until the first key held by its
-# rate has room again).
+# when the rate is used up); the key-rated variant adds ``key_free_in`` (seconds until the
+# first key held by its rate has room again).
 LIMITED_COLUMNS = ("ready_seen", "rate_free_in", "key_free_in")
 
 
-def _limited_claim(t: sa.Table) -> sa.Select[Any]:
+def _limited_claim(t: sa.Table, *, key_rated: bool = False) -> sa.Select[Any]:
+    """The limited claim; ``key_rated``: the variant for queues with a ``key_rate``, which
+    reads and writes <table>_key_starts (a queue without one keeps the statement it had,
+    and does not pay for that table's CTEs)."""
     c = t.c
     queues = companion_tables(t).queues
     queue_name = sa.bindparam("queue_name", type_=sa.Text)
@@ -297,19 +300,12 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         .where(ks.c.queue == queue_name, key_rate.is_not(None), ks.c.full_until > clock.c.at)
         .cte("key_full")
     )
+    room: sa.ColumnElement[bool] = c.concurrency_key.not_in(full_keys)
+    if key_rated:
+        room = sa.and_(room, c.concurrency_key.not_in(sa.select(key_full.c.key)))
     head = (
         sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
-        .where(
-            *ready,
-            c.run_at <= sa.func.now(),
-            sa.or_(
-                c.concurrency_key.is_(None),
-                sa.and_(
-                    c.concurrency_key.not_in(full_keys),
-                    c.concurrency_key.not_in(sa.select(key_full.c.key)),
-                ),
-            ),
-        )
+        .where(*ready, c.run_at <= sa.func.now(), sa.or_(c.concurrency_key.is_(None), room))
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(sa.bindparam("scan", type_=sa.Integer))
         .subquery("head")
@@ -339,30 +335,43 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         .group_by(ks.c.key)
         .cte("key_used")
     )
-    chosen = (
-        sa.select(candidates.c.id)
-        .select_from(
-            candidates.outerjoin(
-                busy_keys, busy_keys.c.key == candidates.c.concurrency_key
-            ).outerjoin(key_used, key_used.c.key == candidates.c.concurrency_key)
-        )
-        .where(
-            sa.or_(
-                candidates.c.concurrency_key.is_(None),
-                sa.and_(
-                    sa.or_(
-                        key_limit.is_(None),
-                        candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
-                    ),
-                    sa.or_(
-                        key_rate.is_(None),
+    if key_rated:
+        chosen_from = (
+            sa.select(candidates.c.id)
+            .select_from(
+                candidates.outerjoin(
+                    busy_keys, busy_keys.c.key == candidates.c.concurrency_key
+                ).outerjoin(key_used, key_used.c.key == candidates.c.concurrency_key)
+            )
+            .where(
+                sa.or_(
+                    candidates.c.concurrency_key.is_(None),
+                    sa.and_(
+                        sa.or_(
+                            key_limit.is_(None),
+                            candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+                        ),
                         candidates.c.nth + sa.func.coalesce(sa.func.cardinality(key_used.c.log), 0)
                         <= key_rate,
                     ),
-                ),
+                )
             )
         )
-        .order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
+    else:
+        chosen_from = (
+            sa.select(candidates.c.id)
+            .select_from(
+                candidates.outerjoin(busy_keys, busy_keys.c.key == candidates.c.concurrency_key)
+            )
+            .where(
+                sa.or_(
+                    candidates.c.concurrency_key.is_(None),
+                    candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+                )
+            )
+        )
+    chosen = (
+        chosen_from.order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
         .limit(sa.select(budget.c.n).scalar_subquery())
         .cte("chosen")
     )
@@ -375,7 +384,9 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
-        .returning(*(c[name] for name in CLAIMED_COLUMNS), c.concurrency_key)
+        .returning(
+            *(c[name] for name in CLAIMED_COLUMNS), *([c.concurrency_key] if key_rated else [])
+        )
         .cte("claimed")
     )
     n_claimed = sa.select(sa.func.count()).select_from(claimed).scalar_subquery()
@@ -395,58 +406,67 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         .returning(queues.c.name)
         .cte("logged")
     )
-    # Each claimed key's log: trimmed, plus one start per job claimed; full_until when it
-    # holds :key_rate starts (the oldest one that counts, plus the period).
-    key_counts = (
-        sa.select(claimed.c.concurrency_key.label("key"), sa.func.count().label("n"))
-        .where(claimed.c.concurrency_key.is_not(None), key_rate.is_not(None))
-        .group_by(claimed.c.concurrency_key)
-        .subquery("key_counts")
-    )
-    key_new = (
-        sa.select(
-            key_counts.c.key,
-            sa.type_coerce(
-                sa.func.coalesce(key_used.c.log, sa.cast(sa.literal_column("'{}'"), stamps)).op(
-                    "||"
-                )(sa.func.array_fill(clock.c.at, pg_array([sa.cast(key_counts.c.n, sa.Integer)]))),
-                stamps,
-            ).label("log"),
+    key_free_in: list[sa.ColumnElement[Any]] = []
+    if key_rated:
+        # Each claimed key's log: trimmed, plus one start per job claimed; full_until when it
+        # holds :key_rate starts (the oldest one that counts, plus the period).
+        key_counts = (
+            sa.select(claimed.c.concurrency_key.label("key"), sa.func.count().label("n"))
+            .where(claimed.c.concurrency_key.is_not(None), key_rate.is_not(None))
+            .group_by(claimed.c.concurrency_key)
+            .subquery("key_counts")
         )
-        .select_from(
-            key_counts.outerjoin(key_used, key_used.c.key == key_counts.c.key).join(
-                clock, sa.true()
+        key_new = (
+            sa.select(
+                key_counts.c.key,
+                sa.type_coerce(
+                    sa.func.coalesce(key_used.c.log, sa.cast(sa.literal_column("'{}'"), stamps)).op(
+                        "||"
+                    )(
+                        sa.func.array_fill(
+                            clock.c.at, pg_array([sa.cast(key_counts.c.n, sa.Integer)])
+                        )
+                    ),
+                    stamps,
+                ).label("log"),
             )
+            .select_from(
+                key_counts.outerjoin(key_used, key_used.c.key == key_counts.c.key).join(
+                    clock, sa.true()
+                )
+            )
+            .subquery("key_new")
         )
-        .subquery("key_new")
-    )
-    size = sa.func.cardinality(key_new.c.log)
-    key_insert = pg_insert(ks).from_select(
-        ["queue", "key", "log", "full_until", "expires_at"],
-        sa.select(
-            queue_name,
-            key_new.c.key,
-            key_new.c.log,
-            sa.case((size >= key_rate, key_new.c.log[size - key_rate + 1] + key_period)),
-            clock.c.at + key_period,
-        ).select_from(key_new.join(clock, sa.true())),
-    )
-    key_logged = (
-        key_insert.on_conflict_do_update(
-            index_elements=[ks.c.queue, ks.c.key],
-            set_={
-                "log": key_insert.excluded.log,
-                "full_until": key_insert.excluded.full_until,
-                "expires_at": key_insert.excluded.expires_at,
-            },
+        size = sa.func.cardinality(key_new.c.log)
+        key_insert = pg_insert(ks).from_select(
+            ["queue", "key", "log", "full_until", "expires_at"],
+            sa.select(
+                queue_name,
+                key_new.c.key,
+                key_new.c.log,
+                sa.case((size >= key_rate, key_new.c.log[size - key_rate + 1] + key_period)),
+                clock.c.at + key_period,
+            ).select_from(key_new.join(clock, sa.true())),
         )
-        .returning(ks.c.full_until)
-        .cte("key_logged")
-    )
-    key_free_at = sa.func.least(
-        sa.select(sa.func.min(key_full.c.full_until)).scalar_subquery(),
-        sa.select(sa.func.min(key_logged.c.full_until)).scalar_subquery(),
-    )
+        key_logged = (
+            key_insert.on_conflict_do_update(
+                index_elements=[ks.c.queue, ks.c.key],
+                set_={
+                    "log": key_insert.excluded.log,
+                    "full_until": key_insert.excluded.full_until,
+                    "expires_at": key_insert.excluded.expires_at,
+                },
+            )
+            .returning(ks.c.full_until)
+            .cte("key_logged")
+        )
+        key_free_at = sa.func.least(
+            sa.select(sa.func.min(key_full.c.full_until)).scalar_subquery(),
+            sa.select(sa.func.min(key_logged.c.full_until)).scalar_subquery(),
+        )
+        key_free_in.append(
+            sa.cast(sa.extract("epoch", key_free_at - clock.c.at), sa.Float).label("key_free_in")
+        )
     seen = (
         sa.select(sa.literal(1))
         .where(*ready, c.run_at <= sa.func.now())
@@ -460,7 +480,7 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         sa.select(
             sa.select(sa.func.count()).select_from(seen).scalar_subquery().label("ready_seen"),
             sa.cast(free_in, sa.Float).label("rate_free_in"),
-            sa.cast(sa.extract("epoch", key_free_at - clock.c.at), sa.Float).label("key_free_in"),
+            *key_free_in,
             sa.select(sa.func.count()).select_from(logged).scalar_subquery().label("logged"),
         )
         .select_from(recent.join(clock, sa.true()))
@@ -470,7 +490,7 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         *(claimed.c[name] for name in CLAIMED_COLUMNS),
         info.c.ready_seen,
         info.c.rate_free_in,
-        info.c.key_free_in,
+        *([info.c.key_free_in] if key_rated else []),
     ).select_from(info.outerjoin(claimed, sa.true()))
 
 
@@ -1334,6 +1354,7 @@ class Queries:
         self.session_claim = _claim(t, for_session=True)
         self.limit_lock = _limit_lock(t)
         self.limited_claim = _limited_claim(t)
+        self.key_rated_claim = _limited_claim(t, key_rated=True)
         self.complete = _complete(t, keep_done=keep_done)
         self.fail = _fail(t)
         self.snooze = _snooze(t)

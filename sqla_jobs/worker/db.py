@@ -76,6 +76,12 @@ class LimitedClaim:
     key_free_in: float | None = None
 
 
+def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
+    """The limited claim for these limits: the key-rated variant only for a queue with a
+    ``key_rate``, so the other limited queues keep their statement (and its cost)."""
+    return queries.key_rated_claim if params.get("key_rate") is not None else queries.limited_claim
+
+
 def claim_limited(
     conn: sa.Connection, queries: Queries, params: LimitedClaimParams
 ) -> LimitedClaim:
@@ -88,7 +94,7 @@ def claim_limited(
     conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
-        result = conn.execute(queries.limited_claim, dict(params)).all()
+        result = conn.execute(limited_statement(queries, params), dict(params)).all()
     except BaseException:
         with contextlib.suppress(Exception):
             conn.exec_driver_sql("ROLLBACK")
@@ -97,7 +103,7 @@ def claim_limited(
     rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
     first = result[0]
     free_in = first.rate_free_in
-    key_free_in = first.key_free_in
+    key_free_in = first._mapping.get("key_free_in")
     return LimitedClaim(
         rows,
         int(first.ready_seen) > len(rows),
