@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import Jobs
+from sqla_jobs import Jobs, JobSession
 from sqla_jobs.model import companion_tables, job_table
 from sqla_jobs.queries import claim_params, interval, limited_claim_params
 from sqla_jobs.worker import db as worker_db
@@ -238,3 +238,23 @@ def test_retention_forgets_key_logs_that_left_their_window(db: sa.Engine) -> Non
         )
     assert prune(db, jobs) == 2
     assert sorted(_logs(db, "kr")) == ["b"]
+
+
+def test_session_claim_honours_the_key_rate(db: sa.Engine) -> None:
+    """``session.claim`` of a key-rated queue starts ten jobs of a key a minute, across
+    transactions (the second sees the first's log)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("kr", key_rate="10/minute")
+
+    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
+    def sync(account: str) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, sync, [{"account": "a"}] * 15)
+    with JobSession(db, jobs=jobs) as session, session.begin():
+        assert len(session.claim("kr", limit=4)) == 4
+    with JobSession(db, jobs=jobs) as session, session.begin():
+        assert len(session.claim("kr", limit=20)) == 6
+    with JobSession(db, jobs=jobs) as session, session.begin():
+        assert session.claim("kr", limit=20) == []
+    assert count(db, status="running") == 10 and count(db, status="ready") == 5
