@@ -179,9 +179,10 @@ def test_a_key_held_by_its_rate_wakes_the_worker_when_it_has_room(
     took = time.monotonic() - began
     assert len(started["a"]) == 6 and len(started["b"]) == 1 and len(started[None]) == 1
     a = sorted(started["a"])
-    # Two per second: the fifth start comes a full second after the third, and so on.
+    # Two per second: the fifth start comes a second after the third, and so on (less
+    # the time a busy machine may take to start a handler after its claim).
     for i in range(2, 6):
-        assert a[i] - a[i - 2] >= 0.95, a
+        assert a[i] - a[i - 2] >= 0.8, a
     assert started["b"][0] - began < 1.0 and started[None][0] - began < 1.0
     assert 1.9 <= took < 10, took
     # One claim per second of the key's window (three here), give or take: not a claim
@@ -204,11 +205,11 @@ def test_two_keys_at_ten_per_second_across_workers(
     spans = [s for s in _spans(db) if s.started < first + 3.0]
     for key in ("a", "b"):
         starts = [s.started for s in spans if s.key == key]
-        # Handlers start a moment after their claim: windows a tenth of a second short of
-        # the period allow for that jitter.
+        # Handlers start a moment after their claim: windows a fifth of a second short of
+        # the period allow for that jitter on a busy machine.
         for i, at in enumerate(starts):
-            within = sum(1 for other in starts[i:] if other < at + 0.9)
-            assert within <= 10, f"key {key}: {within} jobs started within 0.9s"
+            within = sum(1 for other in starts[i:] if other < at + 0.8)
+            assert within <= 10, f"key {key}: {within} jobs started within 0.8s"
         # ... and it is a rate, not a stall: about ten a second got through.
         assert 20 <= len(starts) <= 40, (key, len(starts))
     assert len({s.pid for s in spans}) > 1
