@@ -16,12 +16,20 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
      the limit never binds, so the row is the price of the limited statement itself;
    * with ``concurrency=64``: half the worker's slots, a limit that binds all the time;
    * with ``rate="10000/s"``: the sliding log rewritten at every claim;
-   * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each).
+   * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each);
+   * keyed by the same 1,000 keys, ``key_rate="10000/s"`` and no key concurrency: each
+     claimed key's log upserted in ``<table>_key_starts`` at every claim.
 
 B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 jobs each,
    on one held autocommit connection, each claim's jobs deleted after it untimed): the
-   plain claim against the limited one (non-binding concurrency limit; and keyed), the
-   statement's own cost without a worker around it.
+   plain claim against the limited one (non-binding concurrency limit; keyed; per-key
+   rate), the statement's own cost without a worker around it.
+
+C. **round trips** (``--round-trips``, instead of A and B): the limited claim of the
+   non-binding queue as the worker sends it, four round trips (BEGIN, the lock, the claim,
+   COMMIT), against the same four statements in one psycopg pipeline (one round trip),
+   alternating claim by claim on one bare psycopg connection: what merging the round
+   trips could gain at most.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "concurrency=64 (binds)": ("capped", {"concurrency": 64}, False),
     'rate="10000/s"': ("rated", {"rate": "10000/s"}, False),
     "keyed, 1 per key, 1,000 keys": ("keyed", {}, True),
+    'key_rate="10000/s" (never binds), 1,000 keys': ("key_rated", {"key_rate": "10000/s"}, True),
 }
 KEYS = 1_000
 
@@ -69,7 +78,7 @@ def declare(app: bench.App) -> None:
 
             app.jobs.task(
                 keyed_noop,
-                name="bench.keyed_noop",
+                name=f"bench.{queue}_noop",
                 queue=queue,
                 concurrency_key=lambda account, **_: account,
             )
@@ -84,10 +93,11 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
     admin.execute(
         sql.SQL(
             "INSERT INTO {} (task, queue, args, concurrency_key) "
-            "SELECT 'bench.keyed_noop', %s, jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
+            "SELECT 'bench.' || %s || '_noop', %s, "
+            "jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
             "'k' || g %% %s FROM generate_series(1, %s) AS g"
         ).format(app.qualified),
-        (queue, KEYS, KEYS, n),
+        (queue, queue, KEYS, KEYS, n),
     )
     admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
 
@@ -112,6 +122,7 @@ def claim_micros(
     queue, limits, keyed = VARIANTS[variant]
     preload(admin, app, claims * 10 + 100, variant)
     queries = app.jobs.queries
+    declared = app.jobs.limits(queue)
     times: list[float] = []
     with engine.connect() as c:
         conn = c.execution_options(isolation_level="AUTOCOMMIT")
@@ -125,11 +136,13 @@ def claim_micros(
                     queries,
                     limited_claim_params(
                         params,
-                        concurrency=limits.get("concurrency"),
-                        rate=None,
-                        period=None,
-                        key_limit=1,
-                        keyed=keyed,
+                        concurrency=declared.concurrency,
+                        rate=declared.rate,
+                        period=declared.rate_period,
+                        key_limit=declared.key_concurrency,
+                        keyed=declared.keyed,
+                        key_rate=declared.key_rate,
+                        key_period=declared.key_rate_period,
                     ),
                 )
                 ids = [r[0] for r in found.rows]
@@ -138,6 +151,61 @@ def claim_micros(
             times.append(time.perf_counter() - start)
             conn.execute(sa.delete(table).where(table.c.id.in_(ids)))
     return statistics.median(times) * 1e6
+
+
+def round_trips(
+    app: bench.App, engine: sa.Engine, admin: psycopg.Connection[Any], url: str, claims: int
+) -> dict[str, list[float]]:
+    """Microseconds per limited claim of 10 jobs: four round trips, or one (pipelined)."""
+    queue = VARIANTS["concurrency=1,000,000 (never binds)"][0]
+    preload(admin, app, claims * 20 + 100, "concurrency=1,000,000 (never binds)")
+    queries = app.jobs.queries
+    params = limited_claim_params(
+        claim_params(queue, 10, interval(30), "bench"),
+        concurrency=1_000_000,
+        rate=None,
+        period=None,
+        key_limit=1,
+        keyed=False,
+    )
+    lock = queries.limit_lock.compile(dialect=engine.dialect)
+    claim = queries.limited_claim.compile(dialect=engine.dialect)
+    lock_sql, lock_params = str(lock), lock.construct_params({"queue_name": queue})
+    claim_sql, claim_args = str(claim), claim.construct_params(dict(params))
+    pg = bench.plain_connect(bench.libpq_url(url), autocommit=True)
+
+    def four() -> list[Any]:
+        pg.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        pg.execute(lock_sql, lock_params)
+        rows = pg.execute(claim_sql, claim_args).fetchall()
+        pg.execute("COMMIT")
+        return rows
+
+    def one() -> list[Any]:
+        with pg.pipeline():
+            pg.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            pg.execute(lock_sql, lock_params)
+            cursor = pg.execute(claim_sql, claim_args)
+            pg.execute("COMMIT")
+        return cursor.fetchall()
+
+    ways = {"4 round trips (as the worker)": four, "1 round trip (one pipeline)": one}
+    micros: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for i in range(claims):
+            for name in list(ways)[:: 1 if i % 2 else -1]:
+                start = time.perf_counter()
+                rows = ways[name]()
+                micros[name].append((time.perf_counter() - start) * 1e6)
+                ids = [r[0] for r in rows if r[0] is not None]
+                if len(ids) != 10:
+                    raise RuntimeError(f"{name}: claimed {len(ids)} jobs, expected 10")
+                pg.execute(
+                    sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(app.qualified), (ids,)
+                )
+    finally:
+        pg.close()
+    return micros
 
 
 def cell(values: list[float], fmt: str = "{:,.0f}") -> str:
@@ -154,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-jobs", type=int, default=None)
     p.add_argument("--claims", type=int, default=None)
     p.add_argument("--schema", default="sqla_jobs_bench_limits")
+    p.add_argument("--round-trips", action="store_true", help="run only C (round trips)")
     args = p.parse_args(argv)
     quick = args.quick
     repeat = args.repeat or (1 if quick else 3)
@@ -184,6 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print("## limits: what they cost the claim\n")
         bench.header(url, engine, embedded=not os.environ.get("DATABASE_URL"))
+        if args.round_trips:
+            micros = round_trips(app, engine, admin, url, claims)
+            print(f"\n### C. one limited claim of 10 jobs, µs, {claims:,} claims each\n")
+            print("| sent as | median | p10 | p90 |")
+            print("|---|---:|---:|---:|")
+            for name, values in micros.items():
+                values.sort()
+                p10, p90 = values[len(values) // 10], values[9 * len(values) // 10]
+                print(f"| {name} | {statistics.median(values):,.0f} | {p10:,.0f} | {p90:,.0f} |")
+            return 0
         names = list(VARIANTS)
         for name in names:  # warm-up: compiled cache, prepared statements, buffers
             preload(admin, app, 500, name)
@@ -200,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
-        picked = [names[0], names[1], names[4]]
+        picked = [names[0], names[1], names[4], names[5]]
         micros: dict[str, list[float]] = {name: [] for name in picked}
         for r in range(repeat):
             for name in picked[r % len(picked) :] + picked[: r % len(picked)]:

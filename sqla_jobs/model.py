@@ -402,6 +402,7 @@ class Companions(NamedTuple):
     workers: sa.Table
     throughput: sa.Table
     unique_keys: sa.Table
+    key_starts: sa.Table
 
 
 def companion_tables(table: sa.Table) -> Companions:
@@ -432,6 +433,13 @@ def companion_tables(table: sa.Table) -> Companions:
         cannot remember them). Its primary key is also the lock that serialises two
         enqueues of one key: each upserts the row first and holds it until it commits.
         Plain ``unique=True`` jobs never touch it (``<table>_unique`` serves them).
+    ``<table>_key_starts``
+        One row per (queue, concurrency key) of a queue with a per-key rate
+        (``jobs.queue(..., key_rate="10/minute")``): the key's sliding log of start times,
+        written by the limited claim under the queue's lock. ``full_until`` (indexed) is
+        when a key whose log is full has room again, so the claim finds the held keys
+        without reading the others; ``expires_at`` is when the log says nothing any more,
+        after which retention deletes the row.
     """
     existing = table.info.get("sqla_jobs_companions")
     if existing is not None:
@@ -516,7 +524,26 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Column("until", sa.DateTime(timezone=True)),
         schema=schema,
     )
-    companions = Companions(queues, schedules, workers, throughput, unique_keys)
+    key_starts = sa.Table(
+        derived_name(name, "key_starts"),
+        metadata,
+        sa.Column("queue", sa.Text, primary_key=True),
+        sa.Column("key", sa.Text, primary_key=True),
+        # The starts within the key's last period, oldest first (at most the rate's count).
+        sa.Column("log", ARRAY(sa.DateTime(timezone=True)), nullable=False),
+        # Set while the log is full: the oldest start plus the period.
+        sa.Column("full_until", sa.DateTime(timezone=True)),
+        # The newest start plus the period: from then on the row only takes room.
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Index(
+            derived_name(name, "key_starts_full"),
+            "queue",
+            "full_until",
+            postgresql_where=sa.text("full_until IS NOT NULL"),
+        ),
+        schema=schema,
+    )
+    companions = Companions(queues, schedules, workers, throughput, unique_keys, key_starts)
     table.info["sqla_jobs_companions"] = companions
     return companions
 

@@ -235,15 +235,23 @@ def _limit_lock(t: sa.Table) -> sa.Select[Any]:
 #            :key_limit are skipped, the others get rows up to their room, by row_number()
 #            over the first :scan ready rows (through <table>_claim);
 #   rate     <table>_queues.rate_log, trimmed to the window and extended by one
-#            clock_timestamp() per job claimed (only when the queue has a rate).
+#            clock_timestamp() per job claimed (only when the queue has a rate);
+#   key rate <table>_key_starts, one log per (queue, key), only with :key_rate: keys whose
+#            log is full (full_until, indexed) are skipped before the scan, like keys at
+#            :key_limit; the others get rows up to the room their log leaves, and the
+#            logs of the keys claimed are trimmed and extended (an upsert per key).
 # Always returns one row at least: the claimed jobs, or one row of NULL job columns, each
 # with ``ready_seen`` (ready rows seen, up to :limit + 1: more than were claimed means the
 # limits held some back) and ``rate_free_in`` (seconds until the window has room again,
-# when the rate is used up).
-LIMITED_COLUMNS = ("ready_seen", "rate_free_in")
+# when the rate is used up); the key-rated variant adds ``key_free_in`` (seconds until the
+# first key held by its rate has room again).
+LIMITED_COLUMNS = ("ready_seen", "rate_free_in", "key_free_in")
 
 
-def _limited_claim(t: sa.Table) -> sa.Select[Any]:
+def _limited_claim(t: sa.Table, *, key_rated: bool = False) -> sa.Select[Any]:
+    """The limited claim; ``key_rated``: the variant for queues with a ``key_rate``, which
+    reads and writes <table>_key_starts (a queue without one keeps the statement it had,
+    and does not pay for that table's CTEs)."""
     c = t.c
     queues = companion_tables(t).queues
     queue_name = sa.bindparam("queue_name", type_=sa.Text)
@@ -251,6 +259,10 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
     period = sa.cast(sa.bindparam("period", type_=sa.Interval), sa.Interval)
     rate = sa.bindparam("rate", type_=sa.Integer)
     key_limit = sa.bindparam("key_limit", type_=sa.Integer)
+    key_rate = sa.bindparam("key_rate", type_=sa.Integer)
+    key_period = sa.cast(sa.bindparam("key_period", type_=sa.Interval), sa.Interval)
+    ks = companion_tables(t).key_starts
+    stamps = ARRAY(sa.DateTime(timezone=True))
     ready = (c.status == status_literal(JobStatus.READY), c.queue == queue_name)
     running = (c.status == status_literal(JobStatus.RUNNING), c.queue == queue_name)
 
@@ -289,13 +301,19 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         .cte("busy_keys")
     )
     full_keys = sa.select(busy_keys.c.key).where(busy_keys.c.n >= key_limit)
+    # Keys whose rate log is full, through <table>_key_starts_full.
+    key_full = (
+        sa.select(ks.c.key, ks.c.full_until)
+        .select_from(ks.join(clock, sa.true()))
+        .where(ks.c.queue == queue_name, key_rate.is_not(None), ks.c.full_until > clock.c.at)
+        .cte("key_full")
+    )
+    room: sa.ColumnElement[bool] = c.concurrency_key.not_in(full_keys)
+    if key_rated:
+        room = sa.and_(room, c.concurrency_key.not_in(sa.select(key_full.c.key)))
     head = (
         sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
-        .where(
-            *ready,
-            c.run_at <= sa.func.now(),
-            sa.or_(c.concurrency_key.is_(None), c.concurrency_key.not_in(full_keys)),
-        )
+        .where(*ready, c.run_at <= sa.func.now(), sa.or_(c.concurrency_key.is_(None), room))
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(sa.bindparam("scan", type_=sa.Integer))
         .subquery("head")
@@ -309,18 +327,59 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         )
         .label("nth"),
     ).cte("candidates")
-    chosen = (
-        sa.select(candidates.c.id)
-        .select_from(
-            candidates.outerjoin(busy_keys, busy_keys.c.key == candidates.c.concurrency_key)
+    # The candidates' key logs, trimmed to the window (a key with none is absent).
+    kstamp = sa.func.unnest(ks.c.log).table_valued("at").render_derived(name="kstamp")
+    key_used = (
+        sa.select(
+            ks.c.key, sa.func.array_agg(aggregate_order_by(kstamp.c.at, kstamp.c.at)).label("log")
         )
+        .select_from(ks.join(kstamp, sa.true()).join(clock, sa.true()))
         .where(
-            sa.or_(
-                candidates.c.concurrency_key.is_(None),
-                candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+            ks.c.queue == queue_name,
+            key_rate.is_not(None),
+            ks.c.key.in_(sa.select(candidates.c.concurrency_key)),
+            kstamp.c.at > clock.c.at - key_period,
+        )
+        .group_by(ks.c.key)
+        .cte("key_used")
+    )
+    if key_rated:
+        chosen_from = (
+            sa.select(candidates.c.id)
+            .select_from(
+                candidates.outerjoin(
+                    busy_keys, busy_keys.c.key == candidates.c.concurrency_key
+                ).outerjoin(key_used, key_used.c.key == candidates.c.concurrency_key)
+            )
+            .where(
+                sa.or_(
+                    candidates.c.concurrency_key.is_(None),
+                    sa.and_(
+                        sa.or_(
+                            key_limit.is_(None),
+                            candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+                        ),
+                        candidates.c.nth + sa.func.coalesce(sa.func.cardinality(key_used.c.log), 0)
+                        <= key_rate,
+                    ),
+                )
             )
         )
-        .order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
+    else:
+        chosen_from = (
+            sa.select(candidates.c.id)
+            .select_from(
+                candidates.outerjoin(busy_keys, busy_keys.c.key == candidates.c.concurrency_key)
+            )
+            .where(
+                sa.or_(
+                    candidates.c.concurrency_key.is_(None),
+                    candidates.c.nth + sa.func.coalesce(busy_keys.c.n, 0) <= key_limit,
+                )
+            )
+        )
+    chosen = (
+        chosen_from.order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
         .limit(sa.select(budget.c.n).scalar_subquery())
         .cte("chosen")
     )
@@ -333,7 +392,9 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
-        .returning(*(c[name] for name in CLAIMED_COLUMNS))
+        .returning(
+            *(c[name] for name in CLAIMED_COLUMNS), *([c.concurrency_key] if key_rated else [])
+        )
         .cte("claimed")
     )
     n_claimed = sa.select(sa.func.count()).select_from(claimed).scalar_subquery()
@@ -353,6 +414,67 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         .returning(queues.c.name)
         .cte("logged")
     )
+    key_free_in: list[sa.ColumnElement[Any]] = []
+    if key_rated:
+        # Each claimed key's log: trimmed, plus one start per job claimed; full_until when it
+        # holds :key_rate starts (the oldest one that counts, plus the period).
+        key_counts = (
+            sa.select(claimed.c.concurrency_key.label("key"), sa.func.count().label("n"))
+            .where(claimed.c.concurrency_key.is_not(None), key_rate.is_not(None))
+            .group_by(claimed.c.concurrency_key)
+            .subquery("key_counts")
+        )
+        key_new = (
+            sa.select(
+                key_counts.c.key,
+                sa.type_coerce(
+                    sa.func.coalesce(key_used.c.log, sa.cast(sa.literal_column("'{}'"), stamps)).op(
+                        "||"
+                    )(
+                        sa.func.array_fill(
+                            clock.c.at, pg_array([sa.cast(key_counts.c.n, sa.Integer)])
+                        )
+                    ),
+                    stamps,
+                ).label("log"),
+            )
+            .select_from(
+                key_counts.outerjoin(key_used, key_used.c.key == key_counts.c.key).join(
+                    clock, sa.true()
+                )
+            )
+            .subquery("key_new")
+        )
+        size = sa.func.cardinality(key_new.c.log)
+        key_insert = pg_insert(ks).from_select(
+            ["queue", "key", "log", "full_until", "expires_at"],
+            sa.select(
+                queue_name,
+                key_new.c.key,
+                key_new.c.log,
+                sa.case((size >= key_rate, key_new.c.log[size - key_rate + 1] + key_period)),
+                clock.c.at + key_period,
+            ).select_from(key_new.join(clock, sa.true())),
+        )
+        key_logged = (
+            key_insert.on_conflict_do_update(
+                index_elements=[ks.c.queue, ks.c.key],
+                set_={
+                    "log": key_insert.excluded.log,
+                    "full_until": key_insert.excluded.full_until,
+                    "expires_at": key_insert.excluded.expires_at,
+                },
+            )
+            .returning(ks.c.full_until)
+            .cte("key_logged")
+        )
+        key_free_at = sa.func.least(
+            sa.select(sa.func.min(key_full.c.full_until)).scalar_subquery(),
+            sa.select(sa.func.min(key_logged.c.full_until)).scalar_subquery(),
+        )
+        key_free_in.append(
+            sa.cast(sa.extract("epoch", key_free_at - clock.c.at), sa.Float).label("key_free_in")
+        )
     seen = (
         sa.select(sa.literal(1))
         .where(*ready, c.run_at <= sa.func.now())
@@ -366,13 +488,17 @@ def _limited_claim(t: sa.Table) -> sa.Select[Any]:
         sa.select(
             sa.select(sa.func.count()).select_from(seen).scalar_subquery().label("ready_seen"),
             sa.cast(free_in, sa.Float).label("rate_free_in"),
+            *key_free_in,
             sa.select(sa.func.count()).select_from(logged).scalar_subquery().label("logged"),
         )
         .select_from(recent.join(clock, sa.true()))
         .subquery("info")
     )
     return sa.select(
-        *(claimed.c[name] for name in CLAIMED_COLUMNS), info.c.ready_seen, info.c.rate_free_in
+        *(claimed.c[name] for name in CLAIMED_COLUMNS),
+        info.c.ready_seen,
+        info.c.rate_free_in,
+        *([info.c.key_free_in] if key_rated else []),
     ).select_from(info.outerjoin(claimed, sa.true()))
 
 
@@ -380,8 +506,10 @@ class LimitedClaimParams(ClaimParams):
     concurrency: int | None
     rate: int | None
     period: timedelta | None
-    key_limit: int
+    key_limit: int | None
     scan: int
+    key_rate: int | None
+    key_period: timedelta | None
 
 
 def limited_claim_params(
@@ -390,8 +518,10 @@ def limited_claim_params(
     concurrency: int | None,
     rate: int | None,
     period: float | None,
-    key_limit: int,
+    key_limit: int | None,
     keyed: bool = True,
+    key_rate: int | None = None,
+    key_period: float | None = None,
 ) -> LimitedClaimParams:
     """The plain claim's parameters and the queue's limits. ``scan``: how many ready rows
     the per-key choice looks at: for a keyed queue, enough that a few busy keys at the
@@ -405,6 +535,8 @@ def limited_claim_params(
         "period": None if period is None else interval(period),
         "key_limit": key_limit,
         "scan": max(limit * 4, 64) if keyed else limit,
+        "key_rate": key_rate,
+        "key_period": None if key_period is None else interval(key_period),
     }
 
 
@@ -975,6 +1107,19 @@ def _outcome(t: sa.Table) -> sa.Select[Any]:
     )
 
 
+# Retention of <table>_key_starts: a batch of logs whose newest start has left the window
+# (expires_at), which tell the claim nothing any more. A claim that writes one of them
+# meanwhile moves its expires_at, and the DELETE re-checks the row it waited for.
+def _prune_key_starts(ks: sa.Table) -> sa.Delete:
+    stale = (
+        sa.select(ks.c.queue, ks.c.key)
+        .where(ks.c.expires_at < sa.func.now())
+        .limit(sa.bindparam("limit"))
+        .with_for_update(skip_locked=True)
+    )
+    return sa.delete(ks).where(sa.tuple_(ks.c.queue, ks.c.key).in_(stale))
+
+
 # One pruner at a time per table: a transaction-scoped advisory lock elects it.
 def _try_lock(t: sa.Table) -> sa.Select[Any]:
     return sa.select(sa.func.pg_try_advisory_xact_lock(sa.func.hashtext(f"sqla_jobs:{t.fullname}")))
@@ -1172,8 +1317,10 @@ def _take_key(k: sa.Table) -> sa.Insert:
 #             at it (keys), its period counting from now;
 #   kept:     the holder, when it blocks and still exists.
 # One row comes back: (id, 'new' | 'replaced' | 'kept'); none if the key is held by its
-# period and the job that took it is gone. The holder is found by primary key.
-def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
+# period and the job that took it is gone. The holder is found by primary key. A new job
+# wakes the workers through the table's INSERT trigger; a replaced one that is ready now
+# (a debounce whose wait is over) wakes them here, with the same NOTIFY (sent at commit).
+def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     # Prefixed: a parameter named like a column would join the UPDATEs' SET lists.
     p = {name: sa.bindparam(f"p_{name}", type_=type_) for name, type_ in _BULK_COLUMNS}
@@ -1192,9 +1339,16 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
             status=p["status"],
             concurrency_key=p_key,
         )
-        .returning(c.id)
+        .returning(c.id, c.queue, c.status)
         .cte("replaced")
     )
+    # An UPDATE fires no INSERT trigger: notify as the trigger would. The count makes the
+    # 'replaced' row below depend on the NOTIFY, so PostgreSQL runs it (an unreferenced
+    # SELECT in WITH is never evaluated).
+    woken = sa.select(sa.func.pg_notify(sa.literal(channel), replaced.c.queue)).where(
+        replaced.c.status == status_literal(JobStatus.READY)
+    )
+    n_woken = sa.select(sa.func.count()).select_from(woken.subquery("woken")).scalar_subquery()
     blocks = sa.or_(
         sa.bindparam("held", type_=sa.Boolean),
         sa.exists().where(c.id == holder, c.status == sa.any_(states)),
@@ -1242,7 +1396,7 @@ def _place_scoped(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
     )
     return (
         sa.select(new.c.id, sa.literal("new"))
-        .union_all(sa.select(replaced.c.id, sa.literal("replaced")), kept)
+        .union_all(sa.select(replaced.c.id, sa.literal("replaced")).where(n_woken >= 0), kept)
         .subquery("placed")
         .select()
         .add_cte(keys)
@@ -1500,6 +1654,7 @@ class Queries:
         self.session_claim = _claim(t, for_session=True)
         self.limit_lock = _limit_lock(t)
         self.limited_claim = _limited_claim(t)
+        self.key_rated_claim = _limited_claim(t, key_rated=True)
         self.complete = _complete(t, keep_done=keep_done)
         self.fail = _fail(t)
         self.snooze = _snooze(t)
@@ -1533,9 +1688,11 @@ class Queries:
         self.live_by_key = _live_by_key(t)
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)
-        self.place_scoped = _place_scoped(t, unique_keys)
+        self.place_scoped = _place_scoped(t, unique_keys, channel)
         self.lock_stale_keys = _lock_stale_keys(unique_keys)
         self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
+        self.key_starts_table = key_starts = companions.key_starts
+        self.prune_key_starts = _prune_key_starts(key_starts)
 
         self.now = sa.select(sa.func.now())
         self.due_schedules = _due_schedules(schedules)

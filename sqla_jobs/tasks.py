@@ -881,6 +881,7 @@ class Jobs:
         concurrency: int | None = None,
         rate: str | None = None,
         key_concurrency: int | None = None,
+        key_rate: str | None = None,
     ) -> QueueLimits:
         """Declare a queue's limits, enforced by every worker of this registry.
 
@@ -890,6 +891,9 @@ class Jobs:
             yet stays ready, and no attempt is spent.
         :param key_concurrency: most running jobs with the same ``concurrency_key`` (1 when
             not given); giving it makes the queue take keyed jobs of any task.
+        :param key_rate: most jobs with the same ``concurrency_key`` started per period, in
+            any window of it (``"10/minute"``, as ``rate``); jobs without a key are not
+            counted. Given alone, it is the key's only limit (no ``key_concurrency``).
 
         Raises ``ValueError`` for a bad limit or a queue declared twice. See
         :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.
@@ -901,7 +905,11 @@ class Jobs:
         if name in self.queue_limits:
             raise ValueError(f"queue {name!r} is already declared")
         limits = QueueLimits.declare(
-            name, concurrency=concurrency, rate=rate, key_concurrency=key_concurrency
+            name,
+            concurrency=concurrency,
+            rate=rate,
+            key_concurrency=key_concurrency,
+            key_rate=key_rate,
         )
         self.queue_limits[name] = limits
         return limits

@@ -4,6 +4,7 @@
 
     jobs.queue("exports", concurrency=3)            # never more than 3 running, all workers
     jobs.queue("partner-api", rate="100/minute")    # at most 100 started in any minute
+    jobs.queue("per-partner", key_rate="10/minute")  # at most 10 a minute per key
 
     @jobs.task(queue="sync", concurrency_key=lambda account_id, **_: account_id)
     def sync_account(account_id: str, full: bool = False) -> None: ...
@@ -36,6 +37,12 @@ Why this design
   token bucket, which allow up to 2N across a boundary. A job that cannot start stays
   ``ready`` (no attempt spent), and the worker skips that queue until the oldest start
   leaves the window, while it keeps claiming its other queues.
+* **The rate of a key.** The same sliding log, one per (queue, key), in the companion
+  table ``<table>_key_starts``, read and written by the limited claim under the same
+  lock. Its ``full_until`` (indexed) lets the claim skip the keys with no room before it
+  scans the ready rows, reading no other key's row; ``expires_at`` lets retention drop
+  the logs that say nothing any more. A row per key, not one array on the queue's row,
+  so that a claim rewrites only the keys it claimed, whatever the number of keys.
 * **Declared in code.** Limits are part of the application, reviewed and deployed with
   the tasks that need them. All workers of a queue must run code that declares the same
   limits: a worker that does not know a queue is limited claims it with the plain
@@ -124,10 +131,15 @@ class QueueLimits:
     #: Most jobs started per ``rate_period`` seconds, in any window; None: no limit.
     rate: int | None = None
     rate_period: float | None = None
-    #: Most running jobs that share one ``concurrency_key``.
-    key_concurrency: int = 1
+    #: Most running jobs that share one ``concurrency_key``; None: no limit (a queue
+    #: that declares a ``key_rate`` and no ``key_concurrency``).
+    key_concurrency: int | None = 1
     #: Some task of this queue declares a ``concurrency_key``.
     keyed: bool = False
+    #: Most jobs sharing one ``concurrency_key`` started per ``key_rate_period`` seconds,
+    #: in any window; None: no per-key rate.
+    key_rate: int | None = None
+    key_rate_period: float | None = None
 
     @classmethod
     def declare(
@@ -137,18 +149,27 @@ class QueueLimits:
         concurrency: int | None = None,
         rate: str | None = None,
         key_concurrency: int | None = None,
+        key_rate: str | None = None,
     ) -> QueueLimits:
         """Checked limits; ``ValueError`` names the bad one. Giving ``key_concurrency``
-        makes the queue keyed (it takes keyed jobs of any task)."""
+        or ``key_rate`` makes the queue keyed (it takes keyed jobs of any task). A
+        ``key_rate`` without ``key_concurrency`` limits the key's starts only; without
+        either, a keyed queue runs one job per key at a time."""
         count, period = parse_rate(rate) if rate is not None else (None, None)
         key_limit = _positive(name, key_concurrency, "key_concurrency")
+        try:
+            key_count, key_period = parse_rate(key_rate) if key_rate is not None else (None, None)
+        except ValueError as exc:
+            raise ValueError(f"queue {name!r}: key_{exc}") from None
         return cls(
             name,
             _positive(name, concurrency, "concurrency"),
             count,
             period,
-            key_limit or 1,
-            keyed=key_limit is not None,
+            key_limit if key_limit is not None or key_count is not None else 1,
+            keyed=key_limit is not None or key_count is not None,
+            key_rate=key_count,
+            key_rate_period=key_period,
         )
 
     @property
@@ -163,8 +184,10 @@ class QueueLimits:
             parts.append(f"concurrency {self.concurrency}")
         if self.rate is not None:
             parts.append(f"{self.rate}/{self.rate_period:g}s")
-        if self.keyed:
+        if self.keyed and self.key_concurrency is not None:
             parts.append(f"{self.key_concurrency} per key")
+        if self.key_rate is not None:
+            parts.append(f"{self.key_rate}/{self.key_rate_period:g}s per key")
         return ", ".join(parts)
 
 

@@ -111,6 +111,7 @@ class Span(Base):
 limited_jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
 limited_jobs.queue("limited", concurrency=3)
 limited_jobs.queue("rated", rate="20/s")
+limited_jobs.queue("key_rated", key_rate="10/s")
 
 
 def span(key: str | None, seconds: float) -> None:
@@ -139,6 +140,11 @@ def keyed_work(account: str, seconds: float) -> None:
 @limited_jobs.task(queue="rated")
 def rated_work() -> None:
     span(None, 0.0)
+
+
+@limited_jobs.task(queue="key_rated", concurrency_key=lambda account, **_: account)
+def key_rated_work(account: str) -> None:
+    span(account, 0.0)
 
 
 @limited_jobs.task(queue="unlimited")

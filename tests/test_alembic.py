@@ -621,6 +621,53 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
     project.check()
 
 
+def _drop_statements(script: Path, mentioning: str) -> int:
+    """Delete the statements of a migration's functions that mention a string (as if it
+    had been written before that object existed); how many."""
+    source = script.read_text()
+    lines = source.splitlines(keepends=True)
+    drop: set[int] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            for statement in node.body:
+                segment = ast.get_source_segment(source, statement) or ""
+                if mentioning in segment:
+                    assert statement.end_lineno is not None
+                    drop.update(range(statement.lineno - 1, statement.end_lineno))
+    script.write_text("".join(line for i, line in enumerate(lines) if i not in drop))
+    shutil.rmtree(script.parent / "__pycache__", ignore_errors=True)
+    return len(drop)
+
+
+def test_key_starts_table_reaches_an_existing_install_through_autogenerate(
+    make_project: Any,
+) -> None:
+    """An install made before per-key rates: autogenerate writes ``<table>_key_starts``
+    and its index as plain operations, and ``alembic check`` is clean after them."""
+    project = make_project(explicit_schema=True)
+    first = project.autogenerate("jobs")
+    assert _drop_statements(first, "jobs_key_starts") > 0
+    project.upgrade()
+
+    second = project.autogenerate("key rates")
+    upgrade = section(second, "upgrade")
+    assert len(upgrade) == 2, upgrade
+    create = next(s for s in upgrade if s.startswith("op.create_table("))
+    assert create.startswith("op.create_table('jobs_key_starts',")
+    for part in ("sa.Column('log', postgresql.ARRAY(", "sa.PrimaryKeyConstraint('queue', 'key'"):
+        assert part in create, create
+    index = next(s for s in upgrade if s.startswith("op.create_index("))
+    assert index.startswith("op.create_index('jobs_key_starts_full', 'jobs_key_starts', ")
+    assert "full_until IS NOT NULL" in index
+
+    project.upgrade()
+    project.check()
+    assert project.compare() == []
+    project.downgrade("-1")
+    project.upgrade()
+    project.check()
+
+
 def test_removed_jobs_table_is_dropped_with_its_trigger(make_project: Any) -> None:
     """A jobs model removed from the app: the drop takes the function along, and the
     downgrade re-creates the table as the database had it."""

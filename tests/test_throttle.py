@@ -308,6 +308,7 @@ def test_limits_are_listed(db: sa.Engine) -> None:
     with db.connect() as conn:
         listed = {q.name: q.limits for q in admin.list_queues(conn, app.limited_jobs)}
     assert listed == {
+        "key_rated": "10/1s per key",
         "keyed": "1 per key",
         "limited": "concurrency 3",
         "rated": "20/1s",

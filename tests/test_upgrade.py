@@ -23,6 +23,7 @@ import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession, Worker
 
+from .helpers import running, wait_for
 from .test_alembic import Project, section
 from .test_alembic import make_project as make_project  # the fixture, re-exported
 
@@ -99,11 +100,38 @@ def check_results_and_workflows(jobs: Jobs, engine: sa.Engine) -> None:
     assert [jobs.result(engine, i, timeout=5) for i in ids] == [2, 4]
 
 
+def check_key_rate(jobs: Jobs, engine: sa.Engine) -> None:
+    """A per-key rate (through <table>_key_starts, new in 0.2) starts two jobs of a key a
+    minute, and holds the third ready with no attempt spent, while another key runs."""
+    jobs.queue("upgrade-keyed", key_rate="2/minute")
+
+    @jobs.task(queue="upgrade-keyed", concurrency_key=lambda account, **_: account)
+    def sync(account: str) -> None:
+        pass
+
+    with engine.begin() as conn:
+        jobs.enqueue_many(conn, sync, [{"account": "a"}] * 3 + [{"account": "b"}])
+    query = sa.text("SELECT concurrency_key, status, attempts FROM jobs WHERE queue = :q")
+
+    def left() -> list[Any]:
+        with engine.connect() as conn:
+            return list(conn.execute(query, {"q": "upgrade-keyed"}).all())
+
+    # The held job waits a minute for its key: run the worker until the others are done.
+    with running(Worker(jobs, engine, queues=["upgrade-keyed"], listen=False)):
+        wait_for(lambda: len(left()) == 1, timeout=10)
+    with engine.connect() as conn:
+        logged = conn.execute(sa.text("SELECT key, cardinality(log) FROM jobs_key_starts")).all()
+    assert [tuple(r) for r in left()] == [("a", "ready", 0)]
+    assert sorted(tuple(r) for r in logged) == [("a", 2), ("b", 1)], logged
+
+
 #: (name, check) for each feature of this release that the upgrade must bring along.
 UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("unique scopes", check_unique_scopes),
     ("concurrency and rate limits", check_limits),
     ("results and workflows", check_results_and_workflows),
+    ("per-key rates", check_key_rate),
 ]
 
 
@@ -120,6 +148,7 @@ def test_a_0_1_install_upgrades_through_autogenerate(make_project: Any) -> None:
     upgrade = section(script, "upgrade")
     # No hand edits: the new companion table is a plain create_table.
     assert any(s.startswith("op.create_table('jobs_unique_keys',") for s in upgrade), upgrade
+    assert any(s.startswith("op.create_table('jobs_key_starts',") for s in upgrade), upgrade
     project.upgrade()
     project.check()  # alembic check: the upgraded database matches the models
     assert [d for d in project.compare() if "links" not in str(d)] == []

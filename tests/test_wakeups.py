@@ -207,3 +207,38 @@ def test_a_transaction_notifies_once_per_queue(
         payloads = [n.payload for n in listener.notifies(timeout=0.5)]
     # One per queue for the first transaction, folded by PostgreSQL; one for the second.
     assert sorted(payloads) == ["mine", "mine", "other"]
+
+
+def test_a_debounce_that_makes_its_job_ready_wakes_an_idle_worker(
+    Session: Any, db: sa.Engine, jobs: Jobs, idle_worker: Worker, started: dict[int, float]
+) -> None:
+    """``unique_on_conflict="replace"`` turns a waiting job into a ready one with an
+    UPDATE, which the INSERT trigger does not see: the statement notifies by itself, so
+    the worker (polling once a minute, its next due time an hour away) starts the job at
+    once."""
+    debounce = jobs.get("mark").with_options(unique_key="mark:1", unique_on_conflict="replace")
+    with Session.begin() as session:
+        job = session.enqueue(debounce.with_options(delay=3600))
+        session.flush()
+        job_id = job.id
+    claims: list[float] = []
+
+    def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("WITH next_jobs"):
+            claims.append(time.monotonic())
+
+    sa.event.listen(db, "after_cursor_execute", spy)
+    try:
+        # Once listening, the worker claims once (for what came before) and then sleeps:
+        # after that claim only a wake-up makes it claim again.
+        assert idle_worker.listening.wait(10)
+        listening = time.monotonic()
+        wait_for(lambda: any(at > listening for at in claims), timeout=5)
+        with Session.begin() as session:
+            assert session.enqueue(debounce).id == job_id  # replaced, now ready
+    finally:
+        sa.event.remove(db, "after_cursor_execute", spy)
+    committed = time.monotonic()
+    wait_for(lambda: job_id in started, timeout=5)
+    assert started[job_id] - committed < 1.0
+    assert count(db) == 0

@@ -555,6 +555,8 @@ class WorkerCore:
             period=limits.rate_period,
             key_limit=limits.key_concurrency,
             keyed=limits.keyed,
+            key_rate=limits.key_rate,
+            key_period=limits.key_rate_period,
         )
         found: db.LimitedClaim = yield Io(db.claim_limited, (self.queries, limited), Conn.CLAIM)
         # Under the lock: the completer (another thread in the threaded worker) ends
@@ -566,6 +568,15 @@ class WorkerCore:
                 if found.rate_free_in is not None:
                     wait = found.rate_free_in
                     self._rate_held.add(queue)
+                elif found.key_free_in is not None:
+                    # Held by a key's rate: nothing frees it before then. Unless a
+                    # concurrency limit may be holding jobs too, whose slot a completion
+                    # can free: then look again within LIMIT_RECHECK, as for those.
+                    if limits.concurrency is None and limits.key_concurrency is None:
+                        wait = found.key_free_in
+                        self._rate_held.add(queue)
+                    else:
+                        wait = min(found.key_free_in, LIMIT_RECHECK)
                 wait = max(0.0, min(wait, self.settings.poll_interval))
                 self._held[queue] = time.monotonic() + wait
             else:

@@ -72,6 +72,14 @@ class LimitedClaim:
     rows: list[Any]
     held: bool
     rate_free_in: float | None
+    #: Seconds until the first key held by the queue's ``key_rate`` has room (or None).
+    key_free_in: float | None = None
+
+
+def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
+    """The limited claim for these limits: the key-rated variant only for a queue with a
+    ``key_rate``, so the other limited queues keep their statement (and its cost)."""
+    return queries.key_rated_claim if params.get("key_rate") is not None else queries.limited_claim
 
 
 def claim_limited(
@@ -86,7 +94,7 @@ def claim_limited(
     conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
-        result = conn.execute(queries.limited_claim, dict(params)).all()
+        result = conn.execute(limited_statement(queries, params), dict(params)).all()
     except BaseException:
         with contextlib.suppress(Exception):
             conn.exec_driver_sql("ROLLBACK")
@@ -95,8 +103,12 @@ def claim_limited(
     rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
     first = result[0]
     free_in = first.rate_free_in
+    key_free_in = first._mapping.get("key_free_in")
     return LimitedClaim(
-        rows, int(first.ready_seen) > len(rows), None if free_in is None else float(free_in)
+        rows,
+        int(first.ready_seen) > len(rows),
+        None if free_in is None else float(free_in),
+        None if key_free_in is None else float(key_free_in),
     )
 
 
@@ -300,6 +312,8 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
         (queries.prune_done, jobs.keep_done or timedelta(0)),
         # Keys of scoped unique jobs whose period has passed and whose job is not live.
         (queries.prune_unique_keys, timedelta(0)),
+        # Per-key rate logs (sqla_jobs.throttle) whose newest start left the window.
+        (queries.prune_key_starts, timedelta(0)),
     ]
 
 
