@@ -1,0 +1,114 @@
+"""Edge cases found in review: a flush with only ``enqueue_many`` rows, the ``enqueued``
+event for jobs that never reached the table."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs
+
+from . import app
+from .helpers import count
+
+
+@pytest.fixture
+def send(jobs: Jobs) -> Any:
+    @jobs.task(queue="mail")
+    def send_email(to: str) -> None:
+        pass
+
+    return send_email
+
+
+def _inserts(db: sa.Engine) -> tuple[list[str], Any]:
+    statements: list[str] = []
+
+    def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT"):
+            statements.append(statement)
+
+    return statements, spy
+
+
+JOBS_SEEN = sa.select(sa.func.count()).select_from(app.Job)
+
+
+@pytest.mark.parametrize("how", ["flush", "autoflush"])
+def test_a_flush_with_only_enqueue_many_rows_writes_them(
+    Session: Any, db: sa.Engine, send: Any, how: str
+) -> None:
+    statements, spy = _inserts(db)
+    sa.event.listen(db, "before_cursor_execute", spy)
+    try:
+        with Session() as session:
+            session.enqueue_many(send, [{"to": "x"}, {"to": "y"}])
+            session.enqueue_many(send, [{"to": "z"}])
+            if how == "flush":
+                session.flush()
+                assert len(statements) == 1  # the two calls share one INSERT
+                assert session.connection().execute(JOBS_SEEN).scalar() == 3
+            else:
+                assert session.scalar(JOBS_SEEN) == 3
+            assert count(db) == 0  # written, not committed
+            session.flush()  # nothing left: no second INSERT
+            session.commit()
+    finally:
+        sa.event.remove(db, "before_cursor_execute", spy)
+    assert len(statements) == 1
+    assert count(db) == 3
+
+
+def test_no_autoflush_keeps_enqueue_many_rows_waiting(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        session.enqueue_many(send, [{"to": "x"}])
+        with session.no_autoflush:
+            assert session.scalar(JOBS_SEEN) == 0
+        assert session.scalar(JOBS_SEEN) == 1
+        session.rollback()
+    assert count(db) == 0
+
+
+def test_a_flush_inside_a_savepoint_writes_into_it(Session: Any, db: sa.Engine, send: Any) -> None:
+    with Session() as session:
+        session.enqueue_many(send, [{"to": "outer"}])
+        savepoint = session.begin_nested()
+        session.enqueue_many(send, [{"to": "inner"}])
+        session.flush()
+        assert session.scalar(JOBS_SEEN) == 2
+        savepoint.rollback()
+        assert session.scalar(JOBS_SEEN) == 1
+        session.commit()
+    assert count(db) == 1
+
+
+def test_async_flush_with_only_enqueue_many_rows_writes_them(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    seen: list[int] = []
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            session.enqueue_many(send, [{"to": "x"}, {"to": "y"}])
+            await session.flush()
+            seen.append(await (await session.connection()).scalar(JOBS_SEEN))
+            session.enqueue_many(send, [{"to": "z"}])
+            seen.append(await session.scalar(JOBS_SEEN))  # an autoflush
+            await session.rollback()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert seen == [2, 3]
+    assert count(db) == 0
