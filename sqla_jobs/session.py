@@ -623,7 +623,19 @@ def _after_commit(session: Session) -> None:
     for boundary, registry, jobs in announce:
         if boundary is root:
             for job in jobs:
-                registry.events.fire("enqueued", job)
+                if _committed(job):
+                    registry.events.fire("enqueued", job)
+
+
+def _committed(job: Any) -> bool:
+    """Whether a job announced by this session reached the table: an ``enqueue_many`` row
+    was written (its boundary committed); a ``Job`` object only if it was flushed and not
+    deleted. One expunged (``expunge``, ``expunge_all``) before any flush never was, and
+    metrics must not count it."""
+    state = inspect(job, raiseerr=False)
+    if state is None:  # an enqueue_many row (a dict)
+        return True
+    return state.key is not None and not state.was_deleted
 
 
 def _insert_pending(session: Session, through: SessionTransaction | None = None) -> None:

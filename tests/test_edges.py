@@ -112,3 +112,34 @@ def test_async_flush_with_only_enqueue_many_rows_writes_them(
     asyncio.run(main())
     assert seen == [2, 3]
     assert count(db) == 0
+
+
+@pytest.mark.parametrize("drop", ["expunge", "expunge_all", "delete_after_flush"])
+def test_enqueued_fires_only_for_jobs_that_were_committed(
+    Session: Any, db: sa.Engine, jobs: Jobs, send: Any, drop: str
+) -> None:
+    seen: list[str] = []
+
+    def enqueued(event: Any) -> None:  # an enqueue_many row is a dict
+        args = event.job["args"] if isinstance(event.job, dict) else event.job.args
+        seen.append(args["to"])
+
+    jobs.events.connect("enqueued", enqueued)
+    with Session() as session:
+        dropped = session.enqueue(send, "dropped")
+        if drop == "expunge":
+            session.expunge(dropped)
+        elif drop == "expunge_all":
+            session.expunge_all()
+        else:
+            session.flush()
+            session.delete(dropped)
+        kept = session.enqueue(send, "kept")
+        flushed = session.enqueue(send, "flushed then expunged")
+        session.flush()
+        session.expunge(flushed)  # inserted: its row commits
+        session.enqueue_many(send, [{"to": "bulk"}])
+        session.commit()
+        assert kept.id is not None
+    assert sorted(seen) == ["bulk", "flushed then expunged", "kept"]
+    assert count(db) == 3
