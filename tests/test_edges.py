@@ -143,3 +143,87 @@ def test_enqueued_fires_only_for_jobs_that_were_committed(
         assert kept.id is not None
     assert sorted(seen) == ["bulk", "flushed then expunged", "kept"]
     assert count(db) == 3
+
+
+PARTIAL = {"jobs_claim", "jobs_scheduled", "jobs_running", "jobs_dead", "jobs_finished"}
+
+
+def _plans(db: sa.Engine, call: Any) -> str:
+    """EXPLAIN of every SELECT that ``call(conn)`` runs, with sequential scans priced out.
+
+    The test table is small, and on a small table a sequential scan is the right plan;
+    with ``enable_seqscan`` off the planner still falls back to one (or to a full scan of
+    the primary key) for a statement that no partial index can serve, which is what the
+    tests look for."""
+    captured: list[tuple[str, Any]] = []
+
+    def spy(conn: Any, cursor: Any, statement: str, parameters: Any, *rest: Any) -> None:
+        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
+            captured.append((statement, parameters))
+
+    with db.connect() as conn:
+        sa.event.listen(conn, "before_cursor_execute", spy)
+        call(conn)
+        sa.event.remove(conn, "before_cursor_execute", spy)
+        conn.exec_driver_sql("SET enable_seqscan = off")
+        lines = [
+            line
+            for statement, parameters in captured
+            for (line,) in conn.exec_driver_sql("EXPLAIN " + statement, parameters)
+        ]
+        conn.rollback()
+    return "\n".join(lines)
+
+
+def _fill(db: sa.Engine) -> None:
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {app.SCHEMA}.jobs (queue, task, status, finished_at, "
+                "locked_until, locked_by) "
+                "SELECT 'q' || (i % 3), 't', s, CASE WHEN s IN ('done', 'dead', 'cancelled') "
+                "THEN now() END, CASE WHEN s = 'running' THEN now() END, "
+                "CASE WHEN s = 'running' THEN 'w' END "
+                "FROM generate_series(1, 60) AS i, (VALUES ('done'), ('dead'), ('ready'), "
+                "('scheduled'), ('running'), ('cancelled')) AS v(s)"
+            )
+        )
+        conn.execute(sa.text(f"ANALYZE {app.SCHEMA}.jobs"))
+
+
+def _used(plan: str) -> set[str]:
+    import re
+
+    used = set(re.findall(r"Scan (?:Backward )?using (\w+)", plan))
+    used |= set(re.findall(r"Bitmap Index Scan on (\w+)", plan))
+    return {name for name in used if not name.startswith("jobs_queues")}
+
+
+def test_list_queues_reads_through_the_partial_indexes(db: sa.Engine, jobs: Jobs) -> None:
+    from sqla_jobs import admin
+
+    _fill(db)
+    plan = _plans(db, lambda conn: admin.list_queues(conn, jobs))
+    assert "Seq Scan on jobs " not in plan and "Seq Scan on jobs\n" not in plan, plan
+    assert _used(plan) == {"jobs_claim", "jobs_dead", "jobs_scheduled", "jobs_running"}, plan
+    with db.connect() as conn:
+        assert [q.name for q in admin.list_queues(conn, app.Job)] == ["q0", "q1", "q2"]
+
+
+def test_stats_reads_through_the_partial_indexes(db: sa.Engine, jobs: Jobs) -> None:
+    from sqla_jobs import admin
+
+    _fill(db)
+    plan = _plans(db, lambda conn: admin.stats(conn, jobs))
+    assert "Seq Scan on jobs " not in plan and "Seq Scan on jobs\n" not in plan, plan
+    assert _used(plan) == PARTIAL, plan
+    with db.connect() as conn:
+        q0 = admin.stats(conn, app.Job)[0]
+    assert (q0.queue, q0.ready, q0.done, q0.dead, q0.cancelled, q0.running) == (
+        "q0",
+        20,
+        20,
+        20,
+        20,
+        20,
+    )
