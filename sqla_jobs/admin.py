@@ -290,14 +290,15 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     k = counts.c
     kinds = (*STATUSES, "done_recent", "dead_recent")
 
-    def n(kind: str) -> Any:
-        return sa.func.coalesce(sa.func.sum(k.n).filter(k.kind == kind), 0)
+    def total(value: Any) -> Any:
+        # sum(bigint) is numeric, which the driver hands back as a Decimal.
+        return sa.func.coalesce(sa.cast(value, sa.BigInteger), 0)
 
     per_queue = (
         sa.select(
             k.queue,
-            *(n(kind).label(kind) for kind in kinds),
-            sa.func.coalesce(sa.func.sum(k.expired), 0).label("lease_expired"),
+            *(total(sa.func.sum(k.n).filter(k.kind == kind)).label(kind) for kind in kinds),
+            total(sa.func.sum(k.expired)).label("lease_expired"),
             sa.func.min(k.oldest).label("oldest_ready"),
         )
         .group_by(k.queue)

@@ -219,6 +219,7 @@ def test_stats_reads_through_the_partial_indexes(db: sa.Engine, jobs: Jobs) -> N
     assert _used(plan) == PARTIAL, plan
     with db.connect() as conn:
         q0 = admin.stats(conn, app.Job)[0]
+    assert all(type(v) is int for v in (q0.ready, q0.done, q0.lease_expired))  # not Decimal
     assert (q0.queue, q0.ready, q0.done, q0.dead, q0.cancelled, q0.running) == (
         "q0",
         20,
