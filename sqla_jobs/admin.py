@@ -235,10 +235,15 @@ def _utc(value: datetime) -> datetime:
 def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> list[QueueStats]:
     """Per-queue counts, lag and pause state, sorted by queue name.
 
-    One aggregate over the jobs table (a sequential scan: counting finished jobs cannot
-    use the partial indexes), outer-joined with ``<table>_queues`` so that a paused queue
-    shows up even while empty. Queues named by the registry's tasks are listed too, so
-    an idle queue reads as zeros rather than being absent.
+    One statement of per-status aggregates, each read where its rows are cheapest: ready,
+    scheduled, running and dead jobs (and the oldest ready ``run_at``) through the partial
+    index of their status, as :func:`overview` does; ``done_recent`` and ``dead_recent``
+    through ``<table>_finished``, over the last ``window`` seconds only; and the done and
+    cancelled totals from the rows of those two statuses, which no index has by queue
+    (one on the success path would cost every job, so those two totals are the one part
+    that grows with the kept history). The whole is full-joined with ``<table>_queues`` so
+    that a paused queue shows up even while empty; queues named by the registry's tasks
+    are listed too, so an idle queue reads as zeros rather than being absent.
 
     :param window: seconds that ``done_recent`` and ``dead_recent`` look back.
     """
@@ -246,32 +251,74 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     queues_table = _queues_table(table)
     c = table.c
     since = sa.func.now() - sa.bindparam("window", type_=sa.Interval)
+    none_time = sa.null().cast(sa.DateTime(timezone=True))
+    zero = sa.literal(0, sa.BigInteger)
 
-    def n(*conditions: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
-        return sa.func.count().filter(sa.and_(*conditions))
+    def branch(
+        kind: str, *where: sa.ColumnElement[bool], oldest: Any = none_time, expired: Any = zero
+    ) -> sa.Select[Any]:
+        return (
+            sa.select(
+                c.queue,
+                sa.literal(kind).label("kind"),
+                sa.func.count().label("n"),
+                expired.label("expired"),
+                oldest.label("oldest"),
+            )
+            .where(*where)
+            .group_by(c.queue)
+        )
+
+    def status(s: JobStatus) -> sa.ColumnElement[bool]:
+        return c.status == _lit(s)
+
+    counts = sa.union_all(
+        branch("ready", status(JobStatus.READY), oldest=sa.func.min(c.run_at)),
+        branch("scheduled", status(JobStatus.SCHEDULED)),
+        branch(
+            "running",
+            status(JobStatus.RUNNING),
+            expired=sa.func.count().filter(c.locked_until < sa.func.now()),
+        ),
+        branch("dead", status(JobStatus.DEAD)),
+        # The range on finished_at keeps these two on <table>_finished's recent end.
+        branch("done_recent", status(JobStatus.DONE), c.finished_at >= since),
+        branch("dead_recent", status(JobStatus.DEAD), c.finished_at >= since),
+        # One pass over the rows of both statuses, not one each.
+        sa.select(
+            c.queue,
+            sa.cast(c.status, sa.Text).label("kind"),
+            sa.func.count(),
+            zero,
+            none_time,
+        )
+        .where(c.status.in_([_lit(JobStatus.DONE), _lit(JobStatus.CANCELLED)]))
+        .group_by(c.queue, c.status),
+    ).subquery("counts")
+    k = counts.c
+    kinds = (*STATUSES, "done_recent", "dead_recent")
+
+    def total(value: Any) -> Any:
+        # sum(bigint) is numeric, which the driver hands back as a Decimal.
+        return sa.func.coalesce(sa.cast(value, sa.BigInteger), 0)
 
     per_queue = (
         sa.select(
-            c.queue,
-            *(n(c.status == _lit(s)).label(s) for s in STATUSES),
-            n(c.status == _lit(JobStatus.RUNNING), c.locked_until < sa.func.now()).label(
-                "lease_expired"
-            ),
-            sa.func.min(c.run_at).filter(c.status == _lit(JobStatus.READY)).label("oldest_ready"),
-            n(c.status == _lit(JobStatus.DONE), c.finished_at >= since).label("done_recent"),
-            n(c.status == _lit(JobStatus.DEAD), c.finished_at >= since).label("dead_recent"),
+            k.queue,
+            *(total(sa.func.sum(k.n).filter(k.kind == kind)).label(kind) for kind in kinds),
+            total(sa.func.sum(k.expired)).label("lease_expired"),
+            sa.func.min(k.oldest).label("oldest_ready"),
         )
-        .group_by(c.queue)
+        .group_by(k.queue)
         .subquery("per_queue")
     )
     p, q = per_queue.c, queues_table.c
     lag = sa.cast(sa.extract("epoch", sa.func.now() - p.oldest_ready), sa.Float)
-    counts = (*STATUSES, "lease_expired", "done_recent", "dead_recent")
     stmt = (
         sa.select(
             sa.func.coalesce(p.queue, q.name).label("queue"),
             sa.func.coalesce(q.paused, sa.false()).label("paused"),
-            *(sa.func.coalesce(p[name], 0).label(name) for name in counts),
+            *(sa.func.coalesce(p[name], 0).label(name) for name in (*kinds, "lease_expired")),
             lag.label("lag_seconds"),
         )
         .select_from(per_queue.join(queues_table, p.queue == q.name, full=True))
@@ -1229,17 +1276,21 @@ def paused_queues(bind: Bind, jobs: JobSource) -> set[str]:
 
 
 def list_queues(bind: Bind, jobs: JobSource) -> list[QueueInfo]:
-    """Every queue known to the table, the registry or ``<table>_queues``, by name.
+    """Every queue known to ``<table>_queues``, the registry, or a live or dead job, by name.
 
-    Queues come from three places: rows of ``<table>_queues`` (paused or resumed once),
-    queues of jobs in the table (a scan of its ``queue`` column), and queues the
-    registry's tasks name.
+    Queues come from rows of ``<table>_queues`` (paused or resumed once), the queues the
+    registry's tasks name, and the queues of scheduled, ready, running and dead jobs,
+    each read through the partial index of its status: the ready and dead ones by a
+    skip over the index's leading ``queue`` (one index probe per queue, however many
+    jobs), the scheduled and running ones (few) from their rows. A queue whose only jobs
+    are done or cancelled is not found that way (no index has their queue, and reading
+    every finished row is what this avoids); name it in the registry to keep it listed.
     """
     table = _table(jobs)
     q = _queues_table(table)
     known = {r.name: r for r in _execute(bind, sa.select(q.c.name, q.c.paused, q.c.updated_at))}
     names = set(known) | _registry_queues(jobs)
-    names.update(_execute(bind, sa.select(table.c.queue).distinct()).scalars())
+    names.update(_execute(bind, _job_queues(table)).scalars())
     return [
         QueueInfo(
             n,
@@ -1249,6 +1300,39 @@ def list_queues(bind: Bind, jobs: JobSource) -> list[QueueInfo]:
         )
         for n in sorted(names)
     ]
+
+
+def _job_queues(table: sa.Table) -> sa.Select[Any]:
+    """The distinct queues of the live and dead jobs, read through the partial indexes."""
+    c = table.c
+
+    def skip(status: JobStatus) -> sa.Select[Any]:
+        # A recursive walk over an index whose first column is queue: each step asks for
+        # the next queue name after the last one, which the index answers in one probe.
+        def first_after(*where: sa.ColumnElement[bool]) -> Any:
+            return (
+                sa.select(sa.func.min(c.queue))
+                .where(c.status == _lit(status), *where)
+                .scalar_subquery()
+            )
+
+        walk = sa.select(first_after().label("queue")).cte(f"queues_{status.value}", recursive=True)
+        walk = walk.union_all(
+            sa.select(first_after(c.queue > walk.c.queue)).where(walk.c.queue.is_not(None))
+        )
+        return sa.select(walk.c.queue).where(walk.c.queue.is_not(None))
+
+    def few(status: JobStatus) -> sa.Select[Any]:
+        return sa.select(c.queue).where(c.status == _lit(status)).distinct()
+
+    return sa.select(
+        sa.union(
+            skip(JobStatus.READY),
+            skip(JobStatus.DEAD),
+            few(JobStatus.SCHEDULED),
+            few(JobStatus.RUNNING),
+        ).subquery("queues")
+    )
 
 
 def _set_paused(bind: Bind, jobs: JobSource, name: str, paused: bool) -> None:

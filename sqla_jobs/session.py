@@ -16,7 +16,8 @@ flushes the session's objects where the caller's own commit would not.
 
 ``enqueue_many`` is for bulk: the rows are kept on the session and inserted by one
 ``INSERT ... SELECT FROM unnest(...)`` statement, in the caller's transaction, at the first
-of: the session's next flush (right after it); the start of a savepoint
+of: the session's next flush or autoflush (right after it, even when the session has
+nothing else to write); the start of a savepoint
 (``begin_nested()``: written before its ``SAVEPOINT``, as part of the enclosing
 transaction); the release of the savepoint they were enqueued in, or the commit.
 
@@ -78,6 +79,31 @@ class EnqueueMixin:
         super().__init__(*args, **kw)
         if jobs is not None:
             self.info[_JOBS_KEY] = jobs
+
+    def flush(self, objects: Any = None) -> Any:
+        """Flush the session, then write the waiting ``enqueue_many`` rows.
+
+        Why not only the ``after_flush`` hook: SQLAlchemy skips a flush (and its hooks)
+        when the session holds no changed object of its own, so a session whose only work
+        is ``enqueue_many`` rows would write nothing at ``flush()`` or at an autoflush, and
+        a query right after would not see them. The rows go into the current transaction
+        (the innermost savepoint), whose fate they already share. On an ``AsyncSession``
+        this returns the awaitable of its ``flush``.
+        """
+        parent: Any = super()
+        if isinstance(self, Session):
+            parent.flush(objects)
+            _insert_pending(self)
+            return None
+
+        async def flush_async() -> None:
+            await parent.flush(objects)
+            # Already written when the sync session is ours; not with a sync_session_class
+            # of the caller's that lacks this mixin.
+            if self.info.get(_PENDING_KEY):
+                await self.run_sync(_insert_pending)  # type: ignore[attr-defined]
+
+        return flush_async()
 
     # A type checker holds ``enqueue(task, ...)`` to the handler's signature: everything
     # after the task goes to the handler (P), so options are bound first, with
@@ -360,6 +386,11 @@ class JobSession(EnqueueMixin, ClaimMixin, Session):
     jobs=jobs)``."""
 
 
+class _FlushingSession(EnqueueMixin, Session):
+    """The plain ``Session`` inside an :class:`AsyncJobSession`: its flush (explicit or
+    an autoflush) writes the waiting ``enqueue_many`` rows too."""
+
+
 try:
     from sqlalchemy.ext.asyncio import AsyncSession
 except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jobs[asyncio]'
@@ -375,6 +406,10 @@ else:
         job must be inserted at once to know whether it is new, which on asyncio means
         awaiting: use :meth:`enqueue_unique` for those.
         """
+
+        #: The session behind it writes waiting ``enqueue_many`` rows at every flush, an
+        #: autoflush (``await session.execute(select(Job))``) included.
+        sync_session_class = _FlushingSession
 
         @overload
         def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> Any: ...
@@ -610,7 +645,19 @@ def _after_commit(session: Session) -> None:
     for boundary, registry, jobs in announce:
         if boundary is root:
             for job in jobs:
-                registry.events.fire("enqueued", job)
+                if _committed(job):
+                    registry.events.fire("enqueued", job)
+
+
+def _committed(job: Any) -> bool:
+    """Whether a job announced by this session reached the table: an ``enqueue_many`` row
+    was written (its boundary committed); a ``Job`` object only if it was flushed and not
+    deleted. One expunged (``expunge``, ``expunge_all``) before any flush never was, and
+    metrics must not count it."""
+    state = inspect(job, raiseerr=False)
+    if state is None:  # an enqueue_many row (a dict)
+        return True
+    return state.key is not None and not state.was_deleted
 
 
 def _insert_pending(session: Session, through: SessionTransaction | None = None) -> None:

@@ -553,4 +553,4 @@ def test_sqla_jobs_web_serves_the_dashboard_on_127_0_0_1(db: sa.Engine) -> None:
         assert "read-only" in response.text
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.communicate(timeout=10)  # waits, and closes the pipes (no ResourceWarning)
