@@ -178,7 +178,7 @@ def bulk_plain(env: Env, size: int, calls: int, shape: str) -> float:
 
 def row_bulk(env: Env, args: argparse.Namespace) -> None:
     sizes = [10, 100, 300, 1_000, 10_000, 100_000] if not args.quick else [100, 1_000, 10_000]
-    per_size = 200_000 if not args.quick else 20_000
+    per_size = 100_000 if not args.quick else 20_000
     sides: dict[str, Callable[[int, int], float]] = {
         "ours, Core connection": lambda n, k: bulk_ours(env, n, k, session=False, copy=True),
         "ours, session": lambda n, k: bulk_ours(env, n, k, session=True, copy=True),
@@ -756,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--minutes", type=float, default=1.0, help="churn: minutes per variant")
-    p.add_argument("--rate", type=int, default=4_000, help="churn: jobs/s enqueued")
+    p.add_argument("--rate", type=int, default=3_000, help="churn: jobs/s enqueued")
     p.add_argument(
         "--max-depth-exp", type=int, default=7, help="depth: up to 10^N ready jobs (default 7)"
     )
