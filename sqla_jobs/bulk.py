@@ -31,8 +31,9 @@ import sqlalchemy as sa
 __all__ = ["COPY_MIN_ROWS", "copy_allowed", "copy_run"]
 
 #: The smallest run of rows written with COPY. Measured with ``benchmarks/curves.py
-#: --rows bulk`` on the 2-core machine: at 100 rows the unnest INSERT and COPY are level
-#: (the extra round trip eats what COPY saves per row), from a few hundred on COPY wins.
+#: --rows bulk`` on the 2-core machine: at 300 rows per call COPY gives 1.3-1.4 times the
+#: unnest INSERT's rate, at 10 rows plain psycopg's COPY is no faster than its INSERT (the
+#: extra round trip eats what COPY saves per row); 200 lies between.
 COPY_MIN_ROWS = 200
 
 #: Rows per ``write``: bounds the text held in memory for a call of a million rows.
