@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from .bulk import copy_allowed, copy_run
 from .model import (
     LIVE_STATUSES,
     UNIQUE_WHERE,
@@ -1224,7 +1225,7 @@ def job_params(values: dict[str, Any]) -> JobParams:
     return {
         "task": values["task"],
         "queue": values["queue"],
-        "args": _dumps(values["args"]),
+        "args": args_json(values["args"]),
         "priority": values["priority"],
         "max_attempts": values["max_attempts"],
         "status": values["status"],
@@ -1259,6 +1260,13 @@ _SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at", "met
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+def args_json(args: Any) -> str:
+    """A job's arguments as JSON text: the text their check wrote, when they carry it
+    (:class:`~sqla_jobs.tasks.CheckedArgs`), else encoded here."""
+    text = getattr(args, "json", None)
+    return text if isinstance(text, str) else _dumps(args)
+
+
 def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
     """What the rows of one enqueue_many call have in common."""
     return (
@@ -1275,7 +1283,8 @@ def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
 def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -> int:
     """INSERT checked job rows (from :meth:`Jobs.job_values <sqla_jobs.Jobs.job_values>`),
     one statement per run of rows that share task, queue and options: one statement for an
-    ``enqueue_many`` call, whatever its size. Returns how many rows were inserted (rows
+    ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
+    see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
     whose unique key a live job holds are not)."""
     statement = queries.bulk_insert
     inserted = 0
@@ -1284,9 +1293,15 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
         params = dict(zip(_SHARED, shared, strict=True))
         if params["meta"] is not None:
             params["meta"] = _dumps(params["meta"])
-        params["args"] = [_dumps(r["args"]) for r in same]
+        params["args"] = [args_json(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
         params["concurrency_key"] = [r.get("concurrency_key") for r in same]
+        # COPY writes the shared columns and the arguments only: rows with a concurrency
+        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do.
+        keyed = any(key is not None for key in params["concurrency_key"])
+        if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
+            inserted += copy_run(connection, queries.table, params, params["args"])
+            continue
         inserted += connection.execute(statement, params).rowcount
     return inserted
 

@@ -131,9 +131,24 @@ class Backoff:
 #: but the defaults does); one shared encoder does the same check for half the cost.
 #: ``ensure_ascii=False`` keeps the text as it is, so the encoding also shows where to look
 #: for what PostgreSQL cannot store (see :meth:`Task.bind_args`).
-_check_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False).encode
+#: Compact separators: the text is also what the INSERT sends (:class:`CheckedArgs`).
+_check_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode
 #: The canonical form of a task and its arguments, for derived unique keys.
 _canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+#: Read once: an enum member's ``.value`` is a descriptor call, once per enqueue_many row.
+_READY = JobStatus.READY.value
+
+
+class CheckedArgs(dict[str, Any]):
+    """A job's arguments as :meth:`Task.bind_args` checked them, with the JSON text that
+    check wrote (``json``). The INSERT (or COPY) sends that text instead of encoding the
+    arguments a second time: for a bulk enqueue the encoding was a fifth of the cost of a
+    row. It is a plain dict otherwise; one built elsewhere is encoded as before."""
+
+    __slots__ = ("json",)
+    json: str
+
 
 #: A retry policy maps the number of the attempt that just failed to seconds to wait.
 RetryPolicy = Callable[[int], float]
@@ -205,13 +220,13 @@ class Task(Generic[P, R]):
             and kwargs.keys() <= keywords
             and self._required <= kwargs.keys()
         ):
-            arguments = dict(kwargs)
+            arguments = CheckedArgs(kwargs)
         else:
             try:
                 bound = self.signature.bind(*args, **kwargs)
             except TypeError as exc:
                 raise EnqueueError(f"task {self.name!r}: {exc}") from None
-            arguments = dict(bound.arguments)
+            arguments = CheckedArgs(bound.arguments)
         try:
             text = _check_json(arguments)
         except (TypeError, ValueError, RecursionError):
@@ -235,6 +250,7 @@ class Task(Generic[P, R]):
             if found is not None:
                 name, where, why = found
                 raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
+        arguments.json = text
         return arguments
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -1221,7 +1237,7 @@ class Jobs:
             "args": arguments,
             "priority": prio,
             "max_attempts": attempts,
-            "status": JobStatus.READY.value,
+            "status": _READY,
         }
         if meta_prepared:
             if meta is not None:

@@ -143,9 +143,10 @@ def test_enqueue_many_inserts_in_one_statement_at_flush(
     def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         statements.append(statement)
 
+    # Below COPY_MIN_ROWS (tests/test_bulk_copy.py has the COPY of bigger calls).
     with Session() as session:
-        n = session.enqueue_many(send, [{"to": f"{i}@example.com"} for i in range(500)])
-        assert n == 500
+        n = session.enqueue_many(send, [{"to": f"{i}@example.com"} for i in range(150)])
+        assert n == 150
         assert count(db) == 0
         sa.event.listen(db, "before_cursor_execute", spy)
         try:
@@ -154,7 +155,7 @@ def test_enqueue_many_inserts_in_one_statement_at_flush(
             sa.event.remove(db, "before_cursor_execute", spy)
     inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
     assert len(inserts) == 1
-    assert count(db, status="ready") == 500
+    assert count(db, status="ready") == 150
     assert sorted(r.args["to"] for r in rows(db))[:2] == ["0@example.com", "100@example.com"]
 
 

@@ -229,6 +229,7 @@ class WorkerCore:
         #: Those of them held by their rate (a completion does not end that wait).
         self._rate_held: set[str] = set()
         self._turn = 0
+        self._dry: dict[str, float] = {}
         self._waiting.clear()  # cleared, not replaced: watched() holds this dict
         self._unreachable_since = None
 
@@ -461,6 +462,7 @@ class WorkerCore:
                     # them, refresh, and look once more before calling it empty.
                     yield WaitWritten()
                     self._next_refresh = 0.0
+                    self._dry.clear()  # "empty" means every queue looked at now
                     yield from self._maintain()
                     # A limited queue that held ready jobs back is not empty: wait for
                     # its slot or its rate window (the sleep below ends when it is due).
@@ -497,10 +499,17 @@ class WorkerCore:
 
     def _claim_order(self) -> list[str]:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
-        so that no queue always goes first."""
-        queues = [q for q in self.queues if q not in self._paused]
+        so that no queue always goes first.
+
+        A queue whose last claim came back short is dry: it is skipped until a NOTIFY names
+        it or a poll interval has passed. A worker serving 1,000 queues with jobs in three
+        of them would otherwise send a thousand claims per round, nearly all empty, while
+        the busy queues wait (``benchmarks/curves.py --rows queues``).
+        Limited queues are never dry: their own wait (``_held``, until a slot or the rate
+        window frees) decides when they are claimed again."""
+        dry, now = self._dry, time.monotonic()
+        queues = [q for q in self.queues if q not in self._paused and not dry.get(q, 0.0) > now]
         if self._held:
-            now = time.monotonic()
             with self._lock:
                 queues = [q for q in queues if self._held.get(q, 0.0) <= now]
         if not queues:
@@ -537,6 +546,9 @@ class WorkerCore:
                 rows = yield Io(db.claim, (self.queries, params), Conn.CLAIM)
             if len(rows) == want:
                 self.more = True
+                self._dry.pop(queue, None)
+            elif queue not in self.limits:
+                self._dry[queue] = time.monotonic() + self.settings.poll_interval
             if rows:
                 self.driver.dispatch(self.claimed(rows))
                 total += len(rows)
@@ -948,6 +960,7 @@ class WorkerCore:
             while not self.stopping:
                 for payload in (yield Notifications(0.5)):
                     if payload in wanted:
+                        self._dry.pop(payload, None)
                         self.driver.wake()
                     elif payload == CANCEL_PAYLOAD:
                         self._poked = True

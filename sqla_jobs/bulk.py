@@ -1,0 +1,120 @@
+"""``COPY`` for big ``enqueue_many`` calls.
+
+An ``enqueue_many`` call writes one run of rows that differ only in their arguments. Past
+a few hundred rows, ``COPY ... FROM STDIN`` costs the server less per row than the
+``INSERT ... SELECT FROM unnest(...)`` of :func:`~sqla_jobs.queries.insert_rows`, and
+costs Python less too: each row is one line of text, the shared values written once and
+repeated, the arguments' JSON (pure ASCII, see ``queries._dumps``) escaped with one
+``str.replace``. Below :data:`COPY_MIN_ROWS` the INSERT wins: COPY has a round trip more
+and no prepared plan.
+
+COPY goes through the psycopg connection under the SQLAlchemy connection, inside the
+caller's transaction (it is never committed here). The table's statement-level
+``AFTER INSERT`` trigger fires for COPY as for an INSERT, so the workers are woken alike.
+What COPY cannot do is skip a conflicting row, so rows with unique keys stay on the
+``INSERT ... ON CONFLICT DO NOTHING`` path (:func:`copy_allowed` says no for them).
+
+It also goes around what SQLAlchemy does for its own statements: ``echo`` logging, the
+``before_cursor_execute`` events and ``schema_translate_map``. A connection with a
+``schema_translate_map`` therefore keeps the INSERT (the table's name would be wrong), and
+an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the INSERT's would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+__all__ = ["COPY_MIN_ROWS", "copy_allowed", "copy_run"]
+
+#: The smallest run of rows written with COPY. Measured with ``benchmarks/curves.py
+#: --rows bulk`` on the 2-core machine: at 300 rows per call COPY gives 1.3-1.4 times the
+#: unnest INSERT's rate, at 10 rows plain psycopg's COPY is no faster than its INSERT (the
+#: extra round trip eats what COPY saves per row); 200 lies between.
+COPY_MIN_ROWS = 200
+
+#: Rows per ``write``: bounds the text held in memory for a call of a million rows.
+_CHUNK = 5_000
+
+#: The columns a run writes, in the order of each line; ``run_at`` only when given (the
+#: column's default is the same ``now()`` the INSERT would use).
+_COLUMNS = ("task", "queue", "priority", "max_attempts", "status", "meta", "args")
+
+
+def copy_allowed(connection: Any, count: int, unique_keys: Sequence[str | None]) -> bool:
+    """Whether a run of ``count`` rows goes through COPY: big enough, no unique keys, a
+    psycopg 3 connection, and no ``schema_translate_map`` to honour."""
+    if count < COPY_MIN_ROWS or any(key is not None for key in unique_keys):
+        return False
+    if not isinstance(connection, sa.Connection) or connection.dialect.driver != "psycopg":
+        return False
+    return not connection.get_execution_options().get("schema_translate_map")
+
+
+def _text(value: Any) -> str:
+    """One field of COPY's text format: ``\\N`` for NULL, the four special characters
+    escaped."""
+    if value is None:
+        return "\\N"
+    if isinstance(value, datetime):
+        value = value.isoformat()
+    return (
+        str(value)
+        .replace("\\", "\\\\")
+        .replace("\t", "\\t")
+        .replace("\n", "\\n")
+        .replace("\r", "\\r")
+    )
+
+
+def _statement(connection: sa.Connection, table: sa.Table, with_run_at: bool) -> str:
+    columns = _COLUMNS[:-1] + (("run_at",) if with_run_at else ()) + ("args",)
+    quote = connection.dialect.identifier_preparer.quote
+    return "COPY {} ({}) FROM STDIN".format(
+        connection.dialect.identifier_preparer.format_table(table),
+        ", ".join(quote(c) for c in columns),
+    )
+
+
+def copy_run(
+    connection: sa.Connection, table: sa.Table, shared: dict[str, Any], args: list[str]
+) -> int:
+    """COPY one run of rows into ``table``: ``shared`` holds the values every row has
+    (``meta`` as JSON text), ``args`` each row's arguments as JSON text. Returns the number
+    of rows written (all of them: COPY writes every row or fails)."""
+    run_at = shared.get("run_at")
+    prefix = "\t".join(_text(shared[name]) for name in _COLUMNS[:-1]) + "\t"
+    if run_at is not None:
+        prefix += _text(run_at) + "\t"
+    statement = _statement(connection, table, run_at is not None)
+    # JSON text never holds a raw tab, newline or carriage return (JSON escapes every
+    # control character), so a backslash is the one character COPY's text format needs
+    # escaped in it.
+    chunks = [
+        "".join([f"{prefix}{a.replace(chr(92), chr(92) * 2)}\n" for a in args[i : i + _CHUNK]])
+        for i in range(0, len(args), _CHUNK)
+    ]
+    driver = connection.connection.driver_connection
+    try:
+        if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
+            from sqlalchemy.util import await_only
+
+            await_only(_copy_async(driver, statement, chunks))
+        else:
+            with driver.cursor() as cursor, cursor.copy(statement) as copy:  # type: ignore[union-attr]
+                for chunk in chunks:
+                    copy.write(chunk)
+    except connection.dialect.loaded_dbapi.Error as exc:
+        raise sa.exc.DBAPIError.instance(
+            statement, None, exc, connection.dialect.loaded_dbapi.Error
+        ) from exc
+    return len(args)
+
+
+async def _copy_async(driver: Any, statement: str, chunks: list[str]) -> None:
+    async with driver.cursor() as cursor, cursor.copy(statement) as copy:
+        for chunk in chunks:
+            await copy.write(chunk)
