@@ -779,12 +779,13 @@ def heartbeat_params(
 
 def _notify_queues(channel: str, changed: CTE) -> sa.Select[Any]:
     """Wrap a data-modifying CTE that returns ``queue`` (and maybe ``status``) in one
-    NOTIFY per distinct queue that has ready jobs now."""
+    NOTIFY per distinct queue that has ready jobs now; each row also names its queue, for
+    a worker that does not listen (see ``WorkerCore._maintain``)."""
     wake = sa.select(changed.c.queue).distinct()
     if "status" in changed.c:
         wake = wake.where(changed.c.status == status_literal(JobStatus.READY))
     sub = wake.subquery("q")
-    return sa.select(sa.func.pg_notify(sa.literal(channel), sub.c.queue)).select_from(sub)
+    return sa.select(sa.func.pg_notify(sa.literal(channel), sub.c.queue), sub.c.queue)
 
 
 # Promote due scheduled jobs to ready, through <table>_scheduled, and wake the workers of

@@ -613,6 +613,8 @@ class WorkerCore:
         if rescue:
             self._next_rescue = now + self.settings.rescue_every
         self._paused = result.paused
+        for queue in result.woken:
+            self._dry.pop(queue, None)
         self._next_refresh = now + self.settings.poll_interval
         self._next_due = None if result.due_in is None else now + max(0.0, result.due_in)
         if now >= self._next_prune:

@@ -283,6 +283,10 @@ class Refresh:
     #: Seconds until the next scheduled job is due (None: nothing scheduled).
     due_in: float | None
     paused: frozenset[str]
+    #: Queues that have ready jobs now because this refresh promoted or rescued some: a
+    #: worker that does not LISTEN hears of them only here (its dry queues, see
+    #: ``WorkerCore._claim_order``, are claimed again at once).
+    woken: frozenset[str] = frozenset()
 
 
 def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
@@ -294,13 +298,14 @@ def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
     a few index lookups, and SKIP LOCKED keeps concurrent runs apart.
     """
     queries = jobs.queries
+    woken: set[str] = set()
     if rescue:
-        conn.execute(queries.rescue, {"limit": BATCH}).all()
-    conn.execute(queries.promote, {"limit": BATCH}).all()
+        woken.update(row.queue for row in conn.execute(queries.rescue, {"limit": BATCH}))
+    woken.update(row.queue for row in conn.execute(queries.promote, {"limit": BATCH}))
     periodic.enqueue_due(conn, jobs)
     paused = frozenset(conn.execute(queries.paused).scalars())
     due_in = conn.execute(queries.next_due).scalar()
-    return Refresh(None if due_in is None else float(due_in), paused)
+    return Refresh(None if due_in is None else float(due_in), paused, frozenset(woken))
 
 
 def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:

@@ -364,3 +364,17 @@ def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties
     core.count({"a": [2, 0, 0]})
     step = next(core.leave())
     assert step.fn is db.worker_gone and step.args[1:] == (core.name, {"a": [2, 0, 0]})
+
+
+def test_a_dry_queue_is_claimed_again_once_a_refresh_promotes_jobs_into_it() -> None:
+    """A queue whose claim came back short is skipped until a NOTIFY names it or a poll
+    interval passes; a refresh that promoted jobs into it ends that wait at once (a worker
+    that does not LISTEN hears of them only there)."""
+    from sqla_jobs.worker.db import Refresh
+
+    core, _, _ = make(queues=("a", "b"))
+    run_steps(core._claim(), lambda step: [])  # both come back empty: both dry
+    assert core._claim_order() == []
+    woken = Refresh(None, frozenset(), frozenset({"a"}))
+    run_steps(core._maintain(), lambda step: woken if step.fn.__name__ == "refresh" else 0)
+    assert core._claim_order() == ["a"]
