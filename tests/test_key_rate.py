@@ -195,10 +195,10 @@ def test_two_keys_at_ten_per_second_across_workers(
 ) -> None:
     """Three worker processes share the key rate "10/s": in no window of a key do more
     than ten of its jobs start, and both keys progress side by side."""
+    workers += _start_workers(3, "key_rated", 8, db)
     with db.begin() as conn:
         for account in ("a", "b"):
             app.limited_jobs.enqueue_many(conn, app.key_rated_work, [{"account": account}] * 100)
-    workers += _start_workers(3, "key_rated", 8)
     wait_for(lambda: count(db, app.Span) >= 1, timeout=30)
     first = min(s.started for s in _spans(db))
     wait_for(lambda: time.time() > first + 3.0, timeout=30, interval=0.05)

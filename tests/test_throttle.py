@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession
+from sqla_jobs.model import companion_tables
 from sqla_jobs.queries import claim_params, interval, limited_claim_params
 from sqla_jobs.throttle import parse_rate
 from sqla_jobs.worker import db as worker_db
@@ -342,7 +343,31 @@ def test_limits_are_listed(db: sa.Engine) -> None:
 # -- worker processes ---------------------------------------------------------------------
 
 
-def _start_workers(n: int, queue: str, concurrency: int) -> list[subprocess.Popen[str]]:
+def _start_workers(
+    n: int, queue: str, concurrency: int, db: sa.Engine | None = None
+) -> list[subprocess.Popen[str]]:
+    """``n`` worker processes on ``queue``. With ``db``, wait until each has reported its
+    presence (``<table>_workers``): jobs enqueued after that are claimed by workers that
+    are all up, so the test sees several of them at work, not the one that started first
+    on a loaded machine."""
+    procs = _popen_workers(n, queue, concurrency)
+    if db is not None:
+        table = companion_tables(app.Job.__table__).workers
+        up = sa.select(sa.func.count()).where(sa.literal(queue) == sa.any_(table.c.queues))
+
+        def ready() -> bool:
+            with db.connect() as conn:
+                return int(conn.execute(up).scalar_one()) >= n
+
+        try:
+            wait_for(ready, timeout=60, interval=0.1)
+        except BaseException:
+            _stop(procs)
+            raise
+    return procs
+
+
+def _popen_workers(n: int, queue: str, concurrency: int) -> list[subprocess.Popen[str]]:
     return [
         subprocess.Popen(
             [
@@ -391,9 +416,9 @@ def _spans(db: sa.Engine) -> list[Any]:
 def test_four_workers_never_run_more_than_three(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
+    workers += _start_workers(4, "limited", 16, db)
     with db.begin() as conn:
         app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0.05}] * 60)
-    workers += _start_workers(4, "limited", 16)
     most = 0
     samples = 0
     running = sa.select(sa.func.count()).where(
@@ -419,12 +444,12 @@ def test_four_workers_never_run_more_than_three(
 def test_one_job_per_key_at_a_time_across_workers(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
+    workers += _start_workers(3, "keyed", 8, db)
     with db.begin() as conn:
         for account in ("a", "b", "c"):
             app.limited_jobs.enqueue_many(
                 conn, app.keyed_work, [{"account": account, "seconds": 0.01}] * 50
             )
-    workers += _start_workers(3, "keyed", 8)
     wait_for(lambda: count(db, app.Span) == 150, timeout=90, interval=0.1)
     spans = _spans(db)
     by_key: dict[str, list[Any]] = {}
@@ -446,9 +471,9 @@ def test_one_job_per_key_at_a_time_across_workers(
 def test_a_rate_of_twenty_per_second_across_workers(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
+    workers += _start_workers(3, "rated", 8, db)
     with db.begin() as conn:
         app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 300)
-    workers += _start_workers(3, "rated", 8)
     wait_for(lambda: count(db, app.Span) >= 1, timeout=30)
     first = min(s.started for s in _spans(db))
     wait_for(lambda: time.time() > first + 5.0, timeout=30, interval=0.05)
