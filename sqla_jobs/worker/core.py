@@ -230,6 +230,10 @@ class WorkerCore:
         self._rate_held: set[str] = set()
         self._turn = 0
         self._dry: dict[str, float] = {}
+        #: When a NOTIFY last named each queue (monotonic): a claim that began before it
+        #: may have missed its jobs, so it does not make the queue dry. Written by the
+        #: listener, read by the fetch loop, both under ``_lock``.
+        self._notified: dict[str, float] = {}
         self._waiting.clear()  # cleared, not replaced: watched() holds this dict
         self._unreachable_since = None
 
@@ -540,6 +544,7 @@ class WorkerCore:
             # the jobs start: a completion written before the claim is visible would find
             # the row still 'ready' and match nothing.
             params = claim_params(queue, want, self.lease, self.name)
+            began = time.monotonic()
             if queue in self.limits:
                 rows = yield from self._claim_limited(queue, params)
             else:
@@ -548,7 +553,11 @@ class WorkerCore:
                 self.more = True
                 self._dry.pop(queue, None)
             elif queue not in self.limits:
-                self._dry[queue] = time.monotonic() + self.settings.poll_interval
+                # Not when a NOTIFY for it arrived while this claim was on its way: the
+                # claim's snapshot may predate the jobs it announced.
+                with self._lock:
+                    if self._notified.get(queue, 0.0) < began:
+                        self._dry[queue] = time.monotonic() + self.settings.poll_interval
             if rows:
                 self.driver.dispatch(self.claimed(rows))
                 total += len(rows)
@@ -962,7 +971,9 @@ class WorkerCore:
             while not self.stopping:
                 for payload in (yield Notifications(0.5)):
                     if payload in wanted:
-                        self._dry.pop(payload, None)
+                        with self._lock:
+                            self._notified[payload] = time.monotonic()
+                            self._dry.pop(payload, None)
                         self.driver.wake()
                     elif payload == CANCEL_PAYLOAD:
                         self._poked = True

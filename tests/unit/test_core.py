@@ -378,3 +378,18 @@ def test_a_dry_queue_is_claimed_again_once_a_refresh_promotes_jobs_into_it() -> 
     woken = Refresh(None, frozenset(), frozenset({"a"}))
     run_steps(core._maintain(), lambda step: woken if step.fn.__name__ == "refresh" else 0)
     assert core._claim_order() == ["a"]
+
+
+def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> None:
+    """A claim's snapshot may predate the jobs a NOTIFY announces while it is on its way:
+    the queue must not go dry then, or those jobs would wait for the poll interval."""
+    core, _, _ = make(queues=("a", "b"))
+
+    def claim(step: s.Step) -> Any:
+        queue = step.args[1]["queue_name"]
+        if queue == "a":  # the listener hears of "a" while its claim is out
+            core._notified["a"] = time.monotonic()
+        return []
+
+    run_steps(core._claim(), claim)
+    assert core._claim_order() == ["a"]  # "b" is dry, "a" is not
