@@ -173,49 +173,29 @@ class EnqueueMixin:
             cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
+        given = {
+            "queue": queue,
+            "priority": priority,
+            "run_at": run_at,
+            "delay": delay,
+            "max_attempts": max_attempts,
+            "unique": unique,
+            "unique_key": unique_key,
+            "meta": meta,
+            "unique_for": unique_for,
+            "unique_states": unique_states,
+            "unique_on_conflict": unique_on_conflict,
+            "keep_result": keep_result,
+            "after": after,
+            "on_parent_failure": on_parent_failure,
+        }
         if isinstance(task, ConfiguredTask):
-            plain, options = merge_options(
-                task,
-                {
-                    "queue": queue,
-                    "priority": priority,
-                    "run_at": run_at,
-                    "delay": delay,
-                    "max_attempts": max_attempts,
-                    "unique": unique,
-                    "unique_key": unique_key,
-                    "meta": meta,
-                    "unique_for": unique_for,
-                    "unique_states": unique_states,
-                    "unique_on_conflict": unique_on_conflict,
-                    "keep_result": keep_result,
-                    "after": after,
-                    "on_parent_failure": on_parent_failure,
-                },
-            )
+            plain, options = merge_options(task, given)
             registry = plain.registry
             values = registry.job_values(plain, args, kwargs, **options)
         else:
             registry = _registry(self, task)
-            values = registry.job_values(
-                task,
-                args,
-                kwargs,
-                queue=queue,
-                priority=priority,
-                run_at=run_at,
-                delay=delay,
-                max_attempts=max_attempts,
-                unique=unique,
-                unique_key=unique_key,
-                meta=meta,
-                unique_for=unique_for,
-                unique_states=unique_states,
-                unique_on_conflict=unique_on_conflict,
-                keep_result=keep_result,
-                after=after,
-                on_parent_failure=on_parent_failure,
-            )
+            values = registry.job_values(task, args, kwargs, **given)
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
