@@ -16,7 +16,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import Jobs
+from sqla_jobs import EnqueueError, Jobs
 from sqla_jobs.bulk import COPY_MIN_ROWS
 from sqla_jobs.model import notify_channel
 
@@ -310,3 +310,19 @@ def test_async_session_and_connection_copy(
     assert len(stored) == 2 * N
     assert [r.args for r in stored] == [dict(a.kwargs, to=a.args[0]) for a in sent] * 2
     assert all(r.meta == meta for r in stored)
+
+
+def test_a_nul_in_a_late_row_is_refused_before_the_copy(
+    db: sa.Engine, jobs: Jobs, send: Any, statements: Callable[[], list[str]]
+) -> None:
+    """Rows after the first are checked by the fast path too: a NUL that PostgreSQL would
+    refuse mid-COPY is an EnqueueError before anything is sent, and the caller's
+    transaction goes on."""
+    sent = [send.args(f"{i}@example.com") for i in range(N)]
+    sent[-1] = send.args("last@example.com", subject="a\x00b")
+    with db.begin() as conn:
+        with pytest.raises(EnqueueError, match="NUL"):
+            jobs.enqueue_many(conn, send, sent)
+        assert jobs.enqueue_many(conn, send, sent[:-1]) == N - 1  # still usable
+    assert statements() == ["COPY"]
+    assert count(db) == N - 1
