@@ -308,7 +308,7 @@ class _Gauges(Collector):
         for worker in list(metrics._workers):
             core = worker.core
             slots.add_metric([core.name], core.settings.concurrency)
-            busy.add_metric([core.name], core.settings.concurrency - core.free)
+            busy.add_metric([core.name], core.busy)
         yield slots
         yield busy
 

@@ -97,12 +97,34 @@ class Claim(Protocol):
     def attempts(self) -> int: ...
 
 
+class _IntArrayText(sa.types.TypeDecorator[Sequence[int]]):
+    """A list of integers bound as the text of a PostgreSQL array (``'{1,2,3}'``), which
+    the statement casts back (:func:`_int_array`).
+
+    psycopg dumps a Python list element by element, in Python: two lists of 200 claims
+    took 470 µs, 2.3 µs a job of the completer's time, against 65 µs for their text.
+    """
+
+    impl = sa.Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Sequence[int] | None, dialect: Any) -> str | None:
+        if value is None:
+            return None
+        return "{" + ",".join(map(str, value)) + "}"
+
+
+def _int_array(name: str, element: type[sa.BigInteger] | type[sa.Integer]) -> Any:
+    """``CAST(:name AS element[])``, bound through :class:`_IntArrayText`."""
+    return sa.cast(sa.bindparam(name, type_=_IntArrayText()), ARRAY(element))
+
+
 def _batch() -> Any:
     """``unnest(:ids, :attempt_list) AS batch(id, attempts)``: a whole batch in two parameters."""
     return (
         sa.func.unnest(
-            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+            _int_array("ids", sa.BigInteger),
+            _int_array("attempt_list", sa.Integer),
         )
         .table_valued("id", "attempts")
         .render_derived(name="batch")
@@ -575,8 +597,8 @@ def _has_children(t: sa.Table) -> sa.ColumnElement[bool]:
 def _complete_flow(t: sa.Table, results_channel: str) -> sa.Select[Any]:
     batch = (
         sa.func.unnest(
-            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+            _int_array("ids", sa.BigInteger),
+            _int_array("attempt_list", sa.Integer),
             sa.bindparam("result_list", type_=ARRAY(sa.Text)),
             sa.bindparam("keep_list", type_=ARRAY(sa.Float)),
         )
@@ -738,8 +760,8 @@ def _heartbeat(t: sa.Table) -> sa.Update:
     c = t.c
     batch = (
         sa.func.unnest(
-            sa.bindparam("ids", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("attempt_list", type_=ARRAY(sa.Integer)),
+            _int_array("ids", sa.BigInteger),
+            _int_array("attempt_list", sa.Integer),
             sa.bindparam("progress_list", None, type_=ARRAY(sa.Text)),
         )
         .table_valued("id", "attempts", "progress")

@@ -201,3 +201,53 @@ def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
             conn.close()
 
     return collect
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
+    kind: str, Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """Fast handlers make the worker claim past its free slots (settings.prefetch); the
+    extra claims wait in the worker, so no more than ``concurrency`` handlers ever run at
+    once, on either worker, and every job runs exactly once."""
+    lock = threading.Lock()
+    now_running = most_running = most_held = 0
+    ran: list[int] = []
+    worker: Any = None
+
+    def enter(i: int) -> None:
+        nonlocal now_running, most_running, most_held
+        with lock:
+            ran.append(i)
+            now_running += 1
+            most_running = max(most_running, now_running)
+            most_held = max(most_held, worker.core.running)
+
+    def leave() -> None:
+        nonlocal now_running
+        with lock:
+            now_running -= 1
+
+    if kind == "sync":
+
+        @jobs.task(queue="q", name="quick")
+        def quick(i: int) -> None:
+            enter(i)
+            time.sleep(0.0005)
+            leave()
+
+    else:
+
+        @jobs.task(queue="q", name="quick")
+        async def quick(i: int) -> None:  # type: ignore[misc]
+            enter(i)
+            await asyncio.sleep(0.0005)
+            leave()
+
+    with Session.begin() as session:
+        session.enqueue_many(quick, [{"i": i} for i in range(600)])
+    worker = make_worker(jobs, db, queues=["q"], concurrency=3, claim_limit=3)
+    assert worker.run_until_empty(timeout=60) == 600
+    assert sorted(ran) == list(range(600)) and count(db) == 0
+    assert most_running <= 3
+    assert most_held > 3  # it did claim ahead: without that, this test proves nothing

@@ -19,6 +19,7 @@ The statement functions are the threaded worker's, run through
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import signal
 import time
@@ -63,6 +64,9 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         self._events = Events(asyncio.Event)
         self._outbox: asyncio.Queue[Outcome | None] = asyncio.Queue()
         self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}
+        #: Claimed ahead of the free slots (``settings.prefetch``): each gets its task when
+        #: a running one ends, so that no more than ``concurrency`` handlers run at once.
+        self._waiting: collections.deque[ClaimedJob] = collections.deque()
         self._duties: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
@@ -164,6 +168,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 events.poke.clear()
                 return None if self._done else poked
             case s.WaitIdle(seconds):
+                # What still waits was handed back, unstarted: nothing to run.
+                self._waiting.clear()
                 if self._tasks:
                     await asyncio.wait(list(self._tasks.values()), timeout=seconds)
                 return not self._tasks
@@ -218,8 +224,15 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     # -- the core's callbacks --------------------------------------------------------------
 
     def dispatch(self, claimed: list[ClaimedJob]) -> None:
-        for job in claimed:
-            self._tasks[job.key] = asyncio.create_task(self._run_job(job))
+        self._waiting.extend(claimed)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        tasks, waiting, limit = self._tasks, self._waiting, self.settings.concurrency
+        while waiting and len(tasks) < limit:
+            job = waiting.popleft()
+            if not job.settled:  # handed back (a stop) while it waited
+                tasks[job.key] = asyncio.create_task(self._run_job(job))
 
     def interrupt(self, job: ClaimedJob) -> None:
         task = self._tasks.get(job.key)
@@ -233,6 +246,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             outcome = await self._execute(job)
         finally:
             self._tasks.pop(job.key, None)
+            if self._waiting:
+                self._start_waiting()
         if outcome is not None:
             self.core.finished(job, outcome)
 

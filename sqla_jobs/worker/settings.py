@@ -74,6 +74,13 @@ class WorkerSettings:
         "transaction pooling)",
         cli="no-listen",
     )
+    prefetch: bool = _setting(
+        True,
+        "claim jobs ahead of free slots when handlers finish faster than a claim's round "
+        "trip, so that the next claim is on its way while the last one's jobs run (off: "
+        "claim only into free slots)",
+        cli="no-prefetch",
+    )
     log_jobs: bool = _setting(
         True,
         "log one INFO line per finished run, with its duration and outcome (off: "
@@ -112,7 +119,7 @@ class WorkerSettings:
         _seconds(self, "stuck_after", positive=True)
         if self.rescue_interval is not None:
             _seconds(self, "rescue_interval", positive=True)
-        for flag in ("listen", "log_jobs"):
+        for flag in ("listen", "prefetch", "log_jobs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.name is not None and (
@@ -172,6 +179,7 @@ class WorkerOptions(TypedDict, total=False):
     prune_interval: float
     presence_interval: float
     listen: bool
+    prefetch: bool
     log_jobs: bool
     stuck_after: float
     name: str | None

@@ -3,6 +3,7 @@ what the core asks of it, and the tests send the core's steps the answers."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -393,3 +394,81 @@ def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> N
 
     run_steps(core._claim(), claim)
     assert core._claim_order() == ["a"]  # "b" is dry, "a" is not
+
+
+# -- claiming ahead (settings.prefetch) ---------------------------------------------------
+
+
+def _finishing(core: WorkerCore, per_second: float, rtt: float) -> None:
+    """As if handlers had finished at ``per_second`` for the last second, and claims took
+    ``rtt`` seconds."""
+    core._rtt = rtt
+    core._rate_mark = (time.monotonic() - 1.0, core.processed - round(per_second))
+
+
+_ids = itertools.count(1)
+
+
+def _claims(core: WorkerCore) -> list[int]:
+    """Run one claim round, every queue giving all it is asked: the limits asked."""
+    asked: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io) and step.on is s.Conn.CLAIM
+        asked.append(step.args[1]["limit"])
+        return [row(next(_ids)) for _ in range(step.args[1]["limit"])]
+
+    claimed_before = core.running
+    run_steps(core._claim(), answer)
+    assert core.running - claimed_before == sum(asked)
+    return asked
+
+
+def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
+    core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
+    # 1,000 jobs/s and 10 ms a claim: 10 jobs end during one claim, 20 with the margin,
+    # at most one claim's worth (10) ahead.
+    _finishing(core, 1000, 0.01)
+    asked = _claims(core)
+    assert asked == [10]
+    assert core.more
+    asked = _claims(core)
+    assert asked == [10]  # ten more than the slots, waiting for them
+    assert core.running == 20 and core.busy == 10 and core.free == -10
+    # No room for half a claim: no statement, and the loop waits to be woken.
+    assert _claims(core) == []
+    for job in driver.dispatched[:4]:
+        core.finished(job, Outcome(OutcomeKind.SUCCEEDED, job))
+    assert driver.wakes == 0  # room for 4: not yet worth a claim
+    job = driver.dispatched[4]
+    core.finished(job, Outcome(OutcomeKind.SUCCEEDED, job))
+    assert driver.wakes == 1  # room for 5, half a claim: wake the loop
+
+
+def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots() -> None:
+    # 5 jobs/s and 10 ms a claim: 0.05 jobs end during a claim, so none is claimed ahead.
+    core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
+    _finishing(core, 5, 0.01)
+    assert _claims(core) == [10]
+    assert _claims(core) == []
+    job = driver.dispatched[0]
+    core.finished(job, Outcome(OutcomeKind.SUCCEEDED, job))
+    assert driver.wakes == 1  # the first free slot wakes the loop, as without claim-ahead
+
+    core, _, _ = make(queues=("a",), concurrency=10, claim_limit=10, prefetch=False)
+    _finishing(core, 1000, 0.01)
+    assert _claims(core) == [10]
+    assert _claims(core) == []
+
+
+def test_a_claim_told_to_stop_before_it_started_is_not_run_and_frees_its_slot() -> None:
+    core, driver, jobs = make(concurrency=2)
+    cancelled: list[int] = []
+    jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
+    (job,) = core.claimed([row(1)])
+    job.cancel("cancelled, or lease lost")  # what the heartbeat does to a lost claim
+    outcome = core.start(job)
+    assert isinstance(outcome, Outcome) and outcome.kind is OutcomeKind.SETTLED
+    core.finished(job, outcome)
+    assert core.free == 2 and core.running == 0
+    assert driver.recorded == [] and cancelled == [1]
