@@ -62,7 +62,10 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         self._claim_conn = _HeldConnection(self.engine)
         self._write_conn = _HeldConnection(self.engine)
         self._events = Events(asyncio.Event)
-        self._outbox: asyncio.Queue[Outcome | None] = asyncio.Queue()
+        #: Outcomes for the completer: a deque, and an event set only while the completer
+        #: waits on an empty one (an asyncio.Queue made a future per outcome).
+        self._outbox: collections.deque[Outcome | None] = collections.deque()
+        self._outcome_waiter: asyncio.Event | None = None
         self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}
         #: Claimed ahead of the free slots (``settings.prefetch``): each gets its task when
         #: a running one ends, so that no more than ``concurrency`` handlers run at once.
@@ -196,7 +199,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             case s.EndDuties():
                 self._done = True
                 events.poke.set()
-                self._outbox.put_nowait(None)  # the completer ends once it wrote the rest
+                self.record(None)  # the completer ends once it wrote the rest
                 if self._duties:
                     await asyncio.wait(self._duties, timeout=5.0)
             case s.CallHandler():
@@ -211,15 +214,22 @@ class AsyncWorker(DriverBase[AsyncEngine]):
 
     async def _take_outcomes(self, limit: int, timeout: float | None) -> list[Outcome | None]:
         outbox = self._outbox
-        taken: list[Outcome | None] = []
-        if outbox.empty() and timeout != 0:
+        if not outbox and timeout != 0:
+            self._outcome_waiter = waiter = asyncio.Event()
             try:
-                taken.append(await asyncio.wait_for(outbox.get(), timeout))
-            except asyncio.TimeoutError:
-                return taken
-        while len(taken) < limit and not outbox.empty():
-            taken.append(outbox.get_nowait())
+                await _wait(waiter, timeout) if timeout is not None else await waiter.wait()
+            finally:
+                self._outcome_waiter = None
+        taken: list[Outcome | None] = []
+        while outbox and len(taken) < limit:
+            taken.append(outbox.popleft())
         return taken
+
+    def record(self, outcome: Outcome | None) -> None:
+        self._outbox.append(outcome)
+        waiter = self._outcome_waiter
+        if waiter is not None:
+            waiter.set()
 
     # -- the core's callbacks --------------------------------------------------------------
 
@@ -242,8 +252,22 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     # -- running handlers ------------------------------------------------------------------
 
     async def _run_job(self, job: ClaimedJob) -> None:
+        # One coroutine per job, the common case inline: this runs for every job.
         try:
-            outcome = await self._execute(job)
+            run = self.core.start(job)
+            if not isinstance(run, Run):
+                outcome = run  # an unknown task's failure, or None: handed back unstarted
+            elif run.task.transactional:
+                outcome = await self._transactional(run)
+            else:
+                task = run.task
+                with run:
+                    run.value = await (
+                        task.fn(*run.args, **run.kwargs)
+                        if task.is_async
+                        else asyncio.to_thread(task.fn, *run.args, **run.kwargs)
+                    )
+                outcome = run.outcome
         finally:
             self._tasks.pop(job.key, None)
             if self._waiting:
@@ -251,19 +275,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         if outcome is not None:
             self.core.finished(job, outcome)
 
-    async def _execute(self, job: ClaimedJob) -> Outcome | None:
-        run = self.core.start(job)
-        if not isinstance(run, Run):
-            return run  # an unknown task's failure, or None: handed back before it started
+    async def _transactional(self, run: Run) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
-        if not run.task.transactional:
-            with run:
-                run.value = await (
-                    fn(*args, **kwargs)
-                    if run.task.is_async
-                    else asyncio.to_thread(fn, *args, **kwargs)
-                )
-            return run.outcome
         async with AsyncSession(self.engine) as session:
 
             async def handler() -> Any:
