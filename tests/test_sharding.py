@@ -289,6 +289,9 @@ def test_a_shard_that_is_down_does_not_stop_the_others(
         _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
         assert worker.workers["down"].processed == 0
         assert worker.workers["a"].processed == 50
+        _wait(lambda: worker.health()["unreachable"] == ["down"])
+        assert worker.health()["shards"]["down"]["state"] == "restarting"
+        assert worker.health()["healthy"]
     finally:
         worker.stop()
         runner.join(30)
@@ -313,6 +316,179 @@ def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) 
     assert [r.shard for r in failed] == ["down"]
     stamps = [job.created_at for _, job in found]
     assert stamps == sorted(stamps, reverse=True)
+
+
+# -- reserved names -----------------------------------------------------------------------
+
+
+def test_shard_keywords_for_a_handler_that_takes_them_are_refused(
+    Sharded: sessionmaker[ShardedJobSession],
+    shards: dict[str, sa.Engine],
+    jobs: Jobs,
+    Session: sessionmaker[Any],
+) -> None:
+    @jobs.task(queue="links")
+    def place(shard: str, shard_with: str = "-") -> None: ...
+
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a9", url="u"))
+        for given in ({"shard": "a"}, {"shard_with": app.Link(code="a", url="")}):
+            with pytest.raises(EnqueueError, match=r"both an option .* and a parameter"):
+                session.enqueue(place, "x", **given)
+        with pytest.raises(EnqueueError, match=r"shard= is both"):
+            session.enqueue(place.name, shard="a")  # by name, too
+        with pytest.raises(EnqueueError, match=r"shard= is both"):
+            session.enqueue(place.with_options(queue="q"), shard=None)  # None is a value
+        assert not [o for o in session.new if isinstance(o, app.Job)]
+        session.enqueue(place, "eu", "w")  # positionally: the unit of work's shard
+        # enqueue_many's items are the handler's arguments, its keywords the options.
+        session.enqueue_many(place, [{"shard": "us", "shard_with": "v"}], shard="b")
+    with shards["a"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [
+            {"shard": "eu", "shard_with": "w"}
+        ]
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [
+            {"shard": "us", "shard_with": "v"}
+        ]
+    # Not reserved for the plain session: an application that does not shard keeps them.
+    with Session.begin() as session:
+        assert session.enqueue(place, shard="eu").args == {"shard": "eu"}
+
+
+# -- asyncio ------------------------------------------------------------------------------
+
+
+def _async_engines(shards: dict[str, sa.Engine]) -> dict[str, Any]:
+    from sqla_jobs.db import create_async_engine
+
+    return {name: create_async_engine(_url(engine)) for name, engine in shards.items()}
+
+
+def test_async_session_lands_jobs_with_their_rows_and_rolls_back_with_them(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs.sharding import AsyncShardedJobSession
+
+    fetch = _task(jobs)
+    unique = fetch.with_options(unique=True)
+
+    async def main() -> None:
+        engines = _async_engines(shards)
+        make = async_sessionmaker(
+            class_=AsyncShardedJobSession,
+            shards={name: e.sync_engine for name, e in engines.items()},
+            shard_chooser=_chooser,
+            identity_chooser=lambda *a, **kw: list(engines),
+            execute_chooser=lambda context: list(engines),
+            jobs=jobs,
+            expire_on_commit=False,
+        )
+        try:
+            async with make.begin() as session:
+                session.add(app.Link(code="b1", url="u"))
+                job = session.enqueue(fetch, code="b1")  # no await: no I/O
+                assert session.unit_of_work_shards() == {"b"}
+                assert await session.enqueue_many(fetch, [{"code": "b1-many"}]) == 1
+                first = await session.enqueue_unique(unique, code="b1-u")
+                assert await session.enqueue_unique(unique, code="b1-u") is first
+                with pytest.raises(EnqueueError, match="enqueue_unique"):
+                    session.enqueue(unique, code="b1-u")
+                session.enqueue(fetch, code="to-a", shard="a")
+            assert job.id is not None and sa.inspect(job).identity_token == "b"
+            async with make() as session:
+                with pytest.raises(EnqueueError, match="writes no rows"):
+                    session.enqueue(fetch, code="x")
+                session.add(a2 := app.Link(code="a2", url="u"))
+                session.add(app.Link(code="b2", url="u"))
+                with pytest.raises(EnqueueError, match=r"shards \['a', 'b'\]"):
+                    session.enqueue(fetch, code="x")
+                with pytest.raises(EnqueueError, match="not one of this session's shards"):
+                    await session.enqueue_many(fetch, [{"code": "x"}], shard="c")
+                session.enqueue(fetch, code="a2", shard_with=a2)
+                await session.enqueue_many(fetch, [{"code": "b2-many"}], shard="b")
+                await session.flush()
+                await session.rollback()  # the rows and their jobs, on both shards
+        finally:
+            for engine in engines.values():
+                await engine.dispose()
+
+    asyncio.run(main())
+    with shards["b"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "b1-many"}, {"code": "b1-u"}, {"code": "b1"}]
+    with shards["a"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "to-a"}]
+    assert _count(shards["a"], app.Link.__table__) == 0
+    assert _count(shards["b"], app.Link.__table__) == 1
+
+
+def _async_task(jobs: Jobs, seen: list[str]) -> Any:
+    @jobs.task(queue="links")
+    async def fetch(code: str) -> None:
+        seen.append(code)
+
+    return fetch
+
+
+def test_async_worker_drains_two_shards_exactly_once(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqla_jobs.sharding import AsyncShardedWorker
+
+    seen: list[str] = []
+    fetch = _async_task(jobs, seen)
+    _fill(shards, jobs, fetch, 150)
+    urls = {name: _url(engine) for name, engine in shards.items()}
+    worker = AsyncShardedWorker(jobs, urls, concurrency=16, name="w")
+    assert asyncio.run(worker.run_until_empty(timeout=60)) == {"a": 150, "b": 150}
+    assert len(seen) == len(set(seen)) == 300
+    assert {c.split("-")[0] for c in seen} == {"a", "b"}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+    assert {w.name for w in worker.workers.values()} == {"w@a", "w@b"}
+    # Its engines were made on that loop and disposed of: it runs again on another.
+    _fill({"b": shards["b"]}, jobs, fetch, 3)
+    assert asyncio.run(worker.run_until_empty(timeout=60)) == {"a": 0, "b": 3}
+
+
+def test_async_worker_a_shard_that_is_down_does_not_stop_the_others(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqla_jobs.sharding import AsyncShardedWorker
+
+    seen: list[str] = []
+    fetch = _async_task(jobs, seen)
+    live = shards["a"]
+    worker = AsyncShardedWorker(jobs, {"down": DEAD_URL, "a": _url(live)}, concurrency=4)
+    runner = threading.Thread(target=asyncio.run, args=(worker.run(install_signal_handlers=False),))
+    runner.start()
+    try:
+        _fill({"a": live}, jobs, fetch, 50)
+        _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
+        assert worker.workers["down"].processed == 0
+        assert worker.workers["a"].processed == 50
+        _wait(lambda: worker.health()["unreachable"] == ["down"])
+        health = worker.health()
+        assert health["healthy"] and health["unhealthy"] == []
+        assert health["shards"]["down"]["state"] == "restarting"
+        assert health["shards"]["down"]["database"].startswith("unreachable for ")
+        assert health["shards"]["a"]["state"] == "running"
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    after = worker.health()
+    assert not after["healthy"] and after["unhealthy"] == ["down", "a"]
+    assert "shard a: the worker is not running" in after["problems"]
 
 
 # -- the command --------------------------------------------------------------------------
