@@ -510,12 +510,17 @@ def _add(engine: sa.Engine, n: int) -> None:
         conn.execute(sa.insert(app.Job).values([row] * n))
 
 
-def test_cli_worker_until_empty_drains_every_shard(shards: dict[str, sa.Engine]) -> None:
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_cli_worker_until_empty_drains_every_shard(
+    shards: dict[str, sa.Engine], flavour: str
+) -> None:
     from .test_cli import cli
 
     _add(shards["a"], 5)
     _add(shards["b"], 7)
     flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    if flavour == "asyncio":
+        flags.append("--asyncio")
     done = cli("worker", "tests.app:jobs", *flags, "--until-empty", "--name", "w")
     assert done.returncode == 0, done.stderr
     # tests.app's handler records each run in DATABASE_URL's database, shard a.
@@ -547,6 +552,129 @@ def test_cli_worker_supervises_a_process_per_shard(shards: dict[str, sa.Engine])
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def _health(port: int) -> tuple[int, dict[str, Any]]:
+    import json
+
+    from .test_cli_observability import get
+
+    status, body = get(port, "/healthz")
+    return status, json.loads(body) if status else {}
+
+
+def test_cli_worker_per_shard_processes_serve_metrics_and_health_by_shard(
+    shards: dict[str, sa.Engine],
+) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+    from .test_cli_observability import free_ports, get, sample
+
+    metrics_port, health_port = free_ports(3), free_ports(3)
+    flags = [
+        f"--shard=a={_url(shards['a'])}",
+        f"--shard=b={_url(shards['b'])}",
+        f"--shard=down={DEAD_URL}",
+        "--metrics-port",
+        f"127.0.0.1:{metrics_port}",
+        "--health-port",
+        f"127.0.0.1:{health_port}",
+        "--asyncio",
+    ]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "p"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 3)
+        _add(shards["b"], 4)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"p@a": 3, "p@b": 4}, timeout=60)
+        # Child i serves the i-th shard, on each port + i; the body names it.
+        for offset, name in enumerate(["a", "b"]):
+            status, report = _health(health_port + offset)
+            assert status == 200, report
+            assert list(report["shards"]) == [name]
+            assert report["shards"][name]["worker"] == f"p@{name}"
+        # The down shard's process stays up, and says that its shard cannot be reached.
+        _wait(lambda: _health(health_port + 2)[1].get("unreachable") == ["down"])
+        status, report = _health(health_port + 2)
+        assert status == 200 and report["shards"]["down"]["state"] == "restarting"
+        # Every series of a child carries its shard.
+        labels = {"queue": "records", "task": "tests.app.record_run"}
+        for offset, name, ran in ((0, "a", 3), (1, "b", 4)):
+            status, text = get(metrics_port + offset, "/metrics")
+            assert status == 200
+            assert sample(text, "sqla_jobs_jobs_succeeded_total", shard=name, **labels) == ran
+            assert sample(text, "sqla_jobs_queue_stats_up", shard=name) == 1
+        _wait(lambda: get(metrics_port + 2, "/metrics")[0] == 200)
+        down = get(metrics_port + 2, "/metrics")[1]
+        assert sample(down, "sqla_jobs_queue_stats_up", shard="down") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_worker_one_process_serves_every_shard_on_one_port(
+    shards: dict[str, sa.Engine],
+) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+    from .test_cli_observability import free_ports, get, sample
+
+    metrics_port, health_port = free_ports(), free_ports()
+    flags = [
+        f"--shard=a={_url(shards['a'])}",
+        f"--shard=down={DEAD_URL}",
+        "--one-process",
+        "--metrics-port",
+        f"127.0.0.1:{metrics_port}",
+        "--health-port",
+        f"127.0.0.1:{health_port}",
+    ]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "one"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 5)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"one@a": 5}, timeout=60)
+        with shards["a"].connect() as conn:
+            assert len(set(conn.execute(sa.select(app.Run.pid).distinct()).scalars())) == 1
+        _wait(lambda: _health(health_port)[1].get("unreachable") == ["down"])
+        status, report = _health(health_port)
+        assert status == 200 and report["healthy"] and report["unhealthy"] == []
+        assert list(report["shards"]) == ["a", "down"]
+        assert report["shards"]["a"]["state"] == "running"
+        status, text = get(metrics_port, "/metrics")
+        assert status == 200
+        labels = {"queue": "records", "task": "tests.app.record_run"}
+        assert sample(text, "sqla_jobs_jobs_succeeded_total", **labels) == 5
+        assert sample(text, "sqla_jobs_queue_stats_up", shard="a") == 1
+        assert sample(text, "sqla_jobs_queue_stats_up", shard="down") == 0
+        assert sample(text, "sqla_jobs_worker_slots_busy", worker="one@down") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_worker_shard_flags_that_do_not_mix(shards: dict[str, sa.Engine]) -> None:
+    from .test_cli import in_parallel
+
+    flag = f"--shard=a={_url(shards['a'])}"
+    both, alone = in_parallel(
+        ("worker", "tests.app:jobs", flag, "--one-process", "--processes", "2"),
+        ("worker", "tests.app:jobs", "--one-process", "--database-url", _url(shards["a"])),
+    )
+    assert both.returncode == 2 and "do not mix" in both.stderr
+    assert alone.returncode == 2 and "--one-process is for --shard" in alone.stderr
 
 
 def test_cli_stats_and_jobs_list_across_shards(shards: dict[str, sa.Engine]) -> None:
