@@ -30,6 +30,12 @@ outcome}``                                      (``succeeded``, ``failed``, ``sn
 ``sqla_jobs_worker_slots_busy{worker}``         of each worker given to :meth:`track`
 =============================================== ==========================================
 
+Sharded (:mod:`sqla_jobs.sharding`): ``engines={"eu": ..., "us": ...}`` reads the queue
+gauges of every shard, each with a ``shard`` label (``queue_stats_up`` too); and
+``labels={"shard": "eu"}`` adds constant labels to every series, for a process that serves
+one shard (``sqla-jobs worker --shard ... --metrics-port``), whose counters would otherwise
+be indistinguishable from another shard's process once scraped together.
+
 How it is built
 ---------------
 * The counters and histograms are listeners of the registry's events

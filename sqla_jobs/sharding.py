@@ -8,9 +8,11 @@ shard), and:
 
 * :class:`ShardedJobSession` is a ``ShardedSession`` with ``enqueue``: a job is written into
   the shard where the same unit of work writes its rows, so it commits (or rolls back)
-  with them;
+  with them; :class:`AsyncShardedJobSession` is the same under an ``AsyncSession``;
 * :class:`ShardedWorker` serves the jobs tables of several engines, one
   :class:`~sqla_jobs.Worker` per shard, so a shard that is down pauses only its own;
+  :class:`AsyncShardedWorker` does the same with one ``AsyncWorker`` per shard on one
+  event loop; the ``health()`` of either says which shard is unhealthy or unreachable;
 * :func:`stats`, :func:`total` and :func:`list_jobs` look at every shard for the admin
   API, the CLI (``--shard NAME=URL``) and the dashboard (``create_app(jobs, engines=...)``).
 
