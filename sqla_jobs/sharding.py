@@ -105,9 +105,6 @@ _RESTART_CAP = 5.0
 #: Where a job's chosen shard is kept: the job's ``InstanceState.info``, until its flush.
 _SHARD_KEY = "sqla_jobs.shard"
 
-#: The options of the sharded session's ``enqueue``, on top of the plain session's.
-SHARD_OPTION_NAMES = ("shard", "shard_with")
-
 #: ``enqueue(..., shard=None)`` is told apart from no ``shard=`` at all: for a handler
 #: with a ``shard`` parameter, the first is an ambiguous keyword, the second is not.
 _UNSET: Any = object()

@@ -606,9 +606,19 @@ def test_cli_worker_per_shard_processes_serve_metrics_and_health_by_shard(
         # Every series of a child carries its shard.
         labels = {"queue": "records", "task": "tests.app.record_run"}
         for offset, name, ran in ((0, "a", 3), (1, "b", 4)):
-            status, text = get(metrics_port + offset, "/metrics")
-            assert status == 200
-            assert sample(text, "sqla_jobs_jobs_succeeded_total", shard=name, **labels) == ran
+            # The event fires a moment after the handler wrote its row: poll.
+            _wait(
+                lambda offset=offset, name=name, ran=ran: (
+                    sample(
+                        get(metrics_port + offset, "/metrics")[1],
+                        "sqla_jobs_jobs_succeeded_total",
+                        shard=name,
+                        **labels,
+                    )
+                    == ran
+                )
+            )
+            text = get(metrics_port + offset, "/metrics")[1]
             assert sample(text, "sqla_jobs_queue_stats_up", shard=name) == 1
         _wait(lambda: get(metrics_port + 2, "/metrics")[0] == 200)
         down = get(metrics_port + 2, "/metrics")[1]
@@ -653,10 +663,15 @@ def test_cli_worker_one_process_serves_every_shard_on_one_port(
         assert status == 200 and report["healthy"] and report["unhealthy"] == []
         assert list(report["shards"]) == ["a", "down"]
         assert report["shards"]["a"]["state"] == "running"
+        labels = {"queue": "records", "task": "tests.app.record_run"}
+        _wait(
+            lambda: (
+                sample(get(metrics_port, "/metrics")[1], "sqla_jobs_jobs_succeeded_total", **labels)
+                == 5
+            )
+        )
         status, text = get(metrics_port, "/metrics")
         assert status == 200
-        labels = {"queue": "records", "task": "tests.app.record_run"}
-        assert sample(text, "sqla_jobs_jobs_succeeded_total", **labels) == 5
         assert sample(text, "sqla_jobs_queue_stats_up", shard="a") == 1
         assert sample(text, "sqla_jobs_queue_stats_up", shard="down") == 0
         assert sample(text, "sqla_jobs_worker_slots_busy", worker="one@down") == 0
