@@ -318,6 +318,40 @@ def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) 
     assert stamps == sorted(stamps, reverse=True)
 
 
+def test_health_over_http_names_the_shard_that_is_stuck(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import json
+
+    from sqla_jobs.health import serve_health
+
+    from .test_cli_observability import get
+
+    _task(jobs)
+    worker = ShardedWorker(jobs, shards, concurrency=2, poll_interval=0.1, stuck_after=1)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    server = serve_health(worker, 0, "127.0.0.1")
+    runner.start()
+    try:
+        _wait(lambda: get(server.port, "/healthz")[0] == 200)
+        # A lock on shard b's table stops every statement of b's fetch loop, not a's.
+        with shards["b"].connect() as conn, conn.begin():
+            conn.execute(sa.text(f'LOCK TABLE "{app.SCHEMA}".jobs IN ACCESS EXCLUSIVE MODE'))
+            _wait(lambda: get(server.port, "/healthz")[0] == 503)
+            report = json.loads(get(server.port, "/healthz")[1])
+        assert report["unhealthy"] == ["b"] and not report["healthy"]
+        assert report["shards"]["a"]["healthy"]
+        problems = report["problems"]
+        assert all(p.startswith("shard b: ") for p in problems), problems
+        assert any(p.startswith("shard b: fetch loop stuck: waiting on Io ") for p in problems)
+        _wait(lambda: get(server.port, "/healthz")[0] == 200)
+    finally:
+        worker.stop()
+        runner.join(30)
+        server.close()
+    assert not runner.is_alive()
+
+
 # -- reserved names -----------------------------------------------------------------------
 
 
