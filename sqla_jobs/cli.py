@@ -808,6 +808,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     shards = shards_from(args)
     if shards is not None:
         return _sharded_worker(args, jobs, shards)
+    if args.one_process:
+        raise CommandError("--one-process is for --shard: one worker serves one database")
     engine = engine_from(args)
     settings = _worker_settings(args)
     metrics_at = getattr(args, "metrics_port", None)
@@ -865,20 +867,37 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]) -> int:
     """``worker --shard A=URL --shard B=URL``: one worker per shard.
 
-    ``--until-empty`` drains every shard in this process (a :class:`ShardedWorker`);
-    otherwise a supervisor runs ``--processes`` worker processes per shard, each on its own
-    shard's database, and restarts one that dies: a shard that is down only keeps its own
-    processes restarting."""
-    settings = _worker_settings(args)
-    if getattr(args, "metrics_port", None) is not None or getattr(args, "health_port", None):
-        raise CommandError("--metrics-port and --health-port do not work with --shard yet")
-    if args.until_empty:
-        if args.asyncio:
-            raise CommandError("--until-empty --shard runs the threaded worker; drop --asyncio")
-        from .sharding import ShardedWorker
+    By default a supervisor runs ``--processes`` worker processes per shard, each serving
+    its own shard (a child is ``worker --one-process --shard NAME=URL``), and restarts one
+    that dies: a shard that is down only keeps its own workers waiting. Child ``i`` serves
+    shard ``i mod len(shards)``, and its ``--metrics-port``/``--health-port`` on the port
+    given plus ``i``, as with ``--processes`` alone; its metrics are labelled with its shard.
 
+    ``--one-process`` (and ``--until-empty``) run every shard's worker in this process: a
+    :class:`ShardedWorker` (threads) or, with ``--asyncio``, an :class:`AsyncShardedWorker`
+    (one event loop); the ports then serve every shard at once."""
+    settings = _worker_settings(args)
+    metrics_at = getattr(args, "metrics_port", None)
+    health_at = getattr(args, "health_port", None)
+    if metrics_at is not None:
+        _need_metrics()
+    in_process = args.until_empty or args.one_process
+    if in_process:
+        if args.processes > 1:
+            flag = "--until-empty" if args.until_empty else "--one-process"
+            raise CommandError(f"{flag} and --processes do not mix: one process serves all")
         try:
-            ShardedWorker(jobs, shards, settings).run_until_empty()
+            if args.asyncio:
+                _run_async_sharded(jobs, shards, settings, args)
+            else:
+                from .sharding import ShardedWorker
+
+                worker = ShardedWorker(jobs, shards, settings)
+                with _endpoints(args, jobs, worker, shards=shards):
+                    if args.until_empty:
+                        worker.run_until_empty()
+                    else:
+                        worker.run()
         except WorkerError as exc:
             raise CommandError(str(exc), EXIT_FAILURE) from None
         return EXIT_OK
@@ -886,15 +905,18 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
 
     names = list(shards)
     child = ["-v"] * args.verbose
-    child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args)]
+    # The settings carry --name: each child's worker is named NAME@shard.
+    child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args), "--one-process"]
     if args.asyncio:
         child.append("--asyncio")
 
     def shard_of(index: int) -> list[str]:
         name = names[index % len(names)]
-        own = ["--database-url", shards[name]]
-        if settings.name is not None:
-            own += ["--name", f"{settings.name}@{name}"]
+        own = ["--shard", f"{name}={shards[name]}"]
+        for flag, at in (("--metrics-port", metrics_at), ("--health-port", health_at)):
+            if at is not None:
+                host, port = at
+                own += [flag, f"{host}:{port + index if port else 0}"]
         return own
 
     return supervise(
@@ -903,6 +925,25 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
         grace_period=settings.grace_period,
         child_args=shard_of,
     )
+
+
+def _run_async_sharded(
+    jobs: Jobs, shards: dict[str, str], settings: WorkerSettings, args: argparse.Namespace
+) -> None:
+    import asyncio
+
+    from .sharding import AsyncShardedWorker
+
+    async def main() -> None:
+        # Made from the URLs: each shard's engine is made, and disposed of, by its worker.
+        worker = AsyncShardedWorker(jobs, shards, settings)
+        with _endpoints(args, jobs, worker, shards=shards):
+            if args.until_empty:
+                await worker.run_until_empty()
+            else:
+                await worker.run()
+
+    asyncio.run(main())
 
 
 def _run_async_worker(
@@ -930,9 +971,19 @@ def _run_async_worker(
 
 @contextlib.contextmanager
 def _endpoints(
-    args: argparse.Namespace, jobs: Jobs, worker: Any, engine: sa.Engine | sa.URL
+    args: argparse.Namespace,
+    jobs: Jobs,
+    worker: Any,
+    engine: sa.Engine | sa.URL | None = None,
+    *,
+    shards: dict[str, str] | None = None,
 ) -> Iterator[None]:
-    """Serve ``--metrics-port`` and ``--health-port`` while the worker runs."""
+    """Serve ``--metrics-port`` and ``--health-port`` while the worker runs.
+
+    For a sharded worker (``shards``): the health of every shard; the queue gauges of
+    every shard, labelled ``shard``, and when the process serves one shard (a child of
+    the supervisor), every series labelled with it, so that processes of different shards
+    scraped together stay apart."""
     closers: list[Callable[[], None]] = []
     try:
         metrics_at: tuple[str, int] | None = getattr(args, "metrics_port", None)
@@ -945,9 +996,16 @@ def _endpoints(
             # then that one, and its CollectorRegistry, are served.
             metrics = JobMetrics.attached(jobs)
             if metrics is None:
-                metrics = JobMetrics(jobs, engine=engine)
+                where: dict[str, Any] = {"engine": engine}
+                if shards is not None and len(shards) == 1:
+                    [(name, url)] = shards.items()
+                    where = {"engine": url, "labels": {"shard": name}}
+                elif shards is not None:
+                    where = {"engines": shards}
+                metrics = JobMetrics(jobs, **where)
                 closers.append(metrics.close)
-            metrics.track(worker)
+            for each in [worker] if shards is None else worker.workers.values():
+                metrics.track(each)
             host, port = metrics_at
             registry = metrics.registry
             server, _ = _listening(
@@ -958,10 +1016,8 @@ def _endpoints(
         if health_at is not None:
             from .health import serve_health
 
-            where = health_at
-            health = _listening(
-                "--health-port", where, lambda: serve_health(worker, where[1], where[0])
-            )
+            at = health_at
+            health = _listening("--health-port", at, lambda: serve_health(worker, at[1], at[0]))
             closers.append(health.close)
         yield
     finally:
@@ -1258,15 +1314,25 @@ def _add_worker(sub: Any) -> None:
         type=_host_port,
         metavar="[HOST:]PORT",
         help="serve Prometheus metrics at /metrics on this port (all interfaces unless HOST "
-        "is given; with --processes N, each process on PORT + its index 0..N-1); needs "
-        "pip install 'sqla-jobs[metrics]'",
+        "is given; with --processes N, each process on PORT + its index 0..N-1; with --shard, "
+        "each shard's process likewise, labelled shard=NAME, or all shards on PORT with "
+        "--one-process); needs pip install 'sqla-jobs[metrics]'",
     )
     worker.add_argument(
         "--health-port",
         type=_host_port,
         metavar="[HOST:]PORT",
         help="serve GET /healthz on this port: 200 while the worker is healthy, 503 once a "
-        "loop is stuck (see --stuck-after); with --processes N, PORT + index as above",
+        "loop is stuck (see --stuck-after); with --processes N or --shard, PORT + index as "
+        "above; the body names the shard, and which shards are unhealthy or unreachable",
+    )
+    worker.add_argument(
+        "--one-process",
+        action="store_true",
+        default=False,
+        help="with --shard: run every shard's worker in this process (threads, or one event "
+        "loop with --asyncio) rather than a supervised process per shard; --metrics-port "
+        "and --health-port then serve all shards",
     )
     _shard_option(
         worker,

@@ -26,6 +26,10 @@ The body is the report as JSON::
 An HTTP endpoint rather than a file that a probe script compares timestamps of: a
 Kubernetes ``httpGet`` probe (or ``curl -f`` in a Docker ``HEALTHCHECK``) reads it as is, and
 the body says why.
+
+For a worker of several shards (:mod:`sqla_jobs.sharding`) the body is the report of each
+shard under ``shards``, with ``unhealthy`` and ``unreachable`` naming shards, and the
+status is 503 when any shard's worker is unhealthy.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -45,7 +50,7 @@ class HealthServer:
     """Serves ``GET /healthz`` for one worker, from a daemon thread."""
 
     def __init__(self, worker: Any, port: int = 0, host: str = "0.0.0.0") -> None:
-        core = worker.core
+        read = _reader(worker)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -53,9 +58,9 @@ class HealthServer:
                 if path not in PATHS:
                     self.send_error(404)
                     return
-                report = core.health()
-                body = json.dumps(report.to_dict()).encode()
-                self.send_response(200 if report.healthy else 503)
+                report = read()
+                body = json.dumps(report).encode()
+                self.send_response(200 if report["healthy"] else 503)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
@@ -89,5 +94,17 @@ class _Server6(ThreadingHTTPServer):
 
 
 def serve_health(worker: Any, port: int, host: str = "0.0.0.0") -> HealthServer:
-    """Start serving ``/healthz`` for ``worker`` (a ``Worker`` or an ``AsyncWorker``)."""
+    """Start serving ``/healthz`` for ``worker``: a ``Worker`` or an ``AsyncWorker``, or a
+    :class:`~sqla_jobs.sharding.ShardedWorker` or ``AsyncShardedWorker`` (every shard on
+    one port: see their ``health()``)."""
     return HealthServer(worker, port, host)
+
+
+def _reader(worker: Any) -> Callable[[], dict[str, Any]]:
+    """What a probe reads: one worker's report, or a sharded worker's report of all its
+    shards (which says which of them is unhealthy)."""
+    core = getattr(worker, "core", None)
+    if core is not None:
+        return lambda: core.health().to_dict()
+    report: Callable[[], dict[str, Any]] = worker.health
+    return report

@@ -30,6 +30,12 @@ outcome}``                                      (``succeeded``, ``failed``, ``sn
 ``sqla_jobs_worker_slots_busy{worker}``         of each worker given to :meth:`track`
 =============================================== ==========================================
 
+Sharded (:mod:`sqla_jobs.sharding`): ``engines={"eu": ..., "us": ...}`` reads the queue
+gauges of every shard, each with a ``shard`` label (``queue_stats_up`` too); and
+``labels={"shard": "eu"}`` adds constant labels to every series, for a process that serves
+one shard (``sqla-jobs worker --shard ... --metrics-port``), whose counters would otherwise
+be indistinguishable from another shard's process once scraped together.
+
 How it is built
 ---------------
 * The counters and histograms are listeners of the registry's events
@@ -59,7 +65,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +127,11 @@ class JobMetrics:
         none. A synchronous engine: scrapes are served from a thread (for the asyncio
         worker, pass the URL and a small engine of its own is made).
     :param namespace: the prefix of every metric name.
+    :param engines: instead of ``engine``, the shards' engines (or URLs) by name
+        (:mod:`sqla_jobs.sharding`): the queue gauges of each, labelled ``shard``.
+    :param labels: constant labels given to every series (``{"shard": "eu"}`` in a worker
+        process that serves one shard), so that the counters of processes that serve
+        different shards stay apart.
     """
 
     def __init__(
@@ -132,16 +143,37 @@ class JobMetrics:
         namespace: str = "sqla_jobs",
         run_buckets: Sequence[float] = RUN_BUCKETS,
         wait_buckets: Sequence[float] = WAIT_BUCKETS,
+        engines: Mapping[str, sa.Engine | str | sa.URL] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
+        if engine is not None and engines is not None:
+            raise ValueError("give engine= or engines=, not both")
         self.jobs = jobs
         self.registry = registry if registry is not None else REGISTRY
         self.namespace = namespace
+        self._const = dict(labels or {})
+        if engines is not None and "shard" in self._const:
+            raise ValueError("engines= labels the queue gauges with 'shard': not in labels=")
         self._own_engine = engine is not None and not isinstance(engine, sa.Engine)
         self.engine: sa.Engine | None = _engine(engine)
+        #: The engines the queue gauges are read from: by shard, or ``{None: engine}``.
+        self.engines: dict[str | None, sa.Engine] = {}
+        self._owned: list[sa.Engine] = []
+        if self.engine is not None:
+            self.engines[None] = self.engine
+            if self._own_engine:
+                self._owned.append(self.engine)
+        for shard, bind in (engines or {}).items():
+            shard_engine = _engine(bind)
+            assert shard_engine is not None
+            self.engines[shard] = shard_engine
+            if shard_engine is not bind:
+                self._owned.append(shard_engine)
         self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], _Children] = {}
-        labels = ("queue", "task")
+        self._const_values = tuple(self._const.values())
+        names = (*self._const, "queue", "task")
         made: list[Any] = []
         try:
             self._counters = {}
@@ -149,7 +181,7 @@ class JobMetrics:
                 counter = Counter(
                     f"jobs_{name}",
                     f"Jobs {name} (events of sqla_jobs.events)",
-                    labels,
+                    names,
                     namespace=namespace,
                     registry=self.registry,
                 )
@@ -158,7 +190,7 @@ class JobMetrics:
             self._run = Histogram(
                 "job_run_seconds",
                 "Seconds a handler ran, by how the run ended",
-                (*labels, "outcome"),
+                (*names, "outcome"),
                 namespace=namespace,
                 registry=self.registry,
                 buckets=run_buckets,
@@ -167,7 +199,7 @@ class JobMetrics:
             self._wait = Histogram(
                 "job_wait_seconds",
                 "Seconds from when a job was due (run_at) to when its handler started",
-                labels,
+                names,
                 namespace=namespace,
                 registry=self.registry,
                 buckets=wait_buckets,
@@ -214,8 +246,8 @@ class JobMetrics:
         for item in self._collectors:
             self.registry.unregister(item)
         self._collectors = []
-        if self._own_engine and self.engine is not None:
-            self.engine.dispose()
+        for engine in self._owned:
+            engine.dispose()
 
     # -- listeners ---------------------------------------------------------------------
 
@@ -227,10 +259,11 @@ class JobMetrics:
             with self._lock:
                 found = self._cache.get(key)
                 if found is None:
+                    full = (*self._const_values, *key)
                     found = self._cache[key] = _Children(
-                        {name: c.labels(*key) for name, c in self._counters.items()},
-                        {o: self._run.labels(*key, o) for o in _RUN_OUTCOMES.values()},
-                        self._wait.labels(*key),
+                        {name: c.labels(*full) for name, c in self._counters.items()},
+                        {o: self._run.labels(*full, o) for o in _RUN_OUTCOMES.values()},
+                        self._wait.labels(*full),
                     )
         return found
 
@@ -269,46 +302,63 @@ class _Gauges(Collector):
         return list(self._families())
 
     def _families(self) -> Iterator[GaugeMetricFamily]:
-        ns = self.metrics.namespace
-        yield GaugeMetricFamily(f"{ns}_queue_ready_jobs", "Jobs ready now", labels=["queue"])
+        metrics = self.metrics
+        ns = metrics.namespace
+        const = list(metrics._const)
+        # Queue gauges per shard when read from several; one set otherwise.
+        shard = ["shard"] if None not in metrics.engines and metrics.engines else []
+        yield GaugeMetricFamily(
+            f"{ns}_queue_ready_jobs", "Jobs ready now", labels=[*const, *shard, "queue"]
+        )
         yield GaugeMetricFamily(
             f"{ns}_queue_oldest_ready_seconds",
             "Seconds the oldest ready job of the queue has been due",
-            labels=["queue"],
+            labels=[*const, *shard, "queue"],
         )
         yield GaugeMetricFamily(
-            f"{ns}_queue_stats_up", "1 if the queue gauges could be read at this scrape"
+            f"{ns}_queue_stats_up",
+            "1 if the queue gauges could be read at this scrape",
+            labels=[*const, *shard],
         )
         yield GaugeMetricFamily(
-            f"{ns}_worker_slots", "Handlers the worker may run at once", labels=["worker"]
+            f"{ns}_worker_slots",
+            "Handlers the worker may run at once",
+            labels=[*const, "worker"],
         )
         yield GaugeMetricFamily(
-            f"{ns}_worker_slots_busy", "Handlers the worker is running", labels=["worker"]
+            f"{ns}_worker_slots_busy", "Handlers the worker is running", labels=[*const, "worker"]
         )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ready, oldest, up, slots, busy = self._families()
         metrics = self.metrics
-        if metrics.engine is not None:
+        const = list(metrics._const_values)
+        read = False
+        for name, engine in metrics.engines.items():
+            at = [*const] if name is None else [*const, name]
             try:
-                with metrics.engine.connect() as conn:
+                with engine.connect() as conn:
                     rows = conn.execute(metrics.jobs.queries.ready_depth).all()
             except sa.exc.SQLAlchemyError as exc:
                 # A scrape must not fail because the database does: say so, in one line.
-                log.warning("metrics: could not read the queue gauges: %s", describe(exc))
-                up.add_metric([], 0)
+                where = "" if name is None else f" of shard {name}"
+                log.warning("metrics: could not read the queue gauges%s: %s", where, describe(exc))
+                up.add_metric(at, 0)
             else:
-                up.add_metric([], 1)
+                read = True
+                up.add_metric(at, 1)
                 for row in rows:
-                    ready.add_metric([row.queue], row.ready)
-                    oldest.add_metric([row.queue], row.age)
-                yield ready
-                yield oldest
+                    ready.add_metric([*at, row.queue], row.ready)
+                    oldest.add_metric([*at, row.queue], row.age)
+        if read:
+            yield ready
+            yield oldest
+        if metrics.engines:
             yield up
         for worker in list(metrics._workers):
             core = worker.core
-            slots.add_metric([core.name], core.settings.concurrency)
-            busy.add_metric([core.name], core.busy)
+            slots.add_metric([*const, core.name], core.settings.concurrency)
+            busy.add_metric([*const, core.name], core.busy)
         yield slots
         yield busy
 

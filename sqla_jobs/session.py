@@ -418,16 +418,7 @@ else:
         def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
 
         def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
-            bound = task.options if isinstance(task, ConfiguredTask) else {}
-            plain = task.task if isinstance(task, ConfiguredTask) else task
-            if (isinstance(plain, Task) and plain.unique) or any(
-                o.get("unique") or any(o.get(n) is not None for n in _UNIQUE_OPTIONS)
-                for o in (bound, kwargs)
-            ):
-                raise EnqueueError(
-                    "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
-                    "on an AsyncSession"
-                )
+            refuse_unique(task, kwargs)
             return super().enqueue(task, *args, **kwargs)
 
         @overload
@@ -446,16 +437,38 @@ else:
         async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
             """``enqueue(..., unique=True)`` (or with ``unique_key=``, as an option of
             ``task.with_options()``), awaited."""
-            if isinstance(task, ConfiguredTask):
-                if task.options.get("unique_key") is None:
-                    task = task.with_options(unique=True)
-            elif kwargs.get("unique_key") is None:
-                kwargs["unique"] = True
+            task = as_unique(task, kwargs)
 
             def run(sync_session: Any) -> Any:
                 return EnqueueMixin.enqueue(sync_session, task, *args, **kwargs)
 
             return await self.run_sync(run)
+
+
+def refuse_unique(task: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a unique job in an ``AsyncSession``'s plain ``enqueue``: it must be INSERTed
+    at once, which on asyncio means awaiting (``enqueue_unique``)."""
+    bound = task.options if isinstance(task, ConfiguredTask) else {}
+    plain = task.task if isinstance(task, ConfiguredTask) else task
+    if (isinstance(plain, Task) and plain.unique) or any(
+        o.get("unique") or any(o.get(n) is not None for n in _UNIQUE_OPTIONS)
+        for o in (bound, kwargs)
+    ):
+        raise EnqueueError(
+            "a unique job is inserted at once: use `await session.enqueue_unique(...)` "
+            "on an AsyncSession"
+        )
+
+
+def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
+    """``enqueue_unique``'s task, and its keywords (changed in place): ``unique=True``
+    unless a ``unique_key`` is given."""
+    if isinstance(task, ConfiguredTask):
+        if task.options.get("unique_key") is None:
+            task = task.with_options(unique=True)
+    elif kwargs.get("unique_key") is None:
+        kwargs["unique"] = True
+    return task
 
 
 def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:

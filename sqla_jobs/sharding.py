@@ -8,9 +8,11 @@ shard), and:
 
 * :class:`ShardedJobSession` is a ``ShardedSession`` with ``enqueue``: a job is written into
   the shard where the same unit of work writes its rows, so it commits (or rolls back)
-  with them;
+  with them; :class:`AsyncShardedJobSession` is the same under an ``AsyncSession``;
 * :class:`ShardedWorker` serves the jobs tables of several engines, one
   :class:`~sqla_jobs.Worker` per shard, so a shard that is down pauses only its own;
+  :class:`AsyncShardedWorker` does the same with one ``AsyncWorker`` per shard on one
+  event loop; the ``health()`` of either says which shard is unhealthy or unreachable;
 * :func:`stats`, :func:`total` and :func:`list_jobs` look at every shard for the admin
   API, the CLI (``--shard NAME=URL``) and the dashboard (``create_app(jobs, engines=...)``).
 
@@ -41,13 +43,14 @@ shard), and:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import FrameType
@@ -62,9 +65,18 @@ from . import admin
 from .errors import EnqueueError, WorkerError
 from .model import JobMixin
 from .queries import insert_rows
-from .session import EnqueueMixin, _announce, _boundary, many_values
-from .tasks import Jobs
+from .session import (
+    _JOBS_KEY,
+    EnqueueMixin,
+    _announce,
+    _boundary,
+    as_unique,
+    many_values,
+    refuse_unique,
+)
+from .tasks import ConfiguredTask, Jobs, Task
 from .worker.core import describe, unreachable
+from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
 from .worker.threaded import Worker
 
@@ -93,6 +105,41 @@ _RESTART_CAP = 5.0
 #: Where a job's chosen shard is kept: the job's ``InstanceState.info``, until its flush.
 _SHARD_KEY = "sqla_jobs.shard"
 
+#: ``enqueue(..., shard=None)`` is told apart from no ``shard=`` at all: for a handler
+#: with a ``shard`` parameter, the first is an ambiguous keyword, the second is not.
+_UNSET: Any = object()
+
+
+def _refuse_ambiguous(session: Any, task: Any, **given: Any) -> None:
+    """Refuse ``shard=``/``shard_with=`` for a task whose handler takes an argument of that
+    name: the keyword could be either, and a job on the wrong shard, or with an argument
+    silently dropped, is worse than an error.
+
+    Why not reserve the names for every handler, as the plain options are: these are
+    options of the sharded session only, and an application that does not shard (or a
+    task enqueued elsewhere, by name or on a plain connection) should keep its ``shard``
+    parameters."""
+    named = [name for name, value in given.items() if value is not _UNSET]
+    if not named:
+        return
+    plain = task.task if isinstance(task, ConfiguredTask) else task
+    if isinstance(plain, str):
+        registry = session.info.get(_JOBS_KEY)
+        if registry is None or plain not in registry.tasks:
+            return  # enqueue says what is wrong with the name
+        plain = registry.tasks[plain]
+    if not isinstance(plain, Task):
+        return
+    clash = [name for name in named if name in plain.signature.parameters]
+    if clash:
+        listed = " and ".join(f"{name}=" for name in clash)
+        raise EnqueueError(
+            f"task {plain.name!r}: {listed} is both an option of the sharded session's "
+            f"enqueue and a parameter of the handler; pass the handler's argument "
+            f"positionally, or in a mapping through enqueue_many(task, [{{...}}], shard=...), "
+            f"or rename the parameter"
+        )
+
 
 class ShardedJobSession(EnqueueMixin, ShardedSession):
     """A ``ShardedSession`` whose ``enqueue`` writes each job into the shard of its rows.
@@ -108,8 +155,11 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
        same transaction. If that is no shard or more than one, ``enqueue`` raises
        :class:`EnqueueError` rather than guess.
 
-    ``shard`` and ``shard_with`` are options of the sharded session, so a handler cannot
-    take arguments with those names through it.
+    ``shard`` and ``shard_with`` are options of the sharded session's ``enqueue``. For a
+    task whose handler has a parameter of one of those names, the keyword would mean two
+    things: ``enqueue`` refuses it (:class:`EnqueueError`) rather than pick one. Pass such
+    an argument positionally, or through ``enqueue_many`` (whose items are mappings of the
+    handler's arguments, apart from its options); or rename the parameter.
 
     ``enqueue_many`` writes its rows at once (one INSERT on the shard's connection, in the
     caller's transaction), not at the next flush as on a plain session: the batch must go
@@ -188,16 +238,21 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         task: Any,
         /,
         *args: Any,
-        shard: Any = None,
-        shard_with: Any = None,
+        shard: Any = _UNSET,
+        shard_with: Any = _UNSET,
         **kwargs: Any,
     ) -> Any:
         """Like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the class says.
 
         :raises EnqueueError: no shard can be determined, or it is not one of ``shards``;
-            the session is left untouched.
+            ``shard=`` or ``shard_with=`` given for a task whose handler has a parameter of
+            that name; the session is left untouched.
         """
-        target = self.shard_of_job(shard=shard, shard_with=shard_with)
+        _refuse_ambiguous(self, task, shard=shard, shard_with=shard_with)
+        target = self.shard_of_job(
+            shard=None if shard is _UNSET else shard,
+            shard_with=None if shard_with is _UNSET else shard_with,
+        )
         # A unique job is INSERTed now, on the shard's connection, and read back with
         # session.get: both are steered to the target shard for the duration of the call.
         self._enqueuing_on = target
@@ -311,10 +366,247 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         session._written.clear()
 
 
+try:
+    from sqlalchemy.ext.asyncio import AsyncSession
+except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jobs[asyncio]'
+    pass
+else:
+
+    class AsyncShardedJobSession(AsyncSession):
+        """The asyncio twin of :class:`ShardedJobSession`: an ``AsyncSession`` whose
+        session behind it (``sync_session``) is a :class:`ShardedJobSession`, which decides
+        every shard.
+
+        .. code-block:: python
+
+            Session = async_sessionmaker(
+                class_=AsyncShardedJobSession,
+                shards={"eu": eu_async_engine.sync_engine, "us": us_async_engine.sync_engine},
+                shard_chooser=..., identity_chooser=..., execute_chooser=...,
+                jobs=jobs,
+            )
+            async with Session.begin() as session:
+                session.add(order)
+                session.enqueue(send_receipt, order_ref=order.ref)  # no I/O: no await
+
+        The shards are the ``sync_engine`` of ``AsyncEngine`` objects, as SQLAlchemy's
+        ``ShardedSession`` needs under asyncio. Where a job goes, and the errors, are the
+        sync session's, since it is the one that decides: ``enqueue`` only adds a ``Job``
+        object to the unit of work (written at the awaited flush or commit, on its shard);
+        a unique job is INSERTed at once, so it takes ``await session.enqueue_unique(...)``
+        as on :class:`~sqla_jobs.aio.AsyncJobSession`; and ``enqueue_many``, which
+        INSERTs its rows at once on the shard's connection, is awaited here.
+        """
+
+        sync_session_class = ShardedJobSession
+
+        @property
+        def sharded(self) -> ShardedJobSession:
+            """The :class:`ShardedJobSession` behind this session."""
+            sync = self.sync_session
+            assert isinstance(sync, ShardedJobSession)
+            return sync
+
+        def enqueue(
+            self,
+            task: Any,
+            /,
+            *args: Any,
+            shard: Any = _UNSET,
+            shard_with: Any = _UNSET,
+            **kwargs: Any,
+        ) -> Any:
+            """:meth:`ShardedJobSession.enqueue`, which does no I/O for a job that is not
+            unique: the job is written at the next (awaited) flush.
+
+            :raises EnqueueError: as :meth:`ShardedJobSession.enqueue`, and for a unique
+                job (use :meth:`enqueue_unique`).
+            """
+            refuse_unique(task, kwargs)
+            return self.sharded.enqueue(task, *args, shard=shard, shard_with=shard_with, **kwargs)
+
+        async def enqueue_unique(
+            self,
+            task: Any,
+            /,
+            *args: Any,
+            shard: Any = _UNSET,
+            shard_with: Any = _UNSET,
+            **kwargs: Any,
+        ) -> Any:
+            """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited: INSERTed
+            at once on the job's shard, whose key it is unique within."""
+            task = as_unique(task, kwargs)
+
+            def run(sync_session: Any) -> Any:
+                return sync_session.enqueue(
+                    task, *args, shard=shard, shard_with=shard_with, **kwargs
+                )
+
+            return await self.run_sync(run)
+
+        async def enqueue_many(
+            self,
+            task: Any,
+            arguments: Iterable[Any],
+            /,
+            *,
+            shard: Any = None,
+            shard_with: Any = None,
+            **options: Any,
+        ) -> int:
+            """:meth:`ShardedJobSession.enqueue_many`, awaited: its rows are INSERTed at
+            once on the shard's connection, in this session's transaction."""
+
+            def run(sync_session: Any) -> int:
+                return int(
+                    sync_session.enqueue_many(
+                        task, arguments, shard=shard, shard_with=shard_with, **options
+                    )
+                )
+
+            return await self.run_sync(run)
+
+        def shard_of_job(self, *, shard: Any = None, shard_with: Any = None) -> Any:
+            """See :meth:`ShardedJobSession.shard_of_job` (no I/O)."""
+            return self.sharded.shard_of_job(shard=shard, shard_with=shard_with)
+
+        def unit_of_work_shards(self) -> set[Any]:
+            """See :meth:`ShardedJobSession.unit_of_work_shards` (no I/O)."""
+            return self.sharded.unit_of_work_shards()
+
+    __all__ += ["AsyncShardedJobSession"]
+
+
 # -- workers ------------------------------------------------------------------------------
 
 
-class ShardedWorker:
+W = TypeVar("W", bound=DriverBase[Any])
+
+
+class _Shards(Generic[W]):
+    """What the threaded and the asyncio sharded workers share: one worker per shard, the
+    pause before starting again one whose database could not be reached, and the health
+    of them all."""
+
+    def __init__(
+        self,
+        make: Callable[[Any, WorkerSettings], W],
+        shards: Mapping[str, Any],
+        settings: WorkerSettings | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        if not shards:
+            raise ValueError(f"{type(self).__name__} needs at least one shard")
+        base = resolve(settings, dict(options))
+        self.workers: dict[str, W] = {}
+        for name, bind in shards.items():
+            own = base
+            if base.name is not None:
+                own = dataclasses.replace(base, name=f"{base.name}@{name}")
+            self.workers[name] = make(bind, own)
+        #: Shards whose worker could not start, since when (monotonic) and why.
+        self._down: dict[str, tuple[float, str]] = {}
+        self._errors: list[BaseException] = []
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} shards={list(self.workers)}>"
+
+    @property
+    def processed(self) -> int:
+        """Jobs finished by the workers of every shard."""
+        return sum(w.processed for w in self.workers.values())
+
+    def _name_of(self, worker: W) -> str:
+        return next(name for name, w in self.workers.items() if w is worker)
+
+    def _after_failure(
+        self, name: str, exc: Exception, failures: int, deadline: float | None
+    ) -> float | None:
+        """A shard's worker raised: the pause before starting it again, or None to leave
+        it stopped (an error that is not about reaching the database stops every shard).
+
+        A worker fails at its start when its database cannot be reached. That must not
+        stop the other shards: it is started again, more slowly than a running worker's
+        retries (which must be back within a second of a restart), since a shard may be
+        down for long and each try logs."""
+        late = deadline is not None and time.monotonic() >= deadline
+        if not unreachable(exc):
+            self._errors.append(exc)
+            self.stop()
+            return None
+        if self._is_stopping() or late:
+            return None
+        since = self._down.get(name, (time.monotonic(), ""))[0]
+        self._down[name] = (since, describe(exc))
+        pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
+        log.warning(
+            "shard %s: cannot reach the database, starting its worker again in %.2fs: %s",
+            name,
+            pause,
+            describe(exc),
+        )
+        return pause
+
+    def _raise_errors(self) -> None:
+        if self._errors:
+            first = self._errors[0]
+            if isinstance(first, WorkerError):
+                raise first
+            raise WorkerError(f"a shard's worker failed: {describe(first)}") from first
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _is_stopping(self) -> bool:
+        raise NotImplementedError
+
+    def health(self) -> dict[str, Any]:
+        """The health of every shard's worker, by shard (what ``--health-port`` serves).
+
+        ``healthy`` is false when any shard's worker is unhealthy (its run ended, a loop is
+        stuck: see :meth:`~sqla_jobs.worker.core.WorkerCore.health`), and ``unhealthy``
+        names those shards, whose ``problems`` are listed too, each prefixed with its
+        shard. A shard whose database cannot be reached is named in ``unreachable``
+        (its worker is ``restarting`` while it could not even start) but does not make
+        the process unhealthy, as for one worker: restarting the process would not bring
+        that database back, and would stop the other shards' work."""
+        now = time.monotonic()
+        shards: dict[str, dict[str, Any]] = {}
+        unhealthy: list[str] = []
+        down: list[str] = []
+        problems: list[str] = []
+        for name, worker in self.workers.items():
+            report = worker.core.health(now)
+            failed = self._down.get(name)
+            started = report.state == "running" and "completer" in report.loops
+            if failed is not None and not started:
+                since, error = failed
+                entry: dict[str, Any] = {
+                    "healthy": True,
+                    "state": "restarting",
+                    "worker": worker.name,
+                    "problems": [],
+                    "database": f"unreachable for {now - since:.1f}s: {error}",
+                }
+            else:
+                entry = report.to_dict()
+            shards[name] = {"shard": name, **entry}
+            if entry["database"] != "ok":
+                down.append(name)
+            if not entry["healthy"]:
+                unhealthy.append(name)
+                problems += [f"shard {name}: {p}" for p in entry["problems"]]
+        return {
+            "healthy": not unhealthy,
+            "unhealthy": unhealthy,
+            "unreachable": down,
+            "problems": problems,
+            "shards": shards,
+        }
+
+
+class ShardedWorker(_Shards[Worker]):
     """One :class:`~sqla_jobs.Worker` per shard, in one process, each with its own engine,
     connections, LISTEN and leases.
 
@@ -323,10 +615,12 @@ class ShardedWorker:
     A shard that is down pauses only its own worker, which retries with a capped pause as
     any worker does after database errors; the others go on. If one worker stops with a
     :class:`~sqla_jobs.errors.WorkerError` (a duty kept failing), all are stopped and
-    the error is raised.
+    the error is raised. :meth:`health` reports every shard's worker (``serve_health``
+    serves it).
 
     One process runs handlers on one core (the GIL): to use more cores, run one process
-    per shard (``sqla-jobs worker --shard NAME=URL ...`` does).
+    per shard (``sqla-jobs worker --shard NAME=URL ...`` does). For ``async def``
+    handlers, see :class:`AsyncShardedWorker`.
     """
 
     def __init__(
@@ -336,30 +630,17 @@ class ShardedWorker:
         settings: WorkerSettings | None = None,
         **options: Unpack[WorkerOptions],
     ) -> None:
-        if not shards:
-            raise ValueError("ShardedWorker needs at least one shard")
-        base = resolve(settings, options)
-        self.workers: dict[str, Worker] = {}
-        for name, bind in shards.items():
-            own = base
-            if base.name is not None:
-                own = dataclasses.replace(base, name=f"{base.name}@{name}")
-            self.workers[name] = Worker(jobs, bind, own)
+        super().__init__(lambda bind, own: Worker(jobs, bind, own), shards, settings, options)
         self._stopping = threading.Event()
-
-    def __repr__(self) -> str:
-        return f"<ShardedWorker shards={list(self.workers)}>"
-
-    @property
-    def processed(self) -> int:
-        """Jobs finished by the workers of every shard."""
-        return sum(w.processed for w in self.workers.values())
 
     def stop(self) -> None:
         """Ask every shard's worker to stop gracefully. Thread-safe."""
         self._stopping.set()
         for worker in self.workers.values():
             worker.stop()
+
+    def _is_stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run every shard's worker until :meth:`stop`, SIGINT or SIGTERM."""
@@ -380,11 +661,8 @@ class ShardedWorker:
         self._all(run, deadline=deadline)
         return counts
 
-    def _name_of(self, worker: Worker) -> str:
-        return next(name for name, w in self.workers.items() if w is worker)
-
     def _all(self, target: Callable[[Worker], Any], *, deadline: float | None) -> None:
-        errors: list[BaseException] = []
+        self._errors = []
 
         def body(name: str, worker: Worker) -> None:
             failures = 0
@@ -393,27 +671,9 @@ class ShardedWorker:
                     target(worker)
                     return
                 except Exception as exc:
-                    # A worker fails at its start when its database cannot be reached.
-                    # Here that must not stop the other shards: wait, and start it again.
-                    late = deadline is not None and time.monotonic() >= deadline
-                    if not unreachable(exc) or self._stopping.is_set() or late:
-                        if not unreachable(exc):
-                            errors.append(exc)
-                            self.stop()
-                        return
                     failures += 1
-                    # Slower than a running worker's retries (which must be back within
-                    # a second of a restart): a shard may be down for long, and each try
-                    # logs.
-                    pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
-                    log.warning(
-                        "shard %s: cannot reach the database, starting its worker again in "
-                        "%.2fs: %s",
-                        name,
-                        pause,
-                        describe(exc),
-                    )
-                    if self._stopping.wait(pause):
+                    pause = self._after_failure(name, exc, failures, deadline)
+                    if pause is None or self._stopping.wait(pause):
                         return
 
         threads = [
@@ -428,11 +688,8 @@ class ShardedWorker:
             # A timed join, so that the main thread still takes signals.
             while thread.is_alive():
                 thread.join(0.2)
-        if errors:
-            first = errors[0]
-            if isinstance(first, WorkerError):
-                raise first
-            raise WorkerError(f"a shard's worker failed: {describe(first)}") from first
+        self._down.clear()  # nothing is restarting any more
+        self._raise_errors()
 
     @contextlib.contextmanager
     def _signals(self, install: bool) -> Iterator[None]:
@@ -451,6 +708,130 @@ class ShardedWorker:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+try:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from .worker.aio import AsyncWorker
+except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jobs[asyncio]'
+    pass
+else:
+
+    class AsyncShardedWorker(_Shards[AsyncWorker]):
+        """One :class:`~sqla_jobs.aio.AsyncWorker` per shard, on one event loop: the
+        asyncio twin of :class:`ShardedWorker`, for ``async def`` handlers.
+
+        ``AsyncShardedWorker(jobs, {"eu": async_engine_or_url, ...}, settings=None,
+        **options)``; ``await worker.run()`` or ``await worker.run_until_empty()``. Each
+        shard's worker has its own engine (made from a URL on the loop that runs it),
+        connections, LISTEN and leases; a shard that is down pauses only its own (it is
+        started again after a capped pause while the others go on), and an error that is
+        not about reaching a database stops them all and is raised as a
+        :class:`~sqla_jobs.errors.WorkerError`, as with :class:`ShardedWorker`.
+        """
+
+        def __init__(
+            self,
+            jobs: Jobs,
+            shards: Mapping[str, AsyncEngine | str],
+            settings: WorkerSettings | None = None,
+            **options: Unpack[WorkerOptions],
+        ) -> None:
+            super().__init__(
+                lambda bind, own: AsyncWorker(jobs, bind, own), shards, settings, options
+            )
+            self._owned = [name for name, bind in shards.items() if isinstance(bind, str)]
+            self._stopping = False
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._wakeup: asyncio.Event | None = None
+
+        def stop(self) -> None:
+            """Ask every shard's worker to stop gracefully. Safe from any thread or signal
+            handler."""
+            self._stopping = True
+            for worker in self.workers.values():
+                worker.stop()
+            loop, wakeup = self._loop, self._wakeup
+            if loop is not None and wakeup is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(wakeup.set)
+
+        def _is_stopping(self) -> bool:
+            return self._stopping
+
+        async def run(self, *, install_signal_handlers: bool = True) -> None:
+            """Run every shard's worker until :meth:`stop`, SIGINT or SIGTERM."""
+            loop = asyncio.get_running_loop()
+            signals = (signal.SIGINT, signal.SIGTERM) if install_signal_handlers else ()
+            for sig in signals:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            try:
+                await self._all(lambda w: w.run(install_signal_handlers=False), deadline=None)
+            finally:
+                for sig in signals:
+                    loop.remove_signal_handler(sig)
+
+        async def run_until_empty(
+            self, *, timeout: float | None = None, **kw: Any
+        ) -> dict[str, int]:
+            """Run each shard's worker until its shard has no ready job; return how many
+            ran on each. A shard that cannot be reached is retried until ``timeout`` (for
+            ever without one), then left out of the result."""
+            counts: dict[str, int] = {}
+            deadline = None if timeout is None else time.monotonic() + timeout
+
+            async def run(worker: AsyncWorker) -> None:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                counts[self._name_of(worker)] = await worker.run_until_empty(timeout=left, **kw)
+
+            await self._all(run, deadline=deadline)
+            return counts
+
+        def _on_signal(self, sig: int) -> None:
+            for worker in self.workers.values():
+                worker.core.signalled(signal.Signals(sig).name)
+            self.stop()
+
+        async def _all(
+            self,
+            target: Callable[[AsyncWorker], Awaitable[Any]],
+            *,
+            deadline: float | None,
+        ) -> None:
+            self._errors = []
+            self._loop = asyncio.get_running_loop()
+            self._wakeup = wakeup = asyncio.Event()
+            if self._stopping:
+                wakeup.set()
+
+            async def body(name: str, worker: AsyncWorker) -> None:
+                failures = 0
+                while True:
+                    try:
+                        await target(worker)
+                        return
+                    except Exception as exc:
+                        failures += 1
+                        pause = self._after_failure(name, exc, failures, deadline)
+                        if pause is None:
+                            return
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(wakeup.wait(), pause)
+                            return  # stopped while waiting
+
+            try:
+                await asyncio.gather(*(body(n, w) for n, w in self.workers.items()))
+            finally:
+                self._loop = self._wakeup = None
+                self._down.clear()  # nothing is restarting any more
+                # Engines made here from URLs belong to this loop: their connections
+                # cannot be used from the next one.
+                for name in self._owned:
+                    await self.workers[name].engine.dispose()
+            self._raise_errors()
+
+    __all__ += ["AsyncShardedWorker"]
 
 
 # -- looking across shards ----------------------------------------------------------------

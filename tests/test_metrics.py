@@ -182,3 +182,31 @@ def test_a_database_that_fails_at_scrape_time_does_not_fail_the_scrape(
     assert "could not read the queue gauges: OperationalError" in caplog.text
     assert "SELECT" not in caplog.text
     metrics.close()
+
+
+def test_constant_labels_and_the_queue_gauges_of_several_shards(
+    db: sa.Engine, jobs: Jobs, registry: CollectorRegistry
+) -> None:
+    @jobs.task(queue="q", name="t")
+    def t() -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, t, [{}] * 2)
+    dead = "postgresql://nobody@127.0.0.1:1/x"
+    metrics = JobMetrics(
+        jobs, registry=registry, engines={"a": db, "down": dead}, labels={"env": "test"}
+    )
+    try:
+        jobs.events.fire("enqueued", {"queue": "q", "task": "t"})
+        samples = scrape(registry)
+        labels = {"env": "test", "queue": "q", "task": "t"}
+        assert value(samples, "sqla_jobs_jobs_enqueued_total", **labels) == 1
+        assert value(samples, "sqla_jobs_queue_ready_jobs", env="test", shard="a", queue="q") == 2
+        assert value(samples, "sqla_jobs_queue_stats_up", env="test", shard="a") == 1
+        assert value(samples, "sqla_jobs_queue_stats_up", env="test", shard="down") == 0
+    finally:
+        metrics.close()
+    with pytest.raises(ValueError, match="not both"):
+        JobMetrics(jobs, registry=registry, engine=db, engines={"a": db})
+    with pytest.raises(ValueError, match="not in labels"):
+        JobMetrics(jobs, registry=registry, engines={"a": db}, labels={"shard": "a"})

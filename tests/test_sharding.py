@@ -289,6 +289,9 @@ def test_a_shard_that_is_down_does_not_stop_the_others(
         _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
         assert worker.workers["down"].processed == 0
         assert worker.workers["a"].processed == 50
+        _wait(lambda: worker.health()["unreachable"] == ["down"])
+        assert worker.health()["shards"]["down"]["state"] == "restarting"
+        assert worker.health()["healthy"]
     finally:
         worker.stop()
         runner.join(30)
@@ -315,6 +318,213 @@ def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) 
     assert stamps == sorted(stamps, reverse=True)
 
 
+def test_health_over_http_names_the_shard_that_is_stuck(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import json
+
+    from sqla_jobs.health import serve_health
+
+    from .test_cli_observability import get
+
+    _task(jobs)
+    worker = ShardedWorker(jobs, shards, concurrency=2, poll_interval=0.1, stuck_after=1)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    server = serve_health(worker, 0, "127.0.0.1")
+    runner.start()
+    try:
+        _wait(lambda: get(server.port, "/healthz")[0] == 200)
+        # A lock on shard b's table stops every statement of b's fetch loop, not a's.
+        with shards["b"].connect() as conn, conn.begin():
+            conn.execute(sa.text(f'LOCK TABLE "{app.SCHEMA}".jobs IN ACCESS EXCLUSIVE MODE'))
+            _wait(lambda: get(server.port, "/healthz")[0] == 503)
+            report = json.loads(get(server.port, "/healthz")[1])
+        assert report["unhealthy"] == ["b"] and not report["healthy"]
+        assert report["shards"]["a"]["healthy"]
+        problems = report["problems"]
+        assert all(p.startswith("shard b: ") for p in problems), problems
+        assert any(p.startswith("shard b: fetch loop stuck: waiting on Io ") for p in problems)
+        _wait(lambda: get(server.port, "/healthz")[0] == 200)
+    finally:
+        worker.stop()
+        runner.join(30)
+        server.close()
+    assert not runner.is_alive()
+
+
+# -- reserved names -----------------------------------------------------------------------
+
+
+def test_shard_keywords_for_a_handler_that_takes_them_are_refused(
+    Sharded: sessionmaker[ShardedJobSession],
+    shards: dict[str, sa.Engine],
+    jobs: Jobs,
+    Session: sessionmaker[Any],
+) -> None:
+    @jobs.task(queue="links")
+    def place(shard: str, shard_with: str = "-") -> None: ...
+
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a9", url="u"))
+        for given in ({"shard": "a"}, {"shard_with": app.Link(code="a", url="")}):
+            with pytest.raises(EnqueueError, match=r"both an option .* and a parameter"):
+                session.enqueue(place, "x", **given)
+        with pytest.raises(EnqueueError, match=r"shard= is both"):
+            session.enqueue(place.name, shard="a")  # by name, too
+        with pytest.raises(EnqueueError, match=r"shard= is both"):
+            session.enqueue(place.with_options(queue="q"), shard=None)  # None is a value
+        assert not [o for o in session.new if isinstance(o, app.Job)]
+        session.enqueue(place, "eu", "w")  # positionally: the unit of work's shard
+        # enqueue_many's items are the handler's arguments, its keywords the options.
+        session.enqueue_many(place, [{"shard": "us", "shard_with": "v"}], shard="b")
+    with shards["a"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [
+            {"shard": "eu", "shard_with": "w"}
+        ]
+    with shards["b"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [
+            {"shard": "us", "shard_with": "v"}
+        ]
+    # Not reserved for the plain session: an application that does not shard keeps them.
+    with Session.begin() as session:
+        assert session.enqueue(place, shard="eu").args == {"shard": "eu"}
+
+
+# -- asyncio ------------------------------------------------------------------------------
+
+
+def _async_engines(shards: dict[str, sa.Engine]) -> dict[str, Any]:
+    from sqla_jobs.db import create_async_engine
+
+    return {name: create_async_engine(_url(engine)) for name, engine in shards.items()}
+
+
+def test_async_session_lands_jobs_with_their_rows_and_rolls_back_with_them(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs.sharding import AsyncShardedJobSession
+
+    fetch = _task(jobs)
+    unique = fetch.with_options(unique=True)
+
+    async def main() -> None:
+        engines = _async_engines(shards)
+        make = async_sessionmaker(
+            class_=AsyncShardedJobSession,
+            shards={name: e.sync_engine for name, e in engines.items()},
+            shard_chooser=_chooser,
+            identity_chooser=lambda *a, **kw: list(engines),
+            execute_chooser=lambda context: list(engines),
+            jobs=jobs,
+            expire_on_commit=False,
+        )
+        try:
+            async with make.begin() as session:
+                session.add(app.Link(code="b1", url="u"))
+                job = session.enqueue(fetch, code="b1")  # no await: no I/O
+                assert session.unit_of_work_shards() == {"b"}
+                assert await session.enqueue_many(fetch, [{"code": "b1-many"}]) == 1
+                first = await session.enqueue_unique(unique, code="b1-u")
+                assert await session.enqueue_unique(unique, code="b1-u") is first
+                with pytest.raises(EnqueueError, match="enqueue_unique"):
+                    session.enqueue(unique, code="b1-u")
+                session.enqueue(fetch, code="to-a", shard="a")
+            assert job.id is not None and sa.inspect(job).identity_token == "b"
+            async with make() as session:
+                with pytest.raises(EnqueueError, match="writes no rows"):
+                    session.enqueue(fetch, code="x")
+                session.add(a2 := app.Link(code="a2", url="u"))
+                session.add(app.Link(code="b2", url="u"))
+                with pytest.raises(EnqueueError, match=r"shards \['a', 'b'\]"):
+                    session.enqueue(fetch, code="x")
+                with pytest.raises(EnqueueError, match="not one of this session's shards"):
+                    await session.enqueue_many(fetch, [{"code": "x"}], shard="c")
+                session.enqueue(fetch, code="a2", shard_with=a2)
+                await session.enqueue_many(fetch, [{"code": "b2-many"}], shard="b")
+                await session.flush()
+                await session.rollback()  # the rows and their jobs, on both shards
+        finally:
+            for engine in engines.values():
+                await engine.dispose()
+
+    asyncio.run(main())
+    with shards["b"].connect() as conn:
+        args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
+    assert args == [{"code": "b1-many"}, {"code": "b1-u"}, {"code": "b1"}]
+    with shards["a"].connect() as conn:
+        assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "to-a"}]
+    assert _count(shards["a"], app.Link.__table__) == 0
+    assert _count(shards["b"], app.Link.__table__) == 1
+
+
+def _async_task(jobs: Jobs, seen: list[str]) -> Any:
+    @jobs.task(queue="links")
+    async def fetch(code: str) -> None:
+        seen.append(code)
+
+    return fetch
+
+
+def test_async_worker_drains_two_shards_exactly_once(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqla_jobs.sharding import AsyncShardedWorker
+
+    seen: list[str] = []
+    fetch = _async_task(jobs, seen)
+    _fill(shards, jobs, fetch, 150)
+    urls = {name: _url(engine) for name, engine in shards.items()}
+    worker = AsyncShardedWorker(jobs, urls, concurrency=16, name="w")
+    assert asyncio.run(worker.run_until_empty(timeout=60)) == {"a": 150, "b": 150}
+    assert len(seen) == len(set(seen)) == 300
+    assert {c.split("-")[0] for c in seen} == {"a", "b"}
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+    assert {w.name for w in worker.workers.values()} == {"w@a", "w@b"}
+    # Its engines were made on that loop and disposed of: it runs again on another.
+    _fill({"b": shards["b"]}, jobs, fetch, 3)
+    assert asyncio.run(worker.run_until_empty(timeout=60)) == {"a": 0, "b": 3}
+
+
+def test_async_worker_a_shard_that_is_down_does_not_stop_the_others(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqla_jobs.sharding import AsyncShardedWorker
+
+    seen: list[str] = []
+    fetch = _async_task(jobs, seen)
+    live = shards["a"]
+    worker = AsyncShardedWorker(jobs, {"down": DEAD_URL, "a": _url(live)}, concurrency=4)
+    runner = threading.Thread(target=asyncio.run, args=(worker.run(install_signal_handlers=False),))
+    runner.start()
+    try:
+        _fill({"a": live}, jobs, fetch, 50)
+        _wait(lambda: len(seen) == 50 and _count(live, JOB) == 0)
+        assert worker.workers["down"].processed == 0
+        assert worker.workers["a"].processed == 50
+        _wait(lambda: worker.health()["unreachable"] == ["down"])
+        health = worker.health()
+        assert health["healthy"] and health["unhealthy"] == []
+        assert health["shards"]["down"]["state"] == "restarting"
+        assert health["shards"]["down"]["database"].startswith("unreachable for ")
+        assert health["shards"]["a"]["state"] == "running"
+    finally:
+        worker.stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    after = worker.health()
+    assert not after["healthy"] and after["unhealthy"] == ["down", "a"]
+    assert "shard a: the worker is not running" in after["problems"]
+
+
 # -- the command --------------------------------------------------------------------------
 
 
@@ -334,12 +544,17 @@ def _add(engine: sa.Engine, n: int) -> None:
         conn.execute(sa.insert(app.Job).values([row] * n))
 
 
-def test_cli_worker_until_empty_drains_every_shard(shards: dict[str, sa.Engine]) -> None:
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_cli_worker_until_empty_drains_every_shard(
+    shards: dict[str, sa.Engine], flavour: str
+) -> None:
     from .test_cli import cli
 
     _add(shards["a"], 5)
     _add(shards["b"], 7)
     flags = [f"--shard=a={_url(shards['a'])}", f"--shard=b={_url(shards['b'])}"]
+    if flavour == "asyncio":
+        flags.append("--asyncio")
     done = cli("worker", "tests.app:jobs", *flags, "--until-empty", "--name", "w")
     assert done.returncode == 0, done.stderr
     # tests.app's handler records each run in DATABASE_URL's database, shard a.
@@ -371,6 +586,144 @@ def test_cli_worker_supervises_a_process_per_shard(shards: dict[str, sa.Engine])
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def _health(port: int) -> tuple[int, dict[str, Any]]:
+    import json
+
+    from .test_cli_observability import get
+
+    status, body = get(port, "/healthz")
+    return status, json.loads(body) if status else {}
+
+
+def test_cli_worker_per_shard_processes_serve_metrics_and_health_by_shard(
+    shards: dict[str, sa.Engine],
+) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+    from .test_cli_observability import free_ports, get, sample
+
+    metrics_port, health_port = free_ports(3), free_ports(3)
+    flags = [
+        f"--shard=a={_url(shards['a'])}",
+        f"--shard=b={_url(shards['b'])}",
+        f"--shard=down={DEAD_URL}",
+        "--metrics-port",
+        f"127.0.0.1:{metrics_port}",
+        "--health-port",
+        f"127.0.0.1:{health_port}",
+        "--asyncio",
+    ]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "p"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 3)
+        _add(shards["b"], 4)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"p@a": 3, "p@b": 4}, timeout=60)
+        # Child i serves the i-th shard, on each port + i; the body names it.
+        for offset, name in enumerate(["a", "b"]):
+            status, report = _health(health_port + offset)
+            assert status == 200, report
+            assert list(report["shards"]) == [name]
+            assert report["shards"][name]["worker"] == f"p@{name}"
+        # The down shard's process stays up, and says that its shard cannot be reached.
+        _wait(lambda: _health(health_port + 2)[1].get("unreachable") == ["down"])
+        status, report = _health(health_port + 2)
+        assert status == 200 and report["shards"]["down"]["state"] == "restarting"
+        # Every series of a child carries its shard.
+        labels = {"queue": "records", "task": "tests.app.record_run"}
+        for offset, name, ran in ((0, "a", 3), (1, "b", 4)):
+            # The event fires a moment after the handler wrote its row: poll.
+            _wait(
+                lambda offset=offset, name=name, ran=ran: (
+                    sample(
+                        get(metrics_port + offset, "/metrics")[1],
+                        "sqla_jobs_jobs_succeeded_total",
+                        shard=name,
+                        **labels,
+                    )
+                    == ran
+                )
+            )
+            text = get(metrics_port + offset, "/metrics")[1]
+            assert sample(text, "sqla_jobs_queue_stats_up", shard=name) == 1
+        _wait(lambda: get(metrics_port + 2, "/metrics")[0] == 200)
+        down = get(metrics_port + 2, "/metrics")[1]
+        assert sample(down, "sqla_jobs_queue_stats_up", shard="down") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_worker_one_process_serves_every_shard_on_one_port(
+    shards: dict[str, sa.Engine],
+) -> None:
+    import signal
+    import subprocess
+
+    from .test_cli import ROOT, command, environment
+    from .test_cli_observability import free_ports, get, sample
+
+    metrics_port, health_port = free_ports(), free_ports()
+    flags = [
+        f"--shard=a={_url(shards['a'])}",
+        f"--shard=down={DEAD_URL}",
+        "--one-process",
+        "--metrics-port",
+        f"127.0.0.1:{metrics_port}",
+        "--health-port",
+        f"127.0.0.1:{health_port}",
+    ]
+    proc = subprocess.Popen(
+        command("worker", "tests.app:jobs", *flags, "--name", "one"),
+        cwd=ROOT,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        _add(shards["a"], 5)
+        _wait(lambda: _runs_by_worker(shards["a"]) == {"one@a": 5}, timeout=60)
+        with shards["a"].connect() as conn:
+            assert len(set(conn.execute(sa.select(app.Run.pid).distinct()).scalars())) == 1
+        _wait(lambda: _health(health_port)[1].get("unreachable") == ["down"])
+        status, report = _health(health_port)
+        assert status == 200 and report["healthy"] and report["unhealthy"] == []
+        assert list(report["shards"]) == ["a", "down"]
+        assert report["shards"]["a"]["state"] == "running"
+        labels = {"queue": "records", "task": "tests.app.record_run"}
+        _wait(
+            lambda: (
+                sample(get(metrics_port, "/metrics")[1], "sqla_jobs_jobs_succeeded_total", **labels)
+                == 5
+            )
+        )
+        status, text = get(metrics_port, "/metrics")
+        assert status == 200
+        assert sample(text, "sqla_jobs_queue_stats_up", shard="a") == 1
+        assert sample(text, "sqla_jobs_queue_stats_up", shard="down") == 0
+        assert sample(text, "sqla_jobs_worker_slots_busy", worker="one@down") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_cli_worker_shard_flags_that_do_not_mix(shards: dict[str, sa.Engine]) -> None:
+    from .test_cli import in_parallel
+
+    flag = f"--shard=a={_url(shards['a'])}"
+    both, alone = in_parallel(
+        ("worker", "tests.app:jobs", flag, "--one-process", "--processes", "2"),
+        ("worker", "tests.app:jobs", "--one-process", "--database-url", _url(shards["a"])),
+    )
+    assert both.returncode == 2 and "do not mix" in both.stderr
+    assert alone.returncode == 2 and "--one-process is for --shard" in alone.stderr
 
 
 def test_cli_stats_and_jobs_list_across_shards(shards: dict[str, sa.Engine]) -> None:
