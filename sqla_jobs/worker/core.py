@@ -359,10 +359,18 @@ class WorkerCore:
 
     def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
         """The outcome of a run, with its events fired and a debug line logged."""
-        with self._lock:
-            settled = job.settled
-        if settled:  # a timeout or a shutdown decided this claim already, events and all
+        # A bool read needs no lock: a timeout or a shutdown that settles the claim after
+        # this is caught by finished(), which records nothing for a settled claim.
+        if job.settled:  # a timeout or a shutdown decided this claim already, events and all
             return Outcome(OutcomeKind.SETTLED, job)
+        if error is None and not job.is_cancelled:
+            # The common case, without the general mapping below (every job passes here).
+            outcome = Outcome(OutcomeKind.SUCCEEDED, job)
+            duration = time.monotonic() - job.started
+            if log.isEnabledFor(logging.INFO if self.settings.log_jobs else logging.DEBUG):
+                self.log_end(job, "succeeded", duration, outcome)
+            self.jobs.events.fire("succeeded", job, duration=duration)
+            return outcome
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
         name = outcome_name(outcome)
