@@ -251,3 +251,40 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
     assert sorted(ran) == list(range(600)) and count(db) == 0
     assert most_running <= 3
     assert most_held > 3  # it did claim ahead: without that, this test proves nothing
+
+
+def test_a_limited_queue_is_served_beside_a_busy_queue_claimed_ahead(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """Claiming ahead keeps the free slots below zero while a busy queue has jobs; a
+    limited queue is claimed from the same room, so it is not starved until the busy queue
+    runs dry (and its limit still holds)."""
+    jobs.queue("lim", concurrency=1)
+    order: list[str] = []
+    lock = threading.Lock()
+    limited_running = most_limited = 0
+
+    @jobs.task(queue="busy", name="quick")
+    def quick(i: int) -> None:
+        with lock:
+            order.append("busy")
+
+    @jobs.task(queue="lim", name="limited")
+    def limited(i: int) -> None:
+        nonlocal limited_running, most_limited
+        with lock:
+            limited_running += 1
+            most_limited = max(most_limited, limited_running)
+        time.sleep(0.002)
+        with lock:
+            limited_running -= 1
+            order.append("lim")
+
+    with Session.begin() as session:
+        session.enqueue_many(quick, [{"i": i} for i in range(3000)])
+        session.enqueue_many(limited, [{"i": i} for i in range(5)])
+    worker = make_worker(jobs, db, queues=["busy", "lim"], concurrency=8, claim_limit=8)
+    assert worker.run_until_empty(timeout=60) == 3005
+    assert most_limited == 1
+    last_limited = max(i for i, q in enumerate(order) if q == "lim")
+    assert order[last_limited:].count("busy") > 100  # all five ran while the busy one had jobs

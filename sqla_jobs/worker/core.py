@@ -569,20 +569,18 @@ class WorkerCore:
         self._estimate_ahead()
         with self._lock:
             # Under the lock with the flag: a job finishing in between sees it and wakes us.
-            free = self._free
-            room = free + self._ahead
+            room = self._free + self._ahead
             if room < self._wake_at:
                 self._saturated = True
                 return 0
         total = 0
         for queue in self._claim_order():
             limited = queue in self.limits
-            # A limited queue's claims count against its limits while they wait, so it is
-            # never claimed ahead of the free slots.
-            want = min((free if limited else room) - total, self.settings.claim_limit)
+            # Limited queues share the room: their claims, like any, are 'running' rows
+            # while they wait, so their limits hold (and kept to the free slots, they
+            # would starve beside a busy queue that keeps those below zero).
+            want = min(room - total, self.settings.claim_limit)
             if want <= 0:
-                if limited:
-                    continue
                 break
             # One statement in autocommit: it has committed when it returns. Only now may
             # the jobs start: a completion written before the claim is visible would find
