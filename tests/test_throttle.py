@@ -416,7 +416,10 @@ def _spans(db: sa.Engine) -> list[Any]:
 def test_four_workers_never_run_more_than_three(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
-    workers += _start_workers(4, "limited", 16, db)
+    # Two slots each: eight in all against the limit of three, and three running at once
+    # needs two processes at least (with sixteen each, the first one up could take every
+    # job while the others looked again a moment later, and nothing crossed processes).
+    workers += _start_workers(4, "limited", 2, db)
     with db.begin() as conn:
         app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0.05}] * 60)
     most = 0
