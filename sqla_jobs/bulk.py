@@ -22,13 +22,16 @@ an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the INSERT's w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+import threading
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["COPY_MIN_ROWS", "copy_allowed", "copy_run"]
+__all__ = ["COPY_MIN_ROWS", "GC_PAUSE_MIN_ROWS", "copy_allowed", "copy_run", "gc_paused"]
 
 #: The smallest run of rows written with COPY. Measured with ``benchmarks/curves.py
 #: --rows bulk`` on the 2-core machine: at 300 rows per call COPY gives 1.3-1.4 times the
@@ -42,6 +45,52 @@ _CHUNK = 5_000
 #: The columns a run writes, in the order of each line; ``run_at`` only when given (the
 #: column's default is the same ``now()`` the INSERT would use).
 _COLUMNS = ("task", "queue", "priority", "max_attempts", "status", "meta", "args")
+
+
+#: The smallest ``enqueue_many`` call during whose checks the garbage collector is paused
+#: (:func:`gc_paused`); a call whose length is unknown (an iterator) pauses it too.
+GC_PAUSE_MIN_ROWS = 1_000
+
+_gc_lock = threading.Lock()
+#: How many threads are inside :func:`gc_paused`, and whether the collector was on when
+#: the first of them came in (the last one out turns it back on only then).
+_gc_pausers = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused(rows: Iterable[Any]) -> Iterator[None]:
+    """Pause the garbage collector while a big ``enqueue_many`` call builds its rows.
+
+    Each row is two new dicts (its checked arguments and its column values) that live
+    until the rows are written: at 100,000 rows per call the collector ran again and again
+    over a heap growing by 200,000 containers and doubled the call's Python time
+    (measured: 3.4 µs a row with it paused, 5.6-7 µs without). Nothing built here is
+    garbage, let alone a cycle, so a collection finds nothing to free.
+
+    The collector is a setting of the whole process: other threads run without it while
+    the call checks its rows (tens of milliseconds per 10,000 rows), and a ``gc.enable()`` or
+    ``gc.disable()`` of theirs meanwhile may be undone when the last caller leaves. Threads
+    in here at once share one pause: the collector comes back when the last one leaves,
+    and only if it was on when the first came in. Calls below
+    :data:`GC_PAUSE_MIN_ROWS` rows leave it alone.
+    """
+    global _gc_pausers, _gc_was_enabled
+    if isinstance(rows, Sized) and len(rows) < GC_PAUSE_MIN_ROWS:
+        yield
+        return
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def copy_allowed(connection: Any, count: int, unique_keys: Sequence[str | None]) -> bool:

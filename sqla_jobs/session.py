@@ -36,13 +36,14 @@ unit of work, so they do no I/O and need no ``await``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .bulk import gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
 from .queries import enqueue_scoped, insert_rows, job_params
@@ -337,27 +338,26 @@ def many_values(
     now = _utcnow() if options.get("delay") is not None else None
     job_values = registry.job_values
     rows: list[dict[str, Any]] = []
-    # Without unique keys, the rows of one call differ only in their arguments: the first
-    # row is checked whole, the others reuse its column values and check only their
-    # arguments (the options' checks were a third of a row's cost).
-    template: dict[str, Any] = {}
-    bind: Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, Any]] | None = None
-    for item in arguments:
-        if isinstance(item, TaskArgs):
-            args, kwargs = item.args, item.kwargs
-        else:
-            args, kwargs = (), item
-        if bind is not None:
-            row = template.copy()
-            row["args"] = bind(args, kwargs)
-        else:
+    with gc_paused(arguments):
+        items = iter(arguments)
+        for item in items:
+            if isinstance(item, TaskArgs):
+                args, kwargs = item.args, item.kwargs
+            else:
+                args, kwargs = (), item
             row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-            # Not when a column is derived from each row's arguments: a unique key (asked
-            # for here or by the task) or a concurrency key (the task's function).
+            rows.append(row)
+            # Without unique keys, the rows of one call differ only in their arguments: the
+            # first row is checked whole, the others reuse its column values and check only
+            # their arguments (the options' checks were a third of a row's cost). Not when
+            # a column is derived from each row's arguments: a unique key (asked for here
+            # or by the task) or a concurrency key (the task's function).
             t = registry.get(plain)
             if "unique_key" not in row and t.concurrency_key is None:
-                template, bind = row, t.bind_args
-        rows.append(row)
+                for checked in t.bind_many(items):
+                    same = row.copy()
+                    same["args"] = checked
+                    rows.append(same)
     if rows:
         # Checked, and handed to the enqueue hooks, once for the whole call.
         prepared = registry.job_meta(rows[0]["task"], rows[0]["queue"], meta)
