@@ -23,8 +23,9 @@ an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the INSERT's w
 from __future__ import annotations
 
 import gc
+import operator
 import threading
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -39,8 +40,9 @@ __all__ = ["COPY_MIN_ROWS", "GC_PAUSE_MIN_ROWS", "copy_allowed", "copy_run", "gc
 #: extra round trip eats what COPY saves per row); 200 lies between.
 COPY_MIN_ROWS = 200
 
-#: Rows per ``write``: bounds the text held in memory for a call of a million rows.
-_CHUNK = 5_000
+#: Rows per ``write``: the server parses a block while the next is made (see
+#: :func:`copy_run`), and the text held in memory stays bounded.
+_CHUNK = 1_000
 
 #: The columns a run writes, in the order of each line; ``run_at`` only when given (the
 #: column's default is the same ``now()`` the INSERT would use).
@@ -129,23 +131,27 @@ def _statement(connection: sa.Connection, table: sa.Table, with_run_at: bool) ->
 
 
 def copy_run(
-    connection: sa.Connection, table: sa.Table, shared: dict[str, Any], args: list[str]
+    connection: sa.Connection,
+    table: sa.Table,
+    shared: dict[str, Any],
+    args: Sequence[Any],
+    to_json: Callable[[Any], str],
 ) -> int:
     """COPY one run of rows into ``table``: ``shared`` holds the values every row has
-    (``meta`` as JSON text), ``args`` each row's arguments as JSON text. Returns the number
-    of rows written (all of them: COPY writes every row or fails)."""
+    (``meta`` as JSON text), ``args`` each row's checked arguments, ``to_json`` gives their
+    JSON text. Returns the number of rows written (all of them: COPY writes every row or
+    fails).
+
+    The rows were all checked before this is called; their text is made here a block of
+    :data:`_CHUNK` rows at a time, each block sent before the next is made, so the server
+    parses one block while Python writes the next (plain psycopg's ``write_row`` streams
+    the same way), and a call of a million rows never holds all its text at once."""
     run_at = shared.get("run_at")
     prefix = "\t".join(_text(shared[name]) for name in _COLUMNS[:-1]) + "\t"
     if run_at is not None:
         prefix += _text(run_at) + "\t"
     statement = _statement(connection, table, run_at is not None)
-    # JSON text never holds a raw tab, newline or carriage return (JSON escapes every
-    # control character), so a backslash is the one character COPY's text format needs
-    # escaped in it.
-    chunks = [
-        "".join([f"{prefix}{a.replace(chr(92), chr(92) * 2)}\n" for a in args[i : i + _CHUNK]])
-        for i in range(0, len(args), _CHUNK)
-    ]
+    chunks = (_block(prefix, args[i : i + _CHUNK], to_json) for i in range(0, len(args), _CHUNK))
     driver = connection.connection.driver_connection
     try:
         if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
@@ -163,7 +169,33 @@ def copy_run(
     return len(args)
 
 
-async def _copy_async(driver: Any, statement: str, chunks: list[str]) -> None:
+#: The text :class:`~sqla_jobs.tasks.CheckedArgs` carries, read in C (see :func:`_block`).
+_checked_text = operator.attrgetter("json")
+
+
+def _block(prefix: str, args: Sequence[Any], to_json: Callable[[Any], str]) -> str:
+    """The lines of COPY's text format for some rows: ``prefix`` (the shared columns,
+    escaped, each followed by a tab), then each row's arguments as JSON.
+
+    Made with a few passes of C over the whole block rather than a format and a replace
+    per row (0.25 µs a row, about the server's time for a tenth of a row). JSON text never
+    holds a raw tab, newline or carriage return (JSON escapes every control character),
+    so the texts can be joined with newlines, and a backslash is the one character COPY
+    needs escaped in them: the joined text is escaped once, then each newline gets the
+    prefix after it."""
+    try:
+        # Checked arguments carry their text; anything else (or a CheckedArgs whose
+        # text was never set) is encoded by ``to_json``.
+        texts = list(map(_checked_text, args))
+    except AttributeError:
+        texts = [to_json(a) for a in args]
+    body = "\n".join(texts)
+    if "\\" in body:
+        body = body.replace("\\", "\\\\")
+    return prefix + body.replace("\n", "\n" + prefix) + "\n"
+
+
+async def _copy_async(driver: Any, statement: str, chunks: Iterator[str]) -> None:
     async with driver.cursor() as cursor, cursor.copy(statement) as copy:
         for chunk in chunks:
             await copy.write(chunk)

@@ -1294,15 +1294,17 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
         params = dict(zip(_SHARED, shared, strict=True))
         if params["meta"] is not None:
             params["meta"] = _dumps(params["meta"])
-        params["args"] = [args_json(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
         params["concurrency_key"] = [r.get("concurrency_key") for r in same]
         # COPY writes the shared columns and the arguments only: rows with a concurrency
-        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do.
+        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do. It turns the
+        # arguments into text a block at a time, as it sends them (see copy_run).
         keyed = any(key is not None for key in params["concurrency_key"])
         if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
-            inserted += copy_run(connection, queries.table, params, params["args"])
+            args = [r["args"] for r in same]
+            inserted += copy_run(connection, queries.table, params, args, args_json)
             continue
+        params["args"] = [args_json(r["args"]) for r in same]
         inserted += connection.execute(statement, params).rowcount
     return inserted
 
