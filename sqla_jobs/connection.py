@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
+from .bulk import gc_paused
 from .errors import EnqueueError
 from .queries import enqueue_scoped, insert_rows, job_params
 from .tasks import OPTION_NAMES, ConfiguredTask, Jobs, Task, TaskArgs, merge_options
@@ -88,10 +89,13 @@ def enqueue_many(
 
     if isinstance(task, ConfiguredTask):
         jobs.get(task.task)  # raises if the task belongs to another table's registry
-    registry, rows = many_values(task, arguments, jobs, **given)
-    if not rows:
-        return 0
-    inserted = insert_rows(connection, registry.queries, rows)
+    # One pause of the collector for the rows' checks and their COPY (see gc_paused): the
+    # rows are freed on return, so the collector never has to walk them.
+    with gc_paused(arguments):
+        registry, rows = many_values(task, arguments, jobs, **given)
+        if not rows:
+            return 0
+        inserted = insert_rows(connection, registry.queries, rows)
     if registry.events.wants("enqueued"):
         _announce(connection, registry, rows)
     return inserted

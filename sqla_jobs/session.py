@@ -671,7 +671,8 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
             connection = session.connection(bind_arguments={"mapper": registry.model})
         else:
             connection = through.connection(inspect(registry.model))
-        insert_rows(connection, registry.queries, rows)
+        with gc_paused(rows):
+            insert_rows(connection, registry.queries, rows)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:
