@@ -139,12 +139,12 @@ def copy_run(
     table: sa.Table,
     shared: dict[str, Any],
     args: Sequence[Any],
-    to_json: Callable[[Any], str],
+    to_json: Callable[[Any], str] | None = None,
 ) -> int:
     """COPY one run of rows into ``table``: ``shared`` holds the values every row has
     (``meta`` as JSON text), ``args`` each row's checked arguments, ``to_json`` gives their
-    JSON text. Returns the number of rows written (all of them: COPY writes every row or
-    fails).
+    JSON text (without it, ``args`` are that text). Returns the number of rows written
+    (all of them: COPY writes every row or fails).
 
     The rows were all checked before this is called; their text is made here a block of
     :data:`_CHUNK` rows at a time, each block sent before the next is made, so the server
@@ -177,7 +177,7 @@ def copy_run(
 _checked_text = operator.attrgetter("json")
 
 
-def _block(prefix: str, args: Sequence[Any], to_json: Callable[[Any], str]) -> str:
+def _block(prefix: str, args: Sequence[Any], to_json: Callable[[Any], str] | None) -> str:
     """The lines of COPY's text format for some rows: ``prefix`` (the shared columns,
     escaped, each followed by a tab), then each row's arguments as JSON.
 
@@ -187,12 +187,16 @@ def _block(prefix: str, args: Sequence[Any], to_json: Callable[[Any], str]) -> s
     so the texts can be joined with newlines, and a backslash is the one character COPY
     needs escaped in them: the joined text is escaped once, then each newline gets the
     prefix after it."""
-    try:
-        # Checked arguments carry their text; anything else (or a CheckedArgs whose
-        # text was never set) is encoded by ``to_json``.
-        texts = list(map(_checked_text, args))
-    except AttributeError:
-        texts = [to_json(a) for a in args]
+    texts: Sequence[str]
+    if to_json is None:
+        texts = args
+    else:
+        try:
+            # Checked arguments carry their text; anything else (or a CheckedArgs whose
+            # text was never set) is encoded by ``to_json``.
+            texts = list(map(_checked_text, args))
+        except AttributeError:
+            texts = [to_json(a) for a in args]
     body = "\n".join(texts)
     if "\\" in body:
         body = body.replace("\\", "\\\\")

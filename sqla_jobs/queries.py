@@ -1309,6 +1309,21 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
     return inserted
 
 
+def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: list[str]) -> int:
+    """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
+    rows that have ``row``'s columns (checked values from :meth:`Jobs.job_values
+    <sqla_jobs.Jobs.job_values>`, without a unique or concurrency key) and differ only in
+    their arguments, given as checked JSON ``texts``; returns how many were inserted."""
+    params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
+    if params["meta"] is not None:
+        params["meta"] = _dumps(params["meta"])
+    if copy_allowed(connection, len(texts), ()):
+        return copy_run(connection, queries.table, params, texts)
+    params["args"] = texts
+    params["unique_key"] = params["concurrency_key"] = [None] * len(texts)
+    return int(connection.execute(queries.bulk_insert, params).rowcount)
+
+
 # -- scoped unique keys (<table>_unique_keys) -------------------------------------------
 
 

@@ -304,22 +304,51 @@ class Task(Generic[P, R]):
         goes through :meth:`bind_args`, in order, and the first bad one raises.
         """
         listed = items if isinstance(items, list) else list(items)
-        plain = _same_keywords(listed, self._keywords, self._required)
-        texts: list[str] | None = None
-        if plain is not None:
-            try:
-                if _c_encode is None:
-                    texts = list(map(_check_json, plain))
-                else:
-                    texts = list(map("".join, map(_c_encode, plain, itertools.repeat(0))))
-            except (TypeError, ValueError, RecursionError):
-                texts = None
-        if plain is None or texts is None:
+        fast = self._json_of_same_keywords(listed)
+        if fast is None:
             bind = self.bind_args
             return [
                 bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)
                 for item in listed
             ]
+        plain, texts = fast
+        checked = list(map(CheckedArgs, plain))
+        for arguments, text in zip(checked, texts, strict=True):
+            arguments.json = text
+        return checked
+
+    def bind_many_json(self, items: Iterable[TaskArgs[Any] | Mapping[str, Any]]) -> list[str]:
+        """The JSON text of each of ``items``, checked as :meth:`bind_many` checks them,
+        for a caller that writes them at once and keeps nothing else (``enqueue_many`` on a
+        connection): no copy of each item's arguments is made (a quarter of a row's check
+        at 100,000 rows per call)."""
+        listed = items if isinstance(items, list) else list(items)
+        fast = self._json_of_same_keywords(listed)
+        if fast is not None:
+            return fast[1]
+        bind = self.bind_args
+        return [
+            (bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)).json
+            for item in listed
+        ]
+
+    def _json_of_same_keywords(
+        self, items: list[Any]
+    ) -> tuple[list[dict[str, Any]], list[str]] | None:
+        """The fast path of :meth:`bind_many`: the items' keyword dicts and their JSON
+        texts, when all are keywords with one key set that fits the signature and encode
+        (else None, and nothing was raised); raises :class:`EnqueueError` for a value that
+        PostgreSQL cannot store."""
+        plain = _same_keywords(items, self._keywords, self._required)
+        if plain is None:
+            return None
+        try:
+            if _c_encode is None:
+                texts = list(map(_check_json, plain))
+            else:
+                texts = list(map("".join, map(_c_encode, plain, itertools.repeat(0))))
+        except (TypeError, ValueError, RecursionError):
+            return None
         joined = "\n".join(texts)
         # As in bind_args: NUL comes out as \u0000, a surrogate fails UTF-8, and each text
         # starts with the one '{' of its dict unless an argument holds a dict (or a '{').
@@ -334,10 +363,7 @@ class Task(Generic[P, R]):
                     if found is not None:
                         name, where, why = found
                         raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
-        checked = list(map(CheckedArgs, plain))
-        for arguments, text in zip(checked, texts, strict=True):
-            arguments.json = text
-        return checked
+        return plain, texts
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included."""

@@ -91,6 +91,25 @@ def test_keyword_rows_are_stored_as_given_through_a_connection(
     assert stored_args(db) == sent
 
 
+def test_a_small_call_of_keyword_rows_stays_one_insert(
+    db: sa.Engine,
+    jobs: Jobs,
+    send: Any,
+    statements: Callable[[], list[str]],
+) -> None:
+    """Below COPY's threshold the connection's rows, JSON text only, go to the INSERT."""
+    sent = keyword_rows(COPY_MIN_ROWS - 1, nested=True)
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send.with_options(priority=3), sent, meta={"m": 1}) == (
+            COPY_MIN_ROWS - 1
+        )
+    assert statements() == ["INSERT"]
+    stored = rows(db)
+    assert [r.args for r in stored] == sent
+    assert {(r.priority, r.queue, r.status) for r in stored} == {(3, "mail", "ready")}
+    assert all(r.meta == {"m": 1} for r in stored)
+
+
 def test_keyword_rows_are_stored_as_given_through_a_session(
     Session: Any,
     db: sa.Engine,
