@@ -70,13 +70,13 @@ def gc_paused(rows: Iterable[Any]) -> Iterator[None]:
     (measured: 3.4 µs a row with it paused, 5.6-7 µs without). Nothing built here is
     garbage, let alone a cycle, so a collection finds nothing to free.
 
-    ``Jobs.enqueue_many`` on a connection keeps it paused through the COPY too, after which
-    the rows are freed by their reference counts and the collector never walks them; a
-    session's flush pauses it while it writes the rows.
+    It is never paused across I/O: a COPY waiting on a lock could keep it off for minutes.
+    (``Jobs.enqueue_many`` on a connection keeps only the rows' JSON text, strings, which
+    the collector does not track.)
 
     The collector is a setting of the whole process: other threads run without it while
-    the call checks and writes its rows (tens of milliseconds per 10,000 rows; reference
-    counting still frees everything but cycles), and a ``gc.enable()`` or ``gc.disable()``
+    the call checks its rows (tens of milliseconds per 10,000 rows; reference counting
+    still frees everything but cycles), and a ``gc.enable()`` or ``gc.disable()``
     of theirs meanwhile may be undone when the last caller leaves. Threads in here at once
     share one pause: the collector comes back when the last one leaves, and only if it was
     on when the first came in. Calls below :data:`GC_PAUSE_MIN_ROWS` rows leave it alone.

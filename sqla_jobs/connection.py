@@ -89,17 +89,16 @@ def enqueue_many(
 
     if isinstance(task, ConfiguredTask):
         jobs.get(task.task)  # raises if the task belongs to another table's registry
-    # One pause of the collector for the rows' checks and their COPY (see gc_paused): the
-    # rows are freed on return, so the collector never has to walk them.
+    # The rows are written now and kept nowhere: when they differ only in their
+    # arguments, their JSON is all there is to write (no dict per row, nothing for the
+    # garbage collector to walk once it is back on; see gc_paused).
     with gc_paused(arguments):
-        # The rows are written now and kept nowhere: when they differ only in their
-        # arguments, their JSON is all there is to write (no dict per row).
         registry, rows, texts = many_json(task, arguments, jobs, **given)
-        if texts is not None:
-            return insert_json(connection, registry.queries, rows[0], texts)
-        if not rows:
-            return 0
-        inserted = insert_rows(connection, registry.queries, rows)
+    if texts is not None:
+        return insert_json(connection, registry.queries, rows[0], texts)
+    if not rows:
+        return 0
+    inserted = insert_rows(connection, registry.queries, rows)
     if registry.events.wants("enqueued"):
         _announce(connection, registry, rows)
     return inserted

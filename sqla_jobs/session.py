@@ -725,8 +725,7 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
             connection = session.connection(bind_arguments={"mapper": registry.model})
         else:
             connection = through.connection(inspect(registry.model))
-        with gc_paused(rows):
-            insert_rows(connection, registry.queries, rows)
+        insert_rows(connection, registry.queries, rows)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:
