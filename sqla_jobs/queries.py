@@ -1316,17 +1316,34 @@ def insert_rows(connection: Any, queries: Queries, rows: list[dict[str, Any]]) -
         params = dict(zip(_SHARED, shared, strict=True))
         if params["meta"] is not None:
             params["meta"] = _dumps(params["meta"])
-        params["args"] = [args_json(r["args"]) for r in same]
         params["unique_key"] = [r.get("unique_key") for r in same]
         params["concurrency_key"] = [r.get("concurrency_key") for r in same]
         # COPY writes the shared columns and the arguments only: rows with a concurrency
-        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do.
+        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do. It turns the
+        # arguments into text a block at a time, as it sends them (see copy_run).
         keyed = any(key is not None for key in params["concurrency_key"])
         if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
-            inserted += copy_run(connection, queries.table, params, params["args"])
+            args = [r["args"] for r in same]
+            inserted += copy_run(connection, queries.table, params, args, args_json)
             continue
+        params["args"] = [args_json(r["args"]) for r in same]
         inserted += connection.execute(statement, params).rowcount
     return inserted
+
+
+def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: list[str]) -> int:
+    """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
+    rows that have ``row``'s columns (checked values from :meth:`Jobs.job_values
+    <sqla_jobs.Jobs.job_values>`, without a unique or concurrency key) and differ only in
+    their arguments, given as checked JSON ``texts``; returns how many were inserted."""
+    params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
+    if params["meta"] is not None:
+        params["meta"] = _dumps(params["meta"])
+    if copy_allowed(connection, len(texts), ()):
+        return copy_run(connection, queries.table, params, texts)
+    params["args"] = texts
+    params["unique_key"] = params["concurrency_key"] = [None] * len(texts)
+    return int(connection.execute(queries.bulk_insert, params).rowcount)
 
 
 # -- scoped unique keys (<table>_unique_keys) -------------------------------------------

@@ -36,13 +36,15 @@ unit of work, so they do no I/O and need no ``await``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .bulk import gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
 from .queries import enqueue_scoped, insert_rows, job_params
@@ -318,6 +320,74 @@ def many_values(
     """The registry and the checked rows of an ``enqueue_many`` call (all or none).
 
     ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
+    plain, registry, options, meta, now = _many_options(task, session, given)
+    job_values = registry.job_values
+    rows: list[dict[str, Any]] = []
+    with gc_paused(arguments):
+        items = iter(arguments)
+        for item in items:
+            if isinstance(item, TaskArgs):
+                args, kwargs = item.args, item.kwargs
+            else:
+                args, kwargs = (), item
+            row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
+            rows.append(row)
+            # Without unique keys, the rows of one call differ only in their arguments: the
+            # first row is checked whole, the others reuse its column values and check only
+            # their arguments (the options' checks were a third of a row's cost). Not when
+            # a column is derived from each row's arguments: a unique key (asked for here
+            # or by the task) or a concurrency key (the task's function).
+            t = registry.get(plain)
+            if _uniform(row, t):
+                for checked in t.bind_many(items):
+                    same = row.copy()
+                    same["args"] = checked
+                    rows.append(same)
+    if rows:
+        _prepare_meta(registry, rows, meta)
+    elif meta is not None:
+        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
+    return registry, rows
+
+
+def many_json(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    jobs: Jobs,
+    **given: Any,
+) -> tuple[Jobs, list[dict[str, Any]], list[str] | None]:
+    """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
+    a connection): when the rows differ only in their arguments and nobody listens for
+    ``enqueued``, ``(registry, [first row], texts)``, the arguments of every row as JSON
+    text, checked alike, without a dict per row; otherwise ``(registry, rows, None)``."""
+    plain, registry, options, meta, now = _many_options(task, jobs, given)
+    if registry.events.wants("enqueued"):  # the listeners get a dict per job
+        return (*many_values(task, arguments, jobs, **given), None)
+    items = iter(arguments)
+    for item in items:
+        if isinstance(item, TaskArgs):
+            args, kwargs = item.args, item.kwargs
+        else:
+            args, kwargs = (), item
+        row = registry.job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
+        t = registry.get(plain)
+        if not _uniform(row, t):
+            # Keyed rows: each is a row of its own (the first is checked again there).
+            rows = many_values(task, itertools.chain([item], items), jobs, **given)[1]
+            return registry, rows, None
+        texts = [row["args"].json, *t.bind_many_json(items)]
+        _prepare_meta(registry, [row], meta)
+        return registry, [row], texts
+    if meta is not None:
+        check_meta(meta)
+    return registry, [], None
+
+
+def _many_options(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
+) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
+    """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
+    the one clock reading of a batch with a delay."""
     plain: Task[Any, Any] | str
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
@@ -335,44 +405,28 @@ def many_values(
     # One clock reading for the whole batch: with a delay, every row gets the same
     # run_at, so the batch stays one run of the bulk INSERT.
     now = _utcnow() if options.get("delay") is not None else None
-    job_values = registry.job_values
-    rows: list[dict[str, Any]] = []
-    # Without unique keys, the rows of one call differ only in their arguments: the first
-    # row is checked whole, the others reuse its column values and check only their
-    # arguments (the options' checks were a third of a row's cost).
-    template: dict[str, Any] = {}
-    bind: Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, Any]] | None = None
-    for item in arguments:
-        if isinstance(item, TaskArgs):
-            args, kwargs = item.args, item.kwargs
-        else:
-            args, kwargs = (), item
-        if bind is not None:
-            row = template.copy()
-            row["args"] = bind(args, kwargs)
-        else:
-            row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-            # Not when a column is derived from each row's arguments: a unique key (asked
-            # for here or by the task) or a concurrency key (the task's function).
-            t = registry.get(plain)
-            if "unique_key" not in row and t.concurrency_key is None:
-                template, bind = row, t.bind_args
-        rows.append(row)
-    if rows:
-        # Checked, and handed to the enqueue hooks, once for the whole call.
-        prepared = registry.job_meta(rows[0]["task"], rows[0]["queue"], meta)
-        if prepared is not None:
-            for row in rows:
-                row["meta"] = prepared
-        if "unique_scope" in rows[0]:
-            raise EnqueueError(
-                "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
-                "(each job of such a scope takes its key's lock in turn): enqueue them one by "
-                "one with session.enqueue"
-            )
-    elif meta is not None:
-        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
-    return registry, rows
+    return plain, registry, options, meta, now
+
+
+def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
+    """Whether the rows after ``row`` (the first of a call) may share its columns: not
+    when a column is derived from each row's arguments (a unique key, asked for by the
+    call or by the task, or the task's concurrency key)."""
+    return "unique_key" not in row and task.concurrency_key is None
+
+
+def _prepare_meta(registry: Jobs, rows: list[dict[str, Any]], meta: Any) -> None:
+    """Check ``meta`` and hand it to the enqueue hooks, once for the whole call."""
+    prepared = registry.job_meta(rows[0]["task"], rows[0]["queue"], meta)
+    if prepared is not None:
+        for row in rows:
+            row["meta"] = prepared
+    if "unique_scope" in rows[0]:
+        raise EnqueueError(
+            "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
+            "(each job of such a scope takes its key's lock in turn): enqueue them one by "
+            "one with session.enqueue"
+        )
 
 
 class JobSession(EnqueueMixin, ClaimMixin, Session):

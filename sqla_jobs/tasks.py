@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import random
@@ -133,6 +134,42 @@ class Backoff:
 #: for what PostgreSQL cannot store (see :meth:`Task.bind_args`).
 #: Compact separators: the text is also what the INSERT sends (:class:`CheckedArgs`).
 _check_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _c_encoder() -> Callable[[Any, int], list[str]] | None:
+    """``_check_json``'s C encoder, built once, without its circular-reference dict.
+
+    ``JSONEncoder.encode`` builds a new C encoder (and a dict to detect circular
+    references) at every call: for a job's few arguments that setup is more than half the
+    cost (measured: 1.4 µs of 2.2 µs for ``{"i": 12345}``). This is the same C encoder with
+    the same settings, built once: called with ``(value, 0)`` it returns the pieces of the
+    text. Without the circular-reference dict a circular value fails with
+    ``RecursionError``; its callers then encode again with ``_check_json`` for the message.
+    Text that encodes is the same either way. None without the C accelerator
+    (``json.encoder.c_make_encoder`` is None on some interpreters).
+    """
+    # The module's own names for its C parts (typeshed does not declare them).
+    make = getattr(json.encoder, "c_make_encoder", None)
+    escape = getattr(json.encoder, "c_encode_basestring", None)
+    if make is None or escape is None:
+        return None
+    encoder: Callable[[Any, int], list[str]] = make(
+        None, json.JSONEncoder().default, escape, None, ":", ",", False, False, False
+    )
+    return encoder
+
+
+_c_encode = _c_encoder()
+
+
+def _encode_args(value: Any) -> str:
+    """``_check_json(value)`` through :data:`_c_encode`; a failure is to be checked again
+    with ``_check_json`` for its message (see :func:`_c_encoder`)."""
+    if _c_encode is None:
+        return _check_json(value)
+    return "".join(_c_encode(value, 0))
+
+
 #: The canonical form of a task and its arguments, for derived unique keys.
 _canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
 
@@ -211,7 +248,7 @@ class Task(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.fn(*args, **kwargs)
 
-    def bind_args(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    def bind_args(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CheckedArgs:
         """Check arguments against the handler's signature; return them as a JSON-able dict."""
         keywords = self._keywords
         if (
@@ -228,7 +265,7 @@ class Task(Generic[P, R]):
                 raise EnqueueError(f"task {self.name!r}: {exc}") from None
             arguments = CheckedArgs(bound.arguments)
         try:
-            text = _check_json(arguments)
+            text = _encode_args(arguments)
         except (TypeError, ValueError, RecursionError):
             # Rare: find the culprit, one argument at a time, for the message.
             for key, value in arguments.items():
@@ -252,6 +289,81 @@ class Task(Generic[P, R]):
                 raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
         arguments.json = text
         return arguments
+
+    def bind_many(self, items: Iterable[TaskArgs[Any] | Mapping[str, Any]]) -> list[CheckedArgs]:
+        """:meth:`bind_args` for each of ``items`` (``task.args(...)`` or dicts of keyword
+        arguments): the same checks, the same result, the same error for a bad item, at
+        what an ``enqueue_many`` of 100,000 rows can afford per row.
+
+        When every item is keywords only (a dict) with one same key set, the key set is
+        checked against the signature once; the JSON of all of them is written by the C
+        encoder in one loop of C (:data:`_c_encode`), and one look at all the texts joined
+        says whether any needs the walk of :meth:`bind_args` (a NUL, a surrogate, a nested
+        dict whose keys may not be strings). Otherwise (positional arguments, another key
+        set, a mapping that is not a dict, an argument that does not encode), each item
+        goes through :meth:`bind_args`, in order, and the first bad one raises.
+        """
+        listed = items if isinstance(items, list) else list(items)
+        fast = self._json_of_same_keywords(listed)
+        if fast is None:
+            bind = self.bind_args
+            return [
+                bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)
+                for item in listed
+            ]
+        plain, texts = fast
+        checked = list(map(CheckedArgs, plain))
+        for arguments, text in zip(checked, texts, strict=True):
+            arguments.json = text
+        return checked
+
+    def bind_many_json(self, items: Iterable[TaskArgs[Any] | Mapping[str, Any]]) -> list[str]:
+        """The JSON text of each of ``items``, checked as :meth:`bind_many` checks them,
+        for a caller that writes them at once and keeps nothing else (``enqueue_many`` on a
+        connection): no copy of each item's arguments is made (a quarter of a row's check
+        at 100,000 rows per call)."""
+        listed = items if isinstance(items, list) else list(items)
+        fast = self._json_of_same_keywords(listed)
+        if fast is not None:
+            return fast[1]
+        bind = self.bind_args
+        return [
+            (bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)).json
+            for item in listed
+        ]
+
+    def _json_of_same_keywords(
+        self, items: list[Any]
+    ) -> tuple[list[dict[str, Any]], list[str]] | None:
+        """The fast path of :meth:`bind_many`: the items' keyword dicts and their JSON
+        texts, when all are keywords with one key set that fits the signature and encode
+        (else None, and nothing was raised); raises :class:`EnqueueError` for a value that
+        PostgreSQL cannot store."""
+        plain = _same_keywords(items, self._keywords, self._required)
+        if plain is None:
+            return None
+        try:
+            if _c_encode is None:
+                texts = list(map(_check_json, plain))
+            else:
+                texts = list(map("".join, map(_c_encode, plain, itertools.repeat(0))))
+        except (TypeError, ValueError, RecursionError):
+            return None
+        joined = "\n".join(texts)
+        # As in bind_args: NUL comes out as \u0000, a surrogate fails UTF-8, and each text
+        # starts with the one '{' of its dict unless an argument holds a dict (or a '{').
+        if (
+            "\\u0000" in joined
+            or joined.count("{") != len(texts)
+            or not (joined.isascii() or _is_utf8(joined))
+        ):
+            for arguments, text in zip(plain, texts, strict=True):
+                if "\\u0000" in text or "{" in text[1:] or not (text.isascii() or _is_utf8(text)):
+                    found = _unstorable(arguments)
+                    if found is not None:
+                        name, where, why = found
+                        raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
+        return plain, texts
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included."""
@@ -326,7 +438,7 @@ class TransactionalTask(Task[P, R]):
         ) -> R: ...
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class TaskArgs(Generic[T]):
     """The arguments of one call of a task's handler (see :meth:`Task.args`).
 
@@ -337,6 +449,20 @@ class TaskArgs(Generic[T]):
 
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any]
+
+    # Built once per enqueue_many row: the frozen dataclass's own __init__ looks
+    # object.__setattr__ up for each field; bound once, a tenth of the cost goes (0.48 µs
+    # a row where it was 0.54). Not slots: a frozen dataclass with slots cannot take
+    # ``TaskArgs[X](...)``'s ``__orig_class__`` on Python 3.11, and writing the instance
+    # dict instead would give the garbage collector one more object per row to walk.
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        _set: Callable[[object, str, Any], None] = object.__setattr__,
+    ) -> None:
+        _set(self, "args", args)
+        _set(self, "kwargs", kwargs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -466,6 +592,37 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _same_keywords(
+    items: list[Any], keywords: frozenset[str] | None, required: frozenset[str]
+) -> list[dict[str, Any]] | None:
+    """The items' keyword dicts, if each is keywords only (``task.args(**kw)`` or a dict),
+    all with the key set of the first, and that key set fits the handler's signature
+    (``keywords``, ``required``: see :class:`Task`); else None."""
+    if keywords is None or not items:
+        return None
+    first = items[0]
+    first = first.kwargs if isinstance(first, TaskArgs) else first
+    if type(first) is not dict:
+        return None
+    seen = frozenset(first)
+    if not (seen <= keywords and required <= seen):
+        return None
+    size = len(seen)
+    out: list[dict[str, Any]] = []
+    append = out.append
+    for item in items:
+        if isinstance(item, TaskArgs):
+            if item.args:
+                return None
+            item = item.kwargs
+        # An exact dict (the C encoder's fast path, and no mapping code of the caller's
+        # to run) with the same keys: no more of them, and each one of them.
+        if type(item) is not dict or len(item) != size or not seen.issuperset(item):
+            return None
+        append(item)
+    return out
 
 
 def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:

@@ -1,0 +1,342 @@
+"""The fast path of big ``enqueue_many`` calls (``Task.bind_many``, ``sqla_jobs.bulk``):
+rows of keywords with one key set are checked once against the signature, encoded in one
+loop and written to COPY a block at a time with one escaping pass per block. What is
+stored must be exactly what was given, whatever the characters, and what PostgreSQL
+cannot store must still be refused before anything is sent, through the session and the
+connection, sync and async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import EnqueueError, Jobs
+from sqla_jobs.bulk import COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
+
+from . import test_bulk_copy
+from .helpers import count, rows
+
+# That module's fixtures: a task taking (to, subject="hi", extra=None), and the log of the
+# statements (INSERT or COPY) that wrote into the jobs table.
+send = test_bulk_copy.send
+statements = test_bulk_copy.statements
+TRICKY = test_bulk_copy.TRICKY
+
+#: Past both thresholds: a COPY, with the collector paused.
+N = max(COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS) + 37
+
+#: What COPY's text format escapes (backslash, tab, newline, carriage return), what
+#: looks like its markers (``\N`` for NULL, ``\.`` for the end), what looks like the
+#: checks' own signals (the text ``\u0000``, a ``{`` in a string), and text that is not
+#: ASCII; each one alone and at the ends of a string.
+STRINGS = [
+    *TRICKY,
+    "\\N",
+    "\\\\N",
+    "N\\",
+    "\\",
+    "\\\n",
+    "\r",
+    "\t\t\t",
+    "\\u0000 is six characters here, not a NUL",
+    "\\ud800 too",
+    '{"nested": {}}',
+    "line\u2028separator\u2029and\x85next line",
+    "\x01\x1f\x7f control characters",
+    "😀" * 20,
+]
+
+
+def keyword_rows(n: int, *, nested: bool) -> list[dict[str, Any]]:
+    """Rows of keywords, all with the key set of the first (``to``, ``subject``,
+    ``extra``): ``extra`` is a list, or (``nested``) a dict, which makes the check walk
+    the rows whose text holds a second '{'."""
+    out = []
+    for i in range(n):
+        s = STRINGS[i % len(STRINGS)]
+        extra: Any = [s, i, 1.5, None, True, [s[::-1]]]
+        if nested:
+            extra = {s: extra, "k\t\\": {"n": i}}
+        out.append({"to": f"{i}@example.com", "subject": s, "extra": extra})
+    return out
+
+
+def stored_args(db: sa.Engine) -> list[Any]:
+    return [r.args for r in rows(db)]
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("shape", ["dicts", "task.args"])
+def test_keyword_rows_are_stored_as_given_through_a_connection(
+    db: sa.Engine,
+    jobs: Jobs,
+    send: Any,
+    statements: Callable[[], list[str]],
+    nested: bool,
+    shape: str,
+) -> None:
+    sent = keyword_rows(N, nested=nested)
+    given = sent if shape == "dicts" else [send.args(**kw) for kw in sent]
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send, given) == N
+    assert statements() == ["COPY"]
+    assert stored_args(db) == sent
+
+
+def test_a_small_call_of_keyword_rows_stays_one_insert(
+    db: sa.Engine,
+    jobs: Jobs,
+    send: Any,
+    statements: Callable[[], list[str]],
+) -> None:
+    """Below COPY's threshold the connection's rows, JSON text only, go to the INSERT."""
+    sent = keyword_rows(COPY_MIN_ROWS - 1, nested=True)
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send.with_options(priority=3), sent, meta={"m": 1}) == (
+            COPY_MIN_ROWS - 1
+        )
+    assert statements() == ["INSERT"]
+    stored = rows(db)
+    assert [r.args for r in stored] == sent
+    assert {(r.priority, r.queue, r.status) for r in stored} == {(3, "mail", "ready")}
+    assert all(r.meta == {"m": 1} for r in stored)
+
+
+def test_keyword_rows_are_stored_as_given_through_a_session(
+    Session: Any,
+    db: sa.Engine,
+    send: Any,
+    statements: Callable[[], list[str]],
+) -> None:
+    flat, nested = keyword_rows(N, nested=False), keyword_rows(N + 1, nested=True)
+    with Session.begin() as session:
+        session.enqueue_many(send, flat)
+        session.enqueue_many(send, (send.args(**kw) for kw in nested))  # an iterator
+    assert statements() == ["COPY"]  # the two calls' rows share their options: one run
+    assert stored_args(db) == flat + nested
+
+
+def test_keyword_rows_are_stored_as_given_async(
+    db: sa.Engine,
+    database_url: str,
+    jobs: Jobs,
+    send: Any,
+    statements: Callable[[], list[str]],
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    flat, nested = keyword_rows(N, nested=False), keyword_rows(N, nested=True)
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            session.enqueue_many(send, flat)
+            await session.commit()
+        async with engine.begin() as conn:
+            assert await jobs.enqueue_many(conn, send, nested) == N
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert statements() == ["COPY", "COPY"]
+    assert stored_args(db) == flat + nested
+
+
+def test_very_large_arguments_are_stored_as_given(
+    db: sa.Engine, jobs: Jobs, send: Any, Session: Any
+) -> None:
+    """Arguments of megabytes, full of what COPY escapes, in rows that span blocks."""
+    big = "".join(STRINGS) * 2_000  # about 1 MB, backslashes, tabs and newlines throughout
+    sent = [
+        {"to": f"{i}@example.com", "subject": big if i % 97 == 0 else STRINGS[i % 7], "extra": i}
+        for i in range(COPY_MIN_ROWS + 5)
+    ]
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send, sent) == len(sent)
+    with Session.begin() as session:
+        session.enqueue_many(send, sent)
+    assert stored_args(db) == sent + sent
+
+
+def _circular() -> Any:
+    value: dict[str, Any] = {}
+    value["self"] = value
+    return value
+
+
+#: A value PostgreSQL or JSON cannot take, and the message that says so.
+UNSTORABLE = [
+    ("a\x00b", "NUL character"),
+    ({"key\x00": 1}, "NUL character"),
+    (["ok", "\ud800"], "surrogate code point U\\+D800"),
+    ({"\udfff": 1}, "surrogate code point U\\+DFFF"),
+    ({"n": {1: "x"}}, "dict key 1, which is not a string"),
+    (float("nan"), "not JSON-serialisable"),
+    (object(), "not JSON-serialisable"),
+    (_circular(), "Circular reference detected"),
+]
+
+
+@pytest.mark.parametrize("bad, message", UNSTORABLE, ids=[m for _, m in UNSTORABLE])
+def test_an_unstorable_value_in_a_late_row_is_refused_before_anything_is_sent(
+    db: sa.Engine,
+    jobs: Jobs,
+    send: Any,
+    Session: Any,
+    statements: Callable[[], list[str]],
+    bad: Any,
+    message: str,
+) -> None:
+    sent = keyword_rows(N, nested=False)
+    sent[-2] = dict(sent[-2], extra=bad)
+    with db.begin() as conn:
+        with pytest.raises(EnqueueError, match=f"argument 'extra'.*{message}"):
+            jobs.enqueue_many(conn, send, sent)
+        # Nothing was sent: the caller's transaction goes on.
+        assert jobs.enqueue_many(conn, send, sent[:3]) == 3
+    with Session.begin() as session:
+        with pytest.raises(EnqueueError, match=message):
+            session.enqueue_many(send, [send.args(**kw) for kw in sent])
+        assert session.enqueue_many(send, sent[:2]) == 2
+    assert statements() == ["INSERT", "INSERT"]
+    assert count(db) == 5
+    assert gc.isenabled()
+
+
+#: Rows that give the check no reason to look closer (ASCII, no '{', no backslash-u):
+#: only the bad value can make it walk them.
+CLEAN = [t for t in STRINGS if t.isascii() and "{" not in t and "\\u" not in t]
+
+
+@pytest.mark.parametrize("bad, message", UNSTORABLE[:5], ids=[m for _, m in UNSTORABLE[:5]])
+@pytest.mark.parametrize("where", ["subject", "extra"])
+def test_an_unstorable_value_among_clean_rows_is_refused(
+    db: sa.Engine, jobs: Jobs, send: Any, bad: Any, message: str, where: str
+) -> None:
+    sent = [
+        {"to": f"{i}@example.com", "subject": CLEAN[i % len(CLEAN)], "extra": [i, CLEAN[i % 3]]}
+        for i in range(N)
+    ]
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send, sent) == N  # they pass as they are
+        sent[N // 2] = dict(sent[N // 2], **{where: bad})
+        with pytest.raises(EnqueueError, match=f"argument '{where}'.*{message}"):
+            jobs.enqueue_many(conn, send, sent)
+    assert count(db) == N
+
+
+def test_unstorable_values_are_refused_async(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    sent = keyword_rows(N, nested=False)
+    sent[-1] = dict(sent[-1], subject="\ud83d")  # half of an emoji
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            with pytest.raises(EnqueueError, match="surrogate code point U\\+D83D"):
+                session.enqueue_many(send, sent)
+            await session.commit()
+        async with engine.begin() as conn:
+            with pytest.raises(EnqueueError, match="NUL"):
+                await jobs.enqueue_many(conn, send, [*sent[:-1], dict(sent[0], to="\x00")])
+            assert await jobs.enqueue_many(conn, send, sent[:-1]) == N - 1
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert stored_args(db) == sent[:-1]
+
+
+def test_rows_with_other_key_sets_or_mappings_are_checked_one_by_one(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """A row whose keys differ from the first's, a mapping that is not a dict, or
+    positional arguments leave the fast path: each row is then bound to the signature
+    as before, a good one stored as given and the first bad one refused."""
+    sent: list[Any] = keyword_rows(N, nested=False)
+    sent[5] = {"to": "no-subject@example.com"}  # a default left out: fine
+    sent[6] = MappingProxyType({"to": "proxy@example.com", "subject": "\\N\t"})
+    sent[7] = send.args("positional@example.com", "\\")
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send, sent) == N
+    expected = [dict(kw) for kw in sent[:7]]
+    expected += [{"to": "positional@example.com", "subject": "\\"}, *sent[8:]]
+    assert stored_args(db) == expected
+
+    for bad, message in [
+        ({"subject": "no to"}, "missing a required argument: 'to'"),
+        ({"to": "x", "cc": "y"}, "unexpected keyword argument 'cc'"),
+    ]:
+        late = [*keyword_rows(N, nested=False), bad]
+        with pytest.raises(EnqueueError, match=message), db.begin() as conn:
+            jobs.enqueue_many(conn, send, late)
+    assert count(db) == N
+
+
+def test_the_collector_is_left_as_it_was(db: sa.Engine, jobs: Jobs, send: Any) -> None:
+    sent = keyword_rows(N, nested=False)
+    assert gc.isenabled()
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, send, sent)
+        with pytest.raises(EnqueueError):
+            jobs.enqueue_many(conn, send, [*sent, {"to": "\x00"}])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with db.begin() as conn:
+            jobs.enqueue_many(conn, send, sent)
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()
+    assert count(db) == 2 * N
+
+
+def test_threads_share_one_pause_of_the_collector() -> None:
+    """The collector comes back when the last thread leaves, not the first."""
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+    big = range(GC_PAUSE_MIN_ROWS)
+
+    def other() -> None:
+        with gc_paused(big):
+            entered.set()
+            release.wait(timeout=30)
+        left.set()
+
+    thread = threading.Thread(target=other)
+    assert gc.isenabled()
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert not gc.isenabled()
+        with gc_paused(big):
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other thread is still inside
+        with gc_paused(range(GC_PAUSE_MIN_ROWS - 1)):  # too small to pause
+            assert not gc.isenabled()
+    finally:
+        release.set()
+        thread.join(timeout=30)
+    assert left.is_set()
+    assert gc.isenabled()
+    with gc_paused(range(GC_PAUSE_MIN_ROWS - 1)):
+        assert gc.isenabled()
+    with gc_paused(iter(big)):  # an iterator's length is unknown: paused
+        assert not gc.isenabled()
+    assert gc.isenabled()
