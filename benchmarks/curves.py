@@ -755,8 +755,37 @@ def row_churn(env: Env, args: argparse.Namespace) -> None:
     plot("churn", draw, f"{args.rate:,} jobs/s in and out for {args.minutes:g} min")
 
 
+def row_claim(env: Env, args: argparse.Namespace) -> None:
+    """What one claim statement costs as it takes more rows: the worker's own claim
+    (``worker.db.claim``, autocommit) from a queue of some 70,000 ready jobs, timed alone."""
+    app = env.app
+    sizes = (1, 25, 50, 100, 200, 400)
+    samples = 10 if args.quick else 30
+    preload(env.admin, app, sum(sizes) * samples * args.repeat + 1_000)
+    lease = bench.LEASE
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    with env.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        for _ in range(args.repeat):
+            for size in sizes:
+                for _ in range(samples):
+                    params = claim_params("default", size, lease, "bench")
+                    t0 = time.perf_counter()
+                    rows = worker_db.claim(conn, app.jobs.queries, params)
+                    times[size].append(time.perf_counter() - t0)
+                    assert len(rows) == size
+    print(f"### one claim statement, ms (median of {samples * args.repeat} (p90))\n")
+    print("| rows claimed | ms | µs a row |")
+    print("|---:|---:|---:|")
+    for size in sizes:
+        ts = sorted(times[size])
+        p50, p90 = statistics.median(ts), ts[int(0.9 * (len(ts) - 1))]
+        print(f"| {size} | {p50 * 1e3:.2f} ({p90 * 1e3:.2f}) | {p50 / size * 1e6:.0f} |")
+
+
 ROWS: dict[str, Callable[[Env, argparse.Namespace], None]] = {
     "bulk": row_bulk,
+    "claim": row_claim,
     "drain": row_drain,
     "depth": row_depth,
     "queues": row_queues,
