@@ -64,14 +64,15 @@ The worker settings
 claim_limit, completion_batch) and prints jobs/s for each. On the 2-core machine this was
 written on, against both PostgreSQL 18 (embedded) and 15 (local), ``concurrency=128,
 claim_limit=100, completion_batch=200`` was the best before the claim-ahead came in; with
-it, ``256, 200, 400`` (the default below) drained 0.92 of plain threaded and 0.89-0.91 with
-the asyncio worker, against 0.80 and 0.69 for ``128, 100, 200`` (idle machine, PG 18). A claim's round
-trip is mostly fixed cost (about 1 ms, then some 15 µs a row on an idle machine), so
-throughput grows with the claim size, which the free slots and the claim-ahead
-(``WorkerSettings.prefetch``) bound: with no-op jobs the worker claims back to back. (Before the completion statements matched ``status`` through
-``(SELECT 'running')``, settings above 32 were unstable: the batched completion's generic
-plan walked every running row for each row of the batch, and a completer that fell
-behind never caught up.)
+it, ``256, 200, 400`` (the default below) drained 0.92 of plain threaded and 0.89-0.91
+with the asyncio worker, against 0.80 and 0.69 for ``128, 100, 200`` (idle machine,
+PG 18). A claim's round trip is mostly fixed cost (about 1 ms, then some 15-20 µs a row),
+so throughput grows with the claim size, which the free slots and the claim-ahead
+(``WorkerSettings.prefetch``) bound: with no-op jobs the worker claims back to back.
+(Before the completion statements matched ``status`` through ``(SELECT 'running')``,
+settings above 32 were unstable: the batched completion's generic plan walked every
+running row for each row of the batch, and a completer that fell behind never caught
+up.)
 
 Why the baselines are fair
 --------------------------
