@@ -616,7 +616,8 @@ class WorkerCore:
         fraction of what the database allows, and only more processes (more claims in
         flight) made up for it. Claimed ahead, the next claim's jobs arrive as the last
         ones end. Slow handlers finish few jobs per round trip, which makes the claim-ahead
-        zero: a job never waits here behind a slow one while another worker is idle. A
+        zero, so slow jobs do not queue here behind each other while another worker is
+        idle (only what was claimed ahead when quick jobs turned slow can, once). A
         claimed-ahead job waits in this worker, with its lease renewed, for a round trip
         or two; a stop hands it back at once, unstarted.
         """

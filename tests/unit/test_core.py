@@ -472,3 +472,39 @@ def test_a_claim_told_to_stop_before_it_started_is_not_run_and_frees_its_slot() 
     core.finished(job, outcome)
     assert core.free == 2 and core.running == 0
     assert driver.recorded == [] and cancelled == [1]
+
+
+def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
+    """A busy queue claimed ahead keeps the free slots below zero; a limited queue must
+    still be claimed from the room (kept to the free slots, it starved until the busy
+    queue ran dry)."""
+    from sqla_jobs.worker.db import LimitedClaim
+
+    jobs = Jobs(app.Job)
+    jobs.queue("lim", concurrency=5)
+
+    @jobs.task(queue="busy", name="quick")
+    def quick() -> None: ...
+
+    @jobs.task(queue="lim", name="limited")
+    def limited() -> None: ...
+
+    driver = FakeDriver()
+    settings = WorkerSettings(queues=("busy", "lim"), concurrency=10, claim_limit=10)
+    core = WorkerCore(jobs, settings, driver)
+    asked: list[tuple[str, int]] = []
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io)
+        params = step.args[1]
+        queue, limit = params["queue_name"], params["limit"]
+        asked.append((queue, limit))
+        rows = [row(next(_ids), queue=queue) for _ in range(limit)]
+        return LimitedClaim(rows, False, None) if queue == "lim" else rows
+
+    _finishing(core, 1000, 0.01)  # ten may be claimed ahead
+    core.claimed([row(next(_ids), queue="busy") for _ in range(14)])
+    assert core.free == -4  # no slot free, room for 6 with the claim-ahead: worth a claim
+    core._turn = 1  # the limited queue's turn to go first
+    run_steps(core._claim(), answer)
+    assert asked and asked[0] == ("lim", 6)
