@@ -340,3 +340,82 @@ def test_threads_share_one_pause_of_the_collector() -> None:
     with gc_paused(iter(big)):  # an iterator's length is unknown: paused
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_copy_rows_on_a_connection_share_their_savepoints_fate(
+    db: sa.Engine, jobs: Jobs, send: Any, statements: Callable[[], list[str]], depth: int
+) -> None:
+    """COPY runs in the caller's transaction, on its connection: rows written inside a
+    savepoint go with it when it rolls back, at any depth, and those of the savepoints
+    around it stay."""
+    batches = [[{"to": f"{level}-{i}"} for i in range(N)] for level in range(depth + 1)]
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, send, batches[0])
+        savepoints = []
+        for level in range(1, depth + 1):  # each savepoint inside the one before
+            savepoints.append(conn.begin_nested())
+            jobs.enqueue_many(conn, send, batches[level])
+        savepoints[-1].rollback()  # the innermost, with what it wrote
+        for savepoint in reversed(savepoints[:-1]):
+            savepoint.commit()
+    # The log is written by a trigger in the same transaction: the rolled-back COPY's
+    # entry went with it.
+    assert statements() == ["COPY"] * depth
+    kept = [row for batch in batches[:-1] for row in batch]
+    assert sorted(a["to"] for a in stored_args(db)) == sorted(r["to"] for r in kept)
+
+
+def test_a_bad_late_row_inside_a_savepoint_leaves_it_usable(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """An unstorable value in a late row of a COPY-sized call inside a savepoint is refused
+    before anything is sent: the savepoint and the transaction go on, and commit."""
+    bad = [{"to": f"a{i}"} for i in range(N)]
+    bad[-1] = {"to": "nul\x00"}
+    with db.begin() as conn, conn.begin_nested():
+        with pytest.raises(EnqueueError):
+            jobs.enqueue_many(conn, send, bad)
+        jobs.enqueue_many(conn, send, [{"to": f"b{i}"} for i in range(N)])
+    assert sorted(a["to"] for a in stored_args(db)) == sorted(f"b{i}" for i in range(N))
+
+
+def test_a_copy_on_a_killed_backend_raises_and_the_engine_recovers(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """The server ends the connection under a COPY-sized call: the caller gets a
+    ``DBAPIError``, nothing of the transaction is committed, and the engine's next
+    connection works."""
+    with pytest.raises(sa.exc.DBAPIError), db.begin() as conn:
+        pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with db.connect() as other:
+            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        jobs.enqueue_many(conn, send, [{"to": f"k{i}"} for i in range(N)])
+    assert count(db) == 0
+    with db.begin() as conn:
+        assert jobs.enqueue_many(conn, send, [{"to": f"n{i}"} for i in range(N)]) == N
+    assert count(db) == N
+
+
+def test_copy_rows_on_an_async_connection_share_their_savepoints_fate(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    """The asyncio COPY (run through ``run_sync``) writes into the caller's savepoint too:
+    a rolled-back one takes its rows, a released one keeps them."""
+    from sqla_jobs import create_async_engine
+
+    kept = [{"to": f"kept-{i}"} for i in range(N)]
+    dropped = [{"to": f"dropped-{i}"} for i in range(N)]
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        async with engine.begin() as conn:
+            async with conn.begin_nested():
+                await jobs.enqueue_many(conn, send, kept)
+            savepoint = await conn.begin_nested()
+            await jobs.enqueue_many(conn, send, dropped)
+            await savepoint.rollback()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert sorted(a["to"] for a in stored_args(db)) == sorted(r["to"] for r in kept)
