@@ -178,6 +178,8 @@ def bulk_plain(env: Env, size: int, calls: int, shape: str) -> float:
 
 def row_bulk(env: Env, args: argparse.Namespace) -> None:
     sizes = [10, 100, 300, 1_000, 10_000, 100_000] if not args.quick else [100, 1_000, 10_000]
+    if args.sizes:
+        sizes = [int(n) for n in args.sizes.split(",")]
     per_size = 100_000 if not args.quick else 20_000
     sides: dict[str, Callable[[int, int], float]] = {
         "ours, Core connection": lambda n, k: bulk_ours(env, n, k, session=False, copy=True),
@@ -799,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="bulk", help=f"comma-separated: {', '.join(ROWS)}")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--sizes", help="bulk: comma-separated rows per call (e.g. 1000,100000)")
     p.add_argument("--minutes", type=float, default=1.0, help="churn: minutes per variant")
     p.add_argument("--rate", type=int, default=3_000, help="churn: jobs/s enqueued")
     p.add_argument(

@@ -30,9 +30,19 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 
-__all__ = ["COPY_MIN_ROWS", "GC_PAUSE_MIN_ROWS", "copy_allowed", "copy_run", "gc_paused"]
+__all__ = [
+    "COPY_BLOCK_ROWS",
+    "COPY_MIN_ROWS",
+    "GC_PAUSE_MIN_ROWS",
+    "CheckedLater",
+    "copy_allowed",
+    "copy_run",
+    "gc_paused",
+]
 
 #: The smallest run of rows written with COPY. Measured with ``benchmarks/curves.py
 #: --rows bulk`` on the 2-core machine: at 300 rows per call COPY gives 1.3-1.4 times the
@@ -40,9 +50,10 @@ __all__ = ["COPY_MIN_ROWS", "GC_PAUSE_MIN_ROWS", "copy_allowed", "copy_run", "gc
 #: extra round trip eats what COPY saves per row); 200 lies between.
 COPY_MIN_ROWS = 200
 
-#: Rows per ``write``: the server parses a block while the next is made (see
-#: :func:`copy_run`), and the text held in memory stays bounded.
-_CHUNK = 1_000
+#: Rows per ``write``: the server parses a block while the next is made and checked
+#: (see :func:`copy_run`), and the text held in memory stays bounded. Small enough that
+#: a call of 1,000 rows overlaps three quarters of its checks with the server's work.
+COPY_BLOCK_ROWS = 250
 
 #: The columns a run writes, in the order of each line; ``run_at`` only when given (the
 #: column's default is the same ``now()`` the INSERT would use).
@@ -99,6 +110,41 @@ def gc_paused(rows: Iterable[Any]) -> Iterator[None]:
                 gc.enable()
 
 
+class CheckedLater:
+    """The arguments of a run, their JSON made and checked a block at a time as COPY
+    sends them (``Jobs.enqueue_many`` on a connection).
+
+    Checking a row costs Python about a quarter of what writing it costs the server.
+    Checked all before the COPY, that time adds to the server's; checked block by block
+    between the writes, it is spent while the server parses the block before (plain
+    psycopg's ``write_row`` overlaps its formatting the same way). The first row was
+    checked whole by the caller, with the call's options; ``encode`` checks a list of
+    the others and gives their JSON texts, or raises :class:`~sqla_jobs.errors.EnqueueError`
+    for the first bad one. :func:`copy_run` makes a bad row of a later block undo the
+    blocks sent before it (see there)."""
+
+    __slots__ = ("encode", "first", "rest")
+
+    def __init__(self, first: str, rest: list[Any], encode: Callable[[list[Any]], list[str]]):
+        self.first = first
+        self.rest = rest
+        self.encode = encode
+
+    def __len__(self) -> int:
+        return 1 + len(self.rest)
+
+    def blocks(self, size: int) -> Iterator[list[str]]:
+        """The texts, ``size`` rows at a time, each block checked when it is asked for."""
+        rest, encode = self.rest, self.encode
+        yield [self.first, *encode(rest[: size - 1])]
+        for i in range(size - 1, len(rest), size):
+            yield encode(rest[i : i + size])
+
+    def all(self) -> list[str]:
+        """Every text, all checked now (for the INSERT, which sends them at once)."""
+        return [self.first, *self.encode(self.rest)]
+
+
 def copy_allowed(connection: Any, count: int, unique_keys: Sequence[str | None]) -> bool:
     """Whether a run of ``count`` rows goes through COPY: big enough, no unique keys, a
     psycopg 3 connection, and no ``schema_translate_map`` to honour."""
@@ -138,39 +184,111 @@ def copy_run(
     connection: sa.Connection,
     table: sa.Table,
     shared: dict[str, Any],
-    args: Sequence[Any],
+    args: Sequence[Any] | CheckedLater,
     to_json: Callable[[Any], str] | None = None,
 ) -> int:
     """COPY one run of rows into ``table``: ``shared`` holds the values every row has
     (``meta`` as JSON text), ``args`` each row's checked arguments, ``to_json`` gives their
-    JSON text (without it, ``args`` are that text). Returns the number of rows written
-    (all of them: COPY writes every row or fails).
+    JSON text (without it, ``args`` are that text), or ``args`` is a
+    :class:`CheckedLater`. Returns the number of rows written (all of them: COPY writes
+    every row or fails).
 
-    The rows were all checked before this is called; their text is made here a block of
-    :data:`_CHUNK` rows at a time, each block sent before the next is made, so the server
-    parses one block while Python writes the next (plain psycopg's ``write_row`` streams
-    the same way), and a call of a million rows never holds all its text at once."""
+    The text is made a block of :data:`COPY_BLOCK_ROWS` rows at a time, each block sent before the
+    next is made, so the server parses one block while Python makes the next, and a call
+    of a million rows never holds all its text at once.
+
+    Rows of a :class:`CheckedLater` are checked as their block is made; the first block
+    before the COPY begins. A bad row in a later block ends the COPY with an error, which
+    would abort the caller's transaction: when there is one (or psycopg will open one),
+    the COPY runs inside a savepoint of its own, rolled back and released before the
+    :class:`~sqla_jobs.errors.EnqueueError` goes on, so the caller's transaction is left
+    as it was, as it is when a bad row is found before anything is sent. It costs two
+    round trips, paid only by calls of more than one block. Without a transaction
+    (autocommit), the COPY is one: its end with an error leaves nothing behind."""
     run_at = shared.get("run_at")
     prefix = "\t".join(_text(shared[name]) for name in _COLUMNS[:-1]) + "\t"
     if run_at is not None:
         prefix += _text(run_at) + "\t"
     statement = _statement(connection, table, run_at is not None)
-    chunks = (_block(prefix, args[i : i + _CHUNK], to_json) for i in range(0, len(args), _CHUNK))
+    if isinstance(args, CheckedLater):
+        later = len(args) > COPY_BLOCK_ROWS
+        chunks = (_block(prefix, block, None) for block in args.blocks(COPY_BLOCK_ROWS))
+    else:
+        later = False
+        chunks = (
+            _block(prefix, args[i : i + COPY_BLOCK_ROWS], to_json)
+            for i in range(0, len(args), COPY_BLOCK_ROWS)
+        )
+    first = next(chunks)  # made, and checked, before anything is sent
     driver = connection.connection.driver_connection
+    guard = later and not (
+        driver.autocommit  # type: ignore[union-attr]
+        and driver.info.transaction_status == TransactionStatus.IDLE  # type: ignore[union-attr]
+    )
     try:
         if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
             from sqlalchemy.util import await_only
 
-            await_only(_copy_async(driver, statement, chunks))
+            await_only(_copy_async(driver, statement, first, chunks, guard))
         else:
-            with driver.cursor() as cursor, cursor.copy(statement) as copy:  # type: ignore[union-attr]
-                for chunk in chunks:
-                    copy.write(chunk)
+            _copy_sync(driver, statement, first, chunks, guard)
     except connection.dialect.loaded_dbapi.Error as exc:
         raise sa.exc.DBAPIError.instance(
             statement, None, exc, connection.dialect.loaded_dbapi.Error
         ) from exc
     return len(args)
+
+
+_SAVEPOINT = "SAVEPOINT sqla_jobs_copy"
+_UNDO = "ROLLBACK TO SAVEPOINT sqla_jobs_copy; RELEASE SAVEPOINT sqla_jobs_copy"
+_RELEASE = "RELEASE SAVEPOINT sqla_jobs_copy"
+
+
+def _copy_sync(driver: Any, statement: str, first: str, chunks: Iterator[str], guard: bool) -> None:
+    with driver.cursor() as cursor:
+        if guard:
+            cursor.execute(_SAVEPOINT)
+        try:
+            with cursor.copy(statement) as copy:
+                copy.write(first)
+                for chunk in chunks:
+                    copy.write(chunk)
+        except Exception as exc:
+            # A row refused by its check (not by the server): psycopg ended the COPY with
+            # an error, and the savepoint takes back the blocks already written.
+            if guard and _undo_needed(driver, exc):
+                cursor.execute(_UNDO)
+            raise
+        if guard:
+            cursor.execute(_RELEASE)
+
+
+async def _copy_async(
+    driver: Any, statement: str, first: str, chunks: Iterator[str], guard: bool
+) -> None:
+    async with driver.cursor() as cursor:
+        if guard:
+            await cursor.execute(_SAVEPOINT)
+        try:
+            async with cursor.copy(statement) as copy:
+                await copy.write(first)
+                for chunk in chunks:
+                    await copy.write(chunk)
+        except Exception as exc:
+            if guard and _undo_needed(driver, exc):
+                await cursor.execute(_UNDO)
+            raise
+        if guard:
+            await cursor.execute(_RELEASE)
+
+
+def _undo_needed(driver: Any, exc: Exception) -> bool:
+    """Whether the COPY was ended by a refused row (the savepoint is rolled back then), not
+    by the server: a database error leaves the transaction failed, as an INSERT's would."""
+    return (
+        not isinstance(exc, psycopg.Error)
+        and driver.info.transaction_status == TransactionStatus.INERROR
+    )
 
 
 #: The text :class:`~sqla_jobs.tasks.CheckedArgs` carries, read in C (see :func:`_block`).
@@ -201,9 +319,3 @@ def _block(prefix: str, args: Sequence[Any], to_json: Callable[[Any], str] | Non
     if "\\" in body:
         body = body.replace("\\", "\\\\")
     return prefix + body.replace("\n", "\n" + prefix) + "\n"
-
-
-async def _copy_async(driver: Any, statement: str, chunks: Iterator[str]) -> None:
-    async with driver.cursor() as cursor, cursor.copy(statement) as copy:
-        for chunk in chunks:
-            await copy.write(chunk)

@@ -28,7 +28,7 @@ announced at the commit (an ORM session follows savepoints; prefer it when that 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -91,7 +91,7 @@ def enqueue_many(
         jobs.get(task.task)  # raises if the task belongs to another table's registry
     # The rows are written now and kept nowhere: when they differ only in their
     # arguments, their JSON is all there is to write (no dict per row, nothing for the
-    # garbage collector to walk once it is back on; see gc_paused).
+    # garbage collector to walk; see gc_paused), checked block by block as it is sent.
     with gc_paused(arguments):
         registry, rows, texts = many_json(task, arguments, jobs, **given)
     if texts is not None:
@@ -202,12 +202,12 @@ def _insert_unique(connection: sa.Connection, registry: Jobs, params: Any) -> tu
 # -- the enqueued event -------------------------------------------------------------------
 
 #: Jobs enqueued on a connection in a transaction, waiting for its commit.
-_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, list[Any]]]] = (
+_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, Sequence[Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _announce(connection: sa.Connection, registry: Jobs, jobs: list[Any]) -> None:
+def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) -> None:
     if _autocommit(connection):
         for job in jobs:
             registry.events.fire("enqueued", job)

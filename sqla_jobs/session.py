@@ -37,17 +37,17 @@ unit of work, so they do no I/O and need no ``await``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .bulk import gc_paused
+from .bulk import CheckedLater, gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
-from .queries import enqueue_scoped, insert_rows, job_params
+from .queries import Run, enqueue_scoped, insert_rows, job_params, same_run
 from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
@@ -316,33 +316,34 @@ def many_values(
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
     session: Any,
     **given: Any,
-) -> tuple[Jobs, list[dict[str, Any]]]:
-    """The registry and the checked rows of an ``enqueue_many`` call (all or none).
+) -> tuple[Jobs, Sequence[dict[str, Any]]]:
+    """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
+    :class:`~sqla_jobs.queries.Run` when they differ only in their arguments.
 
     ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
     plain, registry, options, meta, now = _many_options(task, session, given)
     job_values = registry.job_values
-    rows: list[dict[str, Any]] = []
+    rows: Sequence[dict[str, Any]] = []
     with gc_paused(arguments):
         items = iter(arguments)
+        keyed: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, TaskArgs):
                 args, kwargs = item.args, item.kwargs
             else:
                 args, kwargs = (), item
             row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-            rows.append(row)
             # Without unique keys, the rows of one call differ only in their arguments: the
             # first row is checked whole, the others reuse its column values and check only
             # their arguments (the options' checks were a third of a row's cost). Not when
             # a column is derived from each row's arguments: a unique key (asked for here
             # or by the task) or a concurrency key (the task's function).
-            t = registry.get(plain)
-            if _uniform(row, t):
-                for checked in t.bind_many(items):
-                    same = row.copy()
-                    same["args"] = checked
-                    rows.append(same)
+            if not keyed and _uniform(row, registry.get(plain)):
+                rows = Run(row, [row["args"], *registry.get(plain).bind_many(items)])
+                break
+            keyed.append(row)
+        else:
+            rows = keyed
     if rows:
         _prepare_meta(registry, rows, meta)
     elif meta is not None:
@@ -355,11 +356,13 @@ def many_json(
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
     jobs: Jobs,
     **given: Any,
-) -> tuple[Jobs, list[dict[str, Any]], list[str] | None]:
+) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
     """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
     a connection): when the rows differ only in their arguments and nobody listens for
-    ``enqueued``, ``(registry, [first row], texts)``, the arguments of every row as JSON
-    text, checked alike, without a dict per row; otherwise ``(registry, rows, None)``."""
+    ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
+    arguments of every row as JSON text, without a dict per row, checked alike when they
+    are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
+    None)``, every row checked."""
     plain, registry, options, meta, now = _many_options(task, jobs, given)
     if registry.events.wants("enqueued"):  # the listeners get a dict per job
         return (*many_values(task, arguments, jobs, **given), None)
@@ -375,9 +378,8 @@ def many_json(
             # Keyed rows: each is a row of its own (the first is checked again there).
             rows = many_values(task, itertools.chain([item], items), jobs, **given)[1]
             return registry, rows, None
-        texts = [row["args"].json, *t.bind_many_json(items)]
         _prepare_meta(registry, [row], meta)
-        return registry, [row], texts
+        return registry, [row], CheckedLater(row["args"].json, list(items), t.bind_many_json)
     if meta is not None:
         check_meta(meta)
     return registry, [], None
@@ -415,13 +417,14 @@ def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
     return "unique_key" not in row and task.concurrency_key is None
 
 
-def _prepare_meta(registry: Jobs, rows: list[dict[str, Any]], meta: Any) -> None:
+def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any) -> None:
     """Check ``meta`` and hand it to the enqueue hooks, once for the whole call."""
-    prepared = registry.job_meta(rows[0]["task"], rows[0]["queue"], meta)
+    first = rows.first if isinstance(rows, Run) else rows[0]
+    prepared = registry.job_meta(first["task"], first["queue"], meta)
     if prepared is not None:
-        for row in rows:
+        for row in [first] if isinstance(rows, Run) else rows:
             row["meta"] = prepared
-    if "unique_scope" in rows[0]:
+    if "unique_scope" in first:
         raise EnqueueError(
             "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
             "(each job of such a scope takes its key's lock in turn): enqueue them one by "
@@ -600,7 +603,7 @@ def _sync(session: Any) -> Session:
 #   subtransactions: only boundaries count).
 
 #: (boundary transaction, registry, rows) per ``enqueue_many`` call, waiting to be written.
-_Batch = tuple[SessionTransaction, Jobs, list[dict[str, Any]]]
+_Batch = tuple[SessionTransaction, Jobs, Sequence[dict[str, Any]]]
 
 
 def _boundary(session: Session) -> SessionTransaction:
@@ -666,12 +669,12 @@ def insert_pending(session: Session) -> None:
 
 
 def _announce(
-    session: Session, registry: Jobs, jobs: list[Any], boundary: SessionTransaction
+    session: Session, registry: Jobs, jobs: Sequence[Any], boundary: SessionTransaction
 ) -> None:
     """Fire ``enqueued`` for these jobs once the outermost transaction commits, and never
     if ``boundary`` (their savepoint, or the transaction) rolls back: metrics count jobs
     that exist."""
-    announce: list[tuple[SessionTransaction, Jobs, list[Any]]] | None = session.info.get(
+    announce: list[tuple[SessionTransaction, Jobs, Sequence[Any]]] | None = session.info.get(
         _ANNOUNCE_KEY
     )
     if announce is None:
@@ -687,7 +690,7 @@ def _announce(
 def _after_commit(session: Session) -> None:
     # Also fired when a SAVEPOINT is released; get_nested_transaction() is then that
     # savepoint (the savepoints inside it were committed and closed first).
-    announce: list[tuple[SessionTransaction, Jobs, list[Any]]] | None = session.info.get(
+    announce: list[tuple[SessionTransaction, Jobs, Sequence[Any]]] | None = session.info.get(
         _ANNOUNCE_KEY
     )
     if not announce:
@@ -729,16 +732,30 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
     if not batches:
         return
     session.info[_PENDING_KEY] = []
-    # Consecutive calls for one registry share one statement when their options agree.
-    by_registry: dict[Jobs, list[dict[str, Any]]] = {}
+    # Consecutive calls for one registry share one statement when their options agree:
+    # runs (rows that differ only in their arguments) with runs whose first rows agree,
+    # other rows with other rows (insert_rows groups those row by row). New lists and
+    # runs: the batches' own are the ones handed to the ``enqueued`` listeners.
+    by_registry: dict[Jobs, list[Sequence[dict[str, Any]]]] = {}
     for _, registry, rows in batches:
-        by_registry.setdefault(registry, []).extend(rows)
-    for registry, rows in by_registry.items():
+        groups = by_registry.setdefault(registry, [])
+        last = groups[-1] if groups else None
+        if isinstance(rows, Run):
+            if isinstance(last, Run) and same_run(last, rows):
+                groups[-1] = last.joined(rows)
+            else:
+                groups.append(rows)
+        elif isinstance(last, list):
+            last.extend(rows)
+        else:
+            groups.append(list(rows))
+    for registry, groups in by_registry.items():
         if through is None:
             connection = session.connection(bind_arguments={"mapper": registry.model})
         else:
             connection = through.connection(inspect(registry.model))
-        insert_rows(connection, registry.queries, rows)
+        for group in groups:
+            insert_rows(connection, registry.queries, group)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:

@@ -20,6 +20,7 @@ import inspect
 import itertools
 import json
 import logging
+import operator
 import random
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -609,20 +610,29 @@ def _same_keywords(
     seen = frozenset(first)
     if not (seen <= keywords and required <= seen):
         return None
-    size = len(seen)
-    out: list[dict[str, Any]] = []
-    append = out.append
-    for item in items:
-        if isinstance(item, TaskArgs):
-            if item.args:
-                return None
-            item = item.kwargs
-        # An exact dict (the C encoder's fast path, and no mapping code of the caller's
-        # to run) with the same keys: no more of them, and each one of them.
-        if type(item) is not dict or len(item) != size or not seen.issuperset(item):
+    # A few passes of C over the list rather than a loop of Python per item (a third of
+    # a row's check at 100,000 rows per call): every item of one exact type, no
+    # positional arguments, every dict an exact dict (the C encoder's fast path, and no
+    # mapping code of the caller's to run) with as many keys as the first, each of them
+    # one of the first's.
+    kinds = set(map(type, items))
+    if kinds == {TaskArgs}:
+        if any(map(_positional, items)):
             return None
-        append(item)
+        out = list(map(_keywords_of, items))
+    elif kinds == {dict}:
+        out = list(items)
+    else:
+        return None
+    if set(map(type, out)) != {dict} or set(map(len, out)) != {len(seen)}:
+        return None
+    if not all(map(seen.issuperset, out)):
+        return None
     return out
+
+
+_positional = operator.attrgetter("args")
+_keywords_of = operator.attrgetter("kwargs")
 
 
 def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:

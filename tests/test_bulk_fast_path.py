@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 
 from sqla_jobs import EnqueueError, Jobs
-from sqla_jobs.bulk import COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
+from sqla_jobs.bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
 
 from . import test_bulk_copy
 from .helpers import count, rows
@@ -189,7 +190,7 @@ UNSTORABLE = [
 
 
 @pytest.mark.parametrize("bad, message", UNSTORABLE, ids=[m for _, m in UNSTORABLE])
-def test_an_unstorable_value_in_a_late_row_is_refused_before_anything_is_sent(
+def test_an_unstorable_value_in_a_late_row_is_refused_and_nothing_of_the_call_is_kept(
     db: sa.Engine,
     jobs: Jobs,
     send: Any,
@@ -203,7 +204,8 @@ def test_an_unstorable_value_in_a_late_row_is_refused_before_anything_is_sent(
     with db.begin() as conn:
         with pytest.raises(EnqueueError, match=f"argument 'extra'.*{message}"):
             jobs.enqueue_many(conn, send, sent)
-        # Nothing was sent: the caller's transaction goes on.
+        # Nothing of the call is kept (its COPY's savepoint was rolled back, the log row
+        # of the trigger with it), and the caller's transaction goes on.
         assert jobs.enqueue_many(conn, send, sent[:3]) == 3
     with Session.begin() as session:
         with pytest.raises(EnqueueError, match=message):
@@ -419,3 +421,186 @@ def test_copy_rows_on_an_async_connection_share_their_savepoints_fate(
 
     asyncio.run(main())
     assert sorted(a["to"] for a in stored_args(db)) == sorted(r["to"] for r in kept)
+
+
+# -- a bad row found while the COPY runs --------------------------------------------------
+#
+# On a connection, the rows after the first block are checked as the COPY sends them
+# (sqla_jobs.bulk.CheckedLater). A bad one ends the COPY: the savepoint the COPY runs in
+# must take back every block written before it, and leave the caller's transaction (or
+# savepoint, or autocommit connection) exactly as a bad row found before the COPY would.
+
+BLOCKS = 4
+#: The first row of each block, the last of the first block (checked before the COPY
+#: begins), and the very last row.
+POSITIONS = [
+    COPY_BLOCK_ROWS - 1,
+    COPY_BLOCK_ROWS,
+    2 * COPY_BLOCK_ROWS + 1,
+    BLOCKS * COPY_BLOCK_ROWS - 1,
+]
+BAD_ROWS = [
+    ({"to": "nul\x00"}, "NUL"),
+    ({"to": object()}, "not JSON-serialisable"),
+    ({"subject": "no to"}, "missing a required argument: 'to'"),
+    ({"to": "x", "cc": "y"}, "unexpected keyword argument 'cc'"),
+]
+
+
+def good_rows(tag: str, n: int = BLOCKS * COPY_BLOCK_ROWS) -> list[dict[str, Any]]:
+    return [{"to": f"{tag}{i}"} for i in range(n)]
+
+
+def assert_no_copy_savepoint(conn: sa.Connection) -> None:
+    """The COPY's own savepoint was released, not left behind inside the caller's."""
+    probe = conn.begin_nested()
+    with pytest.raises(sa.exc.DBAPIError, match=r"savepoint .* does not exist"):
+        conn.exec_driver_sql("RELEASE SAVEPOINT sqla_jobs_copy")
+    probe.rollback()
+
+
+def in_transaction(conn: sa.Connection) -> bool:
+    """The driver's own view: inside a transaction, and not a failed one."""
+    status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
+    return bool(status == TransactionStatus.INTRANS)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("bad, message", BAD_ROWS, ids=[m for _, m in BAD_ROWS])
+def test_a_bad_row_in_any_block_is_refused_and_the_transaction_goes_on(
+    db: sa.Engine,
+    jobs: Jobs,
+    send: Any,
+    statements: Callable[[], list[str]],
+    position: int,
+    bad: Any,
+    message: str,
+) -> None:
+    sent = good_rows("bad-call-")
+    sent[position] = bad
+    with db.begin() as conn:
+        before = jobs.enqueue_many(conn, send, good_rows("before-"))
+        with pytest.raises(EnqueueError, match=message):
+            jobs.enqueue_many(conn, send, sent)
+        assert in_transaction(conn)
+        assert_no_copy_savepoint(conn)
+        after = jobs.enqueue_many(conn, send, good_rows("after-"))
+    stored = [a["to"] for a in stored_args(db)]
+    assert len(stored) == before + after
+    assert not any(to.startswith("bad-call-") for to in stored)
+    # One COPY for each good call; the failed one's log row went with its savepoint.
+    assert statements() == ["COPY", "COPY"]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_bad_late_row_at_any_savepoint_depth_keeps_the_savepoints_intact(
+    db: sa.Engine, jobs: Jobs, send: Any, depth: int
+) -> None:
+    """Inside savepoints nested ``depth`` deep: the refused call leaves no savepoint of
+    its own behind, so the caller's innermost one still rolls back exactly what it
+    wrote, and the others keep theirs."""
+    sent = good_rows("bad-")
+    sent[-1] = {"to": "nul\x00"}
+    with db.begin() as conn:
+        savepoints = []
+        for level in range(depth):
+            savepoints.append(conn.begin_nested())
+            jobs.enqueue_many(conn, send, good_rows(f"level{level}-", COPY_BLOCK_ROWS + 1))
+        with pytest.raises(EnqueueError, match="NUL"):
+            jobs.enqueue_many(conn, send, sent)
+        assert in_transaction(conn)
+        jobs.enqueue_many(conn, send, good_rows("dropped-", 2 * COPY_BLOCK_ROWS + 1))
+        savepoints[-1].rollback()  # takes level{depth-1}- and dropped-, nothing more
+        for savepoint in reversed(savepoints[:-1]):
+            savepoint.commit()
+    kept = sorted(a["to"] for a in stored_args(db))
+    expected = sorted(
+        r["to"]
+        for level in range(depth - 1)
+        for r in good_rows(f"level{level}-", COPY_BLOCK_ROWS + 1)
+    )
+    assert kept == expected
+
+
+def test_a_bad_late_row_on_an_autocommit_connection_keeps_nothing(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """Without a transaction the COPY is one: ended by the bad row, it leaves nothing."""
+    sent = good_rows("bad-")
+    sent[3 * COPY_BLOCK_ROWS] = {"to": object()}
+    with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pytest.raises(EnqueueError, match="not JSON-serialisable"):
+            jobs.enqueue_many(conn, send, sent)
+        assert jobs.enqueue_many(conn, send, good_rows("good-")) == BLOCKS * COPY_BLOCK_ROWS
+    assert sorted(a["to"] for a in stored_args(db)) == sorted(r["to"] for r in good_rows("good-"))
+
+
+def test_a_bad_late_row_on_an_async_connection_is_refused_and_the_transaction_goes_on(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    from sqla_jobs import create_async_engine
+
+    sent = good_rows("bad-")
+    sent[-1] = {"subject": "no to"}
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        async with engine.begin() as conn, conn.begin_nested():
+            await jobs.enqueue_many(conn, send, good_rows("kept-"))
+            with pytest.raises(EnqueueError, match="missing a required argument"):
+                await jobs.enqueue_many(conn, send, sent)
+            await jobs.enqueue_many(conn, send, good_rows("after-"))
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert sorted(a["to"] for a in stored_args(db)) == sorted(
+        r["to"] for r in good_rows("kept-") + good_rows("after-")
+    )
+
+
+def test_a_server_error_in_a_late_block_fails_the_transaction_as_an_insert_would(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """Only a row refused by its check is taken back by the COPY's savepoint: an error of
+    the server (here a CHECK constraint on the last block) is raised as SQLAlchemy's
+    error and leaves the transaction failed, as the INSERT of a small call does."""
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"ALTER TABLE {test_bulk_copy.JOBS} "
+                "ADD CONSTRAINT no_boom CHECK (args->>'to' <> 'boom')"
+            )
+        )
+    try:
+        sent = good_rows("r")
+        sent[-1] = {"to": "boom"}
+        with db.begin() as conn:
+            with pytest.raises(sa.exc.IntegrityError, match="no_boom"):
+                jobs.enqueue_many(conn, send, sent)
+            assert not in_transaction(conn)
+            with pytest.raises(sa.exc.InternalError, match="current transaction is aborted"):
+                conn.execute(sa.text("SELECT 1"))
+            conn.rollback()
+    finally:
+        with db.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {test_bulk_copy.JOBS} DROP CONSTRAINT no_boom"))
+    assert count(db) == 0
+
+
+def test_a_sessions_calls_are_written_in_order_and_merged_only_when_alike(
+    db: sa.Engine, jobs: Jobs, send: Any, Session: Any, statements: Callable[[], list[str]]
+) -> None:
+    """At flush, consecutive calls whose rows share every column but the arguments are
+    one COPY; rows of another kind (unique keys) or other options are a statement of
+    their own, in the order of the calls."""
+    with Session.begin() as session:
+        session.enqueue_many(send, good_rows("a", N))
+        session.enqueue_many(send, good_rows("b", N))  # alike: one run with a
+        session.enqueue_many(send, good_rows("u", 3), unique=True)
+        session.enqueue_many(send, good_rows("p", N), priority=5)
+        session.enqueue_many(send, good_rows("q", N), priority=5)  # one run with p
+    assert statements() == ["COPY", "INSERT", "COPY"]
+    stored = rows(db)
+    assert [r.args["to"][0] for r in stored] == list("a" * N + "b" * N + "uuu" + "p" * N + "q" * N)
+    assert {r.args["to"][0] for r in stored if r.priority == 5} == {"p", "q"}
+    assert {r.args["to"][0] for r in stored if r.unique_key is not None} == {"u"}
