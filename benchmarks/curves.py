@@ -205,25 +205,29 @@ def row_bulk(env: Env, args: argparse.Namespace) -> None:
     print(
         "| rows per call | "
         + " | ".join(sides)
-        + " | ours (Core) / best plain | the same, repeat by repeat |"
+        + " | ours (Core) / best plain | the same, repeat by repeat | session / best plain,"
+        " repeat by repeat |"
     )
-    print("|---:|" + "---:|" * (len(sides) + 2))
+    print("|---:|" + "---:|" * (len(sides) + 3))
     for n in sizes:
         best = max(med(results["plain unnest INSERT"][n]), med(results["plain COPY"][n]))
         ratio = med(results["ours, Core connection"][n]) / best
         # Each repeat runs every side once, back to back: the ratio within a repeat shares
         # the machine's load of the moment, and its spread says how far to trust the first.
-        paired = [
-            ours / max(unnest, copy)
-            for ours, unnest, copy in zip(
-                results["ours, Core connection"][n],
-                results["plain unnest INSERT"][n],
-                results["plain COPY"][n],
-                strict=True,
-            )
-        ]
+        paired, session = (
+            [
+                ours / max(unnest, copy)
+                for ours, unnest, copy in zip(
+                    results[label][n],
+                    results["plain unnest INSERT"][n],
+                    results["plain COPY"][n],
+                    strict=True,
+                )
+            ]
+            for label in ("ours, Core connection", "ours, session")
+        )
         cells = " | ".join(fmt(results[s][n]) for s in sides)
-        print(f"| {n:,} | {cells} | {ratio:.2f} | {fmt(paired, '.2f')} |")
+        print(f"| {n:,} | {cells} | {ratio:.2f} | {fmt(paired, '.2f')} | {fmt(session, '.2f')} |")
 
     def draw(fig: Any) -> None:
         ax = fig.add_subplot()

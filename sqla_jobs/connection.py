@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from .bulk import gc_paused
 from .errors import EnqueueError
 from .queries import enqueue_scoped, insert_json, insert_rows, job_params
 from .tasks import OPTION_NAMES, ConfiguredTask, Jobs, Task, TaskArgs, merge_options
@@ -91,9 +90,8 @@ def enqueue_many(
         jobs.get(task.task)  # raises if the task belongs to another table's registry
     # The rows are written now and kept nowhere: when they differ only in their
     # arguments, their JSON is all there is to write (no dict per row, nothing for the
-    # garbage collector to walk; see gc_paused), checked block by block as it is sent.
-    with gc_paused(arguments):
-        registry, rows, texts = many_json(task, arguments, jobs, **given)
+    # garbage collector to walk), checked block by block as it is sent (sqla_jobs.bulk).
+    registry, rows, texts = many_json(task, arguments, jobs, **given)
     if texts is not None:
         return insert_json(connection, registry.queries, rows[0], texts)
     if not rows:
