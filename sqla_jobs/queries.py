@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, overload
@@ -153,13 +154,23 @@ class BatchParams(TypedDict):
 
 
 def batch_params(claims: Iterable[Claim]) -> BatchParams:
-    """Parameters naming a batch of claims, for complete, heartbeat and hand back."""
+    """Parameters naming a batch of claims, for complete, heartbeat and hand back, in id
+    order.
+
+    The statements lock their rows in the batch's order (a nested loop over the unnest,
+    one index lookup per element): a worker's heartbeat and its completer lock rows of
+    the same running set on two connections, and in two different orders they could
+    deadlock (seen once in CI; PostgreSQL then aborts one, and it is retried). In one
+    order, one of them waits for the other instead."""
     ids: list[int] = []
     attempts: list[int] = []
-    for claim in claims:
+    for claim in sorted(claims, key=_claim_id):
         ids.append(claim.id)
         attempts.append(claim.attempts)
     return {"ids": ids, "attempt_list": attempts}
+
+
+_claim_id = operator.attrgetter("id")
 
 
 # -- the claim ----------------------------------------------------------------------------
@@ -786,13 +797,15 @@ class HeartbeatParams(BatchParams):
 def heartbeat_params(
     claims: Iterable[Claim], lease: timedelta, progress: Iterable[str | None] | None = None
 ) -> HeartbeatParams:
-    batch = batch_params(claims)
-    notes: list[str | None] = list(progress) if progress is not None else [None] * len(batch["ids"])
+    held = list(claims)
+    notes: list[str | None] = list(progress) if progress is not None else [None] * len(held)
+    # In id order, as batch_params (see there), each note with its claim.
+    pairs = sorted(zip(held, notes, strict=True), key=lambda pair: pair[0].id)
     return {
-        "ids": batch["ids"],
-        "attempt_list": batch["attempt_list"],
+        "ids": [claim.id for claim, _ in pairs],
+        "attempt_list": [claim.attempts for claim, _ in pairs],
         "lease": lease,
-        "progress_list": notes,
+        "progress_list": [note for _, note in pairs],
     }
 
 

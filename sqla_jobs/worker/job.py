@@ -379,11 +379,12 @@ def outcome_statements(
     if done:
         statements.append((queries.complete, dict(batch_params(done))))
     if flow:
+        flow.sort(key=_job_id)  # batch_params puts the ids in order: the lists follow it
         params_f = dict(batch_params(o.job for o in flow))
         params_f["result_list"] = [o.result for o in flow]
         params_f["keep_list"] = [keeps(o.job) or 0.0 for o in flow]
         statements.append((queries.complete_flow, params_f))
-    for o in batch:
+    for o in sorted(batch, key=_job_id):  # rows locked in id order (see batch_params)
         if o.kind is OutcomeKind.FAILED:
             params = fail_params(
                 o.job,
@@ -398,6 +399,10 @@ def outcome_statements(
             params_ = snooze_params(o.job, o.delay, o.job.unwritten_progress())
             statements.append((queries.snooze, dict(params_)))
     return statements
+
+
+def _job_id(outcome: Outcome) -> int:
+    return outcome.job.id
 
 
 def worker_name() -> str:
