@@ -199,6 +199,10 @@ def row_bulk(env: Env, args: argparse.Namespace) -> None:
                 order.reverse()
             for label, side in order:
                 reset(env.admin, env.app)
+                # Each side starts from a fresh checkpoint: a checkpoint falling inside one
+                # side's timing (every 1 GB of WAL, some 6 sides of 100,000 rows) made the
+                # 100,000-row ratios swing from 0.8 to 1.6.
+                env.admin.execute("CHECKPOINT")
                 results[label][n].append(side(n, calls))
         print(f"  {n:,} rows per call done", file=sys.stderr)
     print(f"### enqueue_many vs plain psycopg (jobs/s, median of {args.repeat} (min-max))\n")

@@ -21,8 +21,9 @@ from psycopg.pq import TransactionStatus
 
 from sqla_jobs import EnqueueError, Jobs
 from sqla_jobs.bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
+from sqla_jobs.session import WRITE_AT_CALL_MIN_ROWS, pending_jobs
 
-from . import test_bulk_copy
+from . import app, test_bulk_copy
 from .helpers import count, rows
 
 # That module's fixtures: a task taking (to, subject="hi", extra=None), and the log of the
@@ -118,11 +119,16 @@ def test_keyword_rows_are_stored_as_given_through_a_session(
     statements: Callable[[], list[str]],
 ) -> None:
     flat, nested = keyword_rows(N, nested=False), keyword_rows(N + 1, nested=True)
+    small = keyword_rows(COPY_MIN_ROWS, nested=True)
     with Session.begin() as session:
-        session.enqueue_many(send, flat)
+        session.enqueue_many(send, small)  # waits for the flush
+        session.enqueue_many(send, flat)  # a big list: written at the call, after small
+        log = sa.text(f"SELECT count(*) FROM {test_bulk_copy.LOG}")
+        assert session.execute(log).scalar_one() == 2  # seen inside the transaction
         session.enqueue_many(send, (send.args(**kw) for kw in nested))  # an iterator
-    assert statements() == ["COPY"]  # the two calls' rows share their options: one run
-    assert stored_args(db) == flat + nested
+        session.enqueue_many(send, small)  # alike: one run with the iterator's
+    assert statements() == ["COPY", "COPY", "COPY"]
+    assert stored_args(db) == small + flat + nested + small
 
 
 def test_keyword_rows_are_stored_as_given_async(
@@ -593,14 +599,76 @@ def test_a_sessions_calls_are_written_in_order_and_merged_only_when_alike(
     """At flush, consecutive calls whose rows share every column but the arguments are
     one COPY; rows of another kind (unique keys) or other options are a statement of
     their own, in the order of the calls."""
+    m = COPY_MIN_ROWS + 100  # COPY-sized, and small enough to wait for the flush
     with Session.begin() as session:
-        session.enqueue_many(send, good_rows("a", N))
-        session.enqueue_many(send, good_rows("b", N))  # alike: one run with a
+        session.enqueue_many(send, good_rows("a", m))
+        session.enqueue_many(send, good_rows("b", m))  # alike: one run with a
         session.enqueue_many(send, good_rows("u", 3), unique=True)
-        session.enqueue_many(send, good_rows("p", N), priority=5)
-        session.enqueue_many(send, good_rows("q", N), priority=5)  # one run with p
+        session.enqueue_many(send, good_rows("p", m), priority=5)
+        session.enqueue_many(send, good_rows("q", m), priority=5)  # one run with p
     assert statements() == ["COPY", "INSERT", "COPY"]
     stored = rows(db)
-    assert [r.args["to"][0] for r in stored] == list("a" * N + "b" * N + "uuu" + "p" * N + "q" * N)
+    assert [r.args["to"][0] for r in stored] == list("a" * m + "b" * m + "uuu" + "p" * m + "q" * m)
     assert {r.args["to"][0] for r in stored if r.priority == 5} == {"p", "q"}
     assert {r.args["to"][0] for r in stored if r.unique_key is not None} == {"u"}
+
+
+# -- a session's big call is written at the call -----------------------------------------
+
+
+def test_a_sessions_big_call_is_written_at_the_call_after_its_objects(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    """From WRITE_AT_CALL_MIN_ROWS rows, a sync session writes the call's rows at once,
+    after flushing its own objects; they share the transaction's fate."""
+    with Session() as session:
+        session.add(app.Link(code="first", url="u"))
+        assert session.enqueue_many(send, good_rows("a", WRITE_AT_CALL_MIN_ROWS)) == 1_000
+        assert not session.new  # the object was flushed first
+        assert pending_jobs(session) == {}
+        jobs_table = app.Job.__table__
+        assert session.execute(sa.select(sa.func.count()).select_from(jobs_table)).scalar() == (
+            WRITE_AT_CALL_MIN_ROWS
+        )
+        session.rollback()
+    assert count(db) == 0
+    assert count(db, app.Link) == 0
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_a_bad_late_row_in_a_sessions_big_call_leaves_the_session_usable(
+    Session: Any, db: sa.Engine, send: Any, depth: int
+) -> None:
+    """The error comes from the call, nothing of the call is kept, and the session's
+    transaction and savepoints (``depth`` of them) go on: the innermost still rolls back
+    exactly what it wrote."""
+    bad = good_rows("bad-")
+    bad[-1] = {"to": "nul\x00"}
+    with Session() as session:
+        session.enqueue_many(send, good_rows("outer-"))
+        savepoints = [session.begin_nested() for _ in range(depth)]
+        session.add(app.Link(code="inner", url="u"))
+        with pytest.raises(EnqueueError, match="NUL"):
+            session.enqueue_many(send, bad)
+        session.enqueue_many(send, good_rows("inner-"))
+        if savepoints:
+            savepoints[-1].rollback()
+        session.commit()
+    kept = {a["to"].split("-")[0] for a in stored_args(db)}
+    assert kept == ({"outer"} if depth else {"outer", "inner"})
+    assert count(db, app.Link) == (0 if depth else 1)
+    assert count(db) == len(good_rows("")) * len(kept)
+
+
+def test_a_session_without_autoflush_waits_for_the_flush(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    """No autoflush: the session's objects are not flushed behind its back, so the rows
+    wait for the flush, checked at the call as smaller calls are."""
+    with Session(autoflush=False) as session:
+        session.enqueue_many(send, good_rows("a"))
+        assert [len(rows) for rows in pending_jobs(session).values()] == [len(good_rows(""))]
+        with pytest.raises(EnqueueError, match="NUL"):
+            session.enqueue_many(send, [*good_rows("b"), {"to": "\x00"}])
+        session.commit()
+    assert count(db) == len(good_rows(""))
