@@ -18,6 +18,11 @@ It also goes around what SQLAlchemy does for its own statements: ``echo`` loggin
 ``before_cursor_execute`` events and ``schema_translate_map``. A connection with a
 ``schema_translate_map`` therefore keeps the INSERT (the table's name would be wrong), and
 an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the INSERT's would be.
+
+A call on a connection (or a session's big call, written at the call) checks its rows
+after the first block while the COPY sends them (:class:`CheckedLater`); a bad one ends
+the COPY inside a savepoint of its own, which takes back what was sent (see
+:func:`copy_run`).
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ def gc_paused(rows: Iterable[Any]) -> Iterator[None]:
 
 class CheckedLater:
     """The arguments of a run, their JSON made and checked a block at a time as COPY
-    sends them (``Jobs.enqueue_many`` on a connection).
+    sends them (``Jobs.enqueue_many`` on a connection, a session's big call).
 
     Checking a row costs Python about a quarter of what writing it costs the server.
     Checked all before the COPY, that time adds to the server's; checked block by block
@@ -193,9 +198,9 @@ def copy_run(
     :class:`CheckedLater`. Returns the number of rows written (all of them: COPY writes
     every row or fails).
 
-    The text is made a block of :data:`COPY_BLOCK_ROWS` rows at a time, each block sent before the
-    next is made, so the server parses one block while Python makes the next, and a call
-    of a million rows never holds all its text at once.
+    The text is made a block of :data:`COPY_BLOCK_ROWS` rows at a time, each block sent
+    before the next is made, so the server parses one block while Python makes the next,
+    and a call of a million rows never holds all its text at once.
 
     Rows of a :class:`CheckedLater` are checked as their block is made; the first block
     before the COPY begins. A bad row in a later block ends the COPY with an error, which

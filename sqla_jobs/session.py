@@ -286,9 +286,12 @@ class EnqueueMixin:
         any is kept: one bad item raises :class:`EnqueueError` and none of the batch is
         added. The rows go to the database in one statement at the session's next flush,
         when a savepoint begins, or at the release or commit of the transaction they were
-        enqueued in, whose fate they share. With ``unique=True`` each job gets a key
-        derived from its task and arguments, and one equal to a live job is silently
-        skipped. ``meta`` is given to every job of the call.
+        enqueued in, whose fate they share; a call of :data:`WRITE_AT_CALL_MIN_ROWS` rows
+        or more (a list, not an iterator) on a sync session with autoflush on is written
+        at the call instead, after a flush (see :func:`_write_at_call`). With
+        ``unique=True`` each job gets a key derived from its task and arguments, and one
+        equal to a live job is silently skipped. ``meta`` is given to every job of the
+        call.
         """
         given: dict[str, Any] = {
             "queue": queue,
