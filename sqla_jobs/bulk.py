@@ -238,8 +238,19 @@ def copy_run(
         else:
             _copy_sync(driver, statement, first, chunks, guard)
     except connection.dialect.loaded_dbapi.Error as exc:
+        # What SQLAlchemy does for its own statements: a connection the server ended is
+        # invalidated, so that the caller's rollback (and the pool) let it go instead of
+        # failing on it again.
+        lost = connection.dialect.is_disconnect(exc, connection.connection.dbapi_connection, None)
+        if lost and not connection.invalidated:
+            connection.invalidate(exc)
         raise sa.exc.DBAPIError.instance(
-            statement, None, exc, connection.dialect.loaded_dbapi.Error
+            statement,
+            None,
+            exc,
+            connection.dialect.loaded_dbapi.Error,
+            connection_invalidated=lost,
+            dialect=connection.dialect,
         ) from exc
     return len(args)
 

@@ -394,11 +394,15 @@ def test_a_copy_on_a_killed_backend_raises_and_the_engine_recovers(
     """The server ends the connection under a COPY-sized call: the caller gets a
     ``DBAPIError``, nothing of the transaction is committed, and the engine's next
     connection works."""
-    with pytest.raises(sa.exc.DBAPIError), db.begin() as conn:
+    with pytest.raises(sa.exc.DBAPIError) as raised, db.begin() as conn:
         pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
         with db.connect() as other:
             other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
         jobs.enqueue_many(conn, send, [{"to": f"k{i}"} for i in range(N)])
+    # The COPY's own error, the connection invalidated as SQLAlchemy does for its own
+    # statements: the rollback on leaving the block let it go instead of failing again.
+    assert str(raised.value.statement).startswith("COPY")
+    assert raised.value.connection_invalidated
     assert count(db) == 0
     with db.begin() as conn:
         assert jobs.enqueue_many(conn, send, [{"to": f"n{i}"} for i in range(N)]) == N
@@ -672,3 +676,44 @@ def test_a_session_without_autoflush_waits_for_the_flush(
             session.enqueue_many(send, [*good_rows("b"), {"to": "\x00"}])
         session.commit()
     assert count(db) == len(good_rows(""))
+
+
+def test_a_sessions_big_call_on_a_killed_backend_raises_and_the_session_recovers(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    """The server ends the session's connection before its big call is written: the call
+    raises SQLAlchemy's error, nothing is committed, and after a rollback the session
+    works on a new connection."""
+    with Session() as session:
+        pid = session.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with db.connect() as other:
+            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(sa.exc.DBAPIError):
+            session.enqueue_many(send, good_rows("lost-"))
+        session.rollback()
+        assert session.enqueue_many(send, good_rows("kept-")) == len(good_rows(""))
+        session.commit()
+    assert {a["to"].split("-")[0] for a in stored_args(db)} == {"kept"}
+
+
+def test_an_async_copy_on_a_killed_backend_raises_and_the_engine_recovers(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    from sqla_jobs import create_async_engine
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        with pytest.raises(sa.exc.DBAPIError) as raised:
+            async with engine.begin() as conn:
+                pid = (await conn.execute(sa.text("SELECT pg_backend_pid()"))).scalar_one()
+                with db.connect() as other:
+                    other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                await jobs.enqueue_many(conn, send, good_rows("lost-"))
+        assert str(raised.value.statement).startswith("COPY")
+        assert raised.value.connection_invalidated
+        async with engine.begin() as conn:
+            await jobs.enqueue_many(conn, send, good_rows("kept-"))
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert {a["to"].split("-")[0] for a in stored_args(db)} == {"kept"}
