@@ -251,6 +251,12 @@ class Task(Generic[P, R]):
 
     def bind_args(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CheckedArgs:
         """Check arguments against the handler's signature; return them as a JSON-able dict."""
+        if type(kwargs) is not dict and not isinstance(kwargs, Mapping):
+            # An enqueue_many item that is neither task.args(...) nor a mapping.
+            raise EnqueueError(
+                f"task {self.name!r}: each job's arguments must be task.args(...) or a "
+                f"mapping of keyword arguments, not {type(kwargs).__name__}"
+            )
         keywords = self._keywords
         if (
             not args

@@ -717,3 +717,29 @@ def test_an_async_copy_on_a_killed_backend_raises_and_the_engine_recovers(
 
     asyncio.run(main())
     assert {a["to"].split("-")[0] for a in stored_args(db)} == {"kept"}
+
+
+@pytest.mark.parametrize("bad", [5, None, "to", [("to", "x")]], ids=repr)
+@pytest.mark.parametrize("where", ["first", "late"])
+def test_an_item_that_is_not_arguments_is_refused_by_name_on_every_path(
+    Session: Any, db: sa.Engine, jobs: Jobs, send: Any, bad: Any, where: str
+) -> None:
+    """An ``enqueue_many`` item must be ``task.args(...)`` or a mapping: anything else is
+    an EnqueueError that says so (it was an AttributeError), first or late, small or big,
+    through a session or a connection, and nothing of the call is kept."""
+    message = r"must be task\.args\(\.\.\.\) or a mapping of keyword arguments, not"
+    for size in (3, len(good_rows(""))):
+        sent: list[Any] = good_rows("r", size)
+        sent[0 if where == "first" else -1] = bad
+        with Session() as session:
+            with pytest.raises(EnqueueError, match=message):
+                session.enqueue_many(send, sent)
+            session.commit()
+        with db.begin() as conn:
+            with pytest.raises(EnqueueError, match=message):
+                jobs.enqueue_many(conn, send, sent)
+            # Not failed: inside the transaction, or not yet in one (nothing was sent).
+            status = conn.connection.driver_connection.info.transaction_status  # type: ignore[union-attr]
+            assert status in (TransactionStatus.INTRANS, TransactionStatus.IDLE)
+            conn.execute(sa.text("SELECT 1"))
+    assert count(db) == 0
