@@ -368,6 +368,7 @@ def many_values(
     :class:`~sqla_jobs.queries.Run` when they differ only in their arguments.
 
     ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
+    _check_many(arguments)
     plain, registry, options, meta, now = _many_options(task, session, given)
     job_values = registry.job_values
     rows: Sequence[dict[str, Any]] = []
@@ -410,6 +411,7 @@ def many_json(
     arguments of every row as JSON text, without a dict per row, checked alike when they
     are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
     None)``, every row checked."""
+    _check_many(arguments)
     plain, registry, options, meta, now = _many_options(task, jobs, given)
     if registry.events.wants("enqueued"):  # the listeners get a dict per job
         return (*many_values(task, arguments, jobs, **given), None)
@@ -430,6 +432,16 @@ def many_json(
     if meta is not None:
         check_meta(meta)
     return registry, [], None
+
+
+def _check_many(arguments: object) -> None:
+    """``enqueue_many`` takes many jobs' arguments: one mapping (its keys would be taken
+    for the jobs) or something that is not iterable is an error that says so."""
+    if isinstance(arguments, (Mapping, str, bytes)) or not isinstance(arguments, Iterable):
+        raise EnqueueError(
+            "enqueue_many takes an iterable of jobs' arguments (task.args(...) or mappings), "
+            f"not {type(arguments).__name__}: for one job, pass [arguments]"
+        )
 
 
 def _many_options(

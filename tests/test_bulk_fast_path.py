@@ -743,3 +743,15 @@ def test_an_item_that_is_not_arguments_is_refused_by_name_on_every_path(
             assert status in (TransactionStatus.INTRANS, TransactionStatus.IDLE)
             conn.execute(sa.text("SELECT 1"))
     assert count(db) == 0
+
+
+@pytest.mark.parametrize("arguments", [{"to": "x"}, "to", 5, None], ids=repr)
+def test_arguments_that_are_not_many_jobs_are_refused_by_name(
+    Session: Any, db: sa.Engine, jobs: Jobs, send: Any, arguments: Any
+) -> None:
+    message = "enqueue_many takes an iterable of jobs' arguments"
+    with Session() as session, pytest.raises(EnqueueError, match=message):
+        session.enqueue_many(send, arguments)
+    with db.begin() as conn, pytest.raises(EnqueueError, match=message):
+        jobs.enqueue_many(conn, send, arguments)
+    assert count(db) == 0
