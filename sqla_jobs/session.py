@@ -304,6 +304,9 @@ class EnqueueMixin:
         }
         if (
             isinstance(self, Session)
+            # The session inside an AsyncJobSession may be called outside its greenlet
+            # (session.sync_session.enqueue_many): no I/O there.
+            and not isinstance(self, _FlushingSession)
             and self.autoflush
             and isinstance(arguments, Sized)
             and len(arguments) >= WRITE_AT_CALL_MIN_ROWS

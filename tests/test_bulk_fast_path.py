@@ -755,3 +755,28 @@ def test_arguments_that_are_not_many_jobs_are_refused_by_name(
     with db.begin() as conn, pytest.raises(EnqueueError, match=message):
         jobs.enqueue_many(conn, send, arguments)
     assert count(db) == 0
+
+
+def test_an_async_sessions_big_call_waits_for_the_flush_on_every_path(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any
+) -> None:
+    """``AsyncJobSession.enqueue_many`` is not awaited, so it does no I/O: a big call waits
+    for the flush, whether made on the async session or on the session inside it (even
+    outside ``run_sync``, where I/O would fail)."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            session.enqueue_many(send, good_rows("a", WRITE_AT_CALL_MIN_ROWS))
+            session.sync_session.enqueue_many(send, good_rows("b", WRITE_AT_CALL_MIN_ROWS))
+            assert [len(r) for r in pending_jobs(session.sync_session).values()] == [2_000]
+            await session.commit()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert count(db) == 2 * WRITE_AT_CALL_MIN_ROWS
