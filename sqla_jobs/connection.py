@@ -134,11 +134,11 @@ def async_connection(connection: object) -> AsyncConnection:
         return connection
     hint = ""
     if isinstance(connection, (Session, AsyncSession)):
-        hint = "; with a session, use session.enqueue"
+        hint = "; with a session, use session.enqueue (or session.enqueue_many)"
     elif isinstance(connection, sa.Engine):
         hint = "; with an engine, use `with engine.begin() as conn:`"
     raise TypeError(
-        "jobs.enqueue takes a Connection or an AsyncConnection, got "
+        "jobs.enqueue and jobs.enqueue_many take a Connection or an AsyncConnection, got "
         f"{type(connection).__name__}{hint}"
     )
 

@@ -185,4 +185,6 @@ def test_a_session_or_an_engine_is_refused(
         jobs.enqueue(session, send, "a@example.com")  # type: ignore[call-overload]
     with pytest.raises(TypeError, match=r"engine\.begin"):
         jobs.enqueue_many(db, send, [{"to": "a@example.com"}])  # type: ignore[call-overload]
+    with Session() as session, pytest.raises(TypeError, match=r"session\.enqueue_many"):
+        jobs.enqueue_many(session, send, [{"to": "a@example.com"}])  # type: ignore[call-overload]
     assert count(db) == 0
