@@ -1364,17 +1364,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
     see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
     whose unique key a live job holds are not)."""
     if isinstance(rows, Run):
-        if not rows:
-            return 0
-        params: dict[str, Any] = {name: rows.first.get(name) for name in _SHARED}
-        if params["meta"] is not None:
-            params["meta"] = _dumps(params["meta"])
-        args = rows.args
-        if copy_allowed(connection, len(args), ()):
-            return copy_run(connection, queries.table, params, args, args_json)
-        params["args"] = list(map(args_json, args))
-        params["unique_key"] = params["concurrency_key"] = [None] * len(args)
-        return int(connection.execute(queries.bulk_insert, params).rowcount)
+        return _write_run(connection, queries, rows.first, rows.args) if rows else 0
     statement = queries.bulk_insert
     inserted = 0
     for shared, run in itertools.groupby(rows, key=_shared_values):
@@ -1403,13 +1393,28 @@ def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: C
     <sqla_jobs.Jobs.job_values>`, without a unique or concurrency key) and differ only in
     their arguments, given as JSON ``texts`` checked as they are written; returns how many
     were inserted."""
+    return _write_run(connection, queries, row, texts)
+
+
+def _write_run(
+    connection: Any, queries: Queries, row: dict[str, Any], args: Sequence[Any] | CheckedLater
+) -> int:
+    """Write rows that have ``row``'s columns and differ only in their arguments: checked
+    arguments (:class:`~sqla_jobs.tasks.CheckedArgs`), or texts checked as they are
+    written. ``COPY`` when :func:`~sqla_jobs.bulk.copy_allowed` says so, else the bulk
+    INSERT (with every text checked first)."""
     params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
     if params["meta"] is not None:
         params["meta"] = _dumps(params["meta"])
-    if copy_allowed(connection, len(texts), ()):
-        return copy_run(connection, queries.table, params, texts)
-    params["args"] = texts.all()
-    params["unique_key"] = params["concurrency_key"] = [None] * len(texts)
+    if isinstance(args, CheckedLater):
+        if copy_allowed(connection, len(args), ()):
+            return copy_run(connection, queries.table, params, args)
+        params["args"] = args.all()
+    else:
+        if copy_allowed(connection, len(args), ()):
+            return copy_run(connection, queries.table, params, args, args_json)
+        params["args"] = list(map(args_json, args))
+    params["unique_key"] = params["concurrency_key"] = [None] * len(args)
     return int(connection.execute(queries.bulk_insert, params).rowcount)
 
 

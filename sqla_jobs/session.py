@@ -313,13 +313,18 @@ class EnqueueMixin:
         ):
             return _write_at_call(self, task, arguments, given)
         registry, rows = many_values(task, arguments, self, **given)
-        if rows:
-            session = _sync(self)
-            boundary = _boundary(session)
-            _pending(session).append((boundary, registry, rows))
-            if registry.events.wants("enqueued"):
-                _announce(session, registry, rows, boundary)
-        return len(rows)
+        return _keep_for_flush(_sync(self), registry, rows)
+
+
+def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> int:
+    """Checked rows wait for the next flush, tagged with the transaction whose fate they
+    share; the ``enqueued`` listeners hear of them when it commits. How many."""
+    if rows:
+        boundary = _boundary(session)
+        _pending(session).append((boundary, registry, rows))
+        if registry.events.wants("enqueued"):
+            _announce(session, registry, rows, boundary)
+    return len(rows)
 
 
 #: The smallest ``enqueue_many`` call a (sync, autoflushing) session writes at the call
@@ -348,14 +353,9 @@ def _write_at_call(
     Not for rows that need more than their JSON (unique or concurrency keys, ``enqueued``
     listeners): those are checked now and wait for the flush, as smaller calls do."""
     registry, rows, texts = many_json(task, arguments, session, **given)
-    if not rows:
-        return 0
-    boundary = _boundary(session)
     if texts is None:
-        _pending(session).append((boundary, registry, rows))
-        if registry.events.wants("enqueued"):
-            _announce(session, registry, rows, boundary)
-        return len(rows)
+        return _keep_for_flush(session, registry, rows)
+    _boundary(session)  # refuses a session with autobegin=False and no transaction
     session.flush()
     connection = session.connection(bind_arguments={"mapper": registry.model})
     return insert_json(connection, registry.queries, rows[0], texts)
@@ -389,8 +389,9 @@ def many_values(
             # their arguments (the options' checks were a third of a row's cost). Not when
             # a column is derived from each row's arguments: a unique key (asked for here
             # or by the task) or a concurrency key (the task's function).
-            if not keyed and _uniform(row, registry.get(plain)):
-                rows = Run(row, [row["args"], *registry.get(plain).bind_many(items)])
+            t = registry.get(plain)
+            if not keyed and _uniform(row, t):
+                rows = Run(row, [row["args"], *t.bind_many(items)])
                 break
             keyed.append(row)
         else:

@@ -313,11 +313,7 @@ class Task(Generic[P, R]):
         listed = items if isinstance(items, list) else list(items)
         fast = self._json_of_same_keywords(listed)
         if fast is None:
-            bind = self.bind_args
-            return [
-                bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)
-                for item in listed
-            ]
+            return list(map(self._bind_item, listed))
         plain, texts = fast
         checked = list(map(CheckedArgs, plain))
         for arguments, text in zip(checked, texts, strict=True):
@@ -333,11 +329,13 @@ class Task(Generic[P, R]):
         fast = self._json_of_same_keywords(listed)
         if fast is not None:
             return fast[1]
-        bind = self.bind_args
-        return [
-            (bind(item.args, item.kwargs) if isinstance(item, TaskArgs) else bind((), item)).json
-            for item in listed
-        ]
+        return [self._bind_item(item).json for item in listed]
+
+    def _bind_item(self, item: TaskArgs[Any] | Mapping[str, Any]) -> CheckedArgs:
+        """:meth:`bind_args` for one ``enqueue_many`` item, ``task.args(...)`` or keywords."""
+        if isinstance(item, TaskArgs):
+            return self.bind_args(item.args, item.kwargs)
+        return self.bind_args((), item)
 
     def _json_of_same_keywords(
         self, items: list[Any]
