@@ -10,9 +10,11 @@
     $ sqla-jobs web myapp.tasks:jobs --port 8080
     $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
-The database URL comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
+The database comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
 ``stats``, ``jobs list`` and ``web``, several ``--shard NAME=URL``: see
-:mod:`sqla_jobs.sharding`); the jobs from a
+:mod:`sqla_jobs.sharding`), or is the application's own engine, ``--engine
+MODULE:ATTR`` (an engine, an ``AsyncEngine`` for ``worker --asyncio``, a mapping of shard
+names to engines, or a function returning one); the jobs from a
 ``module:attribute`` path, imported from the current directory first, as ``python -m``
 would. ``worker`` needs the :class:`~sqla_jobs.Jobs` registry (it runs the handlers); the
 operating commands also take the bare ``JobMixin`` model, so they work from a box that
@@ -216,7 +218,9 @@ def engine_from(args: argparse.Namespace) -> sa.Engine:
         return engine
     url = getattr(args, "database_url", None) or os.environ.get("DATABASE_URL")
     if not url:
-        raise CommandError("no database: pass --database-url, set DATABASE_URL, or give --engine")
+        raise CommandError(
+            "no database: pass --database-url or set DATABASE_URL (or give --engine)"
+        )
     try:
         return create_engine(url)
     except Exception as exc:
@@ -270,7 +274,9 @@ def shards_from(args: argparse.Namespace) -> dict[str, Any] | None:
 def _shard_engines(shards: dict[str, Any]) -> dict[str, sa.Engine]:
     """An engine per shard: the application's own, or one made from the shard's URL."""
     return {
-        name: _of_kind(name, bind, asyncio=False) if _is_engine(bind) else create_engine(bind)
+        name: _of_kind(f"shard {name!r}", bind, asyncio=False)
+        if _is_engine(bind)
+        else create_engine(bind)
         for name, bind in shards.items()
     }
 

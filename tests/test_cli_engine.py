@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -250,3 +251,43 @@ def test_a_urls_prepare_threshold_reaches_psycopg_as_a_value(
         "sqla-jobs: error: bad database URL: ?prepare_threshold=never in the database URL: "
         "expected None"
     ), refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("mapping", "names"),
+    [("engine", {"app-engine-ptNone"}), ("shards", {"app-shard-eu-ptNone", "app-shard-us-ptNone"})],
+)
+def test_the_dashboard_runs_on_the_applications_engine(
+    db: sa.Engine, mapping: str, names: set[str]
+) -> None:
+    import socket
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    enqueue(db, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = start(
+        "web", "tests.app:jobs", "--engine", f"tests.engines:{mapping}", "--port", str(port)
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                time.sleep(0.1)
+        assert page.status_code == 200
+        if mapping == "shards":
+            assert 'href="/shards/eu/"' in page.text and 'href="/shards/us/"' in page.text
+            page = httpx.get(f"http://127.0.0.1:{port}/shards/us/jobs", timeout=5)
+        else:
+            page = httpx.get(f"http://127.0.0.1:{port}/jobs", timeout=5)
+        assert page.status_code == 200 and "tests.app.record_run" in page.text
+        assert names <= app_names(db, "app-%")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)

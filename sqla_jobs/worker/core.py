@@ -1302,8 +1302,10 @@ class WorkerCore:
         (:data:`POOLING_ADVICE`), the first time, and DEBUG lines after."""
         if not lost_prepared_statement(exc):
             log.warning(message, *args)
-        elif not self.pooling_said:
-            self.pooling_said = True
+            return
+        with self._lock:  # the fetch loop and the duties may be threads
+            first, self.pooling_said = not self.pooling_said, True
+        if first:
             log.error(POOLING_ADVICE, self.name, describe(exc))
         else:
             log.debug(message, *args)
