@@ -10,9 +10,11 @@
     $ sqla-jobs web myapp.tasks:jobs --port 8080
     $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
-The database URL comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
+The database comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
 ``stats``, ``jobs list`` and ``web``, several ``--shard NAME=URL``: see
-:mod:`sqla_jobs.sharding`); the jobs from a
+:mod:`sqla_jobs.sharding`), or is the application's own engine, ``--engine
+MODULE:ATTR`` (an engine, an ``AsyncEngine`` for ``worker --asyncio``, a mapping of shard
+names to engines, or a function returning one); the jobs from a
 ``module:attribute`` path, imported from the current directory first, as ``python -m``
 would. ``worker`` needs the :class:`~sqla_jobs.Jobs` registry (it runs the handlers); the
 operating commands also take the bare ``JobMixin`` model, so they work from a box that
@@ -37,14 +39,14 @@ import re
 import sys
 import time
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
 from . import admin, logs
-from .db import create_engine, normalize_url
+from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError
 from .model import STATUSES, job_table
 from .tasks import Jobs
@@ -114,10 +116,111 @@ def load_target(path: str) -> Jobs | type[Any]:
     raise CommandError(f"{path} is a {kind}, not a sqla_jobs.Jobs registry or JobMixin model")
 
 
+#: What ``--engine`` may name, once loaded: the application's engine, or its shards' engines.
+AppEngine = Any
+
+
+def app_engine(args: argparse.Namespace) -> AppEngine | None:
+    """What ``--engine MODULE:ATTR`` names: an ``Engine``, an ``AsyncEngine``, a mapping of
+    shard names to engines, or a function of no arguments that returns one of these (an
+    engine factory, called once). None without ``--engine``.
+
+    The application's own engine brings its pool, SSL, ``connect_args`` (such as
+    ``prepare_threshold=None`` behind a PgBouncer before 1.21), events and
+    ``schema_translate_map`` to the command, which a URL cannot carry."""
+    path: str | None = getattr(args, "engine", None)
+    if not path:
+        return None
+    if "loaded_engine" in vars(args):
+        return args.loaded_engine
+    if getattr(args, "database_url", None):
+        raise CommandError("give either --database-url or --engine, not both")
+    if getattr(args, "shard", None):
+        raise CommandError(
+            "give either --shard or --engine, not both (--engine may name a mapping of shard "
+            "names to engines)"
+        )
+    obj = _import_path(path)
+    if callable(obj) and not _is_engine(obj) and not isinstance(obj, (Mapping, type)):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise CommandError(
+                f"--engine {path}: the engine factory raised {type(exc).__name__}: {exc}",
+                EXIT_FAILURE,
+            ) from None
+    loaded: AppEngine
+    if isinstance(obj, Mapping):
+        if not obj:
+            raise CommandError(f"--engine {path} is an empty mapping: no shard to serve")
+        loaded = {str(name): _checked_engine(f"{path}[{name!r}]", e) for name, e in obj.items()}
+    else:
+        loaded = _checked_engine(path, obj)
+    args.loaded_engine = loaded
+    return loaded
+
+
+def _is_engine(obj: object) -> bool:
+    if isinstance(obj, sa.Engine):
+        return True
+    try:
+        from sqlalchemy.ext.asyncio import AsyncEngine
+    except ImportError:  # pragma: no cover - SQLAlchemy always has it
+        return False
+    return isinstance(obj, AsyncEngine)
+
+
+def _checked_engine(what: str, obj: object) -> Any:
+    if not _is_engine(obj):
+        kind = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        raise CommandError(
+            f"--engine {what} is a {kind}, not an Engine, an AsyncEngine, a mapping of shard "
+            "names to engines, or a function that returns one"
+        )
+    sync: Any = getattr(obj, "sync_engine", obj)
+    if sync.dialect.name != "postgresql":
+        raise CommandError(f"--engine {what}: sqla-jobs needs PostgreSQL, not {sync.dialect.name}")
+    return obj
+
+
+def _one_engine(args: argparse.Namespace, loaded: AppEngine, *, asyncio: bool = False) -> Any:
+    """The single engine of ``--engine``, of the kind the command runs on."""
+    path = args.engine
+    if isinstance(loaded, Mapping):
+        raise CommandError(
+            f"--engine {path} names {len(loaded)} shards; this command works on one database"
+        )
+    return _of_kind(path, loaded, asyncio=asyncio)
+
+
+def _of_kind(what: str, engine: Any, *, asyncio: bool) -> Any:
+    is_async = hasattr(engine, "sync_engine")
+    if asyncio and not is_async:
+        raise CommandError(
+            f"--engine {what} is an Engine; the asyncio worker runs on an AsyncEngine "
+            "(sqlalchemy.ext.asyncio.create_async_engine, or sqla_jobs.create_async_engine)"
+        )
+    if not asyncio and is_async:
+        raise CommandError(
+            f"--engine {what} is an AsyncEngine; this command runs on an Engine (only "
+            "worker --asyncio runs on an AsyncEngine): point --engine at a sync engine or a "
+            "function that makes one"
+        )
+    return engine
+
+
 def engine_from(args: argparse.Namespace) -> sa.Engine:
+    """The command's engine: the application's own (``--engine``), or one made from
+    ``--database-url`` or ``DATABASE_URL``."""
+    loaded = app_engine(args)
+    if loaded is not None:
+        engine: sa.Engine = _one_engine(args, loaded)
+        return engine
     url = getattr(args, "database_url", None) or os.environ.get("DATABASE_URL")
     if not url:
-        raise CommandError("no database: pass --database-url or set DATABASE_URL")
+        raise CommandError(
+            "no database: pass --database-url or set DATABASE_URL (or give --engine)"
+        )
     try:
         return create_engine(url)
     except Exception as exc:
@@ -133,6 +236,7 @@ def _shard(text: str) -> tuple[str, str]:
     name, url = (m.group(1), m.group(2)) if m else ("", text)
     try:
         parsed = normalize_url(url)
+        url_connect_args(parsed)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--shard {text!r}: {exc}") from None
     if not name:
@@ -141,14 +245,25 @@ def _shard(text: str) -> tuple[str, str]:
     return name, parsed.render_as_string(hide_password=False)
 
 
-def shards_from(args: argparse.Namespace) -> dict[str, str] | None:
-    """The ``--shard`` URLs by name, or None when none was given (one database)."""
+def shards_from(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The shards by name (``--shard`` URLs, or the engines of an ``--engine`` mapping), or
+    None when the command works on one database."""
+    loaded = app_engine(args)
+    if loaded is not None:
+        if not isinstance(loaded, Mapping):
+            return None
+        only: str | None = getattr(args, "engine_shard", None)
+        if only is None:
+            return dict(loaded)
+        if only not in loaded:
+            raise CommandError(f"--engine {args.engine} has no shard named {only!r}")
+        return {only: loaded[only]}
     given: list[tuple[str, str]] | None = getattr(args, "shard", None)
     if not given:
         return None
     if getattr(args, "database_url", None):
         raise CommandError("give either --database-url or --shard, not both")
-    shards: dict[str, str] = {}
+    shards: dict[str, Any] = {}
     for name, url in given:
         if name in shards:
             raise CommandError(f"--shard: two shards are named {name!r}")
@@ -156,22 +271,70 @@ def shards_from(args: argparse.Namespace) -> dict[str, str] | None:
     return shards
 
 
-def _shard_engines(shards: dict[str, str]) -> dict[str, sa.Engine]:
-    return {name: create_engine(url) for name, url in shards.items()}
+def _shard_engines(shards: dict[str, Any]) -> dict[str, sa.Engine]:
+    """An engine per shard: the application's own, or one made from the shard's URL."""
+    return {
+        name: _of_kind(f"shard {name!r}", bind, asyncio=False)
+        if _is_engine(bind)
+        else create_engine(bind)
+        for name, bind in shards.items()
+    }
 
 
 def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
-    table = admin.source_table(jobs)
     try:
         with engine.connect() as conn:
-            exists = sa.inspect(conn).has_table(table.name, schema=table.schema)
+            _check_connection(conn, jobs)
     except sa.exc.DBAPIError as exc:
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
-    if not exists:
+    except TypeError as exc:
+        raise _type_error(engine, exc) from None
+
+
+def _check_engine(bind: Any, jobs: Jobs | type[Any]) -> None:
+    """:func:`_check_table` on an ``Engine`` or an ``AsyncEngine`` (on an event loop of its
+    own, whose connections are disposed of with it)."""
+    if not hasattr(bind, "sync_engine"):
+        _check_table(bind, jobs)
+        return
+    import asyncio
+
+    async def check() -> None:
+        try:
+            async with bind.connect() as conn:
+                await conn.run_sync(_check_connection, jobs)
+        except sa.exc.DBAPIError as exc:
+            raise CommandError(_describe(exc), EXIT_FAILURE) from None
+        except TypeError as exc:
+            raise _type_error(bind.sync_engine, exc) from None
+        finally:
+            await bind.dispose()
+
+    asyncio.run(check())
+
+
+def _check_connection(conn: sa.Connection, jobs: Jobs | type[Any]) -> None:
+    table = admin.source_table(jobs)
+    if not sa.inspect(conn).has_table(table.name, schema=table.schema):
         raise CommandError(
             f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
             EXIT_FAILURE,
         )
+
+
+def _type_error(engine: sa.Engine, exc: TypeError) -> CommandError:
+    """The first statement raised a TypeError: most likely psycopg was given a Python
+    argument as a string, which an engine made by ``sqlalchemy.create_engine`` from a URL
+    with ``?prepare_threshold=None`` does (every statement then fails)."""
+    if "prepare_threshold" in engine.url.query:
+        return CommandError(
+            "the engine's URL gives psycopg prepare_threshold as a string "
+            f"({engine.url.query['prepare_threshold']!r}), and every statement fails "
+            f"(TypeError: {exc}): give connect_args={{'prepare_threshold': None}} to "
+            "create_engine instead, or make the engine with sqla_jobs.create_engine, which "
+            "converts the URL's"
+        )
+    return CommandError(f"the engine's first statement failed: TypeError: {exc}", EXIT_FAILURE)
 
 
 @contextlib.contextmanager
@@ -810,7 +973,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return _sharded_worker(args, jobs, shards)
     if args.one_process:
         raise CommandError("--one-process is for --shard: one worker serves one database")
-    engine = engine_from(args)
+    loaded = app_engine(args)
+    # Without --engine, the asyncio worker makes its AsyncEngine from the URL on its own
+    # event loop; this engine then only checks the table.
+    engine: Any = (
+        _one_engine(args, loaded, asyncio=args.asyncio) if loaded is not None else engine_from(args)
+    )
+    _need_psycopg(engine)
     settings = _worker_settings(args)
     metrics_at = getattr(args, "metrics_port", None)
     health_at = getattr(args, "health_port", None)
@@ -823,7 +992,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 "restarts the workers that stop"
             )
         # Fail here, once, rather than in every child as it restarts.
-        _check_table(engine, jobs)
+        _check_engine(engine, jobs)
         from .worker.supervisor import supervise
 
         child = ["-v"] * args.verbose
@@ -831,6 +1000,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if url:
             child += ["--database-url", url]
         child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args)]
+        child += _engine_argv(args)
         if args.asyncio:
             child.append("--asyncio")
 
@@ -846,10 +1016,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return supervise(
             child, args.processes, grace_period=settings.grace_period, child_args=ports
         )
-    _check_table(engine, jobs)
+    _check_engine(engine, jobs)
     try:
         if args.asyncio:
-            _run_async_worker(jobs, engine.url, settings, args)
+            _run_async_worker(jobs, engine if loaded is not None else _url(args), settings, args)
         else:
             from .worker import Worker
 
@@ -864,18 +1034,44 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]) -> int:
-    """``worker --shard A=URL --shard B=URL``: one worker per shard.
+def _url(args: argparse.Namespace) -> str:
+    """The URL given (``engine_from`` has checked it)."""
+    return str(getattr(args, "database_url", None) or os.environ["DATABASE_URL"])
+
+
+def _need_psycopg(engine: Any) -> None:
+    """The worker LISTENs and reads notifications through psycopg 3 itself."""
+    sync: sa.Engine = getattr(engine, "sync_engine", engine)
+    if sync.dialect.driver not in ("psycopg", "psycopg_async"):
+        raise CommandError(
+            f"the worker needs psycopg 3, and this engine uses {sync.dialect.driver}: "
+            "postgresql+psycopg://"
+        )
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """``--engine``, handed on to the children of a supervisor (each loads its own)."""
+    path = getattr(args, "engine", None)
+    return ["--engine", path] if path else []
+
+
+def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, Any]) -> int:
+    """``worker --shard A=URL --shard B=URL``, or ``--engine`` naming a mapping of shard
+    names to engines: one worker per shard.
 
     By default a supervisor runs ``--processes`` worker processes per shard, each serving
-    its own shard (a child is ``worker --one-process --shard NAME=URL``), and restarts one
-    that dies: a shard that is down only keeps its own workers waiting. Child ``i`` serves
-    shard ``i mod len(shards)``, and its ``--metrics-port``/``--health-port`` on the port
-    given plus ``i``, as with ``--processes`` alone; its metrics are labelled with its shard.
+    its own shard (a child is ``worker --one-process --shard NAME=URL``, or ``--engine
+    MODULE:ATTR`` with the shard's name), and restarts one that dies: a shard that is down
+    only keeps its own workers waiting. Child ``i`` serves shard ``i mod len(shards)``, and
+    its ``--metrics-port``/``--health-port`` on the port given plus ``i``, as with
+    ``--processes`` alone; its metrics are labelled with its shard.
 
     ``--one-process`` (and ``--until-empty``) run every shard's worker in this process: a
     :class:`ShardedWorker` (threads) or, with ``--asyncio``, an :class:`AsyncShardedWorker`
     (one event loop); the ports then serve every shard at once."""
+    for name, bind in shards.items():
+        if _is_engine(bind):
+            _need_psycopg(_of_kind(f"{args.engine}[{name!r}]", bind, asyncio=args.asyncio))
     settings = _worker_settings(args)
     metrics_at = getattr(args, "metrics_port", None)
     health_at = getattr(args, "health_port", None)
@@ -912,7 +1108,12 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
 
     def shard_of(index: int) -> list[str]:
         name = names[index % len(names)]
-        own = ["--shard", f"{name}={shards[name]}"]
+        bind = shards[name]
+        own = (
+            [*_engine_argv(args), "--engine-shard", name]
+            if _is_engine(bind)
+            else ["--shard", f"{name}={bind}"]
+        )
         for flag, at in (("--metrics-port", metrics_at), ("--health-port", health_at)):
             if at is not None:
                 host, port = at
@@ -928,37 +1129,51 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
 
 
 def _run_async_sharded(
-    jobs: Jobs, shards: dict[str, str], settings: WorkerSettings, args: argparse.Namespace
+    jobs: Jobs, shards: dict[str, Any], settings: WorkerSettings, args: argparse.Namespace
 ) -> None:
     import asyncio
 
     from .sharding import AsyncShardedWorker
 
     async def main() -> None:
-        # Made from the URLs: each shard's engine is made, and disposed of, by its worker.
+        # Made from the URLs: each shard's engine is made, and disposed of, by its worker;
+        # the application's own engines are disposed of here (their connections belong
+        # to this loop).
         worker = AsyncShardedWorker(jobs, shards, settings)
-        with _endpoints(args, jobs, worker, shards=shards):
-            if args.until_empty:
-                await worker.run_until_empty()
-            else:
-                await worker.run()
+        try:
+            with _endpoints(args, jobs, worker, shards=shards):
+                if args.until_empty:
+                    await worker.run_until_empty()
+                else:
+                    await worker.run()
+        finally:
+            for bind in shards.values():
+                if _is_engine(bind):
+                    await bind.dispose()
 
     asyncio.run(main())
 
 
 def _run_async_worker(
-    jobs: Jobs, url: sa.URL, settings: WorkerSettings, args: argparse.Namespace
+    jobs: Jobs, bind: Any, settings: WorkerSettings, args: argparse.Namespace
 ) -> None:
+    """The asyncio worker on the application's ``AsyncEngine``, or on one made from the
+    URL ``bind`` on this loop. (The metrics' engine is made from the URL either way: an
+    ``AsyncEngine`` cannot serve the exporter's thread.)"""
     import asyncio
 
     from .db import create_async_engine
     from .worker.aio import AsyncWorker
 
     async def main() -> None:
-        engine = create_async_engine(url, pool_size=min(settings.concurrency, 32) + 4)
+        engine = (
+            bind
+            if _is_engine(bind)
+            else create_async_engine(bind, pool_size=min(settings.concurrency, 32) + 4)
+        )
         try:
             worker = AsyncWorker(jobs, engine, settings)
-            with _endpoints(args, jobs, worker, url):
+            with _endpoints(args, jobs, worker, bind if isinstance(bind, str) else engine.url):
                 if args.until_empty:
                     await worker.run_until_empty()
                 else:
@@ -974,9 +1189,9 @@ def _endpoints(
     args: argparse.Namespace,
     jobs: Jobs,
     worker: Any,
-    engine: sa.Engine | sa.URL | None = None,
+    engine: sa.Engine | sa.URL | str | None = None,
     *,
-    shards: dict[str, str] | None = None,
+    shards: dict[str, Any] | None = None,
 ) -> Iterator[None]:
     """Serve ``--metrics-port`` and ``--health-port`` while the worker runs.
 
@@ -997,11 +1212,17 @@ def _endpoints(
             metrics = JobMetrics.attached(jobs)
             if metrics is None:
                 where: dict[str, Any] = {"engine": engine}
-                if shards is not None and len(shards) == 1:
-                    [(name, url)] = shards.items()
-                    where = {"engine": url, "labels": {"shard": name}}
-                elif shards is not None:
-                    where = {"engines": shards}
+                # The gauges are read from the exporter's thread: an application's
+                # AsyncEngine is read through an engine made from its URL.
+                binds = {
+                    n: getattr(b, "url", b) if hasattr(b, "sync_engine") else b
+                    for n, b in (shards or {}).items()
+                }
+                if len(binds) == 1:
+                    [(name, bind)] = binds.items()
+                    where = {"engine": bind, "labels": {"shard": name}}
+                elif binds:
+                    where = {"engines": binds}
                 metrics = JobMetrics(jobs, **where)
                 closers.append(metrics.close)
             for each in [worker] if shards is None else worker.workers.values():
@@ -1211,6 +1432,15 @@ def _common(target: bool = True) -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="PostgreSQL URL (default: $DATABASE_URL)",
     )
+    parent.add_argument(
+        "--engine",
+        metavar="MODULE:ATTR",
+        default=argparse.SUPPRESS,
+        help="the application's own engine, instead of a URL, so that its pool, SSL, "
+        "connect_args (prepare_threshold=None behind PgBouncer before 1.21) and events "
+        "apply: an Engine (an AsyncEngine for worker --asyncio), a mapping of shard names "
+        "to engines, or a function of no arguments that returns one",
+    )
     if target:
         parent.add_argument("target", metavar="JOBS", help=JOBS_HELP)
     return parent
@@ -1339,6 +1569,8 @@ def _add_worker(sub: Any) -> None:
         ": --processes worker processes per shard, each on its own shard's database, so a "
         "shard that is down pauses only its own",
     )
+    # A supervisor's child serving one shard of an --engine mapping.
+    worker.add_argument("--engine-shard", metavar="NAME", help=argparse.SUPPRESS)
     worker.set_defaults(func=cmd_worker)
 
 

@@ -3,6 +3,14 @@
 sqla-jobs talks to PostgreSQL through psycopg 3. A plain ``postgresql://`` URL (what
 ``DATABASE_URL`` usually holds, and what psql takes) means psycopg2 to SQLAlchemy, so URLs
 are normalised here before an engine is made.
+
+A URL's query string reaches the driver as strings. That suits libpq's own parameters
+(``sslmode``, ``application_name``, ...), which libpq reads as text, but not psycopg's
+Python arguments: ``?prepare_threshold=None`` would hand psycopg the string ``"None"``,
+and every statement would then fail with a ``TypeError``. :func:`create_engine` and
+:func:`create_async_engine` convert ``prepare_threshold`` (what a PgBouncer before 1.21
+in transaction mode needs: see the README's "PgBouncer") and refuse psycopg's other
+Python arguments with a clear error.
 """
 
 from __future__ import annotations
@@ -42,19 +50,84 @@ def normalize_url(url: str | sa.URL) -> sa.URL:
     return parsed.set(drivername=f"postgresql+{driver}")
 
 
+#: psycopg's ``connect()`` arguments that are Python values, not libpq parameters: a URL
+#: can only give them as strings, which psycopg takes as they are.
+_PYTHON_ARGUMENTS = ("autocommit", "context", "cursor_factory", "row_factory")
+
+
+def url_connect_args(url: sa.URL) -> tuple[sa.URL, dict[str, Any]]:
+    """The URL without the query parameters that must not reach psycopg as strings, and
+    those parameters as the values psycopg takes (``connect_args``).
+
+    ``prepare_threshold``: ``None`` (also ``none``, ``null`` or empty: never prepare) or
+    a whole number. The other Python arguments of psycopg cannot be written in a URL.
+
+    :raises ValueError: such a parameter with a value psycopg cannot take, or one that
+        has no place in a URL.
+    """
+    refused = [name for name in _PYTHON_ARGUMENTS if name in url.query]
+    if refused:
+        name = refused[0]
+        hint = " (use isolation_level='AUTOCOMMIT')" if name == "autocommit" else ""
+        raise ValueError(
+            f"?{name}= cannot be given in a database URL: psycopg would receive it as a "
+            f"string; pass it to the engine in connect_args instead{hint}"
+        )
+    if "prepare_threshold" not in url.query:
+        return url, {}
+    given = url.query["prepare_threshold"]
+    text = given if isinstance(given, str) else (given[-1] if given else "")
+    value: int | None
+    if text.strip().lower() in ("", "none", "null"):
+        value = None
+    else:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(
+                f"?prepare_threshold={text} in the database URL: expected None (never prepare "
+                "statements, for PgBouncer before 1.21 in transaction mode) or a whole number "
+                "of runs before psycopg prepares a statement"
+            )
+    return url.difference_update_query(["prepare_threshold"]), {"prepare_threshold": value}
+
+
+def _engine_args(url: str | sa.URL, kw: dict[str, Any]) -> sa.URL:
+    """Normalise ``url``, and move what its query gives psycopg into ``connect_args``."""
+    parsed, extra = url_connect_args(normalize_url(url))
+    if extra:
+        given = dict(kw.get("connect_args") or {})
+        for name, value in extra.items():
+            if name in given and given[name] != value:
+                raise ValueError(
+                    f"{name} is given twice, {value!r} in the URL and {given[name]!r} in "
+                    "connect_args"
+                )
+            given[name] = value
+        kw["connect_args"] = given
+    kw.setdefault("pool_pre_ping", True)
+    return parsed
+
+
 def create_engine(url: str | sa.URL, **kw: Any) -> sa.Engine:
     """A psycopg engine whose pool checks connections before use (a worker outlives
-    database restarts)."""
-    kw.setdefault("pool_pre_ping", True)
-    return sa.create_engine(normalize_url(url), **kw)
+    database restarts). ``?prepare_threshold=None`` in the URL becomes
+    ``connect_args={"prepare_threshold": None}`` (see the module's docstring).
+
+    :raises ValueError: the URL is not a PostgreSQL URL, or carries a parameter psycopg
+        cannot take from it.
+    """
+    return sa.create_engine(_engine_args(url, kw), **kw)
 
 
 def create_async_engine(url: str | sa.URL, **kw: Any) -> AsyncEngine:
     """The asyncio twin of :func:`create_engine`."""
     from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 
-    kw.setdefault("pool_pre_ping", True)
-    return _create_async_engine(normalize_url(url).set(drivername="postgresql+psycopg"), **kw)
+    parsed = _engine_args(url, kw)
+    return _create_async_engine(parsed.set(drivername="postgresql+psycopg"), **kw)
 
 
 def embedded_url(data_dir: str | None = None) -> str:

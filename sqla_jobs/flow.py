@@ -15,7 +15,8 @@
         jobs.group(session, [(resize, resize.args(image_id=3)), (resize, resize.args(image_id=4))],
                    then=(publish, publish.args(image_id=9)))   # publish gets both results
 
-    jobs.result(engine, a.id, timeout=30)                  # waits through LISTEN/NOTIFY
+    jobs.result(engine, a.id, timeout=30)                  # waits through LISTEN/NOTIFY,
+                                                           # or polls behind a pooler
 
 .. warning::
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -329,11 +331,70 @@ def _timeout(job_id: int, timeout: float) -> TimeoutError:
 #: wait normally ends with the notification itself.
 _RECHECK = 5.0
 
+#: Without notifications (``listen=False``, or behind a pooler), the row is looked at
+#: again after this many seconds, then after 1.5 times as long each time, up to
+#: ``_POLL_MAX``: a quick job's result comes within tens of milliseconds, a long one's
+#: within half a second of its end, for a few cheap primary-key reads a second.
+_POLL_FIRST = 0.02
+_POLL_GROWTH = 1.5
+_POLL_MAX = 0.5
 
-def result(engine: sa.Engine, jobs: Jobs, job_id: int, *, timeout: float | None = None) -> Any:
+#: Per engine: whether its connections reach PostgreSQL itself (found out once; see
+#: :func:`_direct`). Weak: the engine's life is its owner's.
+_DIRECT: weakref.WeakKeyDictionary[sa.Engine, bool] = weakref.WeakKeyDictionary()
+
+
+def _direct(conn: sa.Connection) -> bool:
+    """Whether ``conn`` reaches PostgreSQL itself rather than through a pooler.
+
+    A pooler (PgBouncer, in any mode) gives its clients cancel keys of its own, so the
+    backend pid the server announced at login is not the pid of the server process that
+    runs the next statement. A LISTEN behind a pooler in transaction mode would run on a
+    server connection that is then lent to other clients: it hears nothing, and stays
+    there (PgBouncer logs ``got packet 'A' from server when not linked`` for every
+    notification). One round trip, once per engine.
+    """
+    announced = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+    return bool(announced == conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
+
+
+def _pause(pause: float, deadline: float | None, job_id: int, timeout: float | None) -> float:
+    """How long to wait before the next look at the row, at most ``pause``; raises
+    :class:`TimeoutError` once ``deadline`` has passed."""
+    if deadline is None:
+        return pause
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _timeout(job_id, timeout or 0.0)
+    return min(pause, left)
+
+
+def result(
+    engine: sa.Engine,
+    jobs: Jobs,
+    job_id: int,
+    *,
+    timeout: float | None = None,
+    listen: bool | None = None,
+) -> Any:
     """Wait for a result-keeping job and return its value (see :meth:`Jobs.result`)."""
     queries = jobs.queries
     deadline = None if timeout is None else time.monotonic() + timeout
+    if listen is None:
+        listen = _DIRECT.get(engine)
+    if listen is None:
+        with engine.connect() as conn:
+            listen = _DIRECT[engine] = _direct(conn)
+    if not listen:
+        # Each look takes a pooled connection of its own: the wait holds none.
+        pause = _POLL_FIRST
+        while True:
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                seen = _look(conn, queries, job_id)
+            if seen.done:
+                return seen.value
+            time.sleep(_pause(pause, deadline, job_id, timeout))
+            pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         from .worker.db import listen_sql, unlisten_sql
 
@@ -370,11 +431,31 @@ def _wait_notify(raw: Any, payload: str, seconds: float) -> None:
 
 
 async def result_async(
-    engine: AsyncEngine, jobs: Jobs, job_id: int, *, timeout: float | None = None
+    engine: AsyncEngine,
+    jobs: Jobs,
+    job_id: int,
+    *,
+    timeout: float | None = None,
+    listen: bool | None = None,
 ) -> Any:
     """:func:`result` on an ``AsyncEngine``: the same wait, without blocking the loop."""
     queries = jobs.queries
     deadline = None if timeout is None else time.monotonic() + timeout
+    if listen is None:
+        listen = _DIRECT.get(engine.sync_engine)
+    if listen is None:
+        async with engine.connect() as conn:
+            listen = _DIRECT[engine.sync_engine] = await conn.run_sync(_direct)
+    if not listen:
+        pause = _POLL_FIRST
+        while True:
+            async with engine.connect() as conn:
+                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                seen = await conn.run_sync(_look, queries, job_id)
+            if seen.done:
+                return seen.value
+            await asyncio.sleep(_pause(pause, deadline, job_id, timeout))
+            pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
         from .worker.db import listen_sql, unlisten_sql

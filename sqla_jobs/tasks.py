@@ -1298,7 +1298,14 @@ class Jobs:
 
     # -- results and workflows (see sqla_jobs.flow) ---------------------------------------
 
-    def result(self, engine: sa.Engine, job_id: int, *, timeout: float | None = None) -> Any:
+    def result(
+        self,
+        engine: sa.Engine,
+        job_id: int,
+        *,
+        timeout: float | None = None,
+        listen: bool | None = None,
+    ) -> Any:
         """Wait for a job enqueued with ``keep_result`` and return what its handler
         returned.
 
@@ -1306,6 +1313,15 @@ class Jobs:
         notification about this job (sent when it finishes), so it neither polls nor misses
         a job that finished before the call.
 
+        Behind a pooler in transaction mode (PgBouncer) a LISTEN hears nothing and stays
+        on a server connection that other clients then use, so there the wait polls the
+        row instead: after 20 ms, then 1.5 times as long each time, at most every 0.5 s,
+        each look on a pooled connection of its own, and it leaves nothing behind.
+
+        :param listen: ``True``: LISTEN (a direct connection, or a pooler in session
+            mode); ``False``: poll; ``None`` (the default): LISTEN unless the engine's
+            connections go through a pooler, which is found out once per engine (a pooler
+            answers with a backend pid of its own: one query, at the first wait).
         :raises TimeoutError: not finished within ``timeout`` seconds (naming the job).
         :raises JobFailedError: it ended dead or cancelled (``last_error`` says why).
         :raises LookupError: no such row (a job that keeps no result is deleted when it
@@ -1313,15 +1329,20 @@ class Jobs:
         """
         from .flow import result
 
-        return result(engine, self, job_id, timeout=timeout)
+        return result(engine, self, job_id, timeout=timeout, listen=listen)
 
     async def result_async(
-        self, engine: AsyncEngine, job_id: int, *, timeout: float | None = None
+        self,
+        engine: AsyncEngine,
+        job_id: int,
+        *,
+        timeout: float | None = None,
+        listen: bool | None = None,
     ) -> Any:
         """:meth:`result`, awaited, on an ``AsyncEngine``."""
         from .flow import result_async
 
-        return await result_async(engine, self, job_id, timeout=timeout)
+        return await result_async(engine, self, job_id, timeout=timeout, listen=listen)
 
     def group(
         self, session: Any, members: Iterable[Any], then: Any, *, results: str = "results"

@@ -349,7 +349,8 @@ def test_errors_are_one_clear_line(db: sa.Engine) -> None:
     no_url = cli("stats", JOBS, env=environment(drop="DATABASE_URL"))
     assert no_url.returncode == 2
     assert no_url.stderr == (
-        "sqla-jobs: error: no database: pass --database-url or set DATABASE_URL\n"
+        "sqla-jobs: error: no database: pass --database-url or set DATABASE_URL "
+        "(or give --engine)\n"
     )
 
 

@@ -64,3 +64,74 @@ def test_a_heroku_style_url_connects(database_url: str) -> None:
             await async_engine.dispose()
 
     assert asyncio.run(main()) == 2
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("None", None), ("none", None), ("null", None), ("", None), ("0", 0), ("12", 12)],
+)
+def test_a_urls_prepare_threshold_reaches_psycopg_as_a_value(
+    database_url: str, given: str, expected: int | None
+) -> None:
+    url = sa.make_url(database_url).update_query_dict({"prepare_threshold": given})
+    engine = create_engine(url)
+    try:
+        assert "prepare_threshold" not in engine.url.query
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold == expected  # type: ignore[union-attr]
+            for _ in range(8):  # past psycopg's default threshold of 5
+                assert conn.execute(sa.text("SELECT 1")).scalar() == 1
+    finally:
+        engine.dispose()
+
+    async def main() -> int | None:
+        async_engine = create_async_engine(url)
+        try:
+            async with async_engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                assert (await conn.execute(sa.text("SELECT 2"))).scalar_one() == 2
+                threshold: int | None = raw.driver_connection.prepare_threshold  # type: ignore[union-attr]
+                return threshold
+        finally:
+            await async_engine.dispose()
+
+    assert asyncio.run(main()) == expected
+
+
+@pytest.mark.parametrize(
+    ("query", "kw", "message"),
+    [
+        ({"prepare_threshold": "never"}, {}, r"\?prepare_threshold=never in the database URL"),
+        ({"prepare_threshold": "-1"}, {}, r"\?prepare_threshold=-1 in the database URL"),
+        (
+            {"autocommit": "true"},
+            {},
+            r"\?autocommit= cannot be given in a database URL.*AUTOCOMMIT",
+        ),
+        ({"row_factory": "dict_row"}, {}, r"\?row_factory= cannot be given in a database URL"),
+        (
+            {"prepare_threshold": "None"},
+            {"connect_args": {"prepare_threshold": 5}},
+            "prepare_threshold is given twice, None in the URL and 5 in connect_args",
+        ),
+    ],
+)
+def test_what_psycopg_cannot_take_from_a_url_is_refused(
+    query: dict[str, str], kw: dict[str, object], message: str
+) -> None:
+    url = sa.make_url("postgresql://u@h/d").update_query_dict(query)
+    with pytest.raises(ValueError, match=message):
+        create_engine(url, **kw)
+    with pytest.raises(ValueError, match=message):
+        create_async_engine(url, **kw)
+
+
+def test_the_urls_prepare_threshold_joins_the_other_connect_args(database_url: str) -> None:
+    url = sa.make_url(database_url).update_query_dict({"prepare_threshold": "None"})
+    engine = create_engine(url, connect_args={"application_name": "both-kept"})
+    try:
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+            assert conn.execute(sa.text("SHOW application_name")).scalar() == "both-kept"
+    finally:
+        engine.dispose()

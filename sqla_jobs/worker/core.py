@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+import psycopg.errors
 import sqlalchemy as sa
 
 from ..errors import ResultError, WorkerError
 from ..queries import ClaimParams, WorkerSeenParams, claim_params, interval, limited_claim_params
 from . import db
+from .hearing import ListenWatch
 from .job import (
     CANCEL_PAYLOAD,
     ClaimedJob,
@@ -138,16 +140,47 @@ def unreachable(exc: BaseException) -> bool:
     )
 
 
+def lost_prepared_statement(exc: BaseException) -> bool:
+    """A statement psycopg had prepared was not there on the server connection it went to
+    (or another one was, under its name): the worker's connections go through a pooler in
+    transaction mode (PgBouncer before 1.21, or without ``max_prepared_statements``), which
+    lends each transaction whichever server connection is free. Not the database's fault,
+    nor a passing one: a misconfiguration, said once (:data:`POOLING_ADVICE`)."""
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    if isinstance(
+        orig, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+    ):
+        return True
+    # "bind message supplies 2 parameters, but prepared statement "_pg3_2" requires 6"
+    return isinstance(orig, psycopg.errors.ProtocolViolation) and "prepared statement" in str(orig)
+
+
+#: The one line a worker logs at its first lost prepared statement.
+POOLING_ADVICE = (
+    "worker %s: %s: its connections go through a pooler in transaction mode (PgBouncer) "
+    "that does not keep psycopg's prepared statements, so statements fail, or run another "
+    "statement's plan. Fix it: set max_prepared_statements in pgbouncer.ini (PgBouncer 1.21 "
+    "or later), or turn preparing off for the worker's engine, "
+    "connect_args={'prepare_threshold': None} (sqla-jobs worker --engine MODULE:ATTR, or "
+    "?prepare_threshold=None in the URL); see the README's PgBouncer section. Until then "
+    "such failures are retried at once and logged at DEBUG"
+)
+
+
 def retry_pause(failures: int, exc: BaseException) -> float:
     """Seconds to wait after ``failures`` consecutive database errors.
 
     The first failure of a held connection that the server dropped (a restart, a
     terminated backend) is retried at once on a fresh one. Failures to reach the server
     back off to at most half a second, so a worker is back within about a second of the server
-    accepting connections again; other errors (a missing table) back off to 30 s.
+    accepting connections again; other errors (a missing table) back off to 30 s. A
+    prepared statement lost by a pooler is retried at once, then every 50 ms: the next
+    try usually finds a server connection that works, and backing off only loses time.
     """
     if failures <= 1 and getattr(exc, "connection_invalidated", False):
         return 0.0
+    if lost_prepared_statement(exc):
+        return 0.0 if failures <= 1 else 0.05
     cap = 0.5 if unreachable(exc) else 30.0
     return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))
 
@@ -200,6 +233,11 @@ class WorkerCore:
         self._tally: Tally = {}
         self._presence_rounds = 0
         self._presence_failing = False
+        #: Whether the worker said that a pooler loses its prepared statements (once).
+        self.pooling_said = False
+        #: Whether the listener hears what it should (see :mod:`.hearing`); kept across
+        #: runs, so that a deaf LISTEN is reported once.
+        self.listen_watch = ListenWatch()
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
         self.fatal: WorkerError | None = None
         #: For health: per loop, since when it waits on which step (None: it ended).
@@ -516,7 +554,8 @@ class WorkerCore:
                 failures += 1
                 self._note_unreachable(exc)
                 pause = retry_pause(failures, exc)
-                log.warning(
+                self.db_warning(
+                    exc,
                     "worker %s: database error, retrying in %.2fs: %s",
                     self.name,
                     pause,
@@ -593,6 +632,8 @@ class WorkerCore:
                 rows = yield Io(db.claim, (self.queries, params), Conn.CLAIM)
                 took = time.monotonic() - began
                 self._rtt = took if not self._rtt else 0.8 * self._rtt + 0.2 * took
+                if self.listen_watch.active:
+                    self.listen_watch.claimed(queue, began, len(rows), want, began + took)
             if len(rows) == want:
                 self.more = True
                 self._dry.pop(queue, None)
@@ -829,7 +870,8 @@ class WorkerCore:
                     )
                     return
                 pause = retry_pause(failures, exc)
-                log.warning(
+                self.db_warning(
+                    exc,
                     "worker %s: writing %d outcomes failed, retrying in %.2fs: %s",
                     self.name,
                     len(batch),
@@ -897,8 +939,12 @@ class WorkerCore:
             self._last_beat = 0.0  # whatever failed, try again at the next tick
             if not is_database_error(exc):
                 raise
-            log.warning("worker %s: heartbeat failed: %s", self.name, describe(exc))
-            if not unreachable(exc) and any(n is not None for n in notes):
+            self.db_warning(exc, "worker %s: heartbeat failed: %s", self.name, describe(exc))
+            if (
+                not unreachable(exc)
+                and not lost_prepared_statement(exc)
+                and any(n is not None for n in notes)
+            ):
                 # The server refused the statement, and a note may be why: the leases
                 # matter more, so the next beat goes without these notes.
                 for job, note in zip(running, notes, strict=True):
@@ -1008,7 +1054,8 @@ class WorkerCore:
             if not is_database_error(exc):
                 raise
             if not self._presence_failing:
-                log.warning(
+                self.db_warning(
+                    exc,
                     "worker %s: could not record its presence (%s); the dashboard will not "
                     "show it until this works",
                     self.name,
@@ -1041,27 +1088,51 @@ class WorkerCore:
 
         A notification names a queue that has new ready jobs (the fetch loop wakes only
         for its own queues), or asks for a heartbeat now because a running job was
-        cancelled."""
+        cancelled. A LISTEN that turns out to hear nothing (see :mod:`.hearing`) is said
+        once, and let go: the worker then polls, as with ``listen=False``."""
+        watch = self.listen_watch
         try:
             yield Listen(self.queries.channel)
             self._listened = True
             self.listening.set()
+            watch.listening(time.monotonic())
             self.driver.wake()  # catch anything enqueued while we were not listening
             wanted = set(self.queues)
             while not self.stopping:
                 for payload in (yield Notifications(0.5)):
                     if payload in wanted:
+                        now = time.monotonic()
                         with self._lock:
-                            self._notified[payload] = time.monotonic()
+                            self._notified[payload] = now
                             self._dry.pop(payload, None)
+                        watch.heard(payload, now)
                         self.driver.wake()
                     elif payload == CANCEL_PAYLOAD:
                         self._poked = True
                         self.driver.poke()
+                if watch.active and watch.judge(time.monotonic()) is False:
+                    self._deaf(watch)
+                    return False
             return False
         finally:
             # The supervisor has the driver close the connection (Unlisten) after each run.
+            watch.stopped()
             self.listening.clear()
+
+    def _deaf(self, watch: ListenWatch) -> None:
+        log.warning(
+            "worker %s: its LISTEN hears nothing: jobs came into %s %d times in %.0fs with no "
+            "notification; its connection goes through a pooler in transaction mode "
+            "(PgBouncer) or a proxy that does not pass notifications. It stops listening and "
+            "polls every %gs. Run it with --no-listen (listen=False), or give it a direct "
+            "connection (or a PgBouncer pool in session mode) to pick jobs up within "
+            "milliseconds; see the README's PgBouncer section",
+            self.name,
+            ", ".join(watch.missed_queues),
+            watch.misses,
+            max(0.0, time.monotonic() - watch.first_miss),
+            self.settings.poll_interval,
+        )
 
     def run(
         self,
@@ -1225,6 +1296,20 @@ class WorkerCore:
             database=database,
         )
 
+    def db_warning(self, exc: BaseException, message: str, *args: Any) -> None:
+        """Log a database error as a warning; but a prepared statement lost by a pooler is
+        a misconfiguration, not weather: one ERROR line naming the fix
+        (:data:`POOLING_ADVICE`), the first time, and DEBUG lines after."""
+        if not lost_prepared_statement(exc):
+            log.warning(message, *args)
+            return
+        with self._lock:  # the fetch loop and the duties may be threads
+            first, self.pooling_said = not self.pooling_said, True
+        if first:
+            log.error(POOLING_ADVICE, self.name, describe(exc))
+        else:
+            log.debug(message, *args)
+
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
         """A duty raised: log it, and say how long to wait before running it again.
 
@@ -1236,7 +1321,8 @@ class WorkerCore:
         """
         if is_database_error(exc):
             pause = retry_pause(failures, exc)
-            log.warning(
+            self.db_warning(
+                exc,
                 "worker %s: %s: database error, again in %.2fs: %s",
                 self.name,
                 name,

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .faults_app import RECORD_URL_ENV
@@ -117,13 +117,19 @@ class WorkerGroup:
         poll_interval: float,
         extra: Sequence[str] = (),
         app: str = "faults-worker",
+        registry: str = "faults_app:jobs",
+        database: Callable[[str], tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
         self.pg = pg
         self.log_dir = log_dir
         self.app = app
+        #: For an application_name: the command line arguments (after ``worker``) and the
+        #: environment that give a process its database. By default ``--database-url``,
+        #: straight to the suite's PostgreSQL.
+        self.database = database
         self.args = [
             "worker",
-            "faults_app:jobs",
+            registry,
             "--queues",
             ",".join(queues),
             "--concurrency",
@@ -148,10 +154,17 @@ class WorkerGroup:
         atexit.register(self.close)
 
     def _spawn(self, slot: int) -> WorkerProcess:
-        url = self.pg.url_for(f"{self.app}-{slot}")
-        argv = [sys.executable, "-m", "sqla_jobs.cli", "--database-url", url, *self.args]
+        name = f"{self.app}-{slot}"
+        env = self.env
+        if self.database is None:
+            argv = [sys.executable, "-m", "sqla_jobs.cli", "--database-url", self.pg.url_for(name)]
+            argv += self.args
+        else:
+            own, extra_env = self.database(name)
+            argv = [sys.executable, "-m", "sqla_jobs.cli", *self.args, *own]
+            env = {**env, **extra_env}
         n = len(self.all)
-        proc = WorkerProcess(argv, self.env, self.log_dir / f"{self.app}-{slot}-{n}.log")
+        proc = WorkerProcess(argv, env, self.log_dir / f"{self.app}-{slot}-{n}.log")
         self.all.append(proc)
         return proc
 

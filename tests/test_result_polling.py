@@ -1,0 +1,167 @@
+"""``jobs.result`` where notifications cannot arrive (``listen=False``, or behind a pooler in
+transaction mode): it polls the row at a short, growing interval, holds no connection
+between looks, and leaves no LISTEN behind. Behind a real PgBouncer:
+tests/faults/test_pgbouncer.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import event
+
+from sqla_jobs import Jobs, JobSession, Worker, create_async_engine, create_engine, flow
+
+from .helpers import running
+
+
+@pytest.fixture
+def Session(db: sa.Engine, jobs: Jobs) -> Any:
+    return sa.orm.sessionmaker(db, class_=JobSession, jobs=jobs, expire_on_commit=False)
+
+
+def looks(engine: sa.Engine, jobs: Jobs) -> list[float]:
+    """When each look at a job's row (the ``outcome`` statement) is sent on ``engine``."""
+    seen: list[float] = []
+    outcome = str(jobs.queries.outcome.compile(dialect=engine.dialect))
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement == outcome:
+            seen.append(time.monotonic())
+
+    return seen
+
+
+def listening_channels(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.exec_driver_sql("SELECT pg_listening_channels()").scalars())
+
+
+def test_a_wait_without_notifications_polls_at_a_growing_interval(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q", keep_result=True)
+    def never() -> None: ...
+
+    with Session.begin() as session:
+        job = session.enqueue(never)
+    seen = looks(db, jobs)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"job {job.id} did not finish within 1s"):
+        jobs.result(db, job.id, timeout=1.0, listen=False)
+    assert 1.0 <= time.monotonic() - started < 2.0
+    # 20 ms, then 1.5 times as long each time: about ten looks in a second, not fifty
+    # (a fixed short interval) nor two (a fixed long one); the last one at the deadline.
+    assert 6 <= len(seen) <= 12, [round(t - started, 3) for t in seen]
+    gaps = [b - a for a, b in itertools.pairwise(seen)]
+    assert gaps[0] < 0.1
+    assert max(gaps) <= flow._POLL_MAX + 0.25
+    assert seen[-1] - started >= 0.95
+    assert listening_channels(db) == []
+
+
+def test_a_polled_result_comes_soon_after_the_job_ends_and_holds_no_connection(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    gate = threading.Event()
+
+    @jobs.task(queue="q", keep_result=timedelta(minutes=5))
+    def slow() -> str:
+        gate.wait(20)
+        return "late"
+
+    with Session.begin() as session:
+        job = session.enqueue(slow)
+    # The waiter's engine has one connection: were it held through the wait, the
+    # checkout below would time out.
+    one = create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=2)
+    seen = looks(one, jobs)
+    got: list[Any] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(jobs.result(one, job.id, timeout=30, listen=False))
+    )
+    try:
+        with running(Worker(jobs, db, queues=["q"])):
+            waiter.start()
+            # Waiting until the looks are 0.5 s apart (the longest pause).
+            deadline = time.monotonic() + 20
+            while not (len(seen) > 2 and seen[-1] - seen[-2] >= flow._POLL_MAX - 0.01):
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.05)
+            with one.connect() as conn:  # the pool's only connection is free
+                assert conn.exec_driver_sql("SELECT 1").scalar() == 1
+            assert listening_channels(one) == []
+            assert not got
+            ended = time.monotonic()
+            gate.set()
+            waiter.join(15)
+            assert got == ["late"]
+            assert time.monotonic() - ended < 1.5  # the longest pause, and the job's end
+    finally:
+        gate.set()
+        waiter.join(15)
+        one.dispose()
+
+
+def test_the_async_wait_polls_too(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    @jobs.task(queue="q", keep_result=True)
+    def answer() -> int:
+        return 42
+
+    with Session.begin() as session:
+        job = session.enqueue(answer)
+        never = session.enqueue(answer.with_options(queue="nobody"))
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty()
+
+    async def main() -> tuple[Any, float, list[float]]:
+        engine = create_async_engine(database_url)
+        seen = looks(engine.sync_engine, jobs)
+        try:
+            value = await jobs.result_async(engine, job.id, timeout=5, listen=False)
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await jobs.result_async(engine, never.id, timeout=0.5, listen=False)
+            return value, time.monotonic() - started, seen
+        finally:
+            await engine.dispose()
+
+    value, waited, seen = asyncio.run(main())
+    assert value == 42
+    assert 0.5 <= waited < 1.5
+    assert 1 + 4 <= len(seen) <= 1 + 10  # the first wait's look, then the second's
+
+
+def test_the_wait_listens_on_a_direct_connection_and_says_so_once_per_engine(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    @jobs.task(queue="q", keep_result=True)
+    def answer() -> int:
+        return 42
+
+    with Session.begin() as session:
+        job = session.enqueue(answer)
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty()
+    engine = create_engine(database_url)
+    pids: list[str] = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "pg_backend_pid" in statement:
+            pids.append(statement)
+
+    try:
+        assert jobs.result(engine, job.id, timeout=5) == 42
+        assert jobs.result(engine, job.id, timeout=5) == 42
+        assert flow._DIRECT[engine] is True
+        assert len(pids) == 1  # found out once
+    finally:
+        engine.dispose()
