@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import admin, logs
+from . import __version__, admin, logs
 from .db import create_engine, normalize_url
 from .errors import WorkerError
 from .model import STATUSES, job_table
@@ -1255,6 +1255,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL (default: $DATABASE_URL)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _add_worker(sub)
