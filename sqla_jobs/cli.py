@@ -804,6 +804,8 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.asyncio:
+        _need_asyncio()
     jobs = load_registry(args.registry)
     shards = shards_from(args)
     if shards is not None:
@@ -1036,6 +1038,16 @@ def _listening(flag: str, at: tuple[str, int], start: Callable[[], T]) -> T:
         raise CommandError(f"{flag} {at[0]}:{at[1]}: {exc.strerror or exc}", EXIT_FAILURE) from None
 
 
+def _need_asyncio() -> None:
+    try:
+        import greenlet  # noqa: F401
+    except ImportError:
+        raise CommandError(
+            "--asyncio needs SQLAlchemy's asyncio support (greenlet): "
+            "pip install 'sqla-jobs[asyncio]'"
+        ) from None
+
+
 def _need_metrics() -> None:
     try:
         import prometheus_client  # noqa: F401
@@ -1090,8 +1102,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         help_text = f.metadata["help"]
         if hint is bool:
-            # Boolean settings default to True; their flags (--no-...) turn them off.
-            parser.add_argument(flag, dest=f.name, action="store_false", help=help_text)
+            # Boolean settings default to True; their flags (--no-...) turn them off, and
+            # say what they turn off.
+            parser.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["off"])
             continue
         if f.default is not None:
             help_text += (
