@@ -1040,7 +1040,7 @@ def _listening(flag: str, at: tuple[str, int], start: Callable[[], T]) -> T:
 
 def _need_asyncio() -> None:
     try:
-        import greenlet  # noqa: F401
+        importlib.import_module("greenlet")  # what SQLAlchemy's asyncio support runs on
     except ImportError:
         raise CommandError(
             "--asyncio needs SQLAlchemy's asyncio support (greenlet): "

@@ -21,7 +21,7 @@ context variable, so it follows the run into ``async def`` handlers and
 ``asyncio.to_thread``), and the text format starts such a line's message with the job, as
 the worker's own job lines are written::
 
-    2026-11-30 12:00:00,123 WARNING myapp.tasks: job 7 (myapp.tasks.send, queue mail, attempt 1/5): bounced
+    12:00:00,123 WARNING myapp.tasks: job 7 (myapp.tasks.send, queue mail, attempt 1/5): bounced
 
 The level given applies to the library's own loggers (``sqla_jobs.*``); every other
 logger keeps its own level (the root's is WARNING), so that an application's imports

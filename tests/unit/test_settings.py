@@ -114,7 +114,9 @@ def test_asyncio_without_its_extra_is_a_one_line_install_hint() -> None:
         "from sqla_jobs.cli import main\n"
         "main(['worker', 'app:jobs', '--asyncio', '--database-url', 'postgresql://x@h/db'])"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
         "sqla-jobs: error: --asyncio needs SQLAlchemy's asyncio support (greenlet): "
