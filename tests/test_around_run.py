@@ -20,9 +20,7 @@ from .helpers import rows
 TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant")
 
 
-def test_every_run_is_inside_the_apps_context(
-    db: sa.Engine, jobs: Jobs, make_worker: Any
-) -> None:
+def test_every_run_is_inside_the_apps_context(db: sa.Engine, jobs: Jobs, make_worker: Any) -> None:
     entered: list[int] = []
     exited: list[tuple[int, str | None]] = []
     seen: list[tuple[str, str]] = []

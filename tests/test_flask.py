@@ -65,15 +65,15 @@ def left(app: Any) -> list[tuple[str, str]]:
         return [(j.task, j.status) for j in db.session.scalars(sa.select(Job).order_by(Job.id))]
 
 
-def test_jobs_run_in_the_apps_context_under_a_real_worker_process(
-    app: Any, database: str
-) -> None:
+def test_jobs_run_in_the_apps_context_under_a_real_worker_process(app: Any, database: str) -> None:
     created = app.test_client().post("/orders", json={"item": "lamp"})
     assert created.status_code == 201, created.text
     order_id = created.json["id"]
     worker = subprocess.run(
-        [sys.executable, "-m", "sqla_jobs.cli", "worker", "tests.flask_worker:jobs"]
-        + ["--queues", "receipts", "--until-empty", "--no-listen"],
+        [
+            *(sys.executable, "-m", "sqla_jobs.cli", "worker", "tests.flask_worker:jobs"),
+            *("--queues", "receipts", "--until-empty", "--no-listen"),
+        ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "DATABASE_URL": database},
         capture_output=True,

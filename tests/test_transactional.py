@@ -173,9 +173,12 @@ def test_the_claim_guard_fences_the_apps_session(
             conn.execute(jobs.queries.rescue, {"limit": 10}).all()
         b_engine = create_engine(database_url)
         try:
-            assert Worker(jobs, b_engine, queues=["q"], listen=False, name="B").run_until_empty(
-                timeout=20
-            ) == 1
+            assert (
+                Worker(jobs, b_engine, queues=["q"], listen=False, name="B").run_until_empty(
+                    timeout=20
+                )
+                == 1
+            )
         finally:
             b_engine.dispose()
         release_first.set()
