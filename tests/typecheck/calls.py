@@ -105,7 +105,7 @@ def wrong(s: JobSession) -> None:
     bare(wrong=1)  # E: call-arg
     send(1)  # E: arg-type
     pay(payment_id=5)  # E: call-arg
-    s.enqueue(bare, user_id=1).id  # E: union-attr
+    str(s.enqueue(bare, user_id=1).id)  # E: union-attr
 
 
 async def right_async(s: AsyncJobSession) -> None:
