@@ -157,12 +157,16 @@ def unlimited_work() -> None:
 
 log = logging.getLogger("tests.app")
 
+#: A registry of their own, on the same table: tests that list ``jobs``' queues should not
+#: see this one.
+talk_jobs = Jobs(Job)
 
-@jobs.task(queue="talk")
+
+@talk_jobs.task(queue="talk")
 def talk(text: str) -> None:
     log.warning("handler says %s", text)
 
 
-@jobs.task(queue="talk")
+@talk_jobs.task(queue="talk")
 async def talk_async(text: str) -> None:
     log.warning("async handler says %s", text)

@@ -8,6 +8,6 @@ import logging
 
 import alembic.autogenerate  # noqa: F401
 
-from .app import jobs  # noqa: F401
+from .app import talk_jobs as jobs  # noqa: F401
 
 logging.getLogger("tests.noisy_app").info("an INFO line of the app's import")

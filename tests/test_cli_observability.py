@@ -159,7 +159,7 @@ def test_lines_that_handlers_log_carry_their_job(db: sa.Engine, flavour: str) ->
 
     asyncio = ["--asyncio"] if flavour == "asyncio" else []
     plain, coroutine = enqueue()
-    text = run_cli("worker", "tests.app:jobs", "--queues", "talk", "--until-empty", *asyncio)
+    text = run_cli("worker", "tests.app:talk_jobs", "--until-empty", *asyncio)
     assert text.returncode == 0, text.stderr
     for line in (
         f"WARNING tests.app: job {plain} (tests.app.talk, queue talk, attempt 1/5): "
@@ -176,9 +176,8 @@ def test_lines_that_handlers_log_carry_their_job(db: sa.Engine, flavour: str) ->
 
     plain, coroutine = enqueue()
     out = run_cli(
-        "worker", "tests.app:jobs", "--queues", "talk", "--until-empty", "--log-format", "json",
-        *asyncio,
-    )  # fmt: skip
+        "worker", "tests.app:talk_jobs", "--until-empty", "--log-format", "json", *asyncio
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stderr.splitlines()]
     said = {r["job_id"]: r for r in lines if r["logger"] == "tests.app"}
@@ -195,7 +194,7 @@ def test_commands_set_info_on_the_librarys_loggers_only(db: sa.Engine) -> None:
     stats = run_cli("stats", "tests.noisy_app:jobs")
     assert stats.returncode == 0, stats.stderr
     assert stats.stderr == ""
-    worker = run_cli("worker", "tests.noisy_app:jobs", "--queues", "talk", "--until-empty")
+    worker = run_cli("worker", "tests.noisy_app:jobs", "--until-empty")
     assert worker.returncode == 0, worker.stderr
     assert " INFO sqla_jobs.worker: worker " in worker.stderr  # the library's own INFO lines
     assert " INFO " not in worker.stderr.replace(" INFO sqla_jobs.", ""), worker.stderr
