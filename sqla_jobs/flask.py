@@ -4,7 +4,11 @@ session is Flask-SQLAlchemy's ``db.session``.
 .. code-block:: python
 
     # myapp/__init__.py
-    db = SQLAlchemy(session_options={"class_": AppSession, "jobs": jobs})  # optional
+    db = SQLAlchemy(session_options={"class_": AppSession})  # AppSession: enqueue too
+
+    class Job(JobMixin, db.Model):
+        __tablename__ = "jobs"
+
     jobs = Jobs(Job)
     flask_jobs = FlaskJobs(jobs, db)
 

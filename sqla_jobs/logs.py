@@ -105,13 +105,15 @@ class JobContext(logging.Filter):
             job = current_job()
         except LookupError:  # not inside a handler
             return True
-        fields.update(
-            job_id=job.id,
-            task=job.task,
-            queue=job.queue,
-            attempt=job.attempts,
-            worker=job.worker,
-            job_prefix=f"job {job.id} ({job.task}, queue {job.queue}, "
+        # setdefault: a field the line's own ``extra`` gave is kept.
+        fields["job_id"] = job.id
+        fields.setdefault("task", job.task)
+        fields.setdefault("queue", job.queue)
+        fields.setdefault("attempt", job.attempts)
+        fields.setdefault("worker", job.worker)
+        fields.setdefault(
+            "job_prefix",
+            f"job {job.id} ({job.task}, queue {job.queue}, "
             f"attempt {job.attempts}/{job.max_attempts}): ",
         )
         return True
