@@ -71,7 +71,8 @@ def test_the_companion_tables_are_all_named() -> None:
     """Every companion table the model declares is in the README's two lists of them."""
     text = (ROOT / "README.md").read_text()
     companions = sorted(
-        t.name.removeprefix("jobs") for t in app.Base.metadata.tables.values()
+        t.name.removeprefix("jobs")
+        for t in app.Base.metadata.tables.values()
         if t.name.startswith("jobs_")
     )
     assert len(companions) == 6, companions

@@ -21,10 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 import sqlalchemy as sa
@@ -63,7 +65,7 @@ class Shell:
         self.env = env
         self.database_url = database_url
         self.ports = ports
-        self.background: list[tuple[str, subprocess.Popen[str]]] = []
+        self.background: list[tuple[str, subprocess.Popen[str], IO[str]]] = []
 
     def run(self, line: str) -> None:
         found = COMMENT.search(line)
@@ -80,16 +82,18 @@ class Shell:
             self.cwd = (self.cwd / words[1]).resolve()
             assert self.cwd.is_dir(), line
         elif command.rstrip().endswith("&"):
+            # Its output goes to a file: a pipe nobody reads would stall a chatty server.
+            output = tempfile.TemporaryFile("w+")  # noqa: SIM115  closed by stop()
             process = subprocess.Popen(
                 ["bash", "-c", "exec " + command.rstrip().removesuffix("&")],
                 cwd=self.cwd,
                 env=self.env,
-                stdout=subprocess.PIPE,
+                stdout=output,
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
             )
-            self.background.append((line, process))
+            self.background.append((line, process, output))
         else:
             expect = EXPECT.match(comment)
             self._until(line, command, expect["text"] if expect else None)
@@ -116,24 +120,32 @@ class Shell:
             assert expect in result.stdout, f"{line}\n{result.stdout}"
 
     def _alive(self) -> None:
-        for line, process in self.background:
+        for line, process, output in self.background:
             if process.poll() is not None:
-                output = process.stdout.read() if process.stdout else ""
-                raise AssertionError(f"{line}\nexited with {process.returncode}:\n{output}")
+                raise AssertionError(f"{line}\nexited with {process.returncode}:\n{_read(output)}")
 
     def stop(self) -> None:
         """Stop the background jobs (as Ctrl-C would); each must end cleanly."""
-        self._alive()
-        for _, process in self.background:
-            os.killpg(process.pid, signal.SIGTERM)
-        for line, process in self.background:
+        try:
+            self._alive()
+        finally:
+            for _, process, _ in self.background:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGTERM)
+        for line, process, output in self.background:
             try:
-                output, _ = process.communicate(timeout=30)
+                process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-                output, _ = process.communicate()
+                process.wait()
             # A server stopped by SIGTERM may say so with -15; a worker exits 0.
-            assert process.returncode in (0, -signal.SIGTERM), f"{line}\n{output}"
+            assert process.returncode in (0, -signal.SIGTERM), f"{line}\n{_read(output)}"
+            output.close()
+
+
+def _read(output: IO[str]) -> str:
+    output.seek(0)
+    return output.read()
 
 
 @pytest.fixture
