@@ -9,6 +9,8 @@ whose job was lost. Workers claim jobs with ``FOR NO KEY UPDATE SKIP LOCKED``.
 
 from __future__ import annotations
 
+from importlib import metadata as _metadata
+
 from .db import create_async_engine, create_engine
 from .errors import (
     EnqueueError,
@@ -53,4 +55,8 @@ __all__ = [
     "current_job",
 ]
 
-__version__ = "0.1.0"
+try:
+    #: The installed distribution's version: ``pyproject.toml`` is its one source.
+    __version__ = _metadata.version("sqla-jobs")
+except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
+    __version__ = "0+unknown"

@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import admin, logs
+from . import __version__, admin, logs
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError
 from .model import STATUSES, job_table
@@ -967,6 +967,8 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.asyncio:
+        _need_asyncio()
     jobs = load_registry(args.registry)
     shards = shards_from(args)
     if shards is not None:
@@ -1257,6 +1259,16 @@ def _listening(flag: str, at: tuple[str, int], start: Callable[[], T]) -> T:
         raise CommandError(f"{flag} {at[0]}:{at[1]}: {exc.strerror or exc}", EXIT_FAILURE) from None
 
 
+def _need_asyncio() -> None:
+    try:
+        importlib.import_module("greenlet")  # what SQLAlchemy's asyncio support runs on
+    except ImportError:
+        raise CommandError(
+            "--asyncio needs SQLAlchemy's asyncio support (greenlet): "
+            "pip install 'sqla-jobs[asyncio]'"
+        ) from None
+
+
 def _need_metrics() -> None:
     try:
         import prometheus_client  # noqa: F401
@@ -1311,8 +1323,9 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         hint = hints[f.name]
         help_text = f.metadata["help"]
         if hint is bool:
-            # Boolean settings default to True; their flags (--no-...) turn them off.
-            parser.add_argument(flag, dest=f.name, action="store_false", help=help_text)
+            # Boolean settings default to True; their flags (--no-...) turn them off, and
+            # say what they turn off.
+            parser.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["off"])
             continue
         if f.default is not None:
             help_text += (
@@ -1485,6 +1498,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL (default: $DATABASE_URL)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _add_worker(sub)

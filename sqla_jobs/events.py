@@ -45,16 +45,24 @@ or a run (:mod:`sqla_jobs.tracing` is built on them):
   exited when the run ends, both in the handler's own context (its thread, or its asyncio
   task), so that a context variable it sets is seen by the handler and reset after it,
   even when a timeout was decided elsewhere meanwhile.
+
+The context an application's handlers need (Flask's app context, an error reporter's
+scope, a tenant or a locale in a context variable) is given with
+:meth:`sqla_jobs.Jobs.around_run`: a function of the job that returns a context manager,
+entered and exited as a run hook is. Unlike a hook, it is part of the run: if entering it
+raises, the handler is not called and the run fails with that error (retried as any
+failure), since a handler must not run outside its context.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["EVENTS", "EnqueueHook", "Events", "JobEvent", "RunHook"]
+__all__ = ["EVENTS", "EnqueueHook", "Events", "JobEvent", "RunHook", "RunWrapper"]
 
 log = logging.getLogger("sqla_jobs.events")
 
@@ -101,6 +109,46 @@ class RunHook(Protocol):
         """The run ended: ``outcome`` is ``succeeded``, ``retried``, ``dead``, ``snoozed``
         or ``cancelled`` (timed out, lost, cancelled, cut off at shutdown: see
         ``job.cancel_reason``); ``error`` is what the handler raised, if anything."""
+
+
+#: ``wrapper(job)``: the context manager one run of a handler runs in (see
+#: :meth:`sqla_jobs.Jobs.around_run`).
+RunWrapper = Callable[[Any], AbstractContextManager[object]]
+
+
+class Around:
+    """A run hook made of a :data:`RunWrapper`: it enters what the wrapper returns before
+    the handler runs, and exits it, with the handler's exception if any, when the run
+    ends. Its ``__exit__`` cannot change how the run ended."""
+
+    __slots__ = ("wrapper",)
+
+    #: A failure to enter fails the run, where a plain hook's is only logged.
+    required = True
+
+    def __init__(self, wrapper: RunWrapper) -> None:
+        self.wrapper = wrapper
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Around) and other.wrapper == self.wrapper
+
+    def __hash__(self) -> int:
+        return hash(self.wrapper)
+
+    def __repr__(self) -> str:
+        return f"<around_run {self.wrapper!r}>"
+
+    def enter(self, job: Any) -> object:
+        context = self.wrapper(job)
+        context.__enter__()
+        return context
+
+    def exit(self, job: Any, state: object, outcome: str, error: BaseException | None) -> None:
+        context: AbstractContextManager[object] = state  # type: ignore[assignment]
+        if error is None:
+            context.__exit__(None, None, None)
+        else:
+            context.__exit__(type(error), error, error.__traceback__)
 
 
 class Events:

@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from .bulk import CheckedLater, gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .errors import EnqueueError
+from .model import JobMixin
 from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
 from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
 
@@ -112,16 +113,20 @@ class EnqueueMixin:
     # ``task.with_options(...)``. The keyword options of the implementation keep older
     # calls working at run time, unchecked; a task name (a string) is never checked.
 
+    # What it returns is the model's object (a ``JobMixin``), or None: see the docstring.
+
     @overload
-    def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+    def enqueue(
+        self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs
+    ) -> JobMixin | None: ...
 
     @overload
     def enqueue(
         self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
-    ) -> Any: ...
+    ) -> JobMixin | None: ...
 
     @overload
-    def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+    def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> JobMixin | None: ...
 
     def enqueue(
         self,
@@ -144,8 +149,12 @@ class EnqueueMixin:
         after: Any = None,
         on_parent_failure: Any = None,
         **kwargs: Any,
-    ) -> Any:
+    ) -> JobMixin | None:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
+
+        The return type is :class:`~sqla_jobs.JobMixin` (the model's columns); a unique job
+        returns the live job that holds its key instead, and a scoped one (``unique_for``,
+        ...) returns None when the key's period holds it and the job that took it is gone.
 
         :param task: a task, a task with options (``task.with_options(queue=...)``), or
             the name of a task registered with this session's ``jobs``.
@@ -201,6 +210,7 @@ class EnqueueMixin:
         session = _sync(self)
         boundary = _boundary(session)
         inserted = True
+        job: JobMixin | None
         if "after" in values:  # never unique: job_values refuses the two together
             from .flow import _add_child
 
@@ -526,35 +536,45 @@ else:
         #: autoflush (``await session.execute(select(Job))``) included.
         sync_session_class = _FlushingSession
 
+        # A plain enqueue is never unique here (refused), so it always returns the new job.
+
         @overload
-        def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+        def enqueue(
+            self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs
+        ) -> JobMixin: ...
 
         @overload
         def enqueue(
             self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
-        ) -> Any: ...
+        ) -> JobMixin: ...
 
         @overload
-        def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+        def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> JobMixin: ...
 
-        def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> JobMixin:
             refuse_unique(task, kwargs)
-            return super().enqueue(task, *args, **kwargs)
+            job = super().enqueue(task, *args, **kwargs)
+            assert job is not None  # only a scoped unique job gives None
+            return job
 
         @overload
         async def enqueue_unique(
             self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs
-        ) -> Any: ...
+        ) -> JobMixin | None: ...
 
         @overload
         async def enqueue_unique(
             self, task: ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
-        ) -> Any: ...
+        ) -> JobMixin | None: ...
 
         @overload
-        async def enqueue_unique(self, task: str, /, *args: Any, **kwargs: Any) -> Any: ...
+        async def enqueue_unique(
+            self, task: str, /, *args: Any, **kwargs: Any
+        ) -> JobMixin | None: ...
 
-        async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> Any:
+        async def enqueue_unique(
+            self, task: Any, /, *args: Any, **kwargs: Any
+        ) -> JobMixin | None:
             """``enqueue(..., unique=True)`` (or with ``unique_key=``, as an option of
             ``task.with_options()``), awaited."""
             task = as_unique(task, kwargs)

@@ -43,7 +43,7 @@ import sqlalchemy as sa
 
 from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
-from .events import Events
+from .events import Around, Events, RunWrapper
 from .limits import (
     META_MAX_BYTES,
     META_RESERVED_PREFIX,
@@ -69,12 +69,22 @@ __all__ = [
     "ConfiguredTask",
     "Jobs",
     "RetryPolicy",
+    "SessionFactory",
     "Task",
     "TaskArgs",
     "TransactionalTask",
 ]
 
 log = logging.getLogger("sqla_jobs.enqueue")
+
+
+class SessionFactory(Protocol):
+    """What ``Jobs(session_factory=...)`` is: called with the worker's engine as ``bind``,
+    it makes the session one transactional run writes in. A ``sessionmaker`` (for the
+    threaded worker) or an ``async_sessionmaker`` (for the asyncio worker) is one."""
+
+    def __call__(self, *, bind: Any) -> Session | AsyncSession: ...
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -776,6 +786,14 @@ class Jobs:
     :param keep_done: ``None`` deletes finished jobs at once (cheapest); a ``timedelta``
         keeps them as ``done`` for that long before they are pruned.
     :param keep_dead: how long dead and cancelled jobs are kept before they are pruned.
+    :param session_factory: makes the session a transactional handler runs in, so that it
+        is the application's own (its session class with ``enqueue``, its events, its
+        ``info``): called as ``session_factory(bind=engine)`` with the worker's engine, as
+        a ``sessionmaker`` is; an ``async_sessionmaker`` for the asyncio worker. It must
+        make a new session, not one in a transaction: the worker begins it, commits the
+        handler's writes with the job's guarded completion, or rolls them back, and closes
+        it. Default: a plain ``Session`` (``AsyncSession``) on the worker's engine. Also
+        settable later, as :attr:`session_factory` (``sqla_jobs.flask`` does that).
     """
 
     def __init__(
@@ -787,6 +805,7 @@ class Jobs:
         retry: RetryPolicy | None = None,
         keep_done: timedelta | None = None,
         keep_dead: timedelta = timedelta(days=7),
+        session_factory: SessionFactory | None = None,
     ) -> None:
         self.model = model
         self.table: sa.Table = job_table(model)
@@ -806,6 +825,8 @@ class Jobs:
         self.queue_limits: dict[str, QueueLimits] = {}
         #: Queues of tasks that declare a ``concurrency_key``.
         self._keyed_queues: set[str] = set()
+        #: Makes the session of a transactional run (see the parameter); None: a plain one.
+        self.session_factory = session_factory
 
     def __repr__(self) -> str:
         return f"<Jobs table={self.table.fullname!r} tasks={sorted(self.tasks)}>"
@@ -1100,6 +1121,39 @@ class Jobs:
         )
         self.queue_limits[name] = limits
         return limits
+
+    def around_run(self, wrapper: RunWrapper) -> RunWrapper:
+        """Run every handler of this registry inside ``wrapper(job)``, a context manager:
+        the application's context (Flask's ``app.app_context()``, an error reporter's
+        scope, a tenant or locale in a context variable). Usable as a decorator; returns
+        ``wrapper``.
+
+        .. code-block:: python
+
+            jobs.around_run(lambda job: app.app_context())
+
+            @jobs.around_run
+            @contextlib.contextmanager
+            def tenant(job: ClaimedJob) -> Iterator[None]:
+                token = TENANT.set(job.meta["tenant"])
+                try:
+                    yield
+                finally:
+                    TENANT.reset(token)
+
+        Entered right before the handler is called and exited when its run ends, both in
+        the handler's own context (its executor thread, or its asyncio task), so a
+        context variable it sets is seen by ``async def`` handlers, by plain functions the
+        asyncio worker runs in threads, and by a transactional handler's session (made
+        inside it, so ``Jobs(session_factory=...)`` may use the context), and is reset
+        before the next run. Its ``__exit__`` gets the handler's exception, if any, and
+        cannot change how the run ended. If entering raises, the handler is not called
+        and the run fails with that error (retried like any failure). Wrappers nest in
+        the order given, the first outermost. The hook behind it is a run hook (see
+        :mod:`sqla_jobs.events`): ``jobs.events.run_hooks`` lists it.
+        """
+        self.events.add_run_hook(Around(wrapper))
+        return wrapper
 
     def limits(self, queue: str) -> QueueLimits:
         """The limits of a queue, as declared with :meth:`queue` and by keyed tasks."""

@@ -7,6 +7,7 @@ started by the tests import it as ``tests.app:jobs``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -150,3 +151,22 @@ def key_rated_work(account: str) -> None:
 @limited_jobs.task(queue="unlimited")
 def unlimited_work() -> None:
     """A queue of the same registry with no limits: claimed by the plain statement."""
+
+
+# -- lines that handlers log (tests/test_cli_observability.py) -------------------------------
+
+log = logging.getLogger("tests.app")
+
+#: A registry of their own, on the same table: tests that list ``jobs``' queues should not
+#: see this one.
+talk_jobs = Jobs(Job)
+
+
+@talk_jobs.task(queue="talk")
+def talk(text: str) -> None:
+    log.warning("handler says %s", text)
+
+
+@talk_jobs.task(queue="talk")
+async def talk_async(text: str) -> None:
+    log.warning("async handler says %s", text)

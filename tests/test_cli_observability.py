@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from sqla_jobs import JobSession
+
 from . import app
 from .helpers import count, wait_for
 from .test_cli_worker import enqueue_slow, run_cli, start_worker
@@ -143,6 +145,59 @@ def test_log_level_and_no_log_jobs(db: sa.Engine) -> None:
     assert terse.returncode == 0 and terse.stderr == "", terse.stderr
     bad = run_cli("worker", "tests.app:jobs", "--log-level", "loud")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_lines_that_handlers_log_carry_their_job(db: sa.Engine, flavour: str) -> None:
+    def enqueue() -> tuple[int, int]:
+        with JobSession(db) as session:
+            plain = session.enqueue(app.talk, "hi")
+            coroutine = session.enqueue(app.talk_async, "ho")
+            session.commit()
+            assert plain is not None and coroutine is not None
+            return plain.id, coroutine.id
+
+    asyncio = ["--asyncio"] if flavour == "asyncio" else []
+    plain, coroutine = enqueue()
+    text = run_cli("worker", "tests.app:talk_jobs", "--until-empty", *asyncio)
+    assert text.returncode == 0, text.stderr
+    for line in (
+        f"WARNING tests.app: job {plain} (tests.app.talk, queue talk, attempt 1/5): "
+        "handler says hi",
+        f"WARNING tests.app: job {coroutine} (tests.app.talk_async, queue talk, attempt 1/5): "
+        "async handler says ho",
+    ):
+        assert line in text.stderr, text.stderr
+    # The worker's own job lines keep their one prefix.
+    assert f"sqla_jobs.worker: job {plain} (tests.app.talk, queue talk, attempt 1/5): " in (
+        text.stderr
+    )
+    assert "): job " not in text.stderr
+
+    plain, coroutine = enqueue()
+    out = run_cli(
+        "worker", "tests.app:talk_jobs", "--until-empty", "--log-format", "json", *asyncio
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    said = {r["job_id"]: r for r in lines if r["logger"] == "tests.app"}
+    assert set(said) == {plain, coroutine}, lines
+    for job_id, task in ((plain, "tests.app.talk"), (coroutine, "tests.app.talk_async")):
+        record = said[job_id]
+        assert (record["task"], record["queue"], record["attempt"]) == (task, "talk", 1)
+        assert record["worker"] and record["message"].endswith(("says hi", "says ho"))
+        assert "job_prefix" not in record
+
+
+def test_commands_set_info_on_the_librarys_loggers_only(db: sa.Engine) -> None:
+    # The app's import logs INFO lines (its own, and Alembic's plugin set-up): not printed.
+    stats = run_cli("stats", "tests.noisy_app:jobs")
+    assert stats.returncode == 0, stats.stderr
+    assert stats.stderr == ""
+    worker = run_cli("worker", "tests.noisy_app:jobs", "--until-empty")
+    assert worker.returncode == 0, worker.stderr
+    assert " INFO sqla_jobs.worker: worker " in worker.stderr  # the library's own INFO lines
+    assert " INFO " not in worker.stderr.replace(" INFO sqla_jobs.", ""), worker.stderr
 
 
 def test_each_supervised_process_serves_its_own_endpoints(db: sa.Engine) -> None:

@@ -57,8 +57,33 @@ def test_stats_json_example_matches_the_command(db: sa.Engine) -> None:
     )
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
-    example["table"] = printed["table"]  # the schema differs, not the shape
+    # The name as declared: the test model names a schema, the example's does not.
+    assert printed["table"] == app.Job.__table__.fullname == f"{app.SCHEMA}.jobs"
+    assert example["table"] == "jobs"
+    example["table"] = printed["table"]
     # Every queue the registry knows is listed; the example shows one.
     printed["queues"] = [q for q in printed["queues"] if q["queue"] == "webhooks"]
     assert shape(printed) == shape(example)
     assert len(result.stdout.strip().splitlines()) == 1  # one document, one line
+
+
+def test_the_companion_tables_are_all_named() -> None:
+    """Every companion table the model declares is in the README's two lists of them."""
+    text = (ROOT / "README.md").read_text()
+    companions = sorted(
+        t.name.removeprefix("jobs")
+        for t in app.Base.metadata.tables.values()
+        if t.name.startswith("jobs_")
+    )
+    assert len(companions) == 6, companions
+    for heading in ("Six small companion tables sit beside it", "The six small companion tables"):
+        start = text.index(heading)
+        passage = text[start : text.index("\n\n", start)]
+        for suffix in companions:
+            assert f"`<table>{suffix}`" in passage, (heading, suffix)
+
+
+def test_no_docstring_example_uses_a_deprecated_name() -> None:
+    import sqla_jobs.testing
+
+    assert "summary.done" not in (sqla_jobs.testing.__doc__ or "")

@@ -9,15 +9,21 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_jobs import (
+    EnqueueMixin,
     Jobs,
+    JobSession,
     Worker,
     create_engine,
     current_job,
 )
+from sqla_jobs.session import AsyncJobSession
 
 from . import app
+from .conftest import AsyncWorkerInThread
 from .helpers import count, rows, running, wait_for
 
 
@@ -76,3 +82,139 @@ def test_transactional_handler_whose_lease_was_lost_rolls_back_and_the_second_ru
         wait_for(lambda: a.processed == 1)
     assert [r.code for r in rows(db, app.Link)] == ["run-2"]
     assert count(db) == 0
+
+
+# -- the application's own session (Jobs(session_factory=...)) ------------------------------
+
+
+def app_session_class() -> type[Session]:
+    """The app's session class (a fresh one per test: its listeners stay on it)."""
+
+    class AppSession(EnqueueMixin, Session):
+        pass
+
+    return AppSession
+
+
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_transactional_handlers_run_in_the_apps_own_session(
+    db: sa.Engine, jobs: Jobs, database_url: str, flavour: str
+) -> None:
+    AppSession = app_session_class()
+    flushed: list[Session] = []
+    sa.event.listen(AppSession, "before_flush", lambda session, *_: flushed.append(session))
+    if flavour == "threads":
+        jobs.session_factory = sessionmaker(class_=AppSession, jobs=jobs, info={"app": "shop"})
+    else:
+        jobs.session_factory = async_sessionmaker(
+            class_=AsyncJobSession, sync_session_class=AppSession, jobs=jobs, info={"app": "shop"}
+        )
+    seen: list[tuple[bool, Any]] = []
+
+    @jobs.task(queue="q")
+    def follow_up(code: str) -> None: ...
+
+    @jobs.task(queue="q", transactional=True)
+    def create_link(session: Any, code: str) -> None:
+        seen.append((isinstance(session, AppSession), session.info.get("app")))
+        session.add(app.Link(code=code, url="u"))
+        session.enqueue(follow_up.with_options(queue="later"), code=code)  # the app's enqueue
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(create_link, code="x7")
+        session.commit()
+    if flavour == "threads":
+        Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    else:
+        AsyncWorkerInThread(jobs, database_url, queues=["q"], listen=False).run_until_empty(
+            timeout=20
+        )
+    assert seen == [(True, "shop")]
+    assert [s for s in flushed if isinstance(s, AppSession)], "the app's events did not run"
+    assert [r.code for r in rows(db, app.Link)] == ["x7"]
+    # The follow-up committed with the completion; the job itself is done (deleted).
+    [(task, queue, args)] = [(r.task, r.queue, r.args) for r in rows(db)]
+    assert (task, queue, args) == (follow_up.name, "later", {"code": "x7"})
+
+
+def test_the_claim_guard_fences_the_apps_session(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """A run whose lease was lost writes nothing through the app's session either: not its
+    rows, not the jobs it enqueued there."""
+    jobs.session_factory = sessionmaker(class_=app_session_class(), jobs=jobs)
+    first_started, release_first = threading.Event(), threading.Event()
+
+    @jobs.task(queue="later")
+    def follow_up(attempt: int) -> None: ...
+
+    @jobs.task(queue="q", transactional=True)
+    def create_link(session: Any) -> None:
+        attempt = current_job().attempts
+        session.add(app.Link(code=f"run-{attempt}", url="u"))
+        session.enqueue(follow_up, attempt=attempt)
+        session.flush()
+        if attempt == 1:
+            first_started.set()
+            release_first.wait(10)
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(create_link)
+        session.commit()
+    a = Worker(jobs, db, queues=["q"], lease=30, listen=False, name="A")
+    with running(a):
+        assert first_started.wait(10)
+        with db.begin() as conn:  # A stalls past its lease; B takes the job as attempt 2
+            conn.execute(
+                sa.update(app.Job)
+                .where(app.Job.queue == "q")
+                .values(locked_until=sa.func.now() - timedelta(seconds=1))
+            )
+            conn.execute(jobs.queries.rescue, {"limit": 10}).all()
+        b_engine = create_engine(database_url)
+        try:
+            assert (
+                Worker(jobs, b_engine, queues=["q"], listen=False, name="B").run_until_empty(
+                    timeout=20
+                )
+                == 1
+            )
+        finally:
+            b_engine.dispose()
+        release_first.set()
+        wait_for(lambda: a.processed == 1)
+    assert [r.code for r in rows(db, app.Link)] == ["run-2"]
+    assert [(r.task, r.args) for r in rows(db)] == [(follow_up.name, {"attempt": 2})]
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda jobs: lambda bind: AsyncSession(), "made a AsyncSession, and this worker runs"),
+        (lambda jobs: lambda bind: _begun(Session(bind)), "already in a transaction"),
+    ],
+    ids=["wrong-kind", "in-a-transaction"],
+)
+def test_a_session_factory_that_misfits_fails_the_run_with_a_clear_error(
+    db: sa.Engine, jobs: Jobs, factory: Any, message: str
+) -> None:
+    jobs.session_factory = factory(jobs)
+    ran: list[bool] = []
+
+    @jobs.task(queue="q", transactional=True, max_attempts=1)
+    def create_link(session: Any) -> None:
+        ran.append(True)
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(create_link)
+        session.commit()
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    assert ran == []
+    (job,) = rows(db)
+    assert job.status == "dead" and "Jobs(session_factory=...)" in job.last_error
+    assert message in job.last_error, job.last_error
+
+
+def _begun(session: Session) -> Session:
+    session.begin()
+    return session

@@ -7,7 +7,9 @@ app's lifespan starts it when ``worker=True``) or in processes of its own:
 
 .. code-block:: sh
 
-    DATABASE_URL=postgresql://app@db/app uvicorn 'examples.fastapi_app.app:create_app' --factory
+    export DATABASE_URL=postgresql://app@db/app
+    python -m examples.fastapi_app.create_tables
+    uvicorn 'examples.fastapi_app.app:create_app' --factory
     sqla-jobs worker examples.fastapi_app.app:jobs --asyncio
 
 Everything else is ordinary FastAPI and SQLAlchemy.

@@ -7,12 +7,17 @@ order, or rolled back with it. ``db.session`` is a ``scoped_session``, which for
 only the methods SQLAlchemy's ``Session`` has, so call it, ``db.session()``, to reach
 ``enqueue``.
 
-Workers run beside the app, in processes of their own:
+``FlaskJobs(jobs, db)`` (:mod:`sqla_jobs.flask`) runs every job inside an app context,
+and makes ``db.session`` the session of a transactional job: the receipt's mark commits
+with the job's completion. Workers run beside the app, in processes of their own, which
+import ``examples/flask_app/worker.py`` (it makes the app):
 
 .. code-block:: sh
 
-    DATABASE_URL=postgresql://app@db/app flask --app 'examples.flask_app.app:create_app' run
-    sqla-jobs worker examples.flask_app.app:jobs
+    export DATABASE_URL=postgresql://app@db/app
+    flask --app 'examples.flask_app.app:create_app' create-tables
+    flask --app 'examples.flask_app.app:create_app' run
+    sqla-jobs worker examples.flask_app.worker:jobs
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from sqla_jobs import EnqueueMixin, JobMixin, Jobs
 from sqla_jobs.db import normalize_url
+from sqla_jobs.flask import FlaskJobs
 
 
 class Base(DeclarativeBase):
@@ -46,6 +52,7 @@ class AppSession(EnqueueMixin, FlaskSession):
 
 
 db = SQLAlchemy(model_class=Base, session_options={"class_": AppSession, "jobs": jobs})
+flask_jobs = FlaskJobs(jobs, db)  # jobs run in an app context; db.session is theirs
 
 
 class Order(db.Model):  # type: ignore[name-defined,misc]
@@ -59,8 +66,9 @@ class Order(db.Model):  # type: ignore[name-defined,misc]
 @jobs.task(queue="receipts", transactional=True)
 def send_receipt(session: Session, order_id: int) -> None:
     """Send the receipt (here: record that it went), exactly once: the mark commits with
-    the job's completion."""
-    order = session.get(Order, order_id)
+    the job's completion. ``session`` is ``db.session()``, so helpers that write through
+    ``db.session`` write in that transaction too."""
+    order = db.session.get(Order, order_id)
     if order is not None:
         order.receipt_sent = True
 
@@ -75,6 +83,13 @@ def create_app(database_url: str | None = None) -> Flask:
     url = normalize_url(database_url or os.environ["DATABASE_URL"])  # postgresql+psycopg://
     app.config["SQLALCHEMY_DATABASE_URI"] = url.render_as_string(hide_password=False)
     db.init_app(app)
+    flask_jobs.init_app(app)
+
+    @app.cli.command("create-tables")
+    def create_tables() -> None:
+        """Create the tables (orders, and jobs with its indexes, trigger and companions)."""
+        db.create_all()
+        print("created:", ", ".join(sorted(Base.metadata.tables)))
 
     @app.post("/orders")
     def place_order() -> tuple[dict[str, Any], int]:

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from . import db
 from . import steps as s
 from .core import Run
-from .driver import DriverBase, Events, pool_size
+from .driver import DriverBase, Events, pool_size, run_session
 from .job import ClaimedJob, Outcome
 
 __all__ = ["AsyncWorker"]
@@ -277,7 +277,11 @@ class AsyncWorker(DriverBase[AsyncEngine]):
 
     async def _transactional(self, run: Run) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
-        async with AsyncSession(self.engine) as session:
+        try:
+            made = run_session(self.jobs, self.engine, AsyncSession)
+        except Exception as exc:  # the app's session factory failed, or misfits
+            return run.end(exc)
+        async with made as session:
 
             async def handler() -> Any:
                 if run.task.is_async:

@@ -387,11 +387,11 @@ class WorkerCore:
         events = self.jobs.events
         events.fire("started", job)
         run = Run(self, task, job, token)
-        if events.run_hooks:
-            run.enter_hooks(events.run_hooks)
         try:
+            if events.run_hooks:
+                run.enter_hooks(events.run_hooks)  # the app's context (around_run) may raise
             run.args, run.kwargs = task.call_args(job.args)
-        except Exception as exc:  # stored arguments that no longer fit the handler
+        except Exception as exc:  # that, or stored arguments that no longer fit the handler
             return run.end(exc)
         return run
 
@@ -1459,13 +1459,19 @@ class Run:
         return True
 
     def enter_hooks(self, hooks: Iterable[RunHook]) -> None:
+        """Enter the run hooks, in order. A hook that fails to enter is logged and left
+        out, except a ``required`` one (the app's context, ``Jobs.around_run``), whose
+        error is raised for the run to fail with: the hooks entered before it are exited
+        when the run ends."""
         entered: list[tuple[RunHook, object]] = []
+        self.hooks = entered
         for hook in hooks:
             try:
                 entered.append((hook, hook.enter(self.job)))
             except Exception:
+                if getattr(hook, "required", False):
+                    raise
                 log.exception("run hook %r failed to enter", hook)
-        self.hooks = entered
 
     def _exit_hooks(self, outcome: str, error: BaseException | None) -> None:
         hooks, self.hooks = self.hooks, ()

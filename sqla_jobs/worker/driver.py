@@ -20,15 +20,18 @@ from .settings import WorkerSettings as _Settings
 from .settings import resolve
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
     from typing_extensions import Unpack
 
     from ..tasks import Jobs
     from .job import ClaimedJob, Outcome
     from .settings import WorkerOptions, WorkerSettings
 
-__all__ = ["DriverBase", "Events"]
+__all__ = ["DriverBase", "Events", "run_session"]
 
 E = TypeVar("E")
+S = TypeVar("S", bound="Session | AsyncSession")
 
 _SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(_Settings)) - {"name", "queues"}
 
@@ -152,3 +155,30 @@ def pool_size(concurrency: int) -> int:
     """Connections a worker made from a URL pools: claims, completions, heartbeat and
     maintenance each hold one briefly, and a transactional task holds one while it runs."""
     return min(concurrency, 32) + 4
+
+
+def run_session(jobs: Jobs, bind: Any, kind: type[S]) -> S:
+    """The session one transactional run writes in: made by the registry's
+    ``session_factory`` (the application's own session), or a plain ``kind`` on ``bind``.
+
+    :raises TypeError: the factory made something else than a ``kind``.
+    :raises ValueError: it made a session already in a transaction, which the run would
+        commit, or roll back, with the job's completion.
+    """
+    factory = jobs.session_factory
+    if factory is None:
+        return kind(bind)
+    session = factory(bind=bind)
+    if not isinstance(session, kind):
+        raise TypeError(
+            f"Jobs(session_factory=...) made a {type(session).__qualname__}, and this "
+            f"worker runs transactional handlers in a {kind.__name__}: a sessionmaker "
+            "serves the threaded worker, an async_sessionmaker the asyncio worker"
+        )
+    if session.in_transaction():
+        raise ValueError(
+            "Jobs(session_factory=...) made a session that is already in a transaction; "
+            "a transactional run needs a new session, which it commits with the job's "
+            "completion (a scoped_session shared between runs would do this)"
+        )
+    return session

@@ -25,9 +25,13 @@ from ..limits import QUEUE_MAX_BYTES, check_name
 __all__ = ["WorkerOptions", "WorkerSettings"]
 
 
-def _setting(default: Any, help: str, *, cli: str | None = None) -> Any:
-    """A field with its help text; ``cli`` overrides the flag's name."""
-    return field(default=default, metadata={"help": help, "cli": cli})
+def _setting(default: Any, help: str, *, cli: str | None = None, off: str | None = None) -> Any:
+    """A field with its help text; ``cli`` overrides the flag's name.
+
+    A boolean setting is on by default and its flag (``--no-...``) turns it off: ``help``
+    says what the setting does, ``off`` what the flag does, and the flag's help is ``off``.
+    """
+    return field(default=default, metadata={"help": help, "cli": cli, "off": off})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,22 +74,25 @@ class WorkerSettings:
     )
     listen: bool = _setting(
         True,
-        "LISTEN for new jobs on a dedicated connection (off: poll only, for PgBouncer's "
-        "transaction pooling)",
+        "LISTEN for new jobs on a dedicated connection, and claim as soon as a NOTIFY "
+        "names a queue served",
         cli="no-listen",
+        off="do not LISTEN: find new jobs by polling every --poll-interval only (for "
+        "PgBouncer's transaction pooling, which LISTEN does not pass through)",
     )
     prefetch: bool = _setting(
         True,
         "claim jobs ahead of free slots when handlers finish faster than a claim's round "
-        "trip, so that the next claim is on its way while the last one's jobs run (off: "
-        "claim only into free slots)",
+        "trip, so that the next claim is on its way while the last one's jobs run",
         cli="no-prefetch",
+        off="do not claim ahead: claim only into free slots",
     )
     log_jobs: bool = _setting(
         True,
-        "log one INFO line per finished run, with its duration and outcome (off: "
-        "successes and snoozes are logged at DEBUG; failures are always logged)",
+        "log one INFO line per finished run, with its duration and outcome",
         cli="no-log-jobs",
+        off="log successes and snoozes at DEBUG instead of one INFO line per finished run "
+        "(failures are always logged)",
     )
     stuck_after: float = _setting(
         60.0,

@@ -31,7 +31,7 @@ from ..session import insert_pending
 from . import db
 from . import steps as s
 from .core import Run
-from .driver import DriverBase, Events, pool_size
+from .driver import DriverBase, Events, pool_size, run_session
 from .job import ClaimedJob, Outcome, OutcomeKind
 
 __all__ = ["Worker"]
@@ -241,8 +241,9 @@ class Worker(DriverBase[sa.Engine]):
 
         Sets :func:`~sqla_jobs.current_job`, fires the events, and maps exceptions to an
         outcome; the caller writes the outcome (the worker hands it to its completer). A
-        transactional task runs in a session of the worker's that commits with the job's
-        completion, or, given ``session`` (``sqla_jobs.testing`` does this inside a test's
+        transactional task runs in a session (the registry's ``session_factory``'s, or a
+        plain one on the worker's engine) that commits with the job's completion, or,
+        given ``session`` (``sqla_jobs.testing`` does this inside a test's
         transaction), in that session behind a savepoint that a failure rolls back.
         """
         return self._execute(job, session) or Outcome(OutcomeKind.SETTLED, job)
@@ -274,7 +275,11 @@ class Worker(DriverBase[sa.Engine]):
     def _transactional(self, run: Run, session: Session | None) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
         if session is None:
-            with Session(self.engine) as own:
+            try:
+                made = run_session(self.jobs, self.engine, Session)
+            except Exception as exc:  # the app's session factory failed, or misfits
+                return run.end(exc)
+            with made as own:
                 outcome: Outcome = self._drive(
                     self.core.transactional(run), lambda: fn(*args, session=own, **kwargs), own
                 )

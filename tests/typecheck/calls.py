@@ -7,6 +7,7 @@ both mypy and pyright.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -78,6 +79,15 @@ def right(s: JobSession) -> None:
     s.enqueue_many(send.with_options(queue="q"), [send.args(to="z")])
     assert_type(send("a@example.com", "subject", cc=None), bool)
     pay(s, 5)
+    # What an enqueue returns: the job (the model's columns), or None (a scoped unique key
+    # held by a job that is gone).
+    job = s.enqueue(bare, user_id=1)
+    assert_type(job, JobMixin | None)
+    assert_type(s.enqueue("any.task.name", whatever=1), JobMixin | None)
+    assert_type(s.enqueue(send.with_options(unique=True), "a@example.com"), JobMixin | None)
+    if job is not None:
+        assert_type(job.id, int)
+        assert_type(job.meta, dict[str, Any] | None)
     hourly()
 
 
@@ -95,12 +105,16 @@ def wrong(s: JobSession) -> None:
     bare(wrong=1)  # E: call-arg
     send(1)  # E: arg-type
     pay(payment_id=5)  # E: call-arg
+    str(s.enqueue(bare, user_id=1).id)  # E: union-attr
 
 
 async def right_async(s: AsyncJobSession) -> None:
     s.enqueue(send, "a@example.com")
     await s.enqueue_unique(send.with_options(unique_key="k"), to="a@example.com")
     await s.enqueue_unique(bare, user_id=3)
+    assert_type(s.enqueue(send, "a@example.com"), JobMixin)  # never unique: always the job
+    assert_type(s.enqueue(send, "a@example.com").id, int)
+    assert_type(await s.enqueue_unique(bare, user_id=3), JobMixin | None)
 
 
 async def wrong_async(s: AsyncJobSession) -> None:

@@ -30,6 +30,8 @@ def import_without(module: str, blocked: str) -> subprocess.CompletedProcess[str
         ("sqla_jobs.cli", "prometheus_client"),
         ("sqla_jobs", "opentelemetry"),
         ("sqla_jobs.cli", "opentelemetry"),
+        ("sqla_jobs", "flask"),
+        ("sqla_jobs.cli", "flask"),
     ],
 )
 def test_imports_without_optional_packages(module: str, blocked: str) -> None:
@@ -43,6 +45,7 @@ def test_imports_without_optional_packages(module: str, blocked: str) -> None:
     [
         ("sqla_jobs.metrics", "prometheus_client", "metrics"),
         ("sqla_jobs.tracing", "opentelemetry", "tracing"),
+        ("sqla_jobs.flask", "flask", "flask"),
     ],
 )
 def test_an_extra_that_is_missing_says_how_to_install_it(

@@ -46,3 +46,27 @@ def test_a_traceback_stays_on_the_line() -> None:
 def test_configure_refuses_an_unknown_format() -> None:
     with pytest.raises(ValueError, match="text, json"):
         configure("INFO", "yaml")
+
+
+def test_a_line_logged_in_a_run_gets_its_job_and_keeps_its_own_extra() -> None:
+    from datetime import datetime, timezone
+
+    from sqla_jobs.logs import TEXT_FORMAT, JobContext
+    from sqla_jobs.worker.job import ClaimedJob, reset_current, set_current
+
+    now = datetime.now(timezone.utc)
+    job = ClaimedJob(7, "mail", "myapp.send", {}, 2, 5, 0, now, now, worker="w1")
+    outside = logging.LogRecord("myapp", logging.WARNING, __file__, 1, "no job", (), None)
+    assert JobContext().filter(outside) and "job_id" not in outside.__dict__
+    token = set_current(job)
+    try:
+        inside = logging.LogRecord("myapp", logging.WARNING, __file__, 1, "bounced", (), None)
+        inside.task = "the line's own"
+        assert JobContext().filter(inside)
+    finally:
+        reset_current(token)
+    text = logging.Formatter(TEXT_FORMAT, defaults={"job_prefix": ""}).format(inside)
+    assert text.endswith("myapp: job 7 (myapp.send, queue mail, attempt 2/5): bounced")
+    data = json.loads(JsonFormatter().format(inside))
+    assert (data["job_id"], data["queue"], data["attempt"], data["worker"]) == (7, "mail", 2, "w1")
+    assert data["task"] == "the line's own" and "job_prefix" not in data

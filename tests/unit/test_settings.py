@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import typing
 from typing import Any
 
@@ -89,3 +91,34 @@ def test_a_bad_value_on_the_command_line_is_one_clear_error() -> None:
         _worker_settings(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "app:jobs", "--concurrency", "many"])
+
+
+def test_a_no_flag_says_what_it_turns_off() -> None:
+    worker = build_parser()._subparsers._group_actions[0].choices["worker"]  # type: ignore[union-attr]
+    helps = {a.option_strings[0]: a.help for a in worker._actions if a.option_strings}
+    flags = [f for f in dataclasses.fields(WorkerSettings) if f.type in (bool, "bool")]
+    assert {f.metadata["cli"] for f in flags} == {"no-listen", "no-prefetch", "no-log-jobs"}
+    for f in flags:
+        text = helps["--" + f.metadata["cli"]]
+        # The flag's help is what it turns off, not the setting it turns off.
+        assert text == f.metadata["off"] and text != f.metadata["help"]
+        assert text.startswith(("do not", "log successes")), text
+    assert "polling" in helps["--no-listen"] and "only into free slots" in helps["--no-prefetch"]
+    assert "at DEBUG" in helps["--no-log-jobs"]
+
+
+def test_asyncio_without_its_extra_is_a_one_line_install_hint() -> None:
+    # A None entry in sys.modules makes the import fail, as if greenlet were not installed.
+    code = (
+        "import sys; sys.modules['greenlet'] = None\n"
+        "from sqla_jobs.cli import main\n"
+        "main(['worker', 'app:jobs', '--asyncio', '--database-url', 'postgresql://x@h/db'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "sqla-jobs: error: --asyncio needs SQLAlchemy's asyncio support (greenlet): "
+        "pip install 'sqla-jobs[asyncio]'\n"
+    )

@@ -1,0 +1,77 @@
+"""The package's metadata tells the truth: one version everywhere, valid classifiers,
+project URLs, and README images that show on the package index's page."""
+
+from __future__ import annotations
+
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sqla_jobs
+from sqla_jobs.cli import main
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def project() -> dict[str, Any]:
+    data: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return data
+
+
+def test_one_version_in_pyproject_the_changelog_and_the_package() -> None:
+    version = project()["version"]
+    heading = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert heading is not None
+    assert heading[1] == version, "the topmost CHANGELOG heading names another version"
+    installed = metadata.version("sqla-jobs")
+    assert installed == version, (
+        f"the installed metadata says {installed} and pyproject.toml says {version}: "
+        "reinstall (pip install -e .) after changing the version"
+    )
+    assert sqla_jobs.__version__ == version
+
+
+def test_the_command_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"sqla-jobs {sqla_jobs.__version__}"
+
+
+def test_classifiers_are_pypis_and_say_the_status_and_the_pythons() -> None:
+    trove = pytest.importorskip("trove_classifiers")
+    classifiers = project()["classifiers"]
+    unknown = [c for c in classifiers if c not in trove.classifiers]
+    assert unknown == [], "PyPI refuses an upload with unknown classifiers"
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    floor = re.fullmatch(r">=3\.(\d+)", project()["requires-python"])
+    assert floor is not None
+    minors = sorted(
+        int(m[1])
+        for c in classifiers
+        if (m := re.fullmatch(r"Programming Language :: Python :: 3\.(\d+)", c))
+    )
+    assert minors and minors[0] == int(floor[1]), "the oldest Python named is requires-python's"
+    assert minors == list(range(minors[0], minors[-1] + 1))
+
+
+def test_project_urls_and_absolute_readme_images() -> None:
+    urls = project()["urls"]
+    assert {"Homepage", "Repository", "Issues", "Changelog"} <= set(urls)
+    repository = urls["Repository"].removeprefix("https://github.com/")
+    raw = f"https://raw.githubusercontent.com/{repository}/main/"
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)", (ROOT / "README.md").read_text())
+    assert images
+    for url in images:
+        # A relative image works on the repository's page, not on the package index's.
+        assert url.startswith(raw), url
+        assert (ROOT / url.removeprefix(raw)).is_file(), url
