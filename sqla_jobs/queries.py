@@ -945,16 +945,40 @@ def _parent_count(c: Any) -> sa.ColumnElement[int]:
     )
 
 
+# Lock the children still waiting on these parents, through <table>_parents (&&), in id
+# order (two releases sharing children take them in one order, so neither deadlocks the
+# other), with the lock the release's UPDATE takes anyway (FOR NO KEY UPDATE). Run before
+# every statement that reads the parents' rows to settle a child (_release reads their
+# results): a sibling parent's completion holds the same child's lock until it commits,
+# so the statements after this one (READ COMMITTED: each takes its snapshot when it
+# starts) see that sibling done, with its result. One statement cannot do both: an UPDATE
+# that waits for a child's row lock re-reads only that row, and reads every other row (the
+# sibling's result) as its snapshot, taken before the wait, had it.
+def _lock_children(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    return (
+        sa.select(c.id)
+        .where(
+            c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            c.status == _SCHEDULED_VIA_PK,
+            c.waiting > 0,
+        )
+        .order_by(c.id)
+        .with_for_update(key_share=True)
+    )
+
+
 # Release children: these parents succeeded (or, for children that run anyway, ended).
-# Run as its own statement in the completion's transaction, after it: its snapshot is
-# taken once the completion holds the parents' row locks, so it sees every child
-# committed before (a child enqueued while its parent ran holds that parent's lock until
-# it commits). Children are found through <table>_parents (&&) and each is decremented by
-# how many of its parents are in the batch; two sibling parents completing at once both
-# UPDATE the child, the second waits for the first's row lock and PostgreSQL re-reads the
-# row before applying its own decrement, so exactly one of them sees waiting reach 0.
-# A child reaching 0 becomes ready now (its queue woken at commit); a group callback gets
-# its parents' results in the argument named by meta->'sqla_jobs.results'.
+# Run as its own statement in the completion's transaction, after it and after
+# _lock_children: its snapshot is taken once the completion holds the parents' row locks,
+# so it sees every child committed before (a child enqueued while its parent ran holds
+# that parent's lock until it commits), and once the children are locked, so it sees
+# every sibling parent that completed before (see _lock_children). Each child is
+# decremented by how many of its parents are in the batch; of two sibling parents
+# completing at once, the second takes the child's lock after the first committed and
+# sees its decrement, so exactly one of them sees waiting reach 0. A child reaching 0
+# becomes ready now (its queue woken at commit); a group callback gets its parents'
+# results, in the order of its parents, in the argument named by meta->'sqla_jobs.results'.
 def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     left = c.waiting - _parent_count(c)
@@ -1791,6 +1815,7 @@ class Queries:
         self.results_channel = results = result_channel(t)
         self.complete_flow = _complete_flow(t, results)
         self.fail_flow = _fail_flow(t, results)
+        self.lock_children = _lock_children(t)
         self.release = _release(t, channel)
         self.cancel_children = _cancel_children(t, results)
         self.mark_parents = _mark_parents(t)

@@ -4,6 +4,7 @@ groups. Real PostgreSQL, both worker drivers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from datetime import timedelta
@@ -24,7 +25,7 @@ from sqla_jobs import (
 from sqla_jobs.worker.db import prune
 
 from . import app
-from .helpers import rows, running
+from .helpers import rows, running, wait_for
 
 
 @pytest.fixture
@@ -209,47 +210,153 @@ def test_diamond_runs_the_last_job_once_after_both(
     assert prune(db, jobs) == 3 and rows(db) == []
 
 
+def _claim_pair(Session: Any, jobs: Jobs, queue: str) -> list[Any]:
+    """Claim the two members of a group, as two workers would (committed)."""
+    with Session.begin() as session:
+        claimed = session.claim(queue, limit=2)
+    assert len(claimed) == 2
+    return sorted(claimed, key=lambda j: j.id)
+
+
+def _complete_member(conn: sa.Connection, jobs: Jobs, job: Any, value: Any) -> None:
+    """What the completer writes for a result-keeping member: its guarded completion with
+    the result (the statement the worker runs), before the release."""
+    from sqla_jobs.queries import batch_params
+
+    params: dict[str, Any] = dict(batch_params([job]))
+    params.update(result_list=[json.dumps(value)], keep_list=[3600.0])
+    assert conn.execute(jobs.queries.complete_flow, params).all()
+
+
 def test_sibling_parents_completing_concurrently_release_once(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
-    """Two parents completed at the same moment on two connections: exactly one of the
-    two release statements takes the child's count to 0, whatever the interleaving."""
+    """Two members of a group completed at the same moment on two connections: exactly
+    one of the two releases takes the callback's count to 0, and the callback gets both
+    results, in order, whatever the interleaving."""
     from sqla_jobs.worker.db import settle_children
 
-    @jobs.task(queue="p")
-    def parent() -> None: ...
+    @jobs.task(queue="p", keep_result=True)
+    def member(n: int) -> int:
+        return n
 
     @jobs.task(queue="c")
-    def child() -> None: ...
+    def callback(results: list[int]) -> None: ...
 
-    for _ in range(10):
+    for round_ in range(10):
         with Session.begin() as session:
-            p1, p2 = session.enqueue(parent), session.enqueue(parent)
-            kid = session.enqueue(child.with_options(after=[p1, p2]))
+            _, cb = jobs.group(
+                session,
+                [(member, member.args(1)), (member, member.args(2))],
+                (callback, callback.args()),
+            )
+        first, second = _claim_pair(Session, jobs, "p")
+        values = {first.id: f"a{round_}", second.id: f"b{round_}"}
         barrier = threading.Barrier(2)
         errors: list[BaseException] = []
 
         def finish(
-            pid: int, barrier: threading.Barrier = barrier, errors: list[BaseException] = errors
+            job: Any,
+            value: str,
+            barrier: threading.Barrier = barrier,
+            errors: list[BaseException] = errors,
         ) -> None:
             try:
                 with db.begin() as conn:
-                    conn.execute(sa.delete(app.Job).where(app.Job.id == pid))
+                    _complete_member(conn, jobs, job, value)
                     barrier.wait(5)
-                    settle_children(conn, jobs.queries, [pid], [])
+                    settle_children(conn, jobs.queries, [job.id], [])
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=finish, args=(p,)) for p in (p1.id, p2.id)]
+        threads = [threading.Thread(target=finish, args=(j, values[j.id])) for j in (first, second)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
         assert not errors
-        row = _row(db, kid.id)
+        row = _row(db, cb.id)
         assert (row.status, row.waiting) == ("ready", 0)
+        assert row.args["results"] == [values[first.id], values[second.id]], f"round {round_}"
         with db.begin() as conn:
             conn.execute(sa.delete(app.Job))
+
+
+def _waiting_for_a_lock(engine: sa.Engine, pid: int) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid"),
+                {"pid": pid},
+            ).scalar()
+        )
+
+
+@pytest.mark.parametrize("first_index", [0, 1])
+def test_callback_gets_a_sibling_result_committed_while_its_release_waited(
+    Session: Any, db: sa.Engine, jobs: Jobs, first_index: int
+) -> None:
+    """The interleaving that lost a result, made certain: one member's release has
+    counted the callback down (2 -> 1) and holds its row lock, uncommitted; the other
+    member's release starts (its snapshot taken) and waits for that lock; the first
+    commits. The second release frees the callback, and must read the first member's
+    result as committed, not as its snapshot had it (null)."""
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="p", keep_result=True)
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="c")
+    def callback(results: list[Any]) -> None: ...
+
+    with Session.begin() as session:
+        _, cb = jobs.group(
+            session,
+            [(member, member.args(1)), (member, member.args(2))],
+            (callback, callback.args()),
+        )
+    claimed = _claim_pair(Session, jobs, "p")
+    early, late = claimed[first_index], claimed[1 - first_index]
+    values = {claimed[0].id: {"n": 1}, claimed[1].id: {"n": 2}}
+    both_completed = threading.Barrier(2)
+    early_released = threading.Event()
+    late_pid: list[int] = []
+    errors: list[BaseException] = []
+
+    def run_early() -> None:
+        try:
+            with db.begin() as conn:
+                _complete_member(conn, jobs, early, values[early.id])
+                both_completed.wait(5)
+                settle_children(conn, jobs.queries, [early.id], [])
+                early_released.set()
+                # Commit only once the other release is waiting for the callback's lock.
+                wait_for(lambda: late_pid and _waiting_for_a_lock(db, late_pid[0]))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            early_released.set()
+
+    def run_late() -> None:
+        try:
+            with db.begin() as conn:
+                late_pid.append(int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()))
+                _complete_member(conn, jobs, late, values[late.id])
+                both_completed.wait(5)
+                assert early_released.wait(5)
+                settle_children(conn, jobs.queries, [late.id], [])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_early), threading.Thread(target=run_late)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    row = _row(db, cb.id)
+    assert (row.status, row.waiting) == ("ready", 0)
+    assert row.args["results"] == [{"n": 1}, {"n": 2}]
 
 
 def test_dead_parent_cancels_its_children_down_the_chain(

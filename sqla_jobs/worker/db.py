@@ -150,7 +150,9 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
         settle_children(conn, queries, succeeded, ended)
     if flow:
         succeeded, ended = [], []
-        conn.exec_driver_sql("BEGIN")
+        # READ COMMITTED whatever the server's default: the release reads what sibling
+        # parents committed while it waited for their children (see settle_children).
+        conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
             for statement, params in flow:
                 _count(
@@ -201,7 +203,16 @@ def settle_children(
     """What waits on these parents: children of ``succeeded`` ones are released (ready
     once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
     are cancelled down the chain, except those that run anyway, which are released.
-    Statements of their own, run after the parents' own in the same transaction."""
+    Statements of their own, run after the parents' own in the same transaction.
+
+    Each release first locks the children it settles, in a statement of its own: the
+    release that reads the parents' rows (a group callback's results) then sees every
+    sibling parent whose completion committed while it waited for a child, which a
+    statement that had waited for the lock itself would not (see ``_lock_children`` in
+    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
+    REPEATABLE READ a sibling completing concurrently makes the lock fail with a
+    serialization error (the transaction is retried) instead of reading a stale result.
+    """
     if ended:
         reason = (
             "cancelled: a job it waited for (after=) ended dead or cancelled "
@@ -209,9 +220,16 @@ def settle_children(
         )
         rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
         cancelled = [r[0] for r in rows]
-        conn.execute(queries.release, {"parent_ids": ended + cancelled}).all()
+        _release(conn, queries, ended + cancelled)
     if succeeded:
-        conn.execute(queries.release, {"parent_ids": succeeded}).all()
+        _release(conn, queries, succeeded)
+
+
+def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
+    """Lock the children still waiting on these parents, then release them (nothing more
+    when none waits)."""
+    if conn.execute(queries.lock_children, {"parent_ids": parent_ids}).all():
+        conn.execute(queries.release, {"parent_ids": parent_ids}).all()
 
 
 def beat(
