@@ -579,16 +579,23 @@ def limited_claim_params(
 
 # Complete a batch: one statement for many jobs, each row still guarded by its own
 # (id, attempts). Finished jobs are deleted, or kept as 'done' for retention.
-def _complete(t: sa.Table, *, keep_done: bool) -> sa.Executable:
+# ``childless``: the worker's autocommit completion, which leaves a job that has children
+# running (a child enqueued while it ran: its claimed meta did not say so, and the
+# enqueue, which locks its parents, has committed or is re-checked here after it does);
+# the worker completes those with their release, in one transaction (write_outcomes).
+def _complete(t: sa.Table, *, keep_done: bool, childless: bool = False) -> sa.Executable:
     batch = _batch()
+    where = [guarded(t, batch)]
+    if childless:
+        where.append(sa.not_(_has_children(t)))
     if keep_done:
         return (
             sa.update(t)
-            .where(guarded(t, batch))
+            .where(*where)
             .values(status=JobStatus.DONE.value, locked_until=None, finished_at=sa.func.now())
             .returning(t.c.id, _has_children(t))
         )
-    return sa.delete(t).where(guarded(t, batch)).returning(t.c.id, _has_children(t))
+    return sa.delete(t).where(*where).returning(t.c.id, _has_children(t))
 
 
 def _has_children(t: sa.Table) -> sa.ColumnElement[bool]:
@@ -1807,6 +1814,7 @@ class Queries:
         self.limited_claim = _limited_claim(t)
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         self.complete = _complete(t, keep_done=keep_done)
+        self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
         self.snooze = _snooze(t)
         self.hand_back = _hand_back(t, channel)

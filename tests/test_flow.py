@@ -627,3 +627,109 @@ def test_async_session_workflow(db: sa.Engine, jobs: Jobs) -> None:
     state = {r.id: (r.status, r.parents) for r in rows(db)}
     assert state[a] == ("ready", None)
     assert state[b] == ("scheduled", [a]) and state[cb][0] == "scheduled"
+
+
+def test_child_enqueued_while_its_parent_ran_survives_a_cut_between_completion_and_release(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A child enqueued while its parent runs is not in the parent's claimed meta. The
+    worker's connection dies (its backend terminated, as by a crash or a failover) just
+    as the statements that settle the parent's children begin: the parent's completion
+    must not outlive them (it did, in autocommit, and the child waited forever)."""
+    from sqla_jobs import Worker
+
+    started, gate = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    @jobs.task(queue="flow")
+    def parent() -> None:
+        started.set()
+        assert gate.wait(10)
+
+    @jobs.task(queue="kids")
+    def kid() -> None:
+        ran.append(current_job().id)
+
+    with Session.begin() as session:
+        p = session.enqueue(parent)
+    killer = create_engine(db.url.render_as_string(hide_password=False), poolclass=sa.pool.NullPool)
+    settling = {jobs.queries.lock_children, jobs.queries.release, jobs.queries.cancel_children}
+    cut: list[int] = []
+
+    def cut_before_settling(
+        conn: sa.Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        # The statement run, not context.compiled.statement: a cached compilation may
+        # belong to an equal statement of another test's registry.
+        if cut or getattr(context, "invoked_statement", None) not in settling:
+            return
+        pid = cursor.connection.info.backend_pid
+        cut.append(pid)
+        with killer.connect() as k:
+            # Waits until the backend is gone: the statement about to run cannot reach it.
+            k.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+
+    worker = Worker(jobs, db, queues=["flow", "kids"], listen=False, poll_interval=0.05)
+    try:
+        with running(worker):
+            assert started.wait(10)
+            with Session.begin() as session:
+                k = session.enqueue(kid.with_options(after=[p.id]))
+            sa.event.listen(db, "before_cursor_execute", cut_before_settling)
+            try:
+                gate.set()
+                wait_for(lambda: ran, timeout=15)
+            finally:
+                sa.event.remove(db, "before_cursor_execute", cut_before_settling)
+    finally:
+        killer.dispose()
+    assert cut, "the connection was cut before the release"
+    assert ran == [k.id]
+
+
+def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """One completer batch: a plain job, a plain job that got a child while it ran, a
+    result-keeping job, a lost claim. The new parent is completed with the flow job, in
+    one statement, and its child released; the lost claim changes nothing."""
+    from sqla_jobs.worker.db import write_outcomes
+    from sqla_jobs.worker.job import Outcome, OutcomeKind
+
+    @jobs.task(queue="own")
+    def plain() -> None: ...
+
+    @jobs.task(queue="own", keep_result=True)
+    def keeper() -> int:
+        return 7
+
+    @jobs.task(queue="kids")
+    def kid() -> None: ...
+
+    with Session.begin() as session:
+        session.enqueue(plain)
+        session.enqueue(plain)
+        session.enqueue(keeper)
+        session.enqueue(plain)
+    with Session.begin() as session:
+        a, b, f, lost = session.claim("own", limit=4)
+    with Session.begin() as session:
+        child = session.enqueue(kid.with_options(after=[b.id]))
+    with db.begin() as conn:  # lost: retried by an operator's hand in the meantime
+        conn.execute(sa.update(app.Job).where(app.Job.id == lost.id).values(status="ready"))
+    batch = [
+        Outcome(OutcomeKind.SUCCEEDED, a),
+        Outcome(OutcomeKind.SUCCEEDED, b),
+        Outcome(OutcomeKind.SUCCEEDED, f, result="7"),
+        Outcome(OutcomeKind.SUCCEEDED, lost),
+    ]
+    with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert write_outcomes(conn, jobs.queries, batch) == {"own": [3, 0, 0]}
+        # Written again (the completer's retry after an error): nothing more happens.
+        assert write_outcomes(conn, jobs.queries, batch) == {}
+    state = {r.id: (r.status, r.result) for r in rows(db)}
+    assert a.id not in state  # deleted, as ever
+    assert state[b.id] == ("done", None)  # a parent: done until retention
+    assert state[f.id] == ("done", 7)
+    assert state[lost.id] == ("ready", None)
+    assert state[child.id] == ("ready", None)

@@ -8,6 +8,7 @@ through ``AsyncConnection.run_sync``. Each runs one statement or a few from
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,9 +118,14 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     Returns how many succeeded, failed and died per queue, as the database confirmed
     (a claim the guard no longer matches is not counted).
 
-    Run in autocommit, each statement is atomic by itself; if a later one fails, the
-    completer writes the whole batch again, and the guard makes the repeated ones match
-    nothing (and count nothing).
+    Jobs that use no workflow are written in autocommit, each statement atomic by itself;
+    if a later one fails, the completer writes the whole batch again, and the guard makes
+    the repeated ones match nothing (and count nothing). Jobs that keep a result or have
+    children ("flow" jobs) are completed in one transaction with the release (or the
+    cancelling) of their children, so that no crash can leave a child waiting on a parent
+    that is done. A job whose child was enqueued while it ran was claimed as a plain job:
+    the autocommit completion leaves it running (it has children now), and it is completed
+    with the flow jobs, kept ``done`` until retention like any parent.
     """
     from .job import outcome_statements
 
@@ -134,20 +140,20 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     succeeded: list[int] = []
     ended: list[int] = []
     for statement, params in plain:
-        _count(
-            conn.execute(statement, params).all(),
-            statement,
-            queries,
-            queue_of,
-            tally,
-            succeeded,
-            ended,
-        )
-    if succeeded or ended:
-        # Children enqueued while their parent ran (after its claim, so its meta did not
-        # say so): released now, in a statement of their own (see the README's Workflows
-        # for the crash window this leaves).
-        settle_children(conn, queries, succeeded, ended)
+        if statement is queries.complete:
+            rows = conn.execute(queries.complete_childless, params).all()
+            done = {r[0] for r in rows}
+            if len(done) < len(params["ids"]):
+                # Left running: a parent now (or a lost claim, which matches nothing again).
+                flow = _complete_with_flow(queries, flow, params, done)
+        else:
+            rows = conn.execute(statement, params).all()
+        _count(rows, statement, queries, queue_of, tally, succeeded, ended)
+    if ended:
+        # A plain job that died with a child enqueued while it ran: that child is cancelled
+        # (or released) in a statement of its own. A crash before it leaves the parent dead
+        # with {"sqla_jobs.children": true}, which the retention pass settles.
+        settle_children(conn, queries, [], ended)
     if flow:
         succeeded, ended = [], []
         # READ COMMITTED whatever the server's default: the release reads what sibling
@@ -170,6 +176,34 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
             raise
         conn.exec_driver_sql("COMMIT")
     return tally
+
+
+def _complete_with_flow(
+    queries: Queries,
+    flow: list[tuple[sa.Executable, dict[str, Any]]],
+    plain: dict[str, Any],
+    done: set[int],
+) -> list[tuple[sa.Executable, dict[str, Any]]]:
+    """``flow`` with the plain successes not in ``done`` added to its completion (keeping
+    nothing: no result, expired at once), which comes first and stays in id order (the
+    order every statement that locks a batch takes its rows in, see ``batch_params``)."""
+    left = [i not in done for i in plain["ids"]]
+    rows = [
+        (i, a, None, 0.0)
+        for i, a, keep in zip(plain["ids"], plain["attempt_list"], left, strict=True)
+        if keep
+    ]
+    rest = []
+    for s, p in flow:
+        if s is queries.complete_flow:
+            lists = (p["ids"], p["attempt_list"], p["result_list"], p["keep_list"])
+            rows += zip(*lists, strict=True)
+        else:
+            rest.append((s, p))
+    rows.sort(key=operator.itemgetter(0))
+    ids, attempts, results, keeps = (list(column) for column in zip(*rows, strict=True))
+    params = {"ids": ids, "attempt_list": attempts, "result_list": results, "keep_list": keeps}
+    return [(queries.complete_flow, params), *rest]
 
 
 def _count(
