@@ -733,3 +733,320 @@ def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
     assert state[f.id] == ("done", 7)
     assert state[lost.id] == ("ready", None)
     assert state[child.id] == ("ready", None)
+
+
+# -- retrying a parent ------------------------------------------------------------------
+
+
+def _state(db: sa.Engine) -> dict[int, tuple[str, int | None]]:
+    return {r.id: (r.status, r.waiting) for r in rows(db)}
+
+
+def test_retrying_a_dead_parent_brings_back_what_it_cancelled(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """A chain and a group: the dead parent and the dead member are retried, and what
+    they had cancelled waits for them again, then runs in order, the callback once with
+    every result."""
+    ran: list[Any] = []
+    broken = {"A", "m1"}
+
+    @jobs.task(queue="flow", max_attempts=1, keep_result=True)
+    def step(name: str) -> str:
+        ran.append(name)
+        if name in broken:
+            raise RuntimeError(f"{name} broke")
+        return name.upper()
+
+    @jobs.task(queue="flow")
+    def total(results: list[str]) -> None:
+        ran.append(("total", results))
+
+    with Session.begin() as session:
+        a = session.enqueue(step, "A")
+        b = session.enqueue(step.with_options(after=[a]), "B")
+        c = session.enqueue(step.with_options(after=[b]), "C")
+        (m1, _), cb = jobs.group(
+            session, [(step, step.args("m1")), (step, step.args("m2"))], (total, total.args())
+        )
+    make_worker(jobs, db, queues=["flow"], listen=False).run_until_empty()
+    state = _state(db)
+    assert state[a.id][0] == state[m1.id][0] == "dead"
+    assert state[b.id][0] == state[c.id][0] == state[cb.id][0] == "cancelled"
+
+    broken.clear()
+    ran.clear()
+    with db.begin() as conn:
+        report = admin.retry_report(conn, jobs, status="dead")
+    assert sorted(report.acted) == sorted([a.id, m1.id])
+    assert sorted(report.rearmed) == sorted([b.id, c.id, cb.id])
+    assert report.skipped == ()
+    state = _state(db)
+    assert state[b.id] == state[c.id] == state[cb.id] == ("scheduled", 1)
+    with db.connect() as conn:
+        info = admin.get_job(conn, jobs, b.id)
+    assert info is not None and info.last_error is None
+    assert "sqla_jobs.cancelled_by_parent" not in (info.meta or {})
+
+    make_worker(jobs, db, queues=["flow"], listen=False).run_until_empty()
+    names = [r for r in ran if isinstance(r, str)]
+    assert names.index("A") < names.index("B") < names.index("C")
+    assert [r for r in ran if isinstance(r, tuple)] == [("total", ["M1", "M2"])]
+    assert {s for s, _ in _state(db).values()} == {"done"}
+
+
+def test_a_child_retried_alone_waits_for_its_parent_or_is_skipped_saying_why(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    assert _state(db)[b.id][0] == "cancelled"
+    with db.begin() as conn:
+        assert admin.retry_jobs(conn, jobs, ids=[b.id], dry_run=True) == 0
+        assert admin.retry_jobs(conn, jobs, ids=[b.id]) == 0
+        seen = admin.SeenJob(b.id, 0, "cancelled")
+        report = admin.act(conn, jobs, "retry", [seen])
+    assert report.acted == ()
+    ((job_id, why),) = report.skipped
+    assert job_id == b.id
+    assert f"job {a.id}, which it waits for, ended; that job is cancelled: retry it" in why
+    assert _state(db)[b.id][0] == "cancelled"
+
+    # Retried in one selection with its parent: it waits for it (held, not ready).
+    with db.begin() as conn:
+        report = admin.retry_report(conn, jobs, status="cancelled")
+    assert report.acted == (a.id,) and report.rearmed == (b.id,) and report.skipped == ()
+    state = _state(db)
+    assert state[a.id][0] == "ready" and state[b.id] == ("scheduled", 1)
+
+
+def test_an_operator_cancelled_child_stays_cancelled_when_its_parent_is_retried(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+        kept = session.enqueue(step.with_options(after=[a]))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[b.id])  # the operator's choice
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+        report = admin.retry_report(conn, jobs, ids=[a.id])
+    assert report.rearmed == (kept.id,)
+    state = _state(db)
+    assert state[b.id][0] == "cancelled" and state[kept.id] == ("scheduled", 1)
+
+
+def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """R runs after A and Q whatever their outcome. A died and counted R down; retried,
+    A is waited for again: R is not freed by Q alone (it was, counted twice)."""
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a, q = session.enqueue(step), session.enqueue(step)
+        r = session.enqueue(step.with_options(after=[a, q], on_parent_failure="run"))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    assert _state(db)[r.id] == ("scheduled", 1)
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[a.id]).acted == (a.id,)
+    assert _state(db)[r.id] == ("scheduled", 2)
+    for parent in (q, a):
+        with db.begin() as conn:
+            conn.execute(sa.update(app.Job).where(app.Job.id == parent.id).values(status="done"))
+            settle_children(conn, jobs.queries, [parent.id], [])
+        assert _state(db)[r.id] == (("scheduled", 1) if parent is q else ("ready", 0))
+
+
+def test_linking_to_an_ended_parent_is_settled_once(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A child enqueued after a parent that already ended is settled by the link; the
+    retention pass must not settle that parent for it again (a child that runs anyway
+    was counted down twice), unless the parent was never settled (it died by its lease):
+    then the child waits for that settling."""
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        settled, unsettled, q = session.enqueue(step), session.enqueue(step), session.enqueue(step)
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[settled.id])
+        # What the rescue does to a job out of attempts: dead, children not looked at.
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == unsettled.id)
+            .values(status="dead", meta={"sqla_jobs.children": True})
+        )
+    with Session.begin() as session:
+        r1 = session.enqueue(step.with_options(after=[settled, q], on_parent_failure="run"))
+        r2 = session.enqueue(step.with_options(after=[unsettled, q], on_parent_failure="run"))
+        gone = session.enqueue(step.with_options(after=[settled]))
+    state = _state(db)
+    assert state[r1.id] == ("scheduled", 1) and state[r2.id] == ("scheduled", 2)
+    assert state[gone.id][0] == "cancelled"
+    prune(db, jobs)
+    state = _state(db)
+    assert state[r1.id] == ("scheduled", 1), "settled twice"
+    assert state[r2.id] == ("scheduled", 1)
+    # Retrying the parent brings the child it cancelled at the link back.
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[settled.id]).rearmed == (gone.id,)
+
+
+def test_bringing_a_child_back_does_not_miss_a_parent_completing_meanwhile(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """C waits for A and P. A is cancelled (C with it); P runs. The retry of A brings C
+    back, counting the parents still to run, while P's completion commits on another
+    connection: C must end up waiting for A alone, never for a P that is done."""
+    from sqla_jobs.queries import batch_params
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    @jobs.task(queue="run")
+    def other() -> None: ...
+
+    with Session.begin() as session:
+        a, p = session.enqueue(step), session.enqueue(other)
+        c = session.enqueue(step.with_options(after=[a, p]))
+    with Session.begin() as session:
+        (claimed,) = session.claim("run", limit=1)
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    completer_pid: list[int] = []
+    completed = threading.Event()
+    errors: list[BaseException] = []
+
+    def complete_p() -> None:
+        try:
+            with db.begin() as conn:
+                completer_pid.append(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+                rows_ = conn.execute(jobs.queries.complete, dict(batch_params([claimed]))).all()
+                settle_children(conn, jobs.queries, [r[0] for r in rows_ if r[1]], [])
+            completed.set()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            completed.set()
+
+    thread = threading.Thread(target=complete_p)
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[a.id]).rearmed == (c.id,)
+        # P completes now: it must wait for this retry (or have committed before it).
+        thread.start()
+        wait_for(
+            lambda: (
+                completed.is_set() or (completer_pid and _waiting_for_a_lock(db, completer_pid[0]))
+            )
+        )
+    thread.join(10)
+    assert not errors, errors
+    assert _state(db)[c.id] == ("scheduled", 1)
+
+
+def test_a_cancelled_callback_whose_members_all_succeeded_since_runs_with_their_results(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Its members ended well after all (a member retried by hand before retries brought
+    children back): retried, the callback is ready at once, with every result."""
+
+    @jobs.task(queue="flow", keep_result=True)
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="flow")
+    def total(results: list[int]) -> None: ...
+
+    with Session.begin() as session:
+        (m1, m2), cb = jobs.group(
+            session, [(member, member.args(1)), (member, member.args(2))], (total, total.args())
+        )
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[m1.id])
+        for m, value in ((m1, 10), (m2, 20)):
+            conn.execute(
+                sa.update(app.Job).where(app.Job.id == m.id).values(status="done", result=value)
+            )
+    assert _state(db)[cb.id][0] == "cancelled"
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[cb.id]).acted == (cb.id,)
+    row = _row(db, cb.id)
+    assert (row.status, row.waiting, row.args["results"]) == ("ready", 0, [10, 20])
+
+
+def test_cli_and_dashboard_retry_a_parent_and_say_what_came_back(
+    Session: Any, db: sa.Engine
+) -> None:
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    from .test_cli import JOBS, cli
+
+    def workflow() -> tuple[int, int, int]:
+        with Session.begin() as session:
+            a = session.enqueue(app.record_run, n=1)
+            b = session.enqueue(app.record_run.with_options(after=[a]), n=2)
+            c = session.enqueue(app.record_run.with_options(after=[b]), n=3)
+        with db.begin() as conn:
+            admin.cancel_jobs(conn, app.jobs, ids=[a.id])
+        return a.id, b.id, c.id
+
+    # The CLI: the child alone is skipped, saying why; the parent brings both back.
+    a, b, c = workflow()
+    alone = cli("jobs", "retry", JOBS, str(b), "--yes")
+    assert alone.returncode == 1, alone.stderr
+    assert alone.stdout == "retried 0 jobs\n"
+    assert f"skipping job {b}: it was cancelled because job {a}, which it waits for" in (
+        alone.stderr
+    )
+    parent = cli("jobs", "retry", JOBS, str(a), "--yes")
+    assert parent.returncode == 0, parent.stderr
+    assert parent.stdout == "retried 1 job; 2 jobs they had cancelled wait for them again\n"
+    assert [(r.status, r.waiting) for r in rows(db) if r.id in (b, c)] == [("scheduled", 1)] * 2
+    as_json = cli("jobs", "retry", JOBS, str(a), "--yes", "--json")
+    assert json.loads(as_json.stdout)["rearmed"] == 0  # nothing left to retry
+
+    # The dashboard: the job page's Retry, and the selection's.
+    client = TestClient(create_app(app.jobs, db, read_only=False), follow_redirects=False)
+    assert client.get("/").status_code == 200
+    token = client.cookies.get("sqla_jobs_csrf")
+    a, b, c = workflow()
+    done = client.post(
+        f"/jobs/{a}/retry", data={"csrf_token": token, "attempts": 0, "status": "cancelled"}
+    )
+    assert done.status_code == 303, done.text
+    assert done.headers["location"] == f"/jobs/{a}?done=retry&rearmed=2"
+    page = client.get(done.headers["location"]).text
+    assert "Retried: the job is ready again, due now. 2 jobs it had cancelled by ending" in page
+    child = client.get(f"/jobs/{b}").text
+    assert "waiting for" in child
+    a, b, c = workflow()
+    selected = [f"{b}:0:cancelled", f"{c}:0:cancelled"]
+    result = client.post(
+        "/jobs/act", data={"csrf_token": token, "action": "retry", "job": selected}
+    )
+    assert "Retried 0 jobs. 2 jobs left alone" in result.text
+    assert f"job {a}, which it waits for, ended; that job is cancelled: retry it" in result.text
+    result = client.post(
+        "/jobs/act",
+        data={"csrf_token": token, "action": "retry", "job": [f"{a}:0:cancelled", *selected]},
+    )
+    assert "Retried 1 job. 2 jobs they had cancelled by ending wait for them again." in result.text
+    assert "left alone" not in result.text
