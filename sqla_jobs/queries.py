@@ -975,12 +975,13 @@ def _lock_children(t: sa.Table) -> sa.Select[Any]:
     )
 
 
-# Release children: these parents succeeded (or, for children that run anyway, ended).
-# Run as its own statement in the completion's transaction, after it and after
-# _lock_children: its snapshot is taken once the completion holds the parents' row locks,
-# so it sees every child committed before (a child enqueued while its parent ran holds
-# that parent's lock until it commits), and once the children are locked, so it sees
-# every sibling parent that completed before (see _lock_children). Each child is
+# Release children (:child_ids, as _lock_children returned them): these parents
+# (:parent_ids) succeeded (or, for children that run anyway, ended). Run as its own
+# statement in the completion's transaction, after it and after _lock_children: its
+# snapshot is taken once the completion holds the parents' row locks, so it sees every
+# child committed before (a child enqueued while its parent ran holds that parent's lock
+# until it commits), and once the children are locked, so it sees every sibling parent
+# that completed before (see _lock_children). Each child is
 # decremented by how many of its parents are in the batch; of two sibling parents
 # completing at once, the second takes the child's lock after the first committed and
 # sees its decrement, so exactly one of them sees waiting reach 0. A child reaching 0
@@ -993,7 +994,8 @@ def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
     released = (
         sa.update(t)
         .where(
-            c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            # The children _lock_children found and locked, by primary key.
+            c.id == sa.func.any(sa.bindparam("child_ids", type_=ARRAY(sa.BigInteger))),
             c.status == _SCHEDULED_VIA_PK,
             c.waiting > 0,
         )

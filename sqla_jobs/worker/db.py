@@ -262,8 +262,10 @@ def settle_children(
 def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
     """Lock the children still waiting on these parents, then release them (nothing more
     when none waits)."""
-    if conn.execute(queries.lock_children, {"parent_ids": parent_ids}).all():
-        conn.execute(queries.release, {"parent_ids": parent_ids}).all()
+    children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
+    if children:
+        release = {"parent_ids": parent_ids, "child_ids": children}
+        conn.execute(queries.release, release).all()
 
 
 def beat(
