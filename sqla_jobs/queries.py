@@ -1118,7 +1118,7 @@ def _settled(c: Any) -> sa.ColumnElement[Any]:
 
 def _marked(meta: Any) -> sa.ColumnElement[Any]:
     """``meta`` of a child cancelled because a parent ended: marked so, for the retry of
-    that parent to bring it back (see _rearm_children)."""
+    that parent to bring it back (see rearm_children)."""
     marked: sa.ColumnElement[Any] = sa.func.coalesce(meta, sa.text("'{}'::jsonb")).op(
         "||", return_type=JSONB
     )(sa.text(f"""'{{"{CANCELLED_BY_PARENT_KEY}": true}}'::jsonb"""))
@@ -1150,7 +1150,7 @@ def _meta_says(c: Any, key: str, value: bool) -> sa.ColumnElement[bool]:
 def _mark_parents(t: sa.Table) -> sa.Update:
     c = t.c
     meta = sa.func.coalesce(c.meta, sa.text("'{}'::jsonb"))
-    ended = c.status.in_([status_literal(JobStatus.DEAD), status_literal(JobStatus.CANCELLED)])
+    ended = _ended(t)
     return (
         sa.update(t)
         .where(c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))))
@@ -1333,7 +1333,7 @@ def rearm_children(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Update:
         .select_from(up)
         .where(
             up.c.id == sa.any_(c.parents),
-            up.c.status.in_([status_literal(s) for s in LIVE_STATUSES]),
+            up.c.status.in_(_LIVE),
         )
         .scalar_subquery()
     )
