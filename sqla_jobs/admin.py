@@ -49,8 +49,10 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from . import queries as _q
 from .limits import QUEUE_MAX_BYTES, check_name
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
+from .queries import Queries
 from .queries import status_literal as _lit
 from .tasks import CHILDREN_KEY, Jobs
 from .worker.job import CANCEL_PAYLOAD
@@ -89,6 +91,7 @@ __all__ = [
     "purge_jobs",
     "resume_queue",
     "retry_jobs",
+    "retry_report",
     "run_schedule",
     "source_table",
     "stats",
@@ -942,6 +945,12 @@ def retry_jobs(
     database would refuse two), and of several dead jobs sharing one key only the newest
     comes back.
 
+    Workflows (``after=``, groups): a retried job brings back the jobs it had cancelled by
+    ending (its children, and theirs, down the chain), waiting for it again; they are not
+    counted here (:func:`retry_report` lists them). A child cancelled that way is itself
+    retried only back to waiting, and only once none of the jobs it waits for is dead or
+    cancelled: while one is, it is skipped (retry that one instead).
+
     The workers of the touched queues are woken with a NOTIFY, sent at commit.
 
     :param seen: act only on these jobs, and only while each still has the attempts and
@@ -950,11 +959,45 @@ def retry_jobs(
         counted the selection.
     """
     selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    return len(_retry(bind, jobs, selection, dry_run))
+    if dry_run:
+        return _retry_count(bind, jobs, selection)
+    return len(_retry(bind, jobs, selection).acted)
 
 
-def _retry(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -> list[int]:
-    table = _table(jobs)
+def retry_report(
+    bind: Bind,
+    jobs: JobSource,
+    ids: Iterable[int] | None = None,
+    *,
+    queue: OneOrMany = None,
+    task: OneOrMany = None,
+    status: OneOrMany = None,
+    all_jobs: bool = False,
+    seen: Iterable[SeenJob] | None = None,
+    up_to_id: int | None = None,
+) -> ActionReport:
+    """:func:`retry_jobs`, saying what it did: the jobs retried (``acted``), the cancelled
+    children it left alone and why (``skipped``: a job they wait for is still dead or
+    cancelled), and the jobs that came back waiting because a job they wait for was
+    retried (``rearmed``)."""
+    retried = _retry(bind, jobs, _Selection(ids, queue, task, status, all_jobs, seen, up_to_id))
+    return ActionReport(
+        "retry", tuple(retried.acted), tuple(retried.blocked), tuple(retried.rearmed)
+    )
+
+
+@dataclass(frozen=True)
+class _Retried:
+    acted: list[int]
+    blocked: list[tuple[int, str]]
+    rearmed: list[int]
+
+
+def _retry_where(
+    table: sa.Table, selection: _Selection
+) -> tuple[list[sa.ColumnElement[bool]], sa.ColumnElement[bool]]:
+    """The WHERE of a retry, and what holds a selected job back: a child cancelled because
+    a job it waits for ended, which is still dead or cancelled."""
     ids, statuses, where, guard = selection.where(table, RETRYABLE, RETRYABLE, "retry")
     queue, task, up_to_id = selection.queue, selection.task, selection.up_to_id
     c = table.c
@@ -978,11 +1021,35 @@ def _retry(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) ->
             ),
         )
     )
-    if dry_run:
-        return [0] * _count(bind, table, where)
+    return where, sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
+
+
+def _retry_count(bind: Bind, jobs: JobSource, selection: _Selection) -> int:
+    table = _table(jobs)
+    where, held = _retry_where(table, selection)
+    return _count(bind, table, [*where, ~held])
+
+
+def _retry(bind: Bind, jobs: JobSource, selection: _Selection) -> _Retried:
+    table = _table(jobs)
+    queries = _queries(jobs)
+    where, held = _retry_where(table, selection)
+    c = table.c
+    # Cancelled children among the selection: held back while a job they wait for is dead
+    # or cancelled (the walk below may bring them back), else back to waiting. Both as the
+    # selection was before this retry, as the dry run counts them.
+    marked = _execute(
+        bind,
+        sa.select(c.id, _q.first_ended_parent(table).label("ended")).where(
+            *where, _q.cancelled_by_parent(table)
+        ),
+    ).all()
+    held_back = [r for r in marked if r.ended is not None]
+    where.append(~held)
     retried = (
         sa.update(table)
-        .where(*where)
+        # A child cancelled by its parent comes back waiting for its parents, not ready.
+        .where(*where, ~_q.cancelled_by_parent(table))
         .values(
             status=JobStatus.READY,
             run_at=sa.func.now(),
@@ -994,8 +1061,46 @@ def _retry(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) ->
         .returning(c.id, c.queue)
     )
     rows = _execute(bind, retried).all()
-    _notify(bind, table, {r.queue for r in rows})
-    return [r.id for r in rows]
+    selected: list[Any] = []
+    free = [r.id for r in marked if r.ended is None]
+    if free:
+        chosen = c.id.in_(free)
+        _execute(bind, _q.lock_rearm_parents(table, chosen)).all()
+        selected = _execute(bind, _q.rearm_children(table, chosen)).all()
+    # What the retried jobs had cancelled (or counted down) by ending comes back, down the
+    # chain: each step's parents are the last step's jobs whose children were settled.
+    frontier: list[int] = [r.id for r in selected if r.settled]
+    if rows:
+        unsettle = {"parent_ids": [r.id for r in rows]}
+        frontier += _execute(bind, queries.unsettle, unsettle).scalars()
+    walked: list[Any] = []
+    while frontier:
+        step = {"parent_ids": frontier}
+        _execute(bind, queries.rewait_children, step).all()
+        _execute(bind, queries.lock_rearm_parents, step).all()
+        came = _execute(bind, queries.rearm_children, step).all()
+        walked += came
+        frontier = [r.id for r in came if r.settled]
+    ready = {r.queue for r in (*selected, *walked) if r.status == JobStatus.READY}
+    _notify(bind, table, {r.queue for r in rows} | ready)
+    back = {r.id for r in walked}
+    blocked = [(r.id, _held_reason(r.ended)) for r in held_back if r.id not in back]
+    direct = {r.id for r in selected}
+    blocked += [(i, "a job it waits for ended meanwhile") for i in free if i not in direct]
+    return _Retried([r.id for r in (*rows, *selected)], blocked, [r.id for r in walked])
+
+
+def _held_reason(ended: str | None) -> str:
+    parent, _, status = (ended or "? dead").partition(" ")
+    return (
+        f"it was cancelled because job {parent}, which it waits for, ended; that job is "
+        f"{status}: retry it, and the jobs it cancelled come back with it"
+    )
+
+
+def _queries(jobs: JobSource) -> Queries:
+    """The registry's statements, or (given a model or a table) the table's."""
+    return jobs.queries if isinstance(jobs, Jobs) else Queries(_table(jobs))
 
 
 def cancel_jobs(
@@ -1050,12 +1155,9 @@ def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -
     if rows:
         # Workflows: what waits on a cancelled job is cancelled too (or released, for
         # jobs that run anyway), in this transaction. One index probe when nothing waits.
-        from .queries import Queries
-        from .tasks import Jobs
         from .worker.db import settle_children
 
-        queries = jobs.queries if isinstance(jobs, Jobs) else Queries(table)
-        settle_children(bind, queries, [], [r.id for r in rows])
+        settle_children(bind, _queries(jobs), [], [r.id for r in rows])
     if any(r.was == JobStatus.RUNNING for r in rows):
         # Ask workers to heartbeat now rather than at their next beat: the handler of a
         # cancelled running job learns it within moments (sent at commit).
@@ -1135,12 +1237,16 @@ def _purge(
 
 @dataclass(frozen=True)
 class ActionReport:
-    """What :func:`act` did: the jobs it acted on, and those it left alone with why."""
+    """What :func:`act` (or :func:`retry_report`) did: the jobs it acted on, and those it
+    left alone with why."""
 
     action: str
     acted: tuple[int, ...]
     #: ``(id, why)`` for each job that was not acted on.
     skipped: tuple[tuple[int, str], ...]
+    #: Retry: jobs that came back waiting, not ready, because a job they wait for was
+    #: retried (children it had cancelled by ending, and theirs), selected or not.
+    rearmed: tuple[int, ...] = ()
 
     @property
     def count(self) -> int:
@@ -1182,21 +1288,26 @@ def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) ->
         else:
             eligible.append(s)
     acted: list[int] = []
+    rearmed: list[int] = []
     if eligible:
         if action == "retry":
-            acted = _retry(bind, jobs, _Selection(seen=eligible), False)
+            retried = _retry(bind, jobs, _Selection(seen=eligible))
+            acted, rearmed = retried.acted, retried.rearmed
+            skipped.update(retried.blocked)
         elif action == "cancel":
             acted = _cancel(bind, jobs, _Selection(seen=eligible), False)
         else:
             acted = _purge(bind, jobs, _Selection(seen=eligible), None, False)
+    back = set(rearmed)
     for s in eligible:
-        if s.id not in acted and s.id not in skipped:
+        if s.id not in acted and s.id not in skipped and s.id not in back:
             skipped[s.id] = "a live job holds its unique key"
     done = set(acted)
     return ActionReport(
         action,
         tuple(s.id for s in wanted if s.id in done),
         tuple((s.id, skipped[s.id]) for s in wanted if s.id in skipped),
+        tuple(rearmed),
     )
 
 

@@ -859,13 +859,42 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
             _report(args, action, f"would be {done_word}", count, dry_run=True)
             return code
         if count == 0:
-            _report(args, action, done_word, 0, dry_run=False)
+            rearmed = None
+            if action == "retry":
+                code = max(code, _why_not_retried(engine, target, ids, options))
+                rearmed = 0
+            _report(args, action, done_word, 0, dry_run=False, rearmed=rearmed)
             return code
         _confirm(args, action, count)
         with engine.begin() as conn:
-            count = func(conn, target, ids, **options)
-    _report(args, action, done_word, count, dry_run=False)
+            if action == "retry":
+                # Retried parents bring back the jobs they had cancelled; say which came
+                # back, and why a selected one did not.
+                report = admin.retry_report(conn, target, ids, **options)
+                count = report.count
+            else:
+                count = func(conn, target, ids, **options)
+    if action != "retry":
+        _report(args, action, done_word, count, dry_run=False)
+        return code
+    for job_id, why in report.skipped:
+        print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
+        code = EXIT_FAILURE
+    _report(args, action, done_word, count, dry_run=False, rearmed=len(report.rearmed))
     return code
+
+
+def _why_not_retried(
+    engine: sa.Engine, target: Jobs | type[Any], ids: list[int] | None, options: dict[str, Any]
+) -> int:
+    """Nothing to retry: warn about the selected jobs a retry holds back (children of a job
+    still dead or cancelled), found by a retry that is rolled back."""
+    with engine.connect() as conn:
+        report = admin.retry_report(conn, target, ids, **options)
+        conn.rollback()
+    for job_id, why in report.skipped:
+        print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
+    return EXIT_FAILURE if report.skipped else EXIT_OK
 
 
 def _check_ids(
@@ -917,11 +946,27 @@ def _confirm(args: argparse.Namespace, action: str, count: int) -> None:
         raise CommandError("aborted: nothing was changed", EXIT_FAILURE)
 
 
-def _report(args: argparse.Namespace, action: str, word: str, count: int, *, dry_run: bool) -> None:
+def _report(
+    args: argparse.Namespace,
+    action: str,
+    word: str,
+    count: int,
+    *,
+    dry_run: bool,
+    rearmed: int | None = None,
+) -> None:
+    """``rearmed``: a retry's count of jobs that came back waiting for the retried ones."""
     if args.json:
-        _print_json({"action": action, "dry_run": dry_run, "count": count})
+        out: dict[str, Any] = {"action": action, "dry_run": dry_run, "count": count}
+        if rearmed is not None:
+            out["rearmed"] = rearmed
+        _print_json(out)
+    elif dry_run:
+        print(f"{_plural(count)} {word}")
     else:
-        print(f"{_plural(count)} {word}" if dry_run else f"{word} {_plural(count)}")
+        verb = "waits" if rearmed == 1 else "wait"
+        back = f"; {_plural(rearmed)} they had cancelled {verb} for them again" if rearmed else ""
+        print(f"{word} {_plural(count)}{back}")
 
 
 # -- queues -------------------------------------------------------------------------------
@@ -1677,7 +1722,9 @@ def _add_jobs(sub: Any) -> None:
             "put dead or cancelled jobs back to ready",
             "Put dead or cancelled jobs back to ready, due now, with one more attempt "
             "(attempts is kept, max_attempts raised to at least attempts + 1; last_error is "
-            "kept until the next attempt). Idle workers are woken.",
+            "kept until the next attempt). Idle workers are woken. Jobs a retried job had "
+            "cancelled by ending (after=, groups) come back with it, waiting for it again; "
+            "such a job is skipped while a job it waits for is still dead or cancelled.",
         ),
         "cancel": (
             "cancel scheduled, ready or running jobs",

@@ -23,7 +23,8 @@
     A job can only wait for jobs of its own table, that exist when it is enqueued (a job
     that succeeded without ``keep_result`` is deleted at once). A parent that ends dead
     or cancelled cancels what waits on it unless ``on_parent_failure="run"``; retrying
-    that parent later does not bring its cancelled children back.
+    that parent (``admin.retry_jobs``, the CLI, the dashboard) brings them back, waiting
+    for it again.
 
 How it is stored (see the README's "Results and workflows" for why):
 
@@ -35,7 +36,9 @@ How it is stored (see the README's "Results and workflows" for why):
 * ``meta`` keys in the library's ``sqla_jobs.`` namespace mark what the worker must know
   from the claimed row alone: ``sqla_jobs.keep`` (seconds), ``sqla_jobs.children`` (this
   job has dependents; ``false`` once a dead or cancelled parent's children were
-  settled), ``sqla_jobs.run_anyway`` and ``sqla_jobs.results``.
+  settled), ``sqla_jobs.run_anyway``, ``sqla_jobs.results`` and
+  ``sqla_jobs.cancelled_by_parent`` (cancelled because a parent ended: retrying that
+  parent brings it back).
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def link(
     if child_id in ids:
         raise EnqueueError(f"after=: job {child_id} cannot wait for itself")
     rows = conn.execute(queries.mark_parents, {"parent_ids": ids}).all()
-    status_of = {int(r[0]): r[1] for r in rows}
+    status_of = {int(r.id): r.status for r in rows}
     missing = [i for i in ids if i not in status_of]
     if missing:
         raise EnqueueError(
@@ -121,6 +124,10 @@ def link(
         )
     waiting = sum(1 for s in status_of.values() if s in LIVE_STATUSES)
     ended = sorted(i for i, s in status_of.items() if s in (JobStatus.DEAD, JobStatus.CANCELLED))
+    if run_anyway:
+        # An ended parent not settled yet (dead by its lease) counts this child down when
+        # the retention pass settles it: until then, the child waits for it too.
+        waiting += sum(1 for r in rows if r.unsettled and int(r.id) in ended)
     reason = None
     if ended and not run_anyway:
         status, waiting = JobStatus.CANCELLED.value, 0

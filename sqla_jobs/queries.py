@@ -38,7 +38,7 @@ from .model import (
     notify_channel,
     result_channel,
 )
-from .tasks import CHILDREN_KEY, RESULTS_KEY, RUN_ANYWAY_KEY
+from .tasks import CANCELLED_BY_PARENT_KEY, CHILDREN_KEY, RESULTS_KEY, RUN_ANYWAY_KEY
 
 if TYPE_CHECKING:
     from sqlalchemy.sql.expression import CTE
@@ -579,16 +579,23 @@ def limited_claim_params(
 
 # Complete a batch: one statement for many jobs, each row still guarded by its own
 # (id, attempts). Finished jobs are deleted, or kept as 'done' for retention.
-def _complete(t: sa.Table, *, keep_done: bool) -> sa.Executable:
+# ``childless``: the worker's autocommit completion, which leaves a job that has children
+# running (a child enqueued while it ran: its claimed meta did not say so, and the
+# enqueue, which locks its parents, has committed or is re-checked here after it does);
+# the worker completes those with their release, in one transaction (write_outcomes).
+def _complete(t: sa.Table, *, keep_done: bool, childless: bool = False) -> sa.Executable:
     batch = _batch()
+    where = [guarded(t, batch)]
+    if childless:
+        where.append(sa.not_(_has_children(t)))
     if keep_done:
         return (
             sa.update(t)
-            .where(guarded(t, batch))
+            .where(*where)
             .values(status=JobStatus.DONE.value, locked_until=None, finished_at=sa.func.now())
             .returning(t.c.id, _has_children(t))
         )
-    return sa.delete(t).where(guarded(t, batch)).returning(t.c.id, _has_children(t))
+    return sa.delete(t).where(*where).returning(t.c.id, _has_children(t))
 
 
 def _has_children(t: sa.Table) -> sa.ColumnElement[bool]:
@@ -945,20 +952,70 @@ def _parent_count(c: Any) -> sa.ColumnElement[int]:
     )
 
 
-# Release children: these parents succeeded (or, for children that run anyway, ended).
-# Run as its own statement in the completion's transaction, after it: its snapshot is
-# taken once the completion holds the parents' row locks, so it sees every child
-# committed before (a child enqueued while its parent ran holds that parent's lock until
-# it commits). Children are found through <table>_parents (&&) and each is decremented by
-# how many of its parents are in the batch; two sibling parents completing at once both
-# UPDATE the child, the second waits for the first's row lock and PostgreSQL re-reads the
-# row before applying its own decrement, so exactly one of them sees waiting reach 0.
-# A child reaching 0 becomes ready now (its queue woken at commit); a group callback gets
-# its parents' results in the argument named by meta->'sqla_jobs.results'.
+# Lock the children still waiting on these parents, through <table>_parents (&&), in id
+# order (two releases sharing children take them in one order, so neither deadlocks the
+# other), with the lock the release's UPDATE takes anyway (FOR NO KEY UPDATE). Run before
+# every statement that reads the parents' rows to settle a child (_release reads their
+# results): a sibling parent's completion holds the same child's lock until it commits,
+# so the statements after this one (READ COMMITTED: each takes its snapshot when it
+# starts) see that sibling done, with its result. One statement cannot do both: an UPDATE
+# that waits for a child's row lock re-reads only that row, and reads every other row (the
+# sibling's result) as its snapshot, taken before the wait, had it.
+def _lock_children(t: sa.Table) -> sa.Select[Any]:
+    c = t.c
+    return (
+        sa.select(c.id)
+        .where(
+            c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            c.status == _SCHEDULED_VIA_PK,
+            c.waiting > 0,
+        )
+        .order_by(c.id)
+        .with_for_update(key_share=True)
+    )
+
+
+# Release children (:child_ids, as _lock_children returned them): these parents
+# (:parent_ids) succeeded (or, for children that run anyway, ended). Run as its own
+# statement in the completion's transaction, after it and after _lock_children: its
+# snapshot is taken once the completion holds the parents' row locks, so it sees every
+# child committed before (a child enqueued while its parent ran holds that parent's lock
+# until it commits), and once the children are locked, so it sees every sibling parent
+# that completed before (see _lock_children). Each child is
+# decremented by how many of its parents are in the batch; of two sibling parents
+# completing at once, the second takes the child's lock after the first committed and
+# sees its decrement, so exactly one of them sees waiting reach 0. A child reaching 0
+# becomes ready now (its queue woken at commit); a group callback gets its parents'
+# results, in the order of its parents, in the argument named by meta->'sqla_jobs.results'.
 def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     left = c.waiting - _parent_count(c)
     free = left <= 0
+    released = (
+        sa.update(t)
+        .where(
+            # The children _lock_children found and locked, by primary key.
+            c.id == sa.func.any(sa.bindparam("child_ids", type_=ARRAY(sa.BigInteger))),
+            c.status == _SCHEDULED_VIA_PK,
+            c.waiting > 0,
+        )
+        .values(
+            waiting=sa.func.greatest(left, 0),
+            status=sa.case((free, JobStatus.READY.value), else_=c.status),
+            run_at=sa.case((free, sa.func.now()), else_=c.run_at),
+            args=_with_results(t, free),
+        )
+        .returning(c.queue, c.status)
+        .cte("released")
+    )
+    return _notify_queues(channel, released)
+
+
+def _with_results(t: sa.Table, free: sa.ColumnElement[bool]) -> sa.ColumnElement[Any]:
+    """The row's ``args``, with (once ``free``, for a group callback) its parents' results,
+    in the order of ``parents`` (null for a parent that kept none, or is gone), in the
+    argument named by ``meta->'sqla_jobs.results'``."""
+    c = t.c
     each = (
         sa.func.unnest(c.parents).table_valued("pid", with_ordinality="n").render_derived(name="u")
     )
@@ -973,29 +1030,13 @@ def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
         .scalar_subquery()
     )
     wants = c.meta.op("->>", return_type=sa.Text)(sa.literal_column(f"'{RESULTS_KEY}'"))
-    released = (
-        sa.update(t)
-        .where(
-            c.parents.overlap(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
-            c.status == _SCHEDULED_VIA_PK,
-            c.waiting > 0,
-        )
-        .values(
-            waiting=sa.func.greatest(left, 0),
-            status=sa.case((free, JobStatus.READY.value), else_=c.status),
-            run_at=sa.case((free, sa.func.now()), else_=c.run_at),
-            args=sa.case(
-                (
-                    sa.and_(free, wants.is_not(None)),
-                    c.args.op("||", return_type=JSONB)(sa.func.jsonb_build_object(wants, results)),
-                ),
-                else_=c.args,
-            ),
-        )
-        .returning(c.queue, c.status)
-        .cte("released")
+    return sa.case(
+        (
+            sa.and_(free, wants.is_not(None)),
+            c.args.op("||", return_type=JSONB)(sa.func.jsonb_build_object(wants, results)),
+        ),
+        else_=c.args,
     )
-    return _notify_queues(channel, released)
 
 
 _SCHEDULED_VIA_PK = sa.select(status_literal(JobStatus.SCHEDULED)).scalar_subquery()
@@ -1046,7 +1087,7 @@ def _cancel_children(t: sa.Table, results_channel: str) -> sa.Select[Any]:
             status=JobStatus.CANCELLED.value,
             finished_at=sa.func.now(),
             last_error=sa.bindparam("reason", type_=sa.Text),
-            meta=sa.case((_has_children(t), _settled(c)), else_=c.meta),
+            meta=_marked(sa.case((_has_children(t), _settled(c)), else_=c.meta)),
         )
         .returning(c.id)
         .cte("cancelled")
@@ -1075,22 +1116,58 @@ def _settled(c: Any) -> sa.ColumnElement[Any]:
     return settled
 
 
+def _marked(meta: Any) -> sa.ColumnElement[Any]:
+    """``meta`` of a child cancelled because a parent ended: marked so, for the retry of
+    that parent to bring it back (see rearm_children)."""
+    marked: sa.ColumnElement[Any] = sa.func.coalesce(meta, sa.text("'{}'::jsonb")).op(
+        "||", return_type=JSONB
+    )(sa.text(f"""'{{"{CANCELLED_BY_PARENT_KEY}": true}}'::jsonb"""))
+    return marked
+
+
+def _has_key(c: Any, key: str) -> sa.ColumnElement[bool]:
+    """``meta ? key``, false for a row without meta."""
+    return sa.func.coalesce(
+        c.meta.op("?", return_type=sa.Boolean)(sa.literal_column(f"'{key}'")), sa.false()
+    )
+
+
+def _meta_says(c: Any, key: str, value: bool) -> sa.ColumnElement[bool]:
+    """``meta @> {key: value}``, through <table>_meta (jsonb_path_ops)."""
+    says: sa.ColumnElement[bool] = c.meta.op("@>", return_type=sa.Boolean)(_json({key: value}))
+    return says
+
+
 # Link a new job to its parents (enqueue with after=): mark each parent as having
 # children (meta), which also locks it until the enqueue commits, so that a completion
 # racing with the enqueue waits for it and then sees the child; returns each parent's
-# status to count the ones still to succeed.
+# status to count the ones still to succeed. A parent that already ended dead or
+# cancelled is not marked to be settled (link() settles the child itself: a second
+# settling by the retention pass would count a child that runs anyway down twice); it
+# is marked settled if it had no children, so that retrying it brings this child back.
+# ``unsettled``: an ended parent the retention pass has yet to settle (it died by its
+# lease), which will count its children that run anyway down then.
 def _mark_parents(t: sa.Table) -> sa.Update:
     c = t.c
+    meta = sa.func.coalesce(c.meta, sa.text("'{}'::jsonb"))
+    ended = _ended(t)
     return (
         sa.update(t)
         .where(c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))))
         .values(
-            meta=sa.func.coalesce(c.meta, sa.text("'{}'::jsonb")).op("||", return_type=JSONB)(
-                sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+            meta=sa.case(
+                (sa.and_(ended, _has_key(c, CHILDREN_KEY)), c.meta),
+                (ended, meta.op("||", return_type=JSONB)(_json({CHILDREN_KEY: False}))),
+                else_=meta.op("||", return_type=JSONB)(_json({CHILDREN_KEY: True})),
             )
         )
-        .returning(c.id, c.status)
+        .returning(c.id, c.status, _meta_says(c, CHILDREN_KEY, True).label("unsettled"))
     )
+
+
+def _json(value: dict[str, Any]) -> sa.TextClause:
+    """A constant jsonb literal (the library's own keys and values, never user input)."""
+    return sa.text("'" + json.dumps(value).replace("'", "''") + "'::jsonb")
 
 
 # Then the child: its parents, how many it waits for, and its status: held (scheduled in
@@ -1113,6 +1190,7 @@ def _link_child(t: sa.Table) -> sa.Update:
             ),
             finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
             last_error=sa.bindparam("reason", type_=sa.Text),
+            meta=sa.case((status == JobStatus.CANCELLED.value, _marked(c.meta)), else_=c.meta),
         )
     )
 
@@ -1133,6 +1211,157 @@ def _unsettled_parents(t: sa.Table) -> sa.Select[Any]:
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)
+    )
+
+
+# -- retrying a parent: what it cancelled comes back --------------------------------------
+
+
+def _ended(t: Any) -> sa.ColumnElement[bool]:
+    ended: sa.ColumnElement[bool] = t.c.status.in_(
+        [status_literal(JobStatus.DEAD), status_literal(JobStatus.CANCELLED)]
+    )
+    return ended
+
+
+_LIVE = [status_literal(s) for s in LIVE_STATUSES]
+
+
+def _parents_match(t: sa.Table) -> sa.ColumnElement[bool]:
+    """``parents && :parent_ids``: children of these jobs, through <table>_parents."""
+    match: sa.ColumnElement[bool] = t.c.parents.overlap(
+        sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))
+    )
+    return match
+
+
+def ended_parent(t: sa.Table) -> sa.Exists:
+    """Whether one of the row's parents is dead or cancelled (by primary key)."""
+    up = t.alias("ended_parent")
+    return sa.exists().where(up.c.id == sa.any_(t.c.parents), _ended(up))
+
+
+def first_ended_parent(t: sa.Table) -> sa.ScalarSelect[Any]:
+    """``'<id> <status>'`` of the row's first parent that is dead or cancelled (or NULL)."""
+    up = t.alias("ended_parent")
+    return (
+        sa.select(sa.cast(up.c.id, sa.Text) + " " + up.c.status)
+        .where(up.c.id == sa.any_(t.c.parents), _ended(up))
+        .order_by(up.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def cancelled_by_parent(t: sa.Table) -> sa.ColumnElement[bool]:
+    """A child cancelled because a parent ended (not by an operator): meta says so."""
+    return sa.and_(
+        t.c.status == status_literal(JobStatus.CANCELLED), _has_key(t.c, CANCELLED_BY_PARENT_KEY)
+    )
+
+
+# Retried parents whose children were settled (meta {"sqla_jobs.children": false}):
+# marked as having children to settle again, so that their next end settles them (and a
+# rescue that marks one dead again leaves it to the retention pass, which looks for
+# true). Returns their ids: the parents whose children come back.
+def _unsettle(t: sa.Table) -> sa.Update:
+    c = t.c
+    return (
+        sa.update(t)
+        .where(
+            c.id == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))),
+            _meta_says(c, CHILDREN_KEY, False),
+        )
+        .values(meta=c.meta.op("||", return_type=JSONB)(_json({CHILDREN_KEY: True})))
+        .returning(c.id)
+    )
+
+
+# Children that run anyway and still wait for other parents were counted down when these
+# parents were settled: they wait for them again, one count per parent among :parent_ids.
+def _rewait_children(t: sa.Table) -> sa.Update:
+    c = t.c
+    return (
+        sa.update(t)
+        .where(
+            _parents_match(t),
+            c.status == _SCHEDULED_VIA_PK,
+            c.waiting > 0,
+            _has_key(c, RUN_ANYWAY_KEY),
+        )
+        .values(waiting=c.waiting + _parent_count(c))
+        .returning(c.id)
+    )
+
+
+# Before bringing children back: lock their parents FOR SHARE, which the UPDATE of a
+# parent's completion or failure waits for, so that the next statement's count of the
+# parents still to run cannot miss an outcome: one committed before the lock is seen
+# there, one after it finds the child waiting again and settles it.
+def lock_rearm_parents(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Select[Any]:
+    c = t.c
+    up = t.alias("parent_of")
+    candidates = sa.select(sa.func.unnest(c.parents)).where(cancelled_by_parent(t), which)
+    return (
+        sa.select(up.c.id)
+        .where(up.c.id.in_(candidates))
+        .order_by(up.c.id)
+        .with_for_update(read=True, of=up)
+    )
+
+
+# Bring back the children (``which``) cancelled because a parent ended, once none of
+# their parents is dead or cancelled: held again, waiting for the parents still to run
+# (ready now if none is, a group callback with its results), no longer marked, with the
+# cancel's reason cleared (a held child has run no attempt: it had no error before); one
+# that has children of its own is marked so again. Returns each one's id, queue and
+# status, and whether its own children were settled (the next step of the walk, see
+# admin.retry_report). Run after lock_rearm_parents.
+def rearm_children(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Update:
+    c = t.c
+    target = (
+        sa.select(
+            c.id, sa.func.coalesce(_meta_says(c, CHILDREN_KEY, False), sa.false()).label("settled")
+        )
+        .where(cancelled_by_parent(t), which, ~ended_parent(t))
+        .with_for_update(key_share=True)
+        .cte("target")
+    )
+    up = t.alias("live_parent")
+    live = (
+        sa.select(sa.func.count())
+        .select_from(up)
+        .where(
+            up.c.id == sa.any_(c.parents),
+            up.c.status.in_(_LIVE),
+        )
+        .scalar_subquery()
+    )
+    free = live == 0
+    unmarked = sa.func.coalesce(c.meta, sa.text("'{}'::jsonb")).op("-", return_type=JSONB)(
+        sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'")
+    )
+    return (
+        sa.update(t)
+        .where(c.id == target.c.id)
+        .values(
+            status=sa.case((free, JobStatus.READY.value), else_=JobStatus.SCHEDULED.value),
+            run_at=sa.case(
+                (free, sa.func.now()),
+                else_=sa.literal_column("'9999-01-01 00:00:00+00'::timestamptz"),
+            ),
+            waiting=live,
+            finished_at=None,
+            last_error=None,
+            meta=unmarked.op("||", return_type=JSONB)(
+                sa.case(
+                    (_has_key(c, CHILDREN_KEY), _json({CHILDREN_KEY: True})),
+                    else_=sa.text("'{}'::jsonb"),
+                )
+            ),
+            args=_with_results(t, free),
+        )
+        .returning(c.id, c.queue, c.status, target.c.settled)
     )
 
 
@@ -1783,6 +2012,7 @@ class Queries:
         self.limited_claim = _limited_claim(t)
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         self.complete = _complete(t, keep_done=keep_done)
+        self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
         self.snooze = _snooze(t)
         self.hand_back = _hand_back(t, channel)
@@ -1791,12 +2021,18 @@ class Queries:
         self.results_channel = results = result_channel(t)
         self.complete_flow = _complete_flow(t, results)
         self.fail_flow = _fail_flow(t, results)
+        self.lock_children = _lock_children(t)
         self.release = _release(t, channel)
         self.cancel_children = _cancel_children(t, results)
         self.mark_parents = _mark_parents(t)
         self.link_child = _link_child(t)
         self.outcome = _outcome(t)
         self.unsettled_parents = _unsettled_parents(t)
+        # Retrying a parent (admin.retry_report): what it cancelled comes back.
+        self.unsettle = _unsettle(t)
+        self.rewait_children = _rewait_children(t)
+        self.lock_rearm_parents = lock_rearm_parents(t, _parents_match(t))
+        self.rearm_children = rearm_children(t, _parents_match(t))
 
         self.promote = _promote(t, channel)
         self.rescue = _rescue(t, channel)

@@ -1783,11 +1783,13 @@ def _check_max_attempts(value: object) -> None:
 #: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
 #: namespace is the library's): seconds a result is kept; this job has dependent jobs;
 #: run this job even if a parent ends dead or cancelled; the parameter a group's callback
-#: receives its parents' results in.
+#: receives its parents' results in; this job was cancelled because a parent ended dead
+#: or cancelled (retrying that parent brings it back).
 KEEP_KEY = "sqla_jobs.keep"
 CHILDREN_KEY = "sqla_jobs.children"
 RUN_ANYWAY_KEY = "sqla_jobs.run_anyway"
 RESULTS_KEY = "sqla_jobs.results"
+CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
 
 #: How long ``keep_result=True`` keeps a result when the registry keeps no done jobs.
 DEFAULT_RESULT_TTL = timedelta(days=1)

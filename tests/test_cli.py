@@ -240,7 +240,12 @@ def test_retry_cancel_purge_confirm_or_refuse(db: sa.Engine) -> None:
 
     retried = cli("jobs", "retry", JOBS, str(failed[0]), "--yes", "--json")
     assert retried.returncode == 0, retried.stderr
-    assert json.loads(retried.stdout) == {"action": "retry", "dry_run": False, "count": 1}
+    assert json.loads(retried.stdout) == {
+        "action": "retry",
+        "dry_run": False,
+        "count": 1,
+        "rearmed": 0,
+    }
     assert status_of(db, failed[0]) == "ready"
 
     # An id the action does not apply to is skipped with a warning, and the exit code says so.

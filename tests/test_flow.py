@@ -4,6 +4,7 @@ groups. Real PostgreSQL, both worker drivers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from datetime import timedelta
@@ -24,7 +25,7 @@ from sqla_jobs import (
 from sqla_jobs.worker.db import prune
 
 from . import app
-from .helpers import rows, running
+from .helpers import rows, running, wait_for
 
 
 @pytest.fixture
@@ -209,47 +210,153 @@ def test_diamond_runs_the_last_job_once_after_both(
     assert prune(db, jobs) == 3 and rows(db) == []
 
 
+def _claim_pair(Session: Any, jobs: Jobs, queue: str) -> list[Any]:
+    """Claim the two members of a group, as two workers would (committed)."""
+    with Session.begin() as session:
+        claimed = session.claim(queue, limit=2)
+    assert len(claimed) == 2
+    return sorted(claimed, key=lambda j: j.id)
+
+
+def _complete_member(conn: sa.Connection, jobs: Jobs, job: Any, value: Any) -> None:
+    """What the completer writes for a result-keeping member: its guarded completion with
+    the result (the statement the worker runs), before the release."""
+    from sqla_jobs.queries import batch_params
+
+    params: dict[str, Any] = dict(batch_params([job]))
+    params.update(result_list=[json.dumps(value)], keep_list=[3600.0])
+    assert conn.execute(jobs.queries.complete_flow, params).all()
+
+
 def test_sibling_parents_completing_concurrently_release_once(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
-    """Two parents completed at the same moment on two connections: exactly one of the
-    two release statements takes the child's count to 0, whatever the interleaving."""
+    """Two members of a group completed at the same moment on two connections: exactly
+    one of the two releases takes the callback's count to 0, and the callback gets both
+    results, in order, whatever the interleaving."""
     from sqla_jobs.worker.db import settle_children
 
-    @jobs.task(queue="p")
-    def parent() -> None: ...
+    @jobs.task(queue="p", keep_result=True)
+    def member(n: int) -> int:
+        return n
 
     @jobs.task(queue="c")
-    def child() -> None: ...
+    def callback(results: list[int]) -> None: ...
 
-    for _ in range(10):
+    for round_ in range(10):
         with Session.begin() as session:
-            p1, p2 = session.enqueue(parent), session.enqueue(parent)
-            kid = session.enqueue(child.with_options(after=[p1, p2]))
+            _, cb = jobs.group(
+                session,
+                [(member, member.args(1)), (member, member.args(2))],
+                (callback, callback.args()),
+            )
+        first, second = _claim_pair(Session, jobs, "p")
+        values = {first.id: f"a{round_}", second.id: f"b{round_}"}
         barrier = threading.Barrier(2)
         errors: list[BaseException] = []
 
         def finish(
-            pid: int, barrier: threading.Barrier = barrier, errors: list[BaseException] = errors
+            job: Any,
+            value: str,
+            barrier: threading.Barrier = barrier,
+            errors: list[BaseException] = errors,
         ) -> None:
             try:
                 with db.begin() as conn:
-                    conn.execute(sa.delete(app.Job).where(app.Job.id == pid))
+                    _complete_member(conn, jobs, job, value)
                     barrier.wait(5)
-                    settle_children(conn, jobs.queries, [pid], [])
+                    settle_children(conn, jobs.queries, [job.id], [])
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=finish, args=(p,)) for p in (p1.id, p2.id)]
+        threads = [threading.Thread(target=finish, args=(j, values[j.id])) for j in (first, second)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
         assert not errors
-        row = _row(db, kid.id)
+        row = _row(db, cb.id)
         assert (row.status, row.waiting) == ("ready", 0)
+        assert row.args["results"] == [values[first.id], values[second.id]], f"round {round_}"
         with db.begin() as conn:
             conn.execute(sa.delete(app.Job))
+
+
+def _waiting_for_a_lock(engine: sa.Engine, pid: int) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid"),
+                {"pid": pid},
+            ).scalar()
+        )
+
+
+@pytest.mark.parametrize("first_index", [0, 1])
+def test_callback_gets_a_sibling_result_committed_while_its_release_waited(
+    Session: Any, db: sa.Engine, jobs: Jobs, first_index: int
+) -> None:
+    """The interleaving that lost a result, made certain: one member's release has
+    counted the callback down (2 -> 1) and holds its row lock, uncommitted; the other
+    member's release starts (its snapshot taken) and waits for that lock; the first
+    commits. The second release frees the callback, and must read the first member's
+    result as committed, not as its snapshot had it (null)."""
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="p", keep_result=True)
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="c")
+    def callback(results: list[Any]) -> None: ...
+
+    with Session.begin() as session:
+        _, cb = jobs.group(
+            session,
+            [(member, member.args(1)), (member, member.args(2))],
+            (callback, callback.args()),
+        )
+    claimed = _claim_pair(Session, jobs, "p")
+    early, late = claimed[first_index], claimed[1 - first_index]
+    values = {claimed[0].id: {"n": 1}, claimed[1].id: {"n": 2}}
+    both_completed = threading.Barrier(2)
+    early_released = threading.Event()
+    late_pid: list[int] = []
+    errors: list[BaseException] = []
+
+    def run_early() -> None:
+        try:
+            with db.begin() as conn:
+                _complete_member(conn, jobs, early, values[early.id])
+                both_completed.wait(5)
+                settle_children(conn, jobs.queries, [early.id], [])
+                early_released.set()
+                # Commit only once the other release is waiting for the callback's lock.
+                wait_for(lambda: late_pid and _waiting_for_a_lock(db, late_pid[0]))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            early_released.set()
+
+    def run_late() -> None:
+        try:
+            with db.begin() as conn:
+                late_pid.append(int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()))
+                _complete_member(conn, jobs, late, values[late.id])
+                both_completed.wait(5)
+                assert early_released.wait(5)
+                settle_children(conn, jobs.queries, [late.id], [])
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_early), threading.Thread(target=run_late)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    row = _row(db, cb.id)
+    assert (row.status, row.waiting) == ("ready", 0)
+    assert row.args["results"] == [{"n": 1}, {"n": 2}]
 
 
 def test_dead_parent_cancels_its_children_down_the_chain(
@@ -520,3 +627,426 @@ def test_async_session_workflow(db: sa.Engine, jobs: Jobs) -> None:
     state = {r.id: (r.status, r.parents) for r in rows(db)}
     assert state[a] == ("ready", None)
     assert state[b] == ("scheduled", [a]) and state[cb][0] == "scheduled"
+
+
+def test_child_enqueued_while_its_parent_ran_survives_a_cut_between_completion_and_release(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A child enqueued while its parent runs is not in the parent's claimed meta. The
+    worker's connection dies (its backend terminated, as by a crash or a failover) just
+    as the statements that settle the parent's children begin: the parent's completion
+    must not outlive them (it did, in autocommit, and the child waited forever)."""
+    from sqla_jobs import Worker
+
+    started, gate = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    @jobs.task(queue="flow")
+    def parent() -> None:
+        started.set()
+        assert gate.wait(10)
+
+    @jobs.task(queue="kids")
+    def kid() -> None:
+        ran.append(current_job().id)
+
+    with Session.begin() as session:
+        p = session.enqueue(parent)
+    killer = create_engine(db.url.render_as_string(hide_password=False), poolclass=sa.pool.NullPool)
+    settling = {jobs.queries.lock_children, jobs.queries.release, jobs.queries.cancel_children}
+    cut: list[int] = []
+
+    def cut_before_settling(
+        conn: sa.Connection, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        # The statement run, not context.compiled.statement: a cached compilation may
+        # belong to an equal statement of another test's registry.
+        if cut or getattr(context, "invoked_statement", None) not in settling:
+            return
+        pid = cursor.connection.info.backend_pid
+        cut.append(pid)
+        with killer.connect() as k:
+            # Waits until the backend is gone: the statement about to run cannot reach it.
+            k.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+
+    worker = Worker(jobs, db, queues=["flow", "kids"], listen=False, poll_interval=0.05)
+    try:
+        with running(worker):
+            assert started.wait(10)
+            with Session.begin() as session:
+                k = session.enqueue(kid.with_options(after=[p.id]))
+            sa.event.listen(db, "before_cursor_execute", cut_before_settling)
+            try:
+                gate.set()
+                wait_for(lambda: ran, timeout=15)
+            finally:
+                sa.event.remove(db, "before_cursor_execute", cut_before_settling)
+    finally:
+        killer.dispose()
+    assert cut, "the connection was cut before the release"
+    assert ran == [k.id]
+
+
+def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """One completer batch: a plain job, a plain job that got a child while it ran, a
+    result-keeping job, a lost claim. The new parent is completed with the flow job, in
+    one statement, and its child released; the lost claim changes nothing."""
+    from sqla_jobs.worker.db import write_outcomes
+    from sqla_jobs.worker.job import Outcome, OutcomeKind
+
+    @jobs.task(queue="own")
+    def plain() -> None: ...
+
+    @jobs.task(queue="own", keep_result=True)
+    def keeper() -> int:
+        return 7
+
+    @jobs.task(queue="kids")
+    def kid() -> None: ...
+
+    with Session.begin() as session:
+        session.enqueue(plain)
+        session.enqueue(plain)
+        session.enqueue(keeper)
+        session.enqueue(plain)
+    with Session.begin() as session:
+        a, b, f, lost = session.claim("own", limit=4)
+    with Session.begin() as session:
+        child = session.enqueue(kid.with_options(after=[b.id]))
+    with db.begin() as conn:  # lost: retried by an operator's hand in the meantime
+        conn.execute(sa.update(app.Job).where(app.Job.id == lost.id).values(status="ready"))
+    batch = [
+        Outcome(OutcomeKind.SUCCEEDED, a),
+        Outcome(OutcomeKind.SUCCEEDED, b),
+        Outcome(OutcomeKind.SUCCEEDED, f, result="7"),
+        Outcome(OutcomeKind.SUCCEEDED, lost),
+    ]
+    with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert write_outcomes(conn, jobs.queries, batch) == {"own": [3, 0, 0]}
+        # Written again (the completer's retry after an error): nothing more happens.
+        assert write_outcomes(conn, jobs.queries, batch) == {}
+    state = {r.id: (r.status, r.result) for r in rows(db)}
+    assert a.id not in state  # deleted, as ever
+    assert state[b.id] == ("done", None)  # a parent: done until retention
+    assert state[f.id] == ("done", 7)
+    assert state[lost.id] == ("ready", None)
+    assert state[child.id] == ("ready", None)
+
+
+# -- retrying a parent ------------------------------------------------------------------
+
+
+def _state(db: sa.Engine) -> dict[int, tuple[str, int | None]]:
+    return {r.id: (r.status, r.waiting) for r in rows(db)}
+
+
+def test_retrying_a_dead_parent_brings_back_what_it_cancelled(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """A chain and a group: the dead parent and the dead member are retried, and what
+    they had cancelled waits for them again, then runs in order, the callback once with
+    every result."""
+    ran: list[Any] = []
+    broken = {"A", "m1"}
+
+    @jobs.task(queue="flow", max_attempts=1, keep_result=True)
+    def step(name: str) -> str:
+        ran.append(name)
+        if name in broken:
+            raise RuntimeError(f"{name} broke")
+        return name.upper()
+
+    @jobs.task(queue="flow")
+    def total(results: list[str]) -> None:
+        ran.append(("total", results))
+
+    with Session.begin() as session:
+        a = session.enqueue(step, "A")
+        b = session.enqueue(step.with_options(after=[a]), "B")
+        c = session.enqueue(step.with_options(after=[b]), "C")
+        (m1, _), cb = jobs.group(
+            session, [(step, step.args("m1")), (step, step.args("m2"))], (total, total.args())
+        )
+    make_worker(jobs, db, queues=["flow"], listen=False).run_until_empty()
+    state = _state(db)
+    assert state[a.id][0] == state[m1.id][0] == "dead"
+    assert state[b.id][0] == state[c.id][0] == state[cb.id][0] == "cancelled"
+
+    broken.clear()
+    ran.clear()
+    with db.begin() as conn:
+        report = admin.retry_report(conn, jobs, status="dead")
+    assert sorted(report.acted) == sorted([a.id, m1.id])
+    assert sorted(report.rearmed) == sorted([b.id, c.id, cb.id])
+    assert report.skipped == ()
+    state = _state(db)
+    assert state[b.id] == state[c.id] == state[cb.id] == ("scheduled", 1)
+    with db.connect() as conn:
+        info = admin.get_job(conn, jobs, b.id)
+    assert info is not None and info.last_error is None
+    assert "sqla_jobs.cancelled_by_parent" not in (info.meta or {})
+
+    make_worker(jobs, db, queues=["flow"], listen=False).run_until_empty()
+    names = [r for r in ran if isinstance(r, str)]
+    assert names.index("A") < names.index("B") < names.index("C")
+    assert [r for r in ran if isinstance(r, tuple)] == [("total", ["M1", "M2"])]
+    assert {s for s, _ in _state(db).values()} == {"done"}
+
+
+def test_a_child_retried_alone_waits_for_its_parent_or_is_skipped_saying_why(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    assert _state(db)[b.id][0] == "cancelled"
+    with db.begin() as conn:
+        assert admin.retry_jobs(conn, jobs, ids=[b.id], dry_run=True) == 0
+        assert admin.retry_jobs(conn, jobs, ids=[b.id]) == 0
+        seen = admin.SeenJob(b.id, 0, "cancelled")
+        report = admin.act(conn, jobs, "retry", [seen])
+    assert report.acted == ()
+    ((job_id, why),) = report.skipped
+    assert job_id == b.id
+    assert f"job {a.id}, which it waits for, ended; that job is cancelled: retry it" in why
+    assert _state(db)[b.id][0] == "cancelled"
+
+    # Retried in one selection with its parent: it waits for it (held, not ready).
+    with db.begin() as conn:
+        report = admin.retry_report(conn, jobs, status="cancelled")
+    assert report.acted == (a.id,) and report.rearmed == (b.id,) and report.skipped == ()
+    state = _state(db)
+    assert state[a.id][0] == "ready" and state[b.id] == ("scheduled", 1)
+
+
+def test_an_operator_cancelled_child_stays_cancelled_when_its_parent_is_retried(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+        kept = session.enqueue(step.with_options(after=[a]))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[b.id])  # the operator's choice
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+        report = admin.retry_report(conn, jobs, ids=[a.id])
+    assert report.rearmed == (kept.id,)
+    state = _state(db)
+    assert state[b.id][0] == "cancelled" and state[kept.id] == ("scheduled", 1)
+
+
+def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """R runs after A and Q whatever their outcome. A died and counted R down; retried,
+    A is waited for again: R is not freed by Q alone (it was, counted twice)."""
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a, q = session.enqueue(step), session.enqueue(step)
+        r = session.enqueue(step.with_options(after=[a, q], on_parent_failure="run"))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    assert _state(db)[r.id] == ("scheduled", 1)
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[a.id]).acted == (a.id,)
+    assert _state(db)[r.id] == ("scheduled", 2)
+    for parent in (q, a):
+        with db.begin() as conn:
+            conn.execute(sa.update(app.Job).where(app.Job.id == parent.id).values(status="done"))
+            settle_children(conn, jobs.queries, [parent.id], [])
+        assert _state(db)[r.id] == (("scheduled", 1) if parent is q else ("ready", 0))
+
+
+def test_linking_to_an_ended_parent_is_settled_once(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A child enqueued after a parent that already ended is settled by the link; the
+    retention pass must not settle that parent for it again (a child that runs anyway
+    was counted down twice), unless the parent was never settled (it died by its lease):
+    then the child waits for that settling."""
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        settled, unsettled, q = session.enqueue(step), session.enqueue(step), session.enqueue(step)
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[settled.id])
+        # What the rescue does to a job out of attempts: dead, children not looked at.
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == unsettled.id)
+            .values(status="dead", meta={"sqla_jobs.children": True})
+        )
+    with Session.begin() as session:
+        r1 = session.enqueue(step.with_options(after=[settled, q], on_parent_failure="run"))
+        r2 = session.enqueue(step.with_options(after=[unsettled, q], on_parent_failure="run"))
+        gone = session.enqueue(step.with_options(after=[settled]))
+    state = _state(db)
+    assert state[r1.id] == ("scheduled", 1) and state[r2.id] == ("scheduled", 2)
+    assert state[gone.id][0] == "cancelled"
+    prune(db, jobs)
+    state = _state(db)
+    assert state[r1.id] == ("scheduled", 1), "settled twice"
+    assert state[r2.id] == ("scheduled", 1)
+    # Retrying the parent brings the child it cancelled at the link back.
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[settled.id]).rearmed == (gone.id,)
+
+
+def test_bringing_a_child_back_does_not_miss_a_parent_completing_meanwhile(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """C waits for A and P. A is cancelled (C with it); P runs. The retry of A brings C
+    back, counting the parents still to run, while P's completion commits on another
+    connection: C must end up waiting for A alone, never for a P that is done."""
+    from sqla_jobs.queries import batch_params
+    from sqla_jobs.worker.db import settle_children
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    @jobs.task(queue="run")
+    def other() -> None: ...
+
+    with Session.begin() as session:
+        a, p = session.enqueue(step), session.enqueue(other)
+        c = session.enqueue(step.with_options(after=[a, p]))
+    with Session.begin() as session:
+        (claimed,) = session.claim("run", limit=1)
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    completer_pid: list[int] = []
+    completed = threading.Event()
+    errors: list[BaseException] = []
+
+    def complete_p() -> None:
+        try:
+            with db.begin() as conn:
+                completer_pid.append(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+                rows_ = conn.execute(jobs.queries.complete, dict(batch_params([claimed]))).all()
+                settle_children(conn, jobs.queries, [r[0] for r in rows_ if r[1]], [])
+            completed.set()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            completed.set()
+
+    thread = threading.Thread(target=complete_p)
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[a.id]).rearmed == (c.id,)
+        # P completes now: it must wait for this retry (or have committed before it).
+        thread.start()
+        wait_for(
+            lambda: (
+                completed.is_set() or (completer_pid and _waiting_for_a_lock(db, completer_pid[0]))
+            )
+        )
+    thread.join(10)
+    assert not errors, errors
+    assert _state(db)[c.id] == ("scheduled", 1)
+
+
+def test_a_cancelled_callback_whose_members_all_succeeded_since_runs_with_their_results(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Its members ended well after all (a member retried by hand before retries brought
+    children back): retried, the callback is ready at once, with every result."""
+
+    @jobs.task(queue="flow", keep_result=True)
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="flow")
+    def total(results: list[int]) -> None: ...
+
+    with Session.begin() as session:
+        (m1, m2), cb = jobs.group(
+            session, [(member, member.args(1)), (member, member.args(2))], (total, total.args())
+        )
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[m1.id])
+        for m, value in ((m1, 10), (m2, 20)):
+            conn.execute(
+                sa.update(app.Job).where(app.Job.id == m.id).values(status="done", result=value)
+            )
+    assert _state(db)[cb.id][0] == "cancelled"
+    with db.begin() as conn:
+        assert admin.retry_report(conn, jobs, ids=[cb.id]).acted == (cb.id,)
+    row = _row(db, cb.id)
+    assert (row.status, row.waiting, row.args["results"]) == ("ready", 0, [10, 20])
+
+
+def test_cli_and_dashboard_retry_a_parent_and_say_what_came_back(
+    Session: Any, db: sa.Engine
+) -> None:
+    from starlette.testclient import TestClient
+
+    from sqla_jobs.web import create_app
+
+    from .test_cli import JOBS, cli
+
+    def workflow() -> tuple[int, int, int]:
+        with Session.begin() as session:
+            a = session.enqueue(app.record_run, n=1)
+            b = session.enqueue(app.record_run.with_options(after=[a]), n=2)
+            c = session.enqueue(app.record_run.with_options(after=[b]), n=3)
+        with db.begin() as conn:
+            admin.cancel_jobs(conn, app.jobs, ids=[a.id])
+        return a.id, b.id, c.id
+
+    # The CLI: the child alone is skipped, saying why; the parent brings both back.
+    a, b, c = workflow()
+    alone = cli("jobs", "retry", JOBS, str(b), "--yes")
+    assert alone.returncode == 1, alone.stderr
+    assert alone.stdout == "retried 0 jobs\n"
+    assert f"skipping job {b}: it was cancelled because job {a}, which it waits for" in (
+        alone.stderr
+    )
+    parent = cli("jobs", "retry", JOBS, str(a), "--yes")
+    assert parent.returncode == 0, parent.stderr
+    assert parent.stdout == "retried 1 job; 2 jobs they had cancelled wait for them again\n"
+    assert [(r.status, r.waiting) for r in rows(db) if r.id in (b, c)] == [("scheduled", 1)] * 2
+    as_json = cli("jobs", "retry", JOBS, str(a), "--yes", "--json")
+    assert json.loads(as_json.stdout)["rearmed"] == 0  # nothing left to retry
+
+    # The dashboard: the job page's Retry, and the selection's.
+    client = TestClient(create_app(app.jobs, db, read_only=False), follow_redirects=False)
+    assert client.get("/").status_code == 200
+    token = client.cookies.get("sqla_jobs_csrf")
+    a, b, c = workflow()
+    done = client.post(
+        f"/jobs/{a}/retry", data={"csrf_token": token, "attempts": 0, "status": "cancelled"}
+    )
+    assert done.status_code == 303, done.text
+    assert done.headers["location"] == f"/jobs/{a}?done=retry&rearmed=2"
+    page = client.get(done.headers["location"]).text
+    assert "Retried: the job is ready again, due now. 2 jobs it had cancelled by ending" in page
+    child = client.get(f"/jobs/{b}").text
+    assert "waiting for" in child
+    a, b, c = workflow()
+    selected = [f"{b}:0:cancelled", f"{c}:0:cancelled"]
+    result = client.post(
+        "/jobs/act", data={"csrf_token": token, "action": "retry", "job": selected}
+    )
+    assert "Retried 0 jobs. 2 jobs left alone" in result.text
+    assert f"job {a}, which it waits for, ended; that job is cancelled: retry it" in result.text
+    result = client.post(
+        "/jobs/act",
+        data={"csrf_token": token, "action": "retry", "job": [f"{a}:0:cancelled", *selected]},
+    )
+    assert "Retried 1 job. 2 jobs they had cancelled by ending wait for them again." in result.text
+    assert "left alone" not in result.text

@@ -405,7 +405,7 @@ class Dashboard:
                     f"There is no job with id {job_id}. Finished jobs are deleted unless "
                     "kept (Jobs(keep_done=...)), and dead ones once pruned.",
                 )
-            notice, kind = _job_notice(request.query_params)
+            notice, kind = _job_notice(request.query_params, job)
             args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
             return self.render(
                 request,
@@ -603,6 +603,8 @@ class Dashboard:
                 url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
                 return RedirectResponse(url, status_code=303)
             params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
+            if report.rearmed:
+                params["rearmed"] = str(len(report.rearmed))
             url = self.path(request, "job", job_id=job_id) + "?" + urlencode(params)
             return RedirectResponse(url, status_code=303)
 
@@ -628,7 +630,9 @@ class Dashboard:
             if not seen:
                 raise PageError(400, "Nothing selected", "Select at least one job.")
             report = self._act(action, seen)
-            return self._result(request, action, list(report.acted), list(report.skipped))
+            return self._result(
+                request, action, list(report.acted), list(report.skipped), len(report.rearmed)
+            )
 
         return await self._page(request, page)
 
@@ -644,10 +648,11 @@ class Dashboard:
             f = Filters.of({k: v[0] for k, v in form.items()})
             up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
             confirmed = _required_int(_one(form, "count"), "count")
-            func = _FUNCS[action]
+            # A retry also says what came back with the retried jobs.
+            func: Callable[..., Any] = admin.retry_report if action == "retry" else _FUNCS[action]
             try:
                 with self.engine.begin() as conn:
-                    count = func(
+                    done = func(
                         conn,
                         self.jobs,
                         queue=f.queue,
@@ -658,8 +663,11 @@ class Dashboard:
                     )
             except ValueError as exc:
                 raise PageError(400, "Not possible", str(exc)) from None
+            count = done.count if isinstance(done, admin.ActionReport) else int(done)
             past = _VERBS[action][1]
             summary = f"{past.capitalize()} {_plural(count)}."
+            if isinstance(done, admin.ActionReport) and done.rearmed:
+                summary += _came_back(len(done.rearmed))
             if count != confirmed:
                 summary += (
                     f" You confirmed {confirmed:,}; the others changed meanwhile and were "
@@ -682,10 +690,17 @@ class Dashboard:
         return await self._page(request, page)
 
     def _result(
-        self, request: Request, action: str, acted: list[int], skipped: list[tuple[int, str]]
+        self,
+        request: Request,
+        action: str,
+        acted: list[int],
+        skipped: list[tuple[int, str]],
+        rearmed: int = 0,
     ) -> Response:
         verb, past = _VERBS[action]
         summary = f"{past.capitalize()} {_plural(len(acted))}."
+        if rearmed:
+            summary += _came_back(rearmed)
         if skipped:
             summary += (
                 f" {_plural(len(skipped))} left alone: they changed, or {verb} does not apply."
@@ -885,18 +900,31 @@ def _back(request: Request) -> str | None:
     return parts.path + (f"?{parts.query}" if parts.query else "")
 
 
-def _job_notice(params: Any) -> tuple[str | None, str]:
+def _job_notice(params: Any, job: admin.JobInfo | None = None) -> tuple[str | None, str]:
     done = params.get("done")
+    if done == "retry":
+        if job is not None and job.status == "scheduled" and job.waiting:
+            text = "Retried: the job waits again for the jobs it depends on (after=)."
+        else:
+            text = "Retried: the job is ready again, due now."
+        rearmed = params.get("rearmed", "")
+        if rearmed.isdigit() and len(rearmed) < 10 and int(rearmed):
+            text += _came_back(int(rearmed), one=True)
+        return text, "ok"
     if done in _VERBS:
-        messages = {
-            "retry": "Retried: the job is ready again, due now.",
-            "cancel": "Cancelled.",
-        }
+        messages = {"cancel": "Cancelled."}
         return messages.get(done, f"{_VERBS[done][1].capitalize()}."), "ok"
     skipped = params.get("skipped")
     if skipped:
         return f"Nothing was done: {skipped[:200]}.", "warn"
     return None, "ok"
+
+
+def _came_back(n: int, one: bool = False) -> str:
+    """A retry's jobs that came back waiting: children cancelled when the retried ended."""
+    who, whom = ("it", "it") if one else ("they", "them")
+    verb = "waits" if n == 1 else "wait"
+    return f" {_plural(n)} {who} had cancelled by ending {verb} for {whom} again."
 
 
 def _thousands(value: Any) -> str:

@@ -8,6 +8,7 @@ through ``AsyncConnection.run_sync``. Each runs one statement or a few from
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,9 +118,14 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     Returns how many succeeded, failed and died per queue, as the database confirmed
     (a claim the guard no longer matches is not counted).
 
-    Run in autocommit, each statement is atomic by itself; if a later one fails, the
-    completer writes the whole batch again, and the guard makes the repeated ones match
-    nothing (and count nothing).
+    Jobs that use no workflow are written in autocommit, each statement atomic by itself;
+    if a later one fails, the completer writes the whole batch again, and the guard makes
+    the repeated ones match nothing (and count nothing). Jobs that keep a result or have
+    children ("flow" jobs) are completed in one transaction with the release (or the
+    cancelling) of their children, so that no crash can leave a child waiting on a parent
+    that is done. A job whose child was enqueued while it ran was claimed as a plain job:
+    the autocommit completion leaves it running (it has children now), and it is completed
+    with the flow jobs, kept ``done`` until retention like any parent.
     """
     from .job import outcome_statements
 
@@ -134,23 +140,25 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     succeeded: list[int] = []
     ended: list[int] = []
     for statement, params in plain:
-        _count(
-            conn.execute(statement, params).all(),
-            statement,
-            queries,
-            queue_of,
-            tally,
-            succeeded,
-            ended,
-        )
-    if succeeded or ended:
-        # Children enqueued while their parent ran (after its claim, so its meta did not
-        # say so): released now, in a statement of their own (see the README's Workflows
-        # for the crash window this leaves).
-        settle_children(conn, queries, succeeded, ended)
+        if statement is queries.complete:
+            rows = conn.execute(queries.complete_childless, params).all()
+            done = {r[0] for r in rows}
+            if len(done) < len(params["ids"]):
+                # Left running: a parent now (or a lost claim, which matches nothing again).
+                flow = _complete_with_flow(queries, flow, params, done)
+        else:
+            rows = conn.execute(statement, params).all()
+        _count(rows, statement, queries, queue_of, tally, succeeded, ended)
+    if ended:
+        # A plain job that died with a child enqueued while it ran: that child is cancelled
+        # (or released) in a statement of its own. A crash before it leaves the parent dead
+        # with {"sqla_jobs.children": true}, which the retention pass settles.
+        settle_children(conn, queries, [], ended)
     if flow:
         succeeded, ended = [], []
-        conn.exec_driver_sql("BEGIN")
+        # READ COMMITTED whatever the server's default: the release reads what sibling
+        # parents committed while it waited for their children (see settle_children).
+        conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
         try:
             for statement, params in flow:
                 _count(
@@ -168,6 +176,34 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
             raise
         conn.exec_driver_sql("COMMIT")
     return tally
+
+
+def _complete_with_flow(
+    queries: Queries,
+    flow: list[tuple[sa.Executable, dict[str, Any]]],
+    plain: dict[str, Any],
+    done: set[int],
+) -> list[tuple[sa.Executable, dict[str, Any]]]:
+    """``flow`` with the plain successes not in ``done`` added to its completion (keeping
+    nothing: no result, expired at once), which comes first and stays in id order (the
+    order every statement that locks a batch takes its rows in, see ``batch_params``)."""
+    left = [i not in done for i in plain["ids"]]
+    rows = [
+        (i, a, None, 0.0)
+        for i, a, keep in zip(plain["ids"], plain["attempt_list"], left, strict=True)
+        if keep
+    ]
+    rest = []
+    for s, p in flow:
+        if s is queries.complete_flow:
+            lists = (p["ids"], p["attempt_list"], p["result_list"], p["keep_list"])
+            rows += zip(*lists, strict=True)
+        else:
+            rest.append((s, p))
+    rows.sort(key=operator.itemgetter(0))
+    ids, attempts, results, keeps = (list(column) for column in zip(*rows, strict=True))
+    params = {"ids": ids, "attempt_list": attempts, "result_list": results, "keep_list": keeps}
+    return [(queries.complete_flow, params), *rest]
 
 
 def _count(
@@ -201,7 +237,16 @@ def settle_children(
     """What waits on these parents: children of ``succeeded`` ones are released (ready
     once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
     are cancelled down the chain, except those that run anyway, which are released.
-    Statements of their own, run after the parents' own in the same transaction."""
+    Statements of their own, run after the parents' own in the same transaction.
+
+    Each release first locks the children it settles, in a statement of its own: the
+    release that reads the parents' rows (a group callback's results) then sees every
+    sibling parent whose completion committed while it waited for a child, which a
+    statement that had waited for the lock itself would not (see ``_lock_children`` in
+    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
+    REPEATABLE READ a sibling completing concurrently makes the lock fail with a
+    serialization error (the transaction is retried) instead of reading a stale result.
+    """
     if ended:
         reason = (
             "cancelled: a job it waited for (after=) ended dead or cancelled "
@@ -209,9 +254,18 @@ def settle_children(
         )
         rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
         cancelled = [r[0] for r in rows]
-        conn.execute(queries.release, {"parent_ids": ended + cancelled}).all()
+        _release(conn, queries, ended + cancelled)
     if succeeded:
-        conn.execute(queries.release, {"parent_ids": succeeded}).all()
+        _release(conn, queries, succeeded)
+
+
+def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
+    """Lock the children still waiting on these parents, then release them (nothing more
+    when none waits)."""
+    children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
+    if children:
+        release = {"parent_ids": parent_ids, "child_ids": children}
+        conn.execute(queries.release, release).all()
 
 
 def beat(

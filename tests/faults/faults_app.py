@@ -77,6 +77,17 @@ class Ledger(Base):
     pid: Mapped[int] = mapped_column(sa.Integer)
 
 
+class GroupRun(Base):
+    """One row per run of a group's callback, with the results it was given."""
+
+    __tablename__ = "group_runs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    group_no: Mapped[int] = mapped_column(sa.Integer, index=True)
+    results: Mapped[Any] = mapped_column(JSONB)
+
+
 class Order(Base):
     """A producer's business row; ``slots`` lists the jobs its transaction kept."""
 
@@ -143,6 +154,55 @@ def book(i: int, session: Session) -> None:
 @jobs.task(name="faults.order_job", queue="orders")
 def order_job(order_id: int, slot: int) -> None:
     record(item=order_id, slot=slot)
+
+
+# -- workflows -----------------------------------------------------------------------------
+
+
+@jobs.task(name="faults.member", queue="flow", keep_result=True)
+def member(group_no: int, k: int, align: float = 0.0) -> list[int]:
+    """A group member: record the run, then return ``[group_no, k]`` at the next multiple
+    of ``align`` seconds of the wall clock (at least half of it from now), so that members
+    running at the same time on different workers finish at the same moment."""
+    record(item=group_no, slot=k)
+    if align:
+        _until_tick(align)
+    return [group_no, k]
+
+
+@jobs.task(name="faults.collect", queue="flow")
+def collect(group_no: int, results: list[Any]) -> None:
+    """A group's callback: record the run and the results it got, committed."""
+    record(item=group_no)
+    job = current_job()
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.insert(GroupRun).values(
+                job_id=job.id, attempt=job.attempts, group_no=group_no, results=results
+            )
+        )
+
+
+@jobs.task(name="faults.parent", queue="flow")
+def parent(i: int, align: float) -> None:
+    """A job that gets a child while it runs (the test enqueues it once the run shows);
+    returns at a multiple of ``align`` seconds of the wall clock, at least ``align`` from
+    now (the test times its kills by the same clock)."""
+    record(item=i)
+    _until_tick(align, at_least=1.0)
+
+
+def _until_tick(align: float, at_least: float = 0.5) -> None:
+    """Sleep until a multiple of ``align`` seconds of the wall clock, at least
+    ``at_least * align`` from now."""
+    now = time.time()
+    left = align - now % align
+    time.sleep(left + (align if left < at_least * align else 0.0))
+
+
+@jobs.task(name="faults.kid", queue="flow")
+def kid(i: int) -> None:
+    record(item=i)
 
 
 # -- poison --------------------------------------------------------------------------------
