@@ -540,9 +540,9 @@ class WorkerCore:
         so that no queue always goes first.
 
         A queue whose last claim came back short is dry: it is skipped until a NOTIFY names
-        it or a poll interval has passed. A worker serving 1,000 queues with jobs in three
-        of them would otherwise send a thousand claims per round, nearly all empty, while
-        the busy queues wait (``benchmarks/curves.py --rows queues``).
+        it or the next poll round (:meth:`_dry_until`). A worker serving 1,000 queues with
+        jobs in three of them would otherwise send a thousand claims per round, nearly all
+        empty, while the busy queues wait (``benchmarks/curves.py --rows queues``).
         Limited queues are never dry: their own wait (``_held``, until a slot or the rate
         window frees) decides when they are claimed again."""
         dry, now = self._dry, time.monotonic()
@@ -601,11 +601,24 @@ class WorkerCore:
                 # claim's snapshot may predate the jobs it announced.
                 with self._lock:
                     if self._notified.get(queue, 0.0) < began:
-                        self._dry[queue] = time.monotonic() + self.settings.poll_interval
+                        self._dry[queue] = self._dry_until(began)
             if rows:
                 self.driver.dispatch(self.claimed(rows))
                 total += len(rows)
         return total
+
+    def _dry_until(self, began: float) -> float:
+        """Until when a queue whose claim (sent at ``began``) came back short is skipped:
+        the next poll round, which is due within a poll interval of ``began``.
+
+        Timed from the round, not from the claim: the idle loop wakes for the round at
+        ``_next_refresh``, and a mark set a few milliseconds later than that (from the end
+        of the claim, or its start) was still "dry" when the loop woke, so each queue but
+        the first of a round was claimed only every other poll interval. When the round
+        is already overdue (its claims took longer than a poll interval: thousands of
+        queues), a poll interval from ``began`` still bounds the wait."""
+        round_due = self._next_refresh
+        return round_due if round_due > began else began + self.settings.poll_interval
 
     def _estimate_ahead(self) -> None:
         """How far past the free slots to claim: twice the jobs that finish during one

@@ -508,3 +508,79 @@ def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
     core._turn = 1  # the limited queue's turn to go first
     run_steps(core._claim(), answer)
     assert asked and asked[0] == ("lim", 6)
+
+
+# -- polling without LISTEN ----------------------------------------------------------------
+
+
+class FakeClock:
+    """``time`` for the core, on a clock the test moves: statements take the time the
+    test says, and a sleep passes at once."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _poll_idle(
+    monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...], limited: tuple[str, ...] = ()
+) -> tuple[dict[str, list[float]], float]:
+    """Run an idle worker's fetch loop for 20 simulated seconds, every queue empty, each
+    statement taking a few milliseconds: when each queue's claims were sent."""
+    from sqla_jobs.worker.db import LimitedClaim, Refresh
+
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    jobs = Jobs(app.Job)
+    for queue in limited:
+        jobs.queue(queue, concurrency=2)
+    poll = 1.0
+    core = WorkerCore(
+        jobs, WorkerSettings(queues=queues, poll_interval=poll, listen=False), FakeDriver()
+    )
+    claims: dict[str, list[float]] = {q: [] for q in queues}
+    end = clock.now + 20.0
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Sleep):
+            clock.advance(step.seconds)
+            if clock.now >= end:
+                core.stopping = True
+            return None
+        assert isinstance(step, s.Io)
+        name = step.fn.__name__
+        if name == "refresh":
+            clock.advance(0.004)
+            return Refresh(None, frozenset())
+        if name == "prune_batch":
+            return None  # another worker prunes
+        claims[step.args[1]["queue_name"]].append(clock.now)
+        clock.advance(0.003 if name == "claim" else 0.006)
+        return LimitedClaim([], False, None) if name == "claim_limited" else []
+
+    run_steps(core.fetch(), answer)
+    return claims, poll
+
+
+@pytest.mark.parametrize(
+    ("queues", "limited"),
+    [(("a",), ()), (("a", "b", "c", "d"), ()), (("a", "b", "lim", "c"), ("lim",))],
+    ids=["one queue", "four queues", "with a limited queue"],
+)
+def test_an_idle_worker_without_listen_claims_every_queue_every_poll_interval(
+    monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...], limited: tuple[str, ...]
+) -> None:
+    """A job enqueued into any queue is picked up within the poll interval (plus the
+    round's few statements). The dry mark used to be timed from after each claim while
+    the loop's wake-up was timed from before them: every queue but the first of a round
+    was still "dry" when the loop woke, and was claimed only every other interval."""
+    claims, poll = _poll_idle(monkeypatch, queues, limited)
+    for queue, times in claims.items():
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert len(times) >= 19, (queue, times)
+        assert max(gaps) <= poll + 0.03, (queue, gaps)
