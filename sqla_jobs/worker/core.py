@@ -40,12 +40,15 @@ from .job import (
     ClaimedJob,
     Outcome,
     OutcomeKind,
+    decode_rows,
+    format_error,
     job_log,
     keeps,
     outcome_name,
     outcome_of,
     reset_current,
     result_json,
+    retry_delay,
     set_current,
     timed_out,
     unknown_task,
@@ -209,6 +212,8 @@ class WorkerCore:
         self._outcomes_since: float | None = None
         self._unreachable_since: float | None = None
         self._state = "starting"
+        #: Runs in a row that the worker's own code failed around (see :meth:`crashed`).
+        self._crashes = 0
         self.reset()
 
     def reset(self) -> None:
@@ -271,15 +276,37 @@ class WorkerCore:
         """Claims this worker is running and has not settled."""
         return len(self._running)
 
-    def claimed(self, rows: Iterable[Any]) -> list[ClaimedJob]:
-        """Claimed rows become running jobs, each holding a slot."""
-        claimed = [ClaimedJob(*row, worker=self.name) for row in rows]  # type: ignore[misc]
+    def claimed(self, rows: Iterable[Any], at: float | None = None) -> list[ClaimedJob]:
+        """Claimed rows become running jobs, each holding a slot; ``at`` is when the claim
+        was sent (its lease counts from no earlier). A row that cannot be run (see
+        :func:`~.job.decode_rows`) is failed at once instead, and holds none."""
+        if at is None:
+            at = time.monotonic()
+        claimed, unreadable = decode_rows(rows, self.name)
         with self._lock:
             self._free -= len(claimed)
             self._saturated = self._free + self._ahead < self._wake_at
             for job in claimed:
+                job.claimed_at = at
                 self._running[job.key] = job
+        if unreadable:
+            self._fail_unreadable(unreadable)
         return claimed
+
+    def _fail_unreadable(self, failures: list[Outcome]) -> None:
+        """Record the failures of claimed rows that cannot be run: logged as errors (the
+        row was written by something other than this library, or by a newer or older
+        version), with their events, and written like any outcome."""
+        with self._lock:
+            for outcome in failures:
+                outcome.job.settled = True
+            if not self._unwritten:
+                self._outcomes_since = time.monotonic()
+            self._unwritten += len(failures)
+        for outcome in failures:
+            job_log(logging.ERROR, outcome.job, "%s; it is dead", outcome.error, outcome="dead")
+            self._fire_outcome(outcome, 0.0, ValueError(outcome.error))
+            self.driver.record(outcome)
 
     def finished(self, job: ClaimedJob, outcome: Outcome | None) -> None:
         """A handler ended (or its task did). Frees the slot, and records the outcome
@@ -357,8 +384,60 @@ class WorkerCore:
             return run.end(exc)
         return run
 
+    def crashed(self, job: ClaimedJob, exc: BaseException) -> Outcome | None:
+        """The worker's own code failed around a run of ``job`` (not the handler: how a
+        handler ends is an outcome). The driver catches whatever escapes a run, calls
+        this, and goes on with the next job: an executor thread or task outlives anything
+        one job does (a thread that died of a row's ``meta`` once left its job
+        ``running``, heartbeated, for ever, and with ``concurrency`` such rows the worker
+        ran nothing). Returns the outcome for :meth:`finished`: the run failed with the
+        traceback, retried by its task's policy.
+
+        Supervised like a side duty: after :data:`MAX_DUTY_FAILURES` such failures in a
+        row, with no run ending normally between them, the worker stops loudly
+        (:class:`~sqla_jobs.errors.WorkerError`): a worker that fails every run would
+        otherwise spend the attempts of every job it claims.
+        """
+        with self._lock:
+            self._crashes += 1
+            crashes = self._crashes
+            if job.settled or job.is_cancelled:
+                # Decided already (timed out, handed back), or no longer this worker's.
+                return Outcome(OutcomeKind.SETTLED, job)
+        task = self.jobs.tasks.get(job.task)
+        outcome = Outcome(
+            OutcomeKind.FAILED,
+            job,
+            error=format_error(exc),
+            delay=retry_delay(task.retry if task is not None else self.jobs.retry, job, job.task),
+        )
+        log.error(
+            "worker %s: job %s (%s): the worker failed around its run; the run counts as "
+            "failed: %s",
+            self.name,
+            job.id,
+            job.task,
+            describe(exc),
+            exc_info=exc,
+        )
+        self._fire_outcome(outcome, 0.0, exc)
+        if crashes >= MAX_DUTY_FAILURES and self.fatal is None:
+            log.critical(
+                "worker %s: %d runs in a row failed in the worker itself; stopping the worker",
+                self.name,
+                crashes,
+            )
+            self.fatal = WorkerError(
+                f"worker {self.name}: {crashes} runs in a row failed in the worker itself: "
+                f"{describe(exc)}"
+            )
+            self.driver.stop()
+        return outcome
+
     def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
         """The outcome of a run, with its events fired and a debug line logged."""
+        if self._crashes:
+            self._crashes = 0  # a run ended as runs should: the crash streak is over
         # A bool read needs no lock: a timeout or a shutdown that settles the claim after
         # this is caught by finished(), which records nothing for a settled claim.
         if job.settled:  # a timeout or a shutdown decided this claim already, events and all
@@ -603,7 +682,9 @@ class WorkerCore:
                     if self._notified.get(queue, 0.0) < began:
                         self._dry[queue] = self._dry_until(began)
             if rows:
-                self.driver.dispatch(self.claimed(rows))
+                claimed = self.claimed(rows, began)
+                if claimed:
+                    self.driver.dispatch(claimed)
                 total += len(rows)
         return total
 
@@ -1208,6 +1289,9 @@ class WorkerCore:
             loops[name] = {"waiting_on": step_name(step), "seconds": round(waited, 3)}
             if step is not None and waited > step_budget(step, stuck_after):
                 problems.append(f"{name} stuck: waiting on {step_name(step)} for {waited:.1f}s")
+        idle = self._idle_with_work(now)
+        if idle is not None:
+            problems.append(idle)
         if self._state == "stopped":
             problems.insert(0, "the worker is not running")
         if self.fatal is not None:
@@ -1236,6 +1320,31 @@ class WorkerCore:
             concurrency=self.settings.concurrency,
             unwritten=self._unwritten,
             database=database,
+        )
+
+    def _idle_with_work(self, now: float) -> str | None:
+        """Why the worker runs nothing though it holds claims to run, or None.
+
+        A claim waits to start only while every slot runs a handler (it was claimed
+        ahead). One that has waited longer than ``stuck_after`` while a slot runs no
+        handler means the executors (threads or tasks) are gone: the heartbeat would keep
+        its lease for ever, and the worker would look alive while running nothing."""
+        concurrency = self.settings.concurrency
+        with self._lock:
+            unstarted = [j for j in self._running.values() if not j.started and not j.settled]
+            # Slots held by handlers: every claim holds one until its handler ends (a
+            # timed-out one too, whose thread cannot be stopped), and unstarted claims
+            # hold theirs too.
+            handlers = concurrency - self._free - len(unstarted)
+        waiting = [j for j in unstarted if j.claimed_at]
+        if not waiting or handlers >= concurrency:
+            return None
+        oldest = now - min(j.claimed_at for j in waiting)
+        if oldest <= self.settings.stuck_after:
+            return None
+        return (
+            f"{len(waiting)} claimed jobs waiting {oldest:.1f}s to start while "
+            f"{concurrency - max(handlers, 0)} of {concurrency} slots run no handler"
         )
 
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
@@ -1414,6 +1523,9 @@ class Run:
         """A transactional run committed its writes with its completion: nothing is left
         to record."""
         reset_current(self._token)
+        core = self.core
+        if core._crashes:
+            core._crashes = 0
         duration = time.monotonic() - self.job.started
         self.core.log_end(self.job, "succeeded", duration)
         self.core.jobs.events.fire("succeeded", self.job, duration=duration)

@@ -64,9 +64,17 @@ def make(**settings: Any) -> tuple[WorkerCore, FakeDriver, Jobs]:
     return core, driver, jobs
 
 
-def row(job_id: int, task: str = "work", attempts: int = 1, queue: str = "a") -> tuple[Any, ...]:
+def row(
+    job_id: int,
+    task: str = "work",
+    attempts: int = 1,
+    queue: str = "a",
+    args: str = "{}",
+    meta: str | None = None,
+) -> tuple[Any, ...]:
+    """A claimed row as the claim returns it (JSON as text)."""
     now = datetime.now(timezone.utc)
-    return (job_id, queue, task, {}, attempts, 3, 0, now, now)
+    return (job_id, queue, task, args, attempts, 3, 0, now, now, meta)
 
 
 def run_steps(steps: s.Steps, answer: Any) -> tuple[list[s.Step], Any]:
@@ -584,3 +592,149 @@ def test_an_idle_worker_without_listen_claims_every_queue_every_poll_interval(
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert len(times) >= 19, (queue, times)
         assert max(gaps) <= poll + 0.03, (queue, gaps)
+
+
+# -- rows the worker cannot run ---------------------------------------------------------------
+
+
+def _timeless(job_id: int, column: int) -> tuple[Any, ...]:
+    """A row whose run_at (7) or created_at (8) the claim returned as NULL: infinite, BC,
+    or past the year 9999."""
+    values = list(row(job_id))
+    values[column] = None
+    return tuple(values)
+
+
+@pytest.mark.parametrize(
+    ("poison", "why"),
+    [
+        (row(2, args='{"n": ' + "9" * 5000 + "}"), "args cannot be decoded by Python (ValueError"),
+        (row(2, args="[" * 1200 + "]" * 1200), "args is nested too deeply for Python to decode"),
+        (row(2, args="[1]"), "args is a JSON array, not a JSON object"),
+        (row(2, meta="[1]"), "meta is a JSON array, not a JSON object"),
+        (row(2, meta='"x"'), "meta is a JSON string, not a JSON object"),
+        (row(2, meta='{"t": ' + "[" * 1200 + "]" * 1200 + "}"), "meta is nested too deeply"),
+        (row(2, meta='{"sqla_jobs.keep": "abc"}'), "meta['sqla_jobs.keep'] is \"abc\""),
+        (row(2, meta='{"sqla_jobs.keep": 1e300}'), "not a number of seconds from 0 to"),
+        (_timeless(2, 7), "run_at is infinite, before the year 1 or after the year 9999"),
+        (_timeless(2, 8), "created_at is infinite, before the year 1"),
+    ],
+    ids=[
+        "huge int",
+        "deep args",
+        "args array",
+        "meta array",
+        "meta string",
+        "deep meta",
+        "keep not a number",
+        "keep too long",
+        "run_at",
+        "created_at",
+    ],
+)
+def test_a_row_the_worker_cannot_run_is_failed_dead_and_the_rest_of_its_batch_runs(
+    poison: tuple[Any, ...], why: str
+) -> None:
+    core, driver, jobs = make(concurrency=5)
+    events: list[str] = []
+    for name in ("failed", "dead"):
+        jobs.events.connect(name, lambda e: events.append(e.name))
+    claimed = core.claimed([row(1), poison, row(3, meta='{"tag": 1}')])
+    assert [j.id for j in claimed] == [1, 3] and claimed[1].meta == {"tag": 1}
+    # The poison row holds no slot, and its failure is recorded at once: dead, naming
+    # its column and why.
+    assert core.free == 3 and core.running == 2 and core.unwritten == 1
+    (failure,) = driver.recorded
+    assert failure.kind is OutcomeKind.FAILED and failure.permanent and failure.dead
+    assert failure.job.id == 2 and failure.job.attempts == 1
+    assert failure.error is not None and failure.error.startswith("unreadable job row: ")
+    assert why in failure.error, failure.error
+    assert events == ["failed", "dead"]
+
+
+def test_a_meta_that_names_children_still_settles_them_when_another_column_is_unreadable() -> None:
+    from sqla_jobs.tasks import CHILDREN_KEY
+    from sqla_jobs.worker.job import is_flow
+
+    core, driver, _ = make()
+    values = list(row(1, args="[1]", meta=f'{{"{CHILDREN_KEY}": true}}'))
+    core.claimed([tuple(values)])
+    (failure,) = driver.recorded
+    # Written by the flow statement: its children are cancelled, its waiters told.
+    assert is_flow(failure.job) and "args is a JSON array" in (failure.error or "")
+
+
+# -- the worker's own failures around a run ----------------------------------------------------
+
+
+def test_a_failure_around_a_run_fails_that_run_and_five_in_a_row_stop_the_worker() -> None:
+    core, driver, _ = make(concurrency=10)
+    claims = core.claimed([row(i) for i in range(1, 9)])
+    for job in claims[:4]:
+        assert isinstance(core.start(job), core_mod.Run)
+        outcome = core.crashed(job, AttributeError("'list' object has no attribute 'get'"))
+        assert outcome is not None and outcome.kind is OutcomeKind.FAILED
+        assert "AttributeError: 'list' object has no attribute 'get'" in (outcome.error or "")
+        assert not outcome.dead and outcome.delay == 1.0  # the task's retry policy
+        core.finished(job, outcome)
+    assert core.fatal is None and core.free == 6 and core.running == 4
+    # A run that ends as runs should ends the streak.
+    run = core.start(claims[4])
+    assert isinstance(run, core_mod.Run)
+    with run:
+        pass
+    for job in claims[5:8]:
+        core.start(job)
+        core.finished(job, core.crashed(job, RuntimeError("bug")))
+    assert core.fatal is None and driver.stops == 0
+    (job,) = core.claimed([row(20)])
+    core.start(job)
+    for _ in range(2):
+        (job,) = core.claimed([row(next(_ids) + 100)])
+        core.start(job)
+        core.crashed(job, RuntimeError("bug"))
+    assert isinstance(core.fatal, WorkerError) and driver.stops == 1
+    assert "5 runs in a row failed in the worker itself: RuntimeError: bug" in str(core.fatal)
+
+
+def test_a_failure_around_a_claim_already_decided_records_nothing_more() -> None:
+    core, _, _ = make()
+    (job,) = core.claimed([row(1, "slow")])
+    core.start(job)
+    job.started -= 1  # past its 0.5 s timeout: failed and settled by the heartbeat
+    core.enforce_timeouts()
+    outcome = core.crashed(job, RuntimeError("late"))
+    assert outcome is not None and outcome.kind is OutcomeKind.SETTLED
+
+
+# -- stored arguments the handler no longer takes ------------------------------------------------
+
+
+def test_a_stored_argument_the_handler_does_not_take_fails_the_run_naming_it() -> None:
+    core, _, _ = make()
+    (job,) = core.claimed([row(1, args='{"user_id": 7}')])
+    outcome = core.start(job)
+    assert isinstance(outcome, Outcome) and outcome.kind is OutcomeKind.FAILED
+    assert "stored argument(s) 'user_id' are not parameters of its handler" in (outcome.error or "")
+    assert "which takes (n)" in (outcome.error or "")
+    assert not outcome.dead  # the retry policy: a newer worker may take it
+
+
+def test_a_delay_the_completer_could_not_write_is_capped() -> None:
+    """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
+    fail (an interval past what a timedelta holds), and with it every outcome of its
+    batch, until the completer gave up and stopped the worker."""
+    from sqla_jobs.limits import DURATION_MAX_SECONDS
+    from sqla_jobs.worker.job import outcome_statements
+
+    core, _, jobs = make()
+    (job,) = core.claimed([row(1)])
+    task = jobs.tasks["work"]
+    snoozed = outcome_of(task, job, Snooze(1e300))
+    assert snoozed.delay == DURATION_MAX_SECONDS
+    task.retry = lambda attempt: float("inf")
+    failed = outcome_of(task, job, ValueError("x"))
+    assert failed.delay == DURATION_MAX_SECONDS
+    task.retry = lambda attempt: float("nan")
+    assert outcome_of(task, job, ValueError("x")).delay == 60.0
+    assert len(outcome_statements(jobs.queries, [snoozed, failed])) == 2
