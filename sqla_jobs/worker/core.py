@@ -287,7 +287,7 @@ class WorkerCore:
             self._free -= len(claimed)
             self._saturated = self._free + self._ahead < self._wake_at
             for job in claimed:
-                job.claimed_at = at
+                job.claimed_at = job.renewed = at
                 self._running[job.key] = job
         if unreadable:
             self._fail_unreadable(unreadable)
@@ -357,12 +357,42 @@ class WorkerCore:
         """Called by the driver just before it runs a handler.
 
         Returns a :class:`Run` to carry out, an outcome to record at once (an unknown
-        task), or None when the claim was handed back before it started (skip it).
+        task), or None when the claim was handed back before it started, or waits for a
+        heartbeat (skip it).
+
+        A claim is started only while the worker knows it is still its own: by its own
+        clock, its lease was extended (claimed, or kept by a heartbeat) less than half a
+        lease ago. The heartbeat does that every third of a lease, so a claim older than
+        that means the worker itself was stalled (a paused process: SIGSTOP, a frozen VM,
+        a long GC pause), and its lease may have passed and the job be running elsewhere,
+        or done. Such a claim is held (``confirming``) and the heartbeat poked; the beat
+        dispatches it again, kept (it starts) or lost (it ends at once, not run).
         """
+        now = time.monotonic()
         with self._lock:
             if job.settled:
                 return None
-            job.started = time.monotonic()
+            confirm = (
+                job.renewed != 0.0
+                and now - job.renewed > self.settings.lease / 2
+                and not job.is_cancelled
+            )
+            if confirm:
+                job.confirming = True
+            else:
+                job.started = now
+        if confirm:
+            job_log(
+                logging.INFO,
+                job,
+                "claimed %.1fs ago, its lease last extended %.1fs ago: starts once a "
+                "heartbeat says the claim is still this worker's",
+                now - job.claimed_at,
+                now - job.renewed,
+            )
+            self._poked = True
+            self.driver.poke()
+            return None
         if job.is_cancelled:
             # Told to stop before it started (cancelled, or its lease lost while it waited
             # for a slot): it is not run, and its slot frees with this outcome.
@@ -979,7 +1009,7 @@ class WorkerCore:
         cancelled, or its lease passed and another worker took it. Its handler is told to
         stop. A database error is logged and the beat tried again at the next tick.
         """
-        self._last_beat = time.monotonic()
+        self._last_beat = began = time.monotonic()
         with self._lock:
             running = [j for j in self._running.values() if not j.settled]
         if not running:
@@ -1007,14 +1037,27 @@ class WorkerCore:
                 for j in running
                 if j.key not in kept and self._running.get(j.key) is j and not j.settled
             ]
+            # Claims held back from starting until a beat (see start): decided now.
+            confirmed = [
+                j
+                for j in running
+                if j.confirming and self._running.get(j.key) is j and not j.settled
+            ]
+            for job in confirmed:
+                job.confirming = False
         for job, note in zip(running, notes, strict=True):
-            if note is not None and job.key in kept:
-                job.progress_written(note)
+            if job.key in kept:
+                job.renewed = began
+                if note is not None:
+                    job.progress_written(note)
         for job in lost:
             if not job.is_cancelled:
                 job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
                 job.cancel("cancelled, or lease lost")
                 self.driver.interrupt(job)
+        if confirmed:
+            # Kept ones start now; lost ones, cancelled above, end at once, not run.
+            self.driver.dispatch(confirmed)
 
     def enforce_timeouts(self) -> None:
         """Past its task's timeout, a run has failed: record that now, stop extending its
@@ -1326,9 +1369,10 @@ class WorkerCore:
         """Why the worker runs nothing though it holds claims to run, or None.
 
         A claim waits to start only while every slot runs a handler (it was claimed
-        ahead). One that has waited longer than ``stuck_after`` while a slot runs no
-        handler means the executors (threads or tasks) are gone: the heartbeat would keep
-        its lease for ever, and the worker would look alive while running nothing."""
+        ahead), or, held by :meth:`start`, for the heartbeat. One that has waited
+        longer than ``stuck_after`` while a slot runs no handler means the executors
+        (threads or tasks) are gone: the heartbeat would keep its lease for ever, and the
+        worker would look alive while running nothing."""
         concurrency = self.settings.concurrency
         with self._lock:
             unstarted = [j for j in self._running.values() if not j.started and not j.settled]
@@ -1336,7 +1380,7 @@ class WorkerCore:
             # timed-out one too, whose thread cannot be stopped), and unstarted claims
             # hold theirs too.
             handlers = concurrency - self._free - len(unstarted)
-        waiting = [j for j in unstarted if j.claimed_at]
+        waiting = [j for j in unstarted if not j.confirming and j.claimed_at]
         if not waiting or handlers >= concurrency:
             return None
         oldest = now - min(j.claimed_at for j in waiting)

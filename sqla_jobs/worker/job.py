@@ -82,6 +82,13 @@ class ClaimedJob:
     started: float = field(default=0.0, repr=False)
     #: ``time.monotonic()`` when the worker sent the claim (0: not claimed by a worker).
     claimed_at: float = field(default=0.0, repr=False)
+    #: ``time.monotonic()`` when the worker sent the last statement that extended this
+    #: claim's lease (the claim, or a heartbeat that kept it): the lease holds at least a
+    #: lease past this, by the worker's own clock (0: not claimed by a worker).
+    renewed: float = field(default=0.0, repr=False)
+    #: Held back from starting until a heartbeat says the claim is still this worker's
+    #: (see ``WorkerCore.start``).
+    confirming: bool = field(default=False, repr=False)
     #: Set by the worker once this claim's fate is decided (its outcome recorded, handed
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)

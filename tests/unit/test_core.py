@@ -738,3 +738,64 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
     task.retry = lambda attempt: float("nan")
     assert outcome_of(task, job, ValueError("x")).delay == 60.0
     assert len(outcome_statements(jobs.queries, [snoozed, failed])) == 2
+
+
+# -- no start after a lost lease ---------------------------------------------------------------
+
+
+def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker resumed after a pause past its lease (SIGSTOP, a frozen VM) must not start
+    what it claimed before: its own clock says the lease may have passed. It beats first;
+    what the beat kept starts, what it lost ends unstarted."""
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    core, driver, jobs = make(concurrency=4, lease=10.0)
+    cancelled: list[int] = []
+    jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
+    kept, lost, fresh = core.claimed([row(1), row(2), row(3)])
+    assert isinstance(core.start(fresh), core_mod.Run)  # just claimed: starts
+    clock.advance(5.1)  # half the lease and then some, with nothing renewed: paused
+    assert core.start(kept) is None and core.start(lost) is None
+    assert kept.confirming and not kept.started and driver.pokes == 2 and core._poked
+    assert core.free == 1 and driver.dispatched == []  # they keep their slots meanwhile
+    # The heartbeat beats (the pause is over): job 1 is still this worker's, job 2 is not.
+    seen, _ = run_steps(core.beat(), lambda step: {(1, 1), (3, 1)})
+    assert {j.id for j in seen[0].args[1]} == {1, 2, 3}
+    assert driver.dispatched == [kept, lost] and not kept.confirming
+    run = core.start(kept)
+    assert isinstance(run, core_mod.Run) and kept.started
+    ended = core.start(lost)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SETTLED
+    core.finished(lost, ended)
+    assert cancelled == [2] and driver.recorded == [] and core.free == 2
+    # A claimed-ahead job waiting for a slot stays startable while the heartbeat renews it.
+    (ahead,) = core.claimed([row(4)])
+    for _ in range(4):
+        clock.advance(3.4)  # the heartbeat's every third of a lease
+        run_steps(core.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
+    assert isinstance(core.start(ahead), core_mod.Run)
+
+
+def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    core, driver, _ = make(concurrency=2, lease=10.0, grace_period=0)
+    (job,) = core.claimed([row(1)])
+    clock.advance(6)
+    assert core.start(job) is None
+    handed: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Io):
+            handed.extend(j.id for j in step.args[1])
+            return 1
+        return True  # idle
+
+    run_steps(core.shutdown(), answer)
+    assert handed == [1] and core.free == 2
+    run_steps(core.beat(), lambda step: {(1, 1)})  # a late beat changes nothing
+    assert driver.dispatched == [] and core.start(job) is None
