@@ -902,11 +902,15 @@ def _rescue(t: sa.Table, channel: str) -> sa.Select[Any]:
 
 
 # Seconds until the earliest scheduled job is due, through <table>_scheduled, so an idle
-# worker can sleep exactly until then (NULL when nothing is scheduled).
+# worker can sleep exactly until then (NULL when nothing is scheduled). Only times Python
+# holds: a row at 'infinity' (written by SQL) is never due, and one at '-infinity' is
+# promoted anyway; before PostgreSQL 17 subtracting them raised, and every maintenance
+# pass of every worker failed (no claim followed).
 def _next_due(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     return sa.select(sa.func.extract("epoch", sa.func.min(c.run_at) - sa.func.now())).where(
-        c.status == status_literal(JobStatus.SCHEDULED)
+        c.status == status_literal(JobStatus.SCHEDULED),
+        c.run_at.between(_READABLE_FROM, _READABLE_UNTIL),
     )
 
 

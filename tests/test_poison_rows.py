@@ -176,3 +176,24 @@ def test_poison_rows_end_dead_with_their_reason_and_every_other_job_runs(
         proc.kill()
     assert proc.returncode == 0, out
     assert "unreadable job row" in out and "Traceback" not in out
+
+
+def test_a_scheduled_row_at_infinity_leaves_the_maintenance_working(
+    db: sa.Engine, written_before_checks: Any
+) -> None:
+    """The next due time ignores times Python cannot hold: before PostgreSQL 17, one
+    scheduled row at 'infinity' made the statement raise ("cannot subtract infinite
+    timestamps"), every worker's maintenance failed, and no worker claimed anything;
+    from 17 on it said 'due in infinite seconds'."""
+    from sqla_jobs.worker import db as worker_db
+
+    written_before_checks(
+        [
+            {"queue": "'poison'", "task": "'poison.work'", "status": "'scheduled'", "run_at": at}
+            for at in ("'infinity'", "'-infinity'")
+        ]
+    )
+    with db.begin() as conn:
+        found = worker_db.refresh(conn, app.poison_jobs, True)
+    assert found.due_in is None  # the '-infinity' one was promoted, the other is never due
+    assert count(db, status="ready") == 1 and count(db, status="scheduled") == 1
