@@ -720,6 +720,18 @@ def test_a_stored_argument_the_handler_does_not_take_fails_the_run_naming_it() -
     assert not outcome.dead  # the retry policy: a newer worker may take it
 
 
+def test_a_handler_that_takes_kwargs_gets_stored_arguments_it_does_not_name() -> None:
+    jobs = Jobs(app.Job)
+
+    @jobs.task(name="open")
+    def open_ended(n: int, **extra: Any) -> None: ...
+
+    task = jobs.tasks["open"]
+    # As the library stores it (extras under the parameter's name), and as SQL wrote it.
+    assert task.call_args({"n": 1, "extra": {"a": 2}}) == ((1,), {"a": 2})
+    assert task.call_args({"n": 1, "user_id": 7}) == ((1,), {"user_id": 7})
+
+
 def test_a_delay_the_completer_could_not_write_is_capped() -> None:
     """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
     fail (an interval past what a timedelta holds), and with it every outcome of its
