@@ -11,6 +11,8 @@ CHECK constraints stay the last line.
 from __future__ import annotations
 
 __all__ = [
+    "DURATION_MAX_SECONDS",
+    "INT_MAX_DIGITS",
     "META_MAX_BYTES",
     "META_RESERVED_PREFIX",
     "PROGRESS_MAX_BYTES",
@@ -41,6 +43,14 @@ META_RESERVED_PREFIX = "sqla_jobs."
 #: A progress note rides the heartbeat's statement and is rewritten with the row: a
 #: number and a sentence, or a small object, fit in far less than 4 KiB.
 PROGRESS_MAX_BYTES = 4096
+#: The most digits an int in a job's JSON may have: what a Python with its default limit
+#: (``sys.int_info.default_max_str_digits``) reads back. A producer that lifted the limit
+#: (``sys.set_int_max_str_digits``) could write more, and no worker could read the row.
+INT_MAX_DIGITS = 4300
+#: The longest ``keep_result``, retry delay or snooze (100 years): a result's retention
+#: end and a job's next ``run_at`` must stay times that PostgreSQL and Python's datetime
+#: hold (before the year 10000), or the statement that records the outcome would fail.
+DURATION_MAX_SECONDS = 100 * 365.25 * 86400
 
 
 def text_problem(text: str) -> str | None:

@@ -194,6 +194,37 @@ CLAIMED_COLUMNS = (
     "meta",
 )
 
+# What Python's datetime holds, a day inside each end so that no session TimeZone can push
+# a value out of it when psycopg reads it back.
+_READABLE_FROM: sa.ColumnElement[Any] = sa.literal_column("TIMESTAMPTZ '0001-01-02 00:00:00+00'")
+_READABLE_UNTIL: sa.ColumnElement[Any] = sa.literal_column("TIMESTAMPTZ '9999-12-30 00:00:00+00'")
+
+
+def claimed_columns(t: sa.Table) -> list[sa.ColumnElement[Any]]:
+    """The columns a worker reads from a claimed row (:data:`CLAIMED_COLUMNS`), in a form
+    the driver can always read, so that one row cannot break the claim of its batch.
+
+    Rows are not all written by this library (other services, SQL, older versions), and
+    the claim commits before psycopg reads its rows: one value it cannot read (a number
+    of more than 4,300 digits, JSON nested a thousand deep, a time of ``-infinity`` or
+    BC) raised for the whole batch, and every job of it stayed ``running`` on nobody
+    until its lease passed. So ``args`` and ``meta`` come back as JSON text, decoded row
+    by row by :func:`sqla_jobs.worker.job.decode_rows`, and a time Python cannot hold
+    comes back NULL; such a row is failed, naming the column, and the rest run.
+    """
+    c = t.c
+    columns: list[sa.ColumnElement[Any]] = []
+    for name in CLAIMED_COLUMNS:
+        column = c[name]
+        if name in ("args", "meta"):
+            columns.append(sa.cast(column, sa.Text).label(name))
+        elif name in ("run_at", "created_at"):
+            readable = column.between(_READABLE_FROM, _READABLE_UNTIL)
+            columns.append(sa.case((readable, column), else_=sa.null()).label(name))
+        else:
+            columns.append(column)
+    return columns
+
 
 def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
     c = t.c
@@ -229,7 +260,7 @@ def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
         )
         # The worker reads what it runs a job with; a session gets whole rows, to make
         # ORM objects of them.
-        .returning(*(t.c if for_session else (c[name] for name in CLAIMED_COLUMNS)))
+        .returning(*(t.c if for_session else claimed_columns(t)))
     )
 
 
@@ -426,9 +457,7 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False) -> sa.Select[Any]:
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
-        .returning(
-            *(c[name] for name in CLAIMED_COLUMNS), *([c.concurrency_key] if key_rated else [])
-        )
+        .returning(*claimed_columns(t), *([c.concurrency_key] if key_rated else []))
         .cte("claimed")
     )
     n_claimed = sa.select(sa.func.count()).select_from(claimed).scalar_subquery()
@@ -880,11 +909,15 @@ def _rescue(t: sa.Table, channel: str) -> sa.Select[Any]:
 
 
 # Seconds until the earliest scheduled job is due, through <table>_scheduled, so an idle
-# worker can sleep exactly until then (NULL when nothing is scheduled).
+# worker can sleep exactly until then (NULL when nothing is scheduled). Only times Python
+# holds: a row at 'infinity' (written by SQL) is never due, and one at '-infinity' is
+# promoted anyway; before PostgreSQL 17 subtracting them raised, and every maintenance
+# pass of every worker failed (no claim followed).
 def _next_due(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     return sa.select(sa.func.extract("epoch", sa.func.min(c.run_at) - sa.func.now())).where(
-        c.status == status_literal(JobStatus.SCHEDULED)
+        c.status == status_literal(JobStatus.SCHEDULED),
+        c.run_at.between(_READABLE_FROM, _READABLE_UNTIL),
     )
 
 

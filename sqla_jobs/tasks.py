@@ -22,6 +22,8 @@ import json
 import logging
 import operator
 import random
+import re
+import sys
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -45,6 +47,8 @@ from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Around, Events, RunWrapper
 from .limits import (
+    DURATION_MAX_SECONDS,
+    INT_MAX_DIGITS,
     META_MAX_BYTES,
     META_RESERVED_PREFIX,
     QUEUE_MAX_BYTES,
@@ -304,8 +308,17 @@ class Task(Generic[P, R]):
             if found is not None:
                 name, where, why = found
                 raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
+        if _digits_lifted():
+            self._check_digits(arguments, text)
         arguments.json = text
         return arguments
+
+    def _check_digits(self, arguments: Mapping[str, Any], text: str) -> None:
+        """Refuse an int that no worker could read back (see :func:`long_int_problem`)."""
+        for name, value in arguments.items():
+            problem = long_int_problem(value, repr(name), text)
+            if problem is not None:
+                raise EnqueueError(f"task {self.name!r}: argument {problem}")
 
     def bind_many(self, items: Iterable[TaskArgs[Any] | Mapping[str, Any]]) -> list[CheckedArgs]:
         """:meth:`bind_args` for each of ``items`` (``task.args(...)`` or dicts of keyword
@@ -378,14 +391,44 @@ class Task(Generic[P, R]):
                     if found is not None:
                         name, where, why = found
                         raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
+        if _digits_lifted() and _LONG_INT.search(joined):
+            for arguments, text in zip(plain, texts, strict=True):
+                self._check_digits(arguments, text)
         return plain, texts
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included."""
+        """Turn stored JSON arguments back into a call, ``*args`` and ``**kwargs`` included.
+
+        :raises TypeError: a stored argument is not a parameter of the handler (renamed
+            or removed since the job was enqueued), and the handler takes no ``**kwargs``.
+            The job fails rather than run without it (a renamed ``user_id`` would have
+            run every queued job with ``account_id``'s default); a handler that takes
+            ``**kwargs`` gets such arguments there.
+        """
         if self._keywords is not None and stored.keys() <= self._keywords:
             return (), dict(stored)
-        bound = inspect.BoundArguments(self.signature, dict(stored))
-        return bound.args, bound.kwargs
+        parameters = self.signature.parameters
+        unknown = [name for name in stored if name not in parameters]
+        if not unknown:
+            bound = inspect.BoundArguments(self.signature, dict(stored))
+            return bound.args, bound.kwargs
+        extra = next(
+            (p.name for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+        )
+        if extra is None:
+            names = ", ".join(map(repr, unknown))
+            raise TypeError(
+                f"task {self.name!r}: the job's stored argument(s) {names} are not "
+                f"parameters of its handler, which takes ({', '.join(parameters)}): renamed "
+                "or removed since the job was enqueued? It is not run without them"
+            )
+        bound = inspect.BoundArguments(
+            self.signature, {k: v for k, v in stored.items() if k in parameters}
+        )
+        kwargs = bound.kwargs
+        for name in unknown:
+            kwargs.setdefault(name, stored[name])
+        return bound.args, kwargs
 
     def with_options(
         self,
@@ -689,6 +732,47 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
     return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
+#: A run of more digits than :data:`~sqla_jobs.limits.INT_MAX_DIGITS` in JSON text: an int
+#: no worker reads back, or (rarely) a string of digits, which the walk tells apart.
+_LONG_INT = re.compile("[0-9]{" + str(INT_MAX_DIGITS + 1) + ",}")
+
+
+def _digits_lifted() -> bool:
+    """This process lifted Python's limit on int digits (``sys.set_int_max_str_digits``),
+    so that the encoder writes ints that a worker with the default limit cannot read."""
+    limit = sys.get_int_max_str_digits()
+    return limit == 0 or limit > INT_MAX_DIGITS
+
+
+def long_int_problem(value: Any, name: str, text: str) -> str | None:
+    """Why ``value`` (encoded as ``text``) holds an int no worker could read back, or None.
+
+    With Python's default limit the encoder itself refuses an int of more than 4,300
+    digits; a producer that lifted the limit would write one, and every worker that
+    claimed the job would fail to decode its row. Looked for only when the limit is
+    lifted and the text shows such a run of digits; the message starts with ``name``.
+    """
+    if not _digits_lifted() or not _LONG_INT.search(text):
+        return None
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if item.bit_length() > INT_MAX_DIGITS * 3:  # 10**4300 has 14,284 bits
+                digits = len(str(abs(item)))
+                if digits > INT_MAX_DIGITS:
+                    where = "".join(f"[{p!r}]" for p in path)
+                    return (
+                        f"{name}{where} is an int of {digits} digits; a worker reads back at "
+                        f"most {INT_MAX_DIGITS} (Python's default limit): pass it as a string"
+                    )
+        elif isinstance(item, dict):
+            stack.extend((child, (*path, key)) for key, child in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, (*path, i)) for i, child in enumerate(item))
+    return None
+
+
 def json_problem(value: Any, name: str = "value") -> str | None:
     """Why ``value`` cannot be stored as JSON in PostgreSQL (not JSON-serialisable, a NUL
     or a surrogate in a string, a dict key that is not a string), or ``None``; the
@@ -733,6 +817,9 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
         if found is not None:
             name, where, why = found
             raise EnqueueError(f"meta key {name!r}{where} {why}")
+    problem = long_int_problem(checked, "meta", text)
+    if problem is not None:
+        raise EnqueueError(problem)
     size = len(text.encode())
     if size > META_MAX_BYTES:
         raise EnqueueError(
@@ -1813,6 +1900,13 @@ def keep_seconds(value: object, registry: Jobs | None) -> float | None:
         )
     if not seconds >= 0 or seconds == float("inf"):
         raise EnqueueError(f"keep_result must be a finite duration >= 0, got {value!r}")
+    if seconds > DURATION_MAX_SECONDS:
+        # The completion computes when the result expires: past the year 9999 it would
+        # fail, with every other outcome of its batch.
+        raise EnqueueError(
+            f"keep_result must be at most {DURATION_MAX_SECONDS:.0f} seconds (100 years), "
+            f"got {value!r}"
+        )
     return seconds
 
 

@@ -38,7 +38,7 @@ from .session import insert_pending, pending_jobs, session_registry
 from .tasks import Jobs, Task
 from .worker import Worker
 from .worker.db import settle_children
-from .worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_statements
+from .worker.job import ClaimedJob, Outcome, OutcomeKind, decode_rows, outcome_statements
 
 __all__ = [
     "EnqueuedJob",
@@ -343,8 +343,8 @@ def run_queued_jobs(
                     f"run_queued_jobs: still running jobs after {max_runs} attempts ({summary}); "
                     "a job may enqueue itself, or snooze, forever"
                 )
-            job = ClaimedJob(*row, worker=worker.name)  # type: ignore[misc]
-            outcome = _run(worker, session, job)
+            readable, unreadable = decode_rows([row], worker.name)
+            outcome = unreadable[0] if unreadable else _run(worker, session, readable[0])
             summary.runs.append(_record(session, q, outcome))
         if not claimed:
             break

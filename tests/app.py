@@ -170,3 +170,18 @@ def talk(text: str) -> None:
 @talk_jobs.task(queue="talk")
 async def talk_async(text: str) -> None:
     log.warning("async handler says %s", text)
+# -- rows written by others (tests/test_poison_rows.py) ------------------------------------
+
+#: A registry of its own, so that no other test's worker serves these queues.
+poison_jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
+poison_jobs.queue("poison-limited", concurrency=2)
+
+
+@poison_jobs.task(queue="poison", name="poison.work")
+def poison_work(i: int, account_id: int | None = None) -> None:
+    record()
+
+
+@poison_jobs.task(queue="poison-limited", name="poison.limited_work")
+def poison_limited_work(i: int, account_id: int | None = None) -> None:
+    record()

@@ -5,11 +5,12 @@ interval."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import sqlalchemy as sa
 
-from sqla_jobs import Jobs, Worker
+from sqla_jobs import Jobs, Worker, current_job
 
 from .helpers import count, running, wait_for
 
@@ -73,3 +74,56 @@ def test_a_dry_queue_is_looked_at_again_after_a_poll_interval(
         with Session.begin() as session:
             session.enqueue(in_b)
         wait_for(lambda: ran == ["a", "b"], timeout=5)
+
+
+def test_without_listen_every_queue_picks_up_a_new_job_within_the_poll_interval(
+    db: sa.Engine, jobs: Jobs, Session: Any, make_worker: Any
+) -> None:
+    """However many queues (a limited one among them), a job enqueued right after its
+    queue's claim came back empty starts within the poll interval. The dry mark used to
+    outlast the next wake-up by the few milliseconds of the claims before it, so every
+    queue but the first of a round was claimed only every other interval."""
+    jobs.queue("lim", concurrency=2)
+    started: dict[int, float] = {}
+    queues = ["a", "b", "lim", "c"]
+    for queue in queues:
+
+        @jobs.task(queue=queue, name=f"mark-{queue}")
+        def mark() -> None:
+            started[current_job().id] = time.monotonic()
+
+    poll = 0.5
+    worker = make_worker(jobs, db, queues=queues, listen=False, poll_interval=poll)
+    engine = worker.engine
+    engine = getattr(engine, "sync_engine", engine)
+    claimed: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def seen(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
+        if isinstance(params, dict) and "queue_name" in params and "UPDATE" in statement:
+            with lock:
+                claimed[params["queue_name"]] = time.monotonic()
+
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        for _ in range(3):
+            # Every queue has just been claimed from, empty: then one job for each.
+            since = time.monotonic()
+            wait_for(lambda: all(claimed.get(q, 0.0) > since for q in queues))  # noqa: B023
+            with Session.begin() as session:
+                enqueued = [session.enqueue(f"mark-{q}") for q in queues]
+                session.flush()
+                ids = [job.id for job in enqueued]
+            committed = time.monotonic()
+            wait_for(lambda: all(i in started for i in ids), timeout=10)  # noqa: B023
+            waits = {i: started[i] - committed for i in ids}
+            # The poll interval, plus a round of claims and some slack for a loaded
+            # machine; every other interval would be twice the poll interval.
+            assert max(waits.values()) < poll + 0.2, waits
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+        worker.stop()
+        thread.join(15)
+    assert not thread.is_alive()

@@ -27,6 +27,7 @@ from sqla_jobs import (
     current_job,
 )
 from sqla_jobs.queries import interval
+from sqla_jobs.worker.job import ClaimedJob, decode_rows
 
 from . import app
 from .helpers import count, rows, wait_for
@@ -40,12 +41,16 @@ def claim(
     limit: int = 1,
     lease: float = 30,
     worker: str = "test",
-) -> list[Any]:
+) -> list[ClaimedJob]:
+    """Claim with the worker's own statement; the claims as the worker reads them."""
     with engine.begin() as conn:
-        return conn.execute(
+        found = conn.execute(
             jobs.queries.claim,
             {"queue_name": queue, "limit": limit, "lease": interval(lease), "worker": worker},
         ).all()
+    claims, unreadable = decode_rows(found, worker)
+    assert not unreadable
+    return claims
 
 
 def test_2000_jobs_8_workers_each_job_runs_exactly_once(

@@ -268,6 +268,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                         else asyncio.to_thread(task.fn, *run.args, **run.kwargs)
                     )
                 outcome = run.outcome
+        except BaseException as exc:  # the worker's own failure around a run
+            outcome = self.core.crashed(job, exc)
         finally:
             self._tasks.pop(job.key, None)
             if self._waiting:

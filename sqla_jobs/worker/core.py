@@ -42,12 +42,15 @@ from .job import (
     ClaimedJob,
     Outcome,
     OutcomeKind,
+    decode_rows,
+    format_error,
     job_log,
     keeps,
     outcome_name,
     outcome_of,
     reset_current,
     result_json,
+    retry_delay,
     set_current,
     timed_out,
     unknown_task,
@@ -247,6 +250,8 @@ class WorkerCore:
         self._outcomes_since: float | None = None
         self._unreachable_since: float | None = None
         self._state = "starting"
+        #: Runs in a row that the worker's own code failed around (see :meth:`crashed`).
+        self._crashes = 0
         self.reset()
 
     def reset(self) -> None:
@@ -309,15 +314,37 @@ class WorkerCore:
         """Claims this worker is running and has not settled."""
         return len(self._running)
 
-    def claimed(self, rows: Iterable[Any]) -> list[ClaimedJob]:
-        """Claimed rows become running jobs, each holding a slot."""
-        claimed = [ClaimedJob(*row, worker=self.name) for row in rows]  # type: ignore[misc]
+    def claimed(self, rows: Iterable[Any], at: float | None = None) -> list[ClaimedJob]:
+        """Claimed rows become running jobs, each holding a slot; ``at`` is when the claim
+        was sent (its lease counts from no earlier). A row that cannot be run (see
+        :func:`~.job.decode_rows`) is failed at once instead, and holds none."""
+        if at is None:
+            at = time.monotonic()
+        claimed, unreadable = decode_rows(rows, self.name)
         with self._lock:
             self._free -= len(claimed)
             self._saturated = self._free + self._ahead < self._wake_at
             for job in claimed:
+                job.claimed_at = job.renewed = at
                 self._running[job.key] = job
+        if unreadable:
+            self._fail_unreadable(unreadable)
         return claimed
+
+    def _fail_unreadable(self, failures: list[Outcome]) -> None:
+        """Record the failures of claimed rows that cannot be run: logged as errors (the
+        row was written by something other than this library, or by a newer or older
+        version), with their events, and written like any outcome."""
+        with self._lock:
+            for outcome in failures:
+                outcome.job.settled = True
+            if not self._unwritten:
+                self._outcomes_since = time.monotonic()
+            self._unwritten += len(failures)
+        for outcome in failures:
+            job_log(logging.ERROR, outcome.job, "%s; it is dead", outcome.error, outcome="dead")
+            self._fire_outcome(outcome, 0.0, ValueError(outcome.error))
+            self.driver.record(outcome)
 
     def finished(self, job: ClaimedJob, outcome: Outcome | None) -> None:
         """A handler ended (or its task did). Frees the slot, and records the outcome
@@ -368,12 +395,42 @@ class WorkerCore:
         """Called by the driver just before it runs a handler.
 
         Returns a :class:`Run` to carry out, an outcome to record at once (an unknown
-        task), or None when the claim was handed back before it started (skip it).
+        task), or None when the claim was handed back before it started, or waits for a
+        heartbeat (skip it).
+
+        A claim is started only while the worker knows it is still its own: by its own
+        clock, its lease was extended (claimed, or kept by a heartbeat) less than half a
+        lease ago. The heartbeat does that every third of a lease, so a claim older than
+        that means the worker itself was stalled (a paused process: SIGSTOP, a frozen VM,
+        a long GC pause), and its lease may have passed and the job be running elsewhere,
+        or done. Such a claim is held (``confirming``) and the heartbeat poked; the beat
+        dispatches it again, kept (it starts) or lost (it ends at once, not run).
         """
+        now = time.monotonic()
         with self._lock:
             if job.settled:
                 return None
-            job.started = time.monotonic()
+            confirm = (
+                job.renewed != 0.0
+                and now - job.renewed > self.settings.lease / 2
+                and not job.is_cancelled
+            )
+            if confirm:
+                job.confirming = True
+            else:
+                job.started = now
+        if confirm:
+            job_log(
+                logging.INFO,
+                job,
+                "claimed %.1fs ago, its lease last extended %.1fs ago: starts once a "
+                "heartbeat says the claim is still this worker's",
+                now - job.claimed_at,
+                now - job.renewed,
+            )
+            self._poked = True
+            self.driver.poke()
+            return None
         if job.is_cancelled:
             # Told to stop before it started (cancelled, or its lease lost while it waited
             # for a slot): it is not run, and its slot frees with this outcome.
@@ -395,8 +452,60 @@ class WorkerCore:
             return run.end(exc)
         return run
 
+    def crashed(self, job: ClaimedJob, exc: BaseException) -> Outcome | None:
+        """The worker's own code failed around a run of ``job`` (not the handler: how a
+        handler ends is an outcome). The driver catches whatever escapes a run, calls
+        this, and goes on with the next job: an executor thread or task outlives anything
+        one job does (a thread that died of a row's ``meta`` once left its job
+        ``running``, heartbeated, for ever, and with ``concurrency`` such rows the worker
+        ran nothing). Returns the outcome for :meth:`finished`: the run failed with the
+        traceback, retried by its task's policy.
+
+        Supervised like a side duty: after :data:`MAX_DUTY_FAILURES` such failures in a
+        row, with no run ending normally between them, the worker stops loudly
+        (:class:`~sqla_jobs.errors.WorkerError`): a worker that fails every run would
+        otherwise spend the attempts of every job it claims.
+        """
+        with self._lock:
+            self._crashes += 1
+            crashes = self._crashes
+            if job.settled or job.is_cancelled:
+                # Decided already (timed out, handed back), or no longer this worker's.
+                return Outcome(OutcomeKind.SETTLED, job)
+        task = self.jobs.tasks.get(job.task)
+        outcome = Outcome(
+            OutcomeKind.FAILED,
+            job,
+            error=format_error(exc),
+            delay=retry_delay(task.retry if task is not None else self.jobs.retry, job, job.task),
+        )
+        log.error(
+            "worker %s: job %s (%s): the worker failed around its run; the run counts as "
+            "failed: %s",
+            self.name,
+            job.id,
+            job.task,
+            describe(exc),
+            exc_info=exc,
+        )
+        self._fire_outcome(outcome, 0.0, exc)
+        if crashes >= MAX_DUTY_FAILURES and self.fatal is None:
+            log.critical(
+                "worker %s: %d runs in a row failed in the worker itself; stopping the worker",
+                self.name,
+                crashes,
+            )
+            self.fatal = WorkerError(
+                f"worker {self.name}: {crashes} runs in a row failed in the worker itself: "
+                f"{describe(exc)}"
+            )
+            self.driver.stop()
+        return outcome
+
     def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
         """The outcome of a run, with its events fired and a debug line logged."""
+        if self._crashes:
+            self._crashes = 0  # a run ended as runs should: the crash streak is over
         # A bool read needs no lock: a timeout or a shutdown that settles the claim after
         # this is caught by finished(), which records nothing for a settled claim.
         if job.settled:  # a timeout or a shutdown decided this claim already, events and all
@@ -579,9 +688,9 @@ class WorkerCore:
         so that no queue always goes first.
 
         A queue whose last claim came back short is dry: it is skipped until a NOTIFY names
-        it or a poll interval has passed. A worker serving 1,000 queues with jobs in three
-        of them would otherwise send a thousand claims per round, nearly all empty, while
-        the busy queues wait (``benchmarks/curves.py --rows queues``).
+        it or the next poll round (:meth:`_dry_until`). A worker serving 1,000 queues with
+        jobs in three of them would otherwise send a thousand claims per round, nearly all
+        empty, while the busy queues wait (``benchmarks/curves.py --rows queues``).
         Limited queues are never dry: their own wait (``_held``, until a slot or the rate
         window frees) decides when they are claimed again."""
         dry, now = self._dry, time.monotonic()
@@ -642,11 +751,26 @@ class WorkerCore:
                 # claim's snapshot may predate the jobs it announced.
                 with self._lock:
                     if self._notified.get(queue, 0.0) < began:
-                        self._dry[queue] = time.monotonic() + self.settings.poll_interval
+                        self._dry[queue] = self._dry_until(began)
             if rows:
-                self.driver.dispatch(self.claimed(rows))
+                claimed = self.claimed(rows, began)
+                if claimed:
+                    self.driver.dispatch(claimed)
                 total += len(rows)
         return total
+
+    def _dry_until(self, began: float) -> float:
+        """Until when a queue whose claim (sent at ``began``) came back short is skipped:
+        the next poll round, which is due within a poll interval of ``began``.
+
+        Timed from the round, not from the claim: the idle loop wakes for the round at
+        ``_next_refresh``, and a mark set a few milliseconds later than that (from the end
+        of the claim, or its start) was still "dry" when the loop woke, so each queue but
+        the first of a round was claimed only every other poll interval. When the round
+        is already overdue (its claims took longer than a poll interval: thousands of
+        queues), a poll interval from ``began`` still bounds the wait."""
+        round_due = self._next_refresh
+        return round_due if round_due > began else began + self.settings.poll_interval
 
     def _estimate_ahead(self) -> None:
         """How far past the free slots to claim: twice the jobs that finish during one
@@ -927,7 +1051,7 @@ class WorkerCore:
         cancelled, or its lease passed and another worker took it. Its handler is told to
         stop. A database error is logged and the beat tried again at the next tick.
         """
-        self._last_beat = time.monotonic()
+        self._last_beat = began = time.monotonic()
         with self._lock:
             running = [j for j in self._running.values() if not j.settled]
         if not running:
@@ -959,14 +1083,27 @@ class WorkerCore:
                 for j in running
                 if j.key not in kept and self._running.get(j.key) is j and not j.settled
             ]
+            # Claims held back from starting until a beat (see start): decided now.
+            confirmed = [
+                j
+                for j in running
+                if j.confirming and self._running.get(j.key) is j and not j.settled
+            ]
+            for job in confirmed:
+                job.confirming = False
         for job, note in zip(running, notes, strict=True):
-            if note is not None and job.key in kept:
-                job.progress_written(note)
+            if job.key in kept:
+                job.renewed = began
+                if note is not None:
+                    job.progress_written(note)
         for job in lost:
             if not job.is_cancelled:
                 job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
                 job.cancel("cancelled, or lease lost")
                 self.driver.interrupt(job)
+        if confirmed:
+            # Kept ones start now; lost ones, cancelled above, end at once, not run.
+            self.driver.dispatch(confirmed)
 
     def enforce_timeouts(self) -> None:
         """Past its task's timeout, a run has failed: record that now, stop extending its
@@ -1266,6 +1403,9 @@ class WorkerCore:
             loops[name] = {"waiting_on": step_name(step), "seconds": round(waited, 3)}
             if step is not None and waited > step_budget(step, stuck_after):
                 problems.append(f"{name} stuck: waiting on {step_name(step)} for {waited:.1f}s")
+        idle = self._idle_with_work(now)
+        if idle is not None:
+            problems.append(idle)
         if self._state == "stopped":
             problems.insert(0, "the worker is not running")
         if self.fatal is not None:
@@ -1309,6 +1449,31 @@ class WorkerCore:
             log.error(POOLING_ADVICE, self.name, describe(exc))
         else:
             log.debug(message, *args)
+    def _idle_with_work(self, now: float) -> str | None:
+        """Why the worker runs nothing though it holds claims to run, or None.
+
+        A claim waits to start only while every slot runs a handler (it was claimed
+        ahead), or, held by :meth:`start`, for the heartbeat. One that has waited
+        longer than ``stuck_after`` while a slot runs no handler means the executors
+        (threads or tasks) are gone: the heartbeat would keep its lease for ever, and the
+        worker would look alive while running nothing."""
+        concurrency = self.settings.concurrency
+        with self._lock:
+            unstarted = [j for j in self._running.values() if not j.started and not j.settled]
+            # Slots held by handlers: every claim holds one until its handler ends (a
+            # timed-out one too, whose thread cannot be stopped), and unstarted claims
+            # hold theirs too.
+            handlers = concurrency - self._free - len(unstarted)
+        waiting = [j for j in unstarted if not j.confirming and j.claimed_at]
+        if not waiting or handlers >= concurrency:
+            return None
+        oldest = now - min(j.claimed_at for j in waiting)
+        if oldest <= self.settings.stuck_after:
+            return None
+        return (
+            f"{len(waiting)} claimed jobs waiting {oldest:.1f}s to start while "
+            f"{concurrency - max(handlers, 0)} of {concurrency} slots run no handler"
+        )
 
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
         """A duty raised: log it, and say how long to wait before running it again.
@@ -1493,6 +1658,9 @@ class Run:
         """A transactional run committed its writes with its completion: nothing is left
         to record."""
         reset_current(self._token)
+        core = self.core
+        if core._crashes:
+            core._crashes = 0
         duration = time.monotonic() - self.job.started
         self.core.log_end(self.job, "succeeded", duration)
         self.core.jobs.events.fire("succeeded", self.job, duration=duration)

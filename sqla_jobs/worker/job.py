@@ -18,7 +18,7 @@ import socket
 import threading
 import traceback
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..errors import PermanentError, ResultError, Snooze
-from ..limits import PROGRESS_MAX_BYTES
+from ..limits import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
 from ..queries import Queries, batch_params, fail_params, snooze_params
-from ..tasks import CHILDREN_KEY, KEEP_KEY, json_problem
+from ..tasks import CHILDREN_KEY, KEEP_KEY, json_problem, long_int_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task
@@ -80,6 +80,15 @@ class ClaimedJob:
     cancel_reason: str | None = field(default=None, repr=False)
     #: ``time.monotonic()`` when the handler started (0 until then).
     started: float = field(default=0.0, repr=False)
+    #: ``time.monotonic()`` when the worker sent the claim (0: not claimed by a worker).
+    claimed_at: float = field(default=0.0, repr=False)
+    #: ``time.monotonic()`` when the worker sent the last statement that extended this
+    #: claim's lease (the claim, or a heartbeat that kept it): the lease holds at least a
+    #: lease past this, by the worker's own clock (0: not claimed by a worker).
+    renewed: float = field(default=0.0, repr=False)
+    #: Held back from starting until a heartbeat says the claim is still this worker's
+    #: (see ``WorkerCore.start``).
+    confirming: bool = field(default=False, repr=False)
     #: Set by the worker once this claim's fate is decided (its outcome recorded, handed
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)
@@ -155,6 +164,9 @@ class ClaimedJob:
             problem = json_problem(entry, "progress")
             if problem is not None:
                 raise ValueError(problem)
+        problem = long_int_problem(value, "progress", text)
+        if problem is not None:
+            raise ValueError(problem)
         if len(text.encode()) > PROGRESS_MAX_BYTES:
             raise ValueError(
                 f"progress is {len(text.encode())} bytes of JSON; at most "
@@ -273,10 +285,24 @@ def format_error(exc: BaseException) -> str:
 def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
     """Seconds before the next attempt; a broken retry policy must not lose the job."""
     try:
-        return max(0.0, float(policy(job.attempts)))
+        delay = float(policy(job.attempts))
     except Exception:
         log.exception("task %s: retry policy failed; retrying in 60s", name)
         return 60.0
+    if delay != delay:  # NaN
+        log.error("task %s: retry policy returned NaN; retrying in 60s", name)
+        return 60.0
+    return bounded_delay(delay)
+
+
+def bounded_delay(seconds: float) -> float:
+    """A retry or snooze delay the completer can write: at least 0, at most
+    :data:`~sqla_jobs.limits.DURATION_MAX_SECONDS`. A longer one (``Snooze(1e300)``, a
+    policy returning ``inf``) made the statement that records it fail, for its whole
+    batch, until the worker gave up; a NaN waits a minute."""
+    if not seconds <= DURATION_MAX_SECONDS:
+        return 60.0 if seconds != seconds else DURATION_MAX_SECONDS
+    return max(0.0, seconds)
 
 
 def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
@@ -293,12 +319,145 @@ def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
     return outcome
 
 
+#: Decodes ``args`` and ``meta``, which the claim returns as JSON text (see
+#: :func:`sqla_jobs.queries.claimed_columns`).
+_decode_json = json.JSONDecoder().decode
+
+#: What an undecodable row's job shows for a time that could not be read.
+_NO_TIME = datetime.min.replace(tzinfo=timezone.utc)
+
+
+def decode_rows(
+    rows: Iterable[Sequence[Any]], worker: str
+) -> tuple[list[ClaimedJob], list[Outcome]]:
+    """Claimed rows (:data:`~sqla_jobs.queries.CLAIMED_COLUMNS`, JSON as text) as the jobs
+    to run, and the failures of those that cannot be run.
+
+    A row the worker cannot read (JSON that Python cannot decode, ``args`` that are not an
+    object, a ``meta`` that is not an object or holds a retention that is not a duration,
+    a time Python cannot hold) is failed on its own, dead, with an error naming the
+    column and why: it must end as that row's failure, never as the worker's or its
+    batch's. The common row costs what psycopg's JSON loader cost: a decode per column.
+    """
+    ok: list[ClaimedJob] = []
+    bad: list[Outcome] = []
+    decode = _decode_json
+    for row in rows:
+        try:
+            args = decode(row[3])
+            meta = None if row[9] is None else decode(row[9])
+        except (ValueError, RecursionError, TypeError):
+            bad.append(_unreadable(row, worker))
+            continue
+        if (
+            type(args) is not dict
+            or row[7] is None
+            or row[8] is None
+            or (meta is not None and (type(meta) is not dict or KEEP_KEY in meta))
+        ):
+            # The unusual rows, a result-keeping job's among them: looked at closely.
+            problem = _row_problem(args, meta, row)
+            if problem is not None:
+                bad.append(_unreadable(row, worker, problem, args, meta))
+                continue
+        ok.append(
+            ClaimedJob(
+                row[0], row[1], row[2], args, row[4], row[5], row[6], row[7], row[8], meta, worker
+            )
+        )
+    return ok, bad
+
+
+def _row_problem(args: Any, meta: Any, row: Sequence[Any]) -> str | None:
+    if type(args) is not dict:
+        return f"args is {_json_kind(args)}, not a JSON object"
+    for index, name in ((7, "run_at"), (8, "created_at")):
+        if row[index] is None:
+            return (
+                f"{name} is infinite, before the year 1 or after the year 9999, which "
+                "Python's datetime cannot hold"
+            )
+    if meta is None:
+        return None
+    if type(meta) is not dict:
+        return f"meta is {_json_kind(meta)}, not a JSON object"
+    if KEEP_KEY in meta:
+        keep = meta[KEEP_KEY]
+        if (
+            not isinstance(keep, (int, float))
+            or isinstance(keep, bool)
+            or not 0 <= keep <= DURATION_MAX_SECONDS
+        ):
+            return (
+                f"meta[{KEEP_KEY!r}] is {json.dumps(keep)[:60]}, not a number of seconds "
+                f"from 0 to {DURATION_MAX_SECONDS:.0f} (how long to keep the result)"
+            )
+    return None
+
+
+def _unreadable(
+    row: Sequence[Any], worker: str, problem: str | None = None, args: Any = None, meta: Any = None
+) -> Outcome:
+    """The failure of a claimed row that cannot be run: dead at once (the next claim would
+    read the same row), its job made of what could be read (a ``meta`` that was read
+    still settles the job's children and wakes who waits for its result)."""
+    if problem is None:
+        problem, args, meta = _decode_problem(row)
+    job = ClaimedJob(
+        row[0],
+        row[1],
+        row[2],
+        args if type(args) is dict else {},
+        row[4],
+        row[5],
+        row[6],
+        row[7] or _NO_TIME,
+        row[8] or _NO_TIME,
+        meta if type(meta) is dict else None,
+        worker,
+    )
+    return Outcome(OutcomeKind.FAILED, job, error=f"{UNREADABLE}: {problem}", permanent=True)
+
+
+def _decode_problem(row: Sequence[Any]) -> tuple[str, Any, Any]:
+    """Which of ``args`` and ``meta`` Python cannot decode, and why; what did decode."""
+    values: list[Any] = [None, None]
+    for i, (index, name) in enumerate(((3, "args"), (9, "meta"))):
+        if row[index] is None:
+            if index == 3:
+                return "args is NULL, not a JSON object", *values
+            continue
+        try:
+            values[i] = _decode_json(row[index])
+        except RecursionError as exc:
+            return f"{name} is nested too deeply for Python to decode ({exc})", *values
+        except ValueError as exc:
+            return f"{name} cannot be decoded by Python ({type(exc).__name__}: {exc})", *values
+    return "args or meta cannot be decoded by Python", *values
+
+
+#: How ``last_error`` starts for a claimed row the worker cannot run.
+UNREADABLE = "unreadable job row"
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, str):
+        return "a JSON string"
+    if isinstance(value, bool):
+        return "a JSON boolean"
+    if value is None:
+        return "JSON null"
+    return "a JSON number"
+
+
 def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None) -> Outcome:
     """Map how a handler ended to an outcome."""
     if exc is None:
         return Outcome(OutcomeKind.SUCCEEDED, job)
     if isinstance(exc, Snooze):
-        return Outcome(OutcomeKind.SNOOZED, job, delay=exc.delay)
+        return Outcome(OutcomeKind.SNOOZED, job, delay=bounded_delay(exc.delay))
     if isinstance(exc, PermanentError):
         return Outcome(OutcomeKind.FAILED, job, error=format_error(exc), permanent=True)
     return Outcome(
@@ -351,6 +510,11 @@ def result_json(value: Any) -> str:
         problem = json_problem(value, "result")
         if problem is not None:
             raise ResultError(problem)
+    # A result is read back by Jobs.result and by the jobs that wait for it (a group's
+    # callback gets it in its arguments).
+    problem = long_int_problem(value, "the result", text)
+    if problem is not None:
+        raise ResultError(problem)
     return text
 
 

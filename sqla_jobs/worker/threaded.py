@@ -231,10 +231,14 @@ class Worker(DriverBase[sa.Engine]):
     # -- running handlers ------------------------------------------------------------------
 
     def _executor(self) -> None:
+        core = self.core
         while (job := self._inbox.get()) is not None:
-            outcome = self._execute(job)
+            try:
+                outcome = self._execute(job)
+            except BaseException as exc:  # the worker's own failure around a run
+                outcome = core.crashed(job, exc)
             if outcome is not None:
-                self.core.finished(job, outcome)
+                core.finished(job, outcome)
 
     def execute(self, job: ClaimedJob, *, session: Session | None = None) -> Outcome:
         """Run one claimed job as this worker would, and say how it ended.

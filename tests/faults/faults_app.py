@@ -62,6 +62,13 @@ class Run(Base):
     #: The business key the job carries (an item number, or an order id) and its slot.
     item: Mapped[int | None] = mapped_column(sa.BigInteger)
     slot: Mapped[int | None] = mapped_column(sa.Integer)
+    #: With ``record(check=True)``: when the worker decided to start the run
+    #: (``current_job().started``, monotonic), whether the claim was still this run's
+    #: when the run was recorded (its row running, at this attempt, locked by this
+    #: worker), and when that was read (monotonic).
+    started: Mapped[float | None] = mapped_column(sa.Float)
+    held: Mapped[bool | None] = mapped_column(sa.Boolean)
+    checked: Mapped[float | None] = mapped_column(sa.Float)
 
 
 class Ledger(Base):
@@ -111,11 +118,29 @@ def _engine() -> sa.Engine:
     return _ENGINE
 
 
-def record(item: int | None = None, slot: int | None = None, enq: float | None = None) -> None:
-    """Record this run, committed, through the recorder's own connection."""
+def record(
+    item: int | None = None, slot: int | None = None, enq: float | None = None, check: bool = False
+) -> None:
+    """Record this run, committed, through the recorder's own connection; with ``check``,
+    also whether the job's row still says this run's claim holds (see ``Run.held``)."""
     job = current_job()
     mono, at = time.monotonic(), time.time()
+    held = checked = None
     with _engine().begin() as conn:
+        if check:
+            c = Job.__table__.c
+            held = bool(
+                conn.execute(
+                    sa.select(
+                        sa.and_(
+                            c.status == "running",
+                            c.attempts == job.attempts,
+                            c.locked_by == job.worker,
+                        )
+                    ).where(c.id == job.id)
+                ).scalar()
+            )
+            checked = time.monotonic()
         conn.execute(
             sa.insert(Run).values(
                 job_id=job.id,
@@ -128,6 +153,9 @@ def record(item: int | None = None, slot: int | None = None, enq: float | None =
                 enq=enq,
                 item=item,
                 slot=slot,
+                started=job.started if check else None,
+                held=held,
+                checked=checked,
             )
         )
 
@@ -203,6 +231,21 @@ def _until_tick(align: float, at_least: float = 0.5) -> None:
 @jobs.task(name="faults.kid", queue="flow")
 def kid(i: int) -> None:
     record(item=i)
+# -- paused workers (test_pause.py) ---------------------------------------------------------
+
+
+@jobs.task(name="faults.pause_work", queue="pause")
+def pause_work(i: int) -> None:
+    """Record the run and whether its claim still held."""
+    record(item=i, check=True)
+
+
+@jobs.task(name="faults.pause_book", queue="pause", transactional=True)
+def pause_book(i: int, session: Session) -> None:
+    """As ``book``, checking the claim: one ledger row per item, if exactly-once holds."""
+    record(item=i, check=True)
+    job = current_job()
+    session.add(Ledger(item=i, job_id=job.id, attempt=job.attempts, pid=os.getpid()))
 
 
 # -- poison --------------------------------------------------------------------------------

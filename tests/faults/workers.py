@@ -240,3 +240,81 @@ class KillStorm:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+
+
+class PauseStorm:
+    """SIGSTOP a random running worker of a group for ``pause`` seconds, then SIGCONT it,
+    a new pause every ``every`` seconds (a uniform range), at most ``at_once`` paused at a
+    time, until ``count`` pauses have ended (or :meth:`stop`).
+
+    ``pauses`` lists ``(pid, stopped, continued)`` in ``time.monotonic()``, the clock the
+    worker processes read too (CLOCK_MONOTONIC is one clock for the whole machine).
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        *,
+        pause: float,
+        count: int,
+        every: tuple[float, float] = (0.3, 0.8),
+        at_once: int = 1,
+    ) -> None:
+        self.group = group
+        self.pause = pause
+        self.count = count
+        self.every = every
+        self.at_once = at_once
+        self.pauses: list[tuple[int, float, float]] = []
+        self.done = threading.Event()
+        self._paused: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pause-storm", daemon=True)
+        self._rng = random.Random(20240612)
+
+    def _run(self) -> None:
+        next_at = time.monotonic() + self._rng.uniform(*self.every)
+        started = 0
+        try:
+            while not self._stop.wait(0.01):
+                now = time.monotonic()
+                for pid, since in list(self._paused.items()):
+                    if now - since >= self.pause:
+                        self._cont(pid)
+                        self.pauses.append((pid, since, time.monotonic()))
+                if len(self.pauses) >= self.count:
+                    return
+                if started < self.count and now >= next_at and len(self._paused) < self.at_once:
+                    free = [p for p in self.group.slots if p.alive and p.pid not in self._paused]
+                    if free:
+                        proc = self._rng.choice(free)
+                        os.kill(proc.pid, signal.SIGSTOP)
+                        self._paused[proc.pid] = time.monotonic()
+                        started += 1
+                    next_at = now + self._rng.uniform(*self.every)
+        finally:
+            for pid in list(self._paused):
+                self._cont(pid)
+            self.done.set()
+
+    def _cont(self, pid: int) -> None:
+        self._paused.pop(pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    def explains(self, pid: int, start: float, end: float) -> bool:
+        """A pause of ``pid`` began within ``[start, end]``: what that process did in
+        between may have happened on either side of the pause."""
+        return any(p == pid and start <= stopped <= end for p, stopped, _ in self.pauses)
+
+    def __enter__(self) -> PauseStorm:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)

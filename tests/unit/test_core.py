@@ -64,9 +64,17 @@ def make(**settings: Any) -> tuple[WorkerCore, FakeDriver, Jobs]:
     return core, driver, jobs
 
 
-def row(job_id: int, task: str = "work", attempts: int = 1, queue: str = "a") -> tuple[Any, ...]:
+def row(
+    job_id: int,
+    task: str = "work",
+    attempts: int = 1,
+    queue: str = "a",
+    args: str = "{}",
+    meta: str | None = None,
+) -> tuple[Any, ...]:
+    """A claimed row as the claim returns it (JSON as text)."""
     now = datetime.now(timezone.utc)
-    return (job_id, queue, task, {}, attempts, 3, 0, now, now)
+    return (job_id, queue, task, args, attempts, 3, 0, now, now, meta)
 
 
 def run_steps(steps: s.Steps, answer: Any) -> tuple[list[s.Step], Any]:
@@ -508,3 +516,298 @@ def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
     core._turn = 1  # the limited queue's turn to go first
     run_steps(core._claim(), answer)
     assert asked and asked[0] == ("lim", 6)
+
+
+# -- polling without LISTEN ----------------------------------------------------------------
+
+
+class FakeClock:
+    """``time`` for the core, on a clock the test moves: statements take the time the
+    test says, and a sleep passes at once."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _poll_idle(
+    monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...], limited: tuple[str, ...] = ()
+) -> tuple[dict[str, list[float]], float]:
+    """Run an idle worker's fetch loop for 20 simulated seconds, every queue empty, each
+    statement taking a few milliseconds: when each queue's claims were sent."""
+    from sqla_jobs.worker.db import LimitedClaim, Refresh
+
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    jobs = Jobs(app.Job)
+    for queue in limited:
+        jobs.queue(queue, concurrency=2)
+    poll = 1.0
+    core = WorkerCore(
+        jobs, WorkerSettings(queues=queues, poll_interval=poll, listen=False), FakeDriver()
+    )
+    claims: dict[str, list[float]] = {q: [] for q in queues}
+    end = clock.now + 20.0
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Sleep):
+            clock.advance(step.seconds)
+            if clock.now >= end:
+                core.stopping = True
+            return None
+        assert isinstance(step, s.Io)
+        name = step.fn.__name__
+        if name == "refresh":
+            clock.advance(0.004)
+            return Refresh(None, frozenset())
+        if name == "prune_batch":
+            return None  # another worker prunes
+        claims[step.args[1]["queue_name"]].append(clock.now)
+        clock.advance(0.003 if name == "claim" else 0.006)
+        return LimitedClaim([], False, None) if name == "claim_limited" else []
+
+    run_steps(core.fetch(), answer)
+    return claims, poll
+
+
+@pytest.mark.parametrize(
+    ("queues", "limited"),
+    [(("a",), ()), (("a", "b", "c", "d"), ()), (("a", "b", "lim", "c"), ("lim",))],
+    ids=["one queue", "four queues", "with a limited queue"],
+)
+def test_an_idle_worker_without_listen_claims_every_queue_every_poll_interval(
+    monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...], limited: tuple[str, ...]
+) -> None:
+    """A job enqueued into any queue is picked up within the poll interval (plus the
+    round's few statements). The dry mark used to be timed from after each claim while
+    the loop's wake-up was timed from before them: every queue but the first of a round
+    was still "dry" when the loop woke, and was claimed only every other interval."""
+    claims, poll = _poll_idle(monkeypatch, queues, limited)
+    for queue, times in claims.items():
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert len(times) >= 19, (queue, times)
+        assert max(gaps) <= poll + 0.03, (queue, gaps)
+
+
+# -- rows the worker cannot run ---------------------------------------------------------------
+
+
+def _timeless(job_id: int, column: int) -> tuple[Any, ...]:
+    """A row whose run_at (7) or created_at (8) the claim returned as NULL: infinite, BC,
+    or past the year 9999."""
+    values = list(row(job_id))
+    values[column] = None
+    return tuple(values)
+
+
+@pytest.mark.parametrize(
+    ("poison", "why"),
+    [
+        (row(2, args='{"n": ' + "9" * 5000 + "}"), "args cannot be decoded by Python (ValueError"),
+        (row(2, args="[" * 1200 + "]" * 1200), "args is nested too deeply for Python to decode"),
+        (row(2, args="[1]"), "args is a JSON array, not a JSON object"),
+        (row(2, meta="[1]"), "meta is a JSON array, not a JSON object"),
+        (row(2, meta='"x"'), "meta is a JSON string, not a JSON object"),
+        (row(2, meta='{"t": ' + "[" * 1200 + "]" * 1200 + "}"), "meta is nested too deeply"),
+        (row(2, meta='{"sqla_jobs.keep": "abc"}'), "meta['sqla_jobs.keep'] is \"abc\""),
+        (row(2, meta='{"sqla_jobs.keep": 1e300}'), "not a number of seconds from 0 to"),
+        (_timeless(2, 7), "run_at is infinite, before the year 1 or after the year 9999"),
+        (_timeless(2, 8), "created_at is infinite, before the year 1"),
+    ],
+    ids=[
+        "huge int",
+        "deep args",
+        "args array",
+        "meta array",
+        "meta string",
+        "deep meta",
+        "keep not a number",
+        "keep too long",
+        "run_at",
+        "created_at",
+    ],
+)
+def test_a_row_the_worker_cannot_run_is_failed_dead_and_the_rest_of_its_batch_runs(
+    poison: tuple[Any, ...], why: str
+) -> None:
+    core, driver, jobs = make(concurrency=5)
+    events: list[str] = []
+    for name in ("failed", "dead"):
+        jobs.events.connect(name, lambda e: events.append(e.name))
+    claimed = core.claimed([row(1), poison, row(3, meta='{"tag": 1}')])
+    assert [j.id for j in claimed] == [1, 3] and claimed[1].meta == {"tag": 1}
+    # The poison row holds no slot, and its failure is recorded at once: dead, naming
+    # its column and why.
+    assert core.free == 3 and core.running == 2 and core.unwritten == 1
+    (failure,) = driver.recorded
+    assert failure.kind is OutcomeKind.FAILED and failure.permanent and failure.dead
+    assert failure.job.id == 2 and failure.job.attempts == 1
+    assert failure.error is not None and failure.error.startswith("unreadable job row: ")
+    assert why in failure.error, failure.error
+    assert events == ["failed", "dead"]
+
+
+def test_a_meta_that_names_children_still_settles_them_when_another_column_is_unreadable() -> None:
+    from sqla_jobs.tasks import CHILDREN_KEY
+    from sqla_jobs.worker.job import is_flow
+
+    core, driver, _ = make()
+    values = list(row(1, args="[1]", meta=f'{{"{CHILDREN_KEY}": true}}'))
+    core.claimed([tuple(values)])
+    (failure,) = driver.recorded
+    # Written by the flow statement: its children are cancelled, its waiters told.
+    assert is_flow(failure.job) and "args is a JSON array" in (failure.error or "")
+
+
+# -- the worker's own failures around a run ----------------------------------------------------
+
+
+def test_a_failure_around_a_run_fails_that_run_and_five_in_a_row_stop_the_worker() -> None:
+    core, driver, _ = make(concurrency=10)
+    claims = core.claimed([row(i) for i in range(1, 9)])
+    for job in claims[:4]:
+        assert isinstance(core.start(job), core_mod.Run)
+        outcome = core.crashed(job, AttributeError("'list' object has no attribute 'get'"))
+        assert outcome is not None and outcome.kind is OutcomeKind.FAILED
+        assert "AttributeError: 'list' object has no attribute 'get'" in (outcome.error or "")
+        assert not outcome.dead and outcome.delay == 1.0  # the task's retry policy
+        core.finished(job, outcome)
+    assert core.fatal is None and core.free == 6 and core.running == 4
+    # A run that ends as runs should ends the streak.
+    run = core.start(claims[4])
+    assert isinstance(run, core_mod.Run)
+    with run:
+        pass
+    for job in claims[5:8]:
+        core.start(job)
+        core.finished(job, core.crashed(job, RuntimeError("bug")))
+    assert core.fatal is None and driver.stops == 0
+    (job,) = core.claimed([row(20)])
+    core.start(job)
+    for _ in range(2):
+        (job,) = core.claimed([row(next(_ids) + 100)])
+        core.start(job)
+        core.crashed(job, RuntimeError("bug"))
+    assert isinstance(core.fatal, WorkerError) and driver.stops == 1
+    assert "5 runs in a row failed in the worker itself: RuntimeError: bug" in str(core.fatal)
+
+
+def test_a_failure_around_a_claim_already_decided_records_nothing_more() -> None:
+    core, _, _ = make()
+    (job,) = core.claimed([row(1, "slow")])
+    core.start(job)
+    job.started -= 1  # past its 0.5 s timeout: failed and settled by the heartbeat
+    core.enforce_timeouts()
+    outcome = core.crashed(job, RuntimeError("late"))
+    assert outcome is not None and outcome.kind is OutcomeKind.SETTLED
+
+
+# -- stored arguments the handler no longer takes ------------------------------------------------
+
+
+def test_a_stored_argument_the_handler_does_not_take_fails_the_run_naming_it() -> None:
+    core, _, _ = make()
+    (job,) = core.claimed([row(1, args='{"user_id": 7}')])
+    outcome = core.start(job)
+    assert isinstance(outcome, Outcome) and outcome.kind is OutcomeKind.FAILED
+    assert "stored argument(s) 'user_id' are not parameters of its handler" in (outcome.error or "")
+    assert "which takes (n)" in (outcome.error or "")
+    assert not outcome.dead  # the retry policy: a newer worker may take it
+
+
+def test_a_handler_that_takes_kwargs_gets_stored_arguments_it_does_not_name() -> None:
+    jobs = Jobs(app.Job)
+
+    @jobs.task(name="open")
+    def open_ended(n: int, **extra: Any) -> None: ...
+
+    task = jobs.tasks["open"]
+    # As the library stores it (extras under the parameter's name), and as SQL wrote it.
+    assert task.call_args({"n": 1, "extra": {"a": 2}}) == ((1,), {"a": 2})
+    assert task.call_args({"n": 1, "user_id": 7}) == ((1,), {"user_id": 7})
+
+
+def test_a_delay_the_completer_could_not_write_is_capped() -> None:
+    """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
+    fail (an interval past what a timedelta holds), and with it every outcome of its
+    batch, until the completer gave up and stopped the worker."""
+    from sqla_jobs.limits import DURATION_MAX_SECONDS
+    from sqla_jobs.worker.job import outcome_statements
+
+    core, _, jobs = make()
+    (job,) = core.claimed([row(1)])
+    task = jobs.tasks["work"]
+    snoozed = outcome_of(task, job, Snooze(1e300))
+    assert snoozed.delay == DURATION_MAX_SECONDS
+    task.retry = lambda attempt: float("inf")
+    failed = outcome_of(task, job, ValueError("x"))
+    assert failed.delay == DURATION_MAX_SECONDS
+    task.retry = lambda attempt: float("nan")
+    assert outcome_of(task, job, ValueError("x")).delay == 60.0
+    assert len(outcome_statements(jobs.queries, [snoozed, failed])) == 2
+
+
+# -- no start after a lost lease ---------------------------------------------------------------
+
+
+def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker resumed after a pause past its lease (SIGSTOP, a frozen VM) must not start
+    what it claimed before: its own clock says the lease may have passed. It beats first;
+    what the beat kept starts, what it lost ends unstarted."""
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    core, driver, jobs = make(concurrency=4, lease=10.0)
+    cancelled: list[int] = []
+    jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
+    kept, lost, fresh = core.claimed([row(1), row(2), row(3)])
+    assert isinstance(core.start(fresh), core_mod.Run)  # just claimed: starts
+    clock.advance(5.1)  # half the lease and then some, with nothing renewed: paused
+    assert core.start(kept) is None and core.start(lost) is None
+    assert kept.confirming and not kept.started and driver.pokes == 2 and core._poked
+    assert core.free == 1 and driver.dispatched == []  # they keep their slots meanwhile
+    # The heartbeat beats (the pause is over): job 1 is still this worker's, job 2 is not.
+    seen, _ = run_steps(core.beat(), lambda step: {(1, 1), (3, 1)})
+    assert {j.id for j in seen[0].args[1]} == {1, 2, 3}
+    assert driver.dispatched == [kept, lost] and not kept.confirming
+    run = core.start(kept)
+    assert isinstance(run, core_mod.Run) and kept.started
+    ended = core.start(lost)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SETTLED
+    core.finished(lost, ended)
+    assert cancelled == [2] and driver.recorded == [] and core.free == 2
+    # A claimed-ahead job waiting for a slot stays startable while the heartbeat renews it.
+    (ahead,) = core.claimed([row(4)])
+    for _ in range(4):
+        clock.advance(3.4)  # the heartbeat's every third of a lease
+        run_steps(core.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
+    assert isinstance(core.start(ahead), core_mod.Run)
+
+
+def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    core, driver, _ = make(concurrency=2, lease=10.0, grace_period=0)
+    (job,) = core.claimed([row(1)])
+    clock.advance(6)
+    assert core.start(job) is None
+    handed: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Io):
+            handed.extend(j.id for j in step.args[1])
+            return 1
+        return True  # idle
+
+    run_steps(core.shutdown(), answer)
+    assert handed == [1] and core.free == 2
+    run_steps(core.beat(), lambda step: {(1, 1)})  # a late beat changes nothing
+    assert driver.dispatched == [] and core.start(job) is None

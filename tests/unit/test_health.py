@@ -245,3 +245,28 @@ def test_the_fetch_loop_reports_a_database_it_cannot_reach() -> None:
 
     run_steps(core.fetch(), answer)
     assert calls >= 2 and core.health().database == "ok"
+
+
+def test_a_worker_whose_claims_wait_while_its_slots_run_nothing_is_unhealthy() -> None:
+    """Executors that are gone (a thread that died, a task never made) leave claims that
+    never start, their leases kept by the heartbeat for ever: the worker runs nothing
+    and must say so. Claimed-ahead jobs that wait while every slot runs are fine."""
+    core, _, _ = make(concurrency=2, stuck_after=5)
+    first, second, third = core.claimed([row(1), row(2), row(3)])
+    at = first.claimed_at
+    assert core.health(now=at + 4).healthy
+    stuck = core.health(now=at + 6)
+    assert stuck.problems == (
+        "3 claimed jobs waiting 6.0s to start while 2 of 2 slots run no handler",
+    )
+    # Both slots run a handler: the third was claimed ahead, and waits for one of them.
+    core.start(first)
+    core.start(second)
+    assert core.health(now=at + 60).healthy
+    core.finished(first, Outcome(OutcomeKind.SUCCEEDED, first))
+    core._unwritten = 0  # as if the completer wrote it
+    assert core.health(now=at + 60).problems == (
+        "1 claimed jobs waiting 60.0s to start while 1 of 2 slots run no handler",
+    )
+    core.start(third)
+    assert core.health(now=at + 60).healthy

@@ -1,0 +1,199 @@
+"""Rows a worker cannot run, written by something other than this library (SQL, another
+service, an older or newer version), next to ordinary jobs, with a real ``sqla-jobs
+worker`` process: each poison row ends dead with an error naming its column and why,
+every other job runs once, the worker keeps running, and its health says so.
+
+Before, a ``meta`` that was not an object killed an executor thread (its job stayed
+``running``, heartbeated, for ever, and ``/healthz`` said 200 while the worker ran
+nothing); an undecodable value broke the claim of its whole batch (every job of it
+stranded until its lease passed, and in a limited queue the same row was claimed first
+again and again, so nothing behind it ran); a renamed parameter ran with its default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import JobSession
+
+from . import app
+from .helpers import count, wait_for
+from .test_cli_observability import free_ports, get
+from .test_cli_worker import ROOT
+
+QUEUES = {"poison": "poison.work", "poison-limited": "poison.limited_work"}
+
+#: name: (column values as SQL, what last_error must say).
+POISON: dict[str, tuple[dict[str, str], str]] = {
+    "meta not an object": ({"meta": "'[1]'"}, "meta is a JSON array, not a JSON object"),
+    "keep not a duration": (
+        {"meta": """'{"sqla_jobs.keep": "soon"}'"""},
+        """meta['sqla_jobs.keep'] is "soon", not a number of seconds""",
+    ),
+    "a 5,000-digit number": (
+        {"args": """('{"i": ' || repeat('9', 5000) || '}')::jsonb"""},
+        "args cannot be decoded by Python (ValueError: Exceeds the limit (4300 digits)",
+    ),
+    "args nested 1,200 deep": (
+        {"args": "(repeat('[', 1200) || repeat(']', 1200))::jsonb"},
+        "args is nested too deeply for Python to decode",
+    ),
+    "args not an object": ({"args": "'[1, 2]'"}, "args is a JSON array, not a JSON object"),
+    "run_at -infinity": (
+        {"run_at": "'-infinity'"},
+        "run_at is infinite, before the year 1 or after the year 9999",
+    ),
+    "created_at BC": (
+        {"created_at": "'0044-03-15 BC'"},
+        "created_at is infinite, before the year 1 or after the year 9999",
+    ),
+    "a renamed parameter": (
+        {"args": """'{"i": -1, "user_id": 7}'"""},
+        "the job's stored argument(s) 'user_id' are not parameters of its handler",
+    ),
+}
+ORDINARY = 15
+
+
+def _checks(conn: sa.Connection) -> list[tuple[str, str]]:
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            sa.text(
+                "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conrelid = CAST(:table AS regclass) AND contype = 'c'"
+            ),
+            {"table": f'"{app.SCHEMA}".jobs'},
+        )
+    ]
+
+
+@pytest.fixture
+def written_before_checks(db: sa.Engine) -> Iterator[Any]:
+    """Insert rows as if written before the table had its CHECK constraints: they are
+    dropped for the insert and put back ``NOT VALID`` (as an upgrade adds them to a table
+    that has rows); validated again once the rows are gone."""
+    table = f'"{app.SCHEMA}".jobs'
+    checks: list[tuple[str, str]] = []
+
+    def insert(values: list[dict[str, str]]) -> list[int]:
+        ids = []
+        with db.begin() as conn:
+            checks[:] = _checks(conn)
+            for name, _ in checks:
+                conn.execute(sa.text(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"'))
+            for row in values:
+                columns = ", ".join(row)
+                sql = f"INSERT INTO {table} ({columns}) VALUES ({', '.join(row.values())})"
+                ids.append(conn.execute(sa.text(sql + " RETURNING id")).scalar_one())
+            for name, definition in checks:
+                conn.execute(
+                    sa.text(f'ALTER TABLE {table} ADD CONSTRAINT "{name}" {definition} NOT VALID')
+                )
+        return ids
+
+    yield insert
+    with db.begin() as conn:
+        conn.execute(sa.text(f"DELETE FROM {table}"))
+        for name, _ in checks:
+            conn.execute(sa.text(f'ALTER TABLE {table} VALIDATE CONSTRAINT "{name}"'))
+
+
+@pytest.mark.parametrize("flavour", ["threads", "asyncio"])
+def test_poison_rows_end_dead_with_their_reason_and_every_other_job_runs(
+    flavour: str, db: sa.Engine, written_before_checks: Any
+) -> None:
+    poison: dict[int, str] = {}
+    for queue, task in QUEUES.items():
+        rows = []
+        for columns, _ in POISON.values():
+            row = {
+                "queue": f"'{queue}'",
+                "task": f"'{task}'",
+                "args": """'{"i": -1}'""",
+                "max_attempts": "1",
+                # Claimed first, beside ordinary jobs of the same batch.
+                "run_at": "now() - interval '1 hour'",
+            }
+            row.update(columns)
+            rows.append(row)
+        ids = written_before_checks(rows)
+        poison.update(zip(ids, (why for _, why in POISON.values()), strict=True))
+    with JobSession(db) as session:
+        for queue in QUEUES:
+            task = app.poison_jobs.tasks[QUEUES[queue]]
+            session.enqueue_many(task, [{"i": i} for i in range(ORDINARY)])
+        session.commit()
+
+    port = free_ports()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobs.cli", "worker", "tests.app:poison_jobs"]
+        + ["--queues", ",".join(QUEUES), "--concurrency", "2", "--lease", "2"]
+        + ["--poll-interval", "0.2", "--health-port", f"127.0.0.1:{port}"]
+        + (["--asyncio"] if flavour == "asyncio" else []),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # The ordinary jobs done (and deleted), the poison rows dead.
+        wait_for(lambda: count(db) == count(db, status="dead") == len(poison), timeout=60)
+        with db.connect() as conn:
+            left = {
+                r.id: r
+                for r in conn.execute(
+                    sa.select(app.Job.id, app.Job.status, app.Job.last_error, app.Job.queue)
+                )
+            }
+            runs = [r.job_id for r in conn.execute(sa.select(app.Run.job_id))]
+        # Every poison row is dead, naming its column and why; nothing else is left.
+        assert set(left) == set(poison)
+        for job_id, why in poison.items():
+            assert left[job_id].status == "dead"
+            assert why in left[job_id].last_error, (why, left[job_id].last_error)
+        # Every ordinary job ran, once; no poison row's handler ran.
+        assert len(runs) == len(set(runs)) == 2 * ORDINARY and not set(runs) & set(poison)
+        # The worker keeps running, and says it is healthy: it runs what it is given.
+        assert proc.poll() is None
+        status, body = get(port, "/healthz")
+        report = json.loads(body)
+        assert status == 200 and report["healthy"], report
+        assert report["state"] == "running" and report["running"] == 0
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "unreadable job row" in out and "Traceback" not in out
+
+
+def test_a_scheduled_row_at_infinity_leaves_the_maintenance_working(
+    db: sa.Engine, written_before_checks: Any
+) -> None:
+    """The next due time ignores times Python cannot hold: before PostgreSQL 17, one
+    scheduled row at 'infinity' made the statement raise ("cannot subtract infinite
+    timestamps"), every worker's maintenance failed, and no worker claimed anything;
+    from 17 on it said 'due in infinite seconds'."""
+    from sqla_jobs.worker import db as worker_db
+
+    written_before_checks(
+        [
+            {"queue": "'poison'", "task": "'poison.work'", "status": "'scheduled'", "run_at": at}
+            for at in ("'infinity'", "'-infinity'")
+        ]
+    )
+    with db.begin() as conn:
+        found = worker_db.refresh(conn, app.poison_jobs, True)
+    assert found.due_in is None  # the '-infinity' one was promoted, the other is never due
+    assert count(db, status="ready") == 1 and count(db, status="scheduled") == 1
