@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .bulk import CheckedLater, gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
+from .db import require_postgresql
 from .errors import EnqueueError
 from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
 from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
@@ -320,6 +321,8 @@ def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, A
     """Checked rows wait for the next flush, tagged with the transaction whose fate they
     share; the ``enqueued`` listeners hear of them when it commits. How many."""
     if rows:
+        # Refused now, not at the flush: the rows are written with PostgreSQL's SQL.
+        require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
         boundary = _boundary(session)
         _pending(session).append((boundary, registry, rows))
         if registry.events.wants("enqueued"):
@@ -609,6 +612,7 @@ def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> t
     is new."""
     q = registry.queries
     connection = session.connection()
+    require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
     for _ in range(5):
         job_id = connection.execute(q.insert_unique, values).scalar()
         inserted = job_id is not None
@@ -626,10 +630,10 @@ def insert_scoped(session: Session, registry: Jobs, values: dict[str, Any]) -> t
     """Enqueue a scoped unique job now (see :func:`sqla_jobs.queries.enqueue_scoped`);
     return the new job, the holder (replaced or kept), or None when the key's period
     holds it and the job that took it is gone; and whether the job is new."""
+    connection = session.connection()
+    require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
     scope = values.pop("unique_scope")
-    job_id, outcome = enqueue_scoped(
-        session.connection(), registry.queries, job_params(values), scope
-    )
+    job_id, outcome = enqueue_scoped(connection, registry.queries, job_params(values), scope)
     if outcome == "gone":
         return None, False
     with session.no_autoflush:

@@ -54,7 +54,7 @@ from .limits import (
     shorten,
     text_problem,
 )
-from .model import JobStatus, job_table
+from .model import JobStatus, check_complete
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
@@ -789,7 +789,7 @@ class Jobs:
         keep_dead: timedelta = timedelta(days=7),
     ) -> None:
         self.model = model
-        self.table: sa.Table = job_table(model)
+        self.table: sa.Table = check_complete(model)
         _check_queue(default_queue)
         _check_max_attempts(max_attempts)
         self.default_queue = default_queue

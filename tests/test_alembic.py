@@ -530,25 +530,37 @@ def test_later_release_adds_a_column_and_an_index(make_project: Any) -> None:
 def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
     make_project: Any,
 ) -> None:
-    """A table made before ``meta``, ``progress`` and the ``<table>_meta`` index existed: the
-    next autogenerate writes exactly those three, with nothing to edit by hand, and the
-    upgraded table takes jobs with meta."""
+    """A table made before ``meta``, ``progress``, the ``<table>_meta`` index and the
+    ``<table>_meta_object`` CHECK constraint existed: the next autogenerate writes exactly
+    those four, with nothing to edit by hand, and the upgraded table takes jobs with meta
+    (and refuses a meta that is not an object)."""
     project = make_project(explicit_schema=True)
     first = project.autogenerate("jobs")
-    project.edit(first, ["sa.Column('meta'", "sa.Column('progress'", "sa.Index('jobs_meta'"])
+    project.edit(
+        first,
+        [
+            "sa.Column('meta'",
+            "sa.Column('progress'",
+            "sa.Index('jobs_meta'",
+            "name='jobs_meta_object'",
+        ],
+    )
     project.upgrade()
 
     second = project.autogenerate("sqla-jobs 0.2")
     upgrade = section(second, "upgrade")
-    assert len(upgrade) == 3, upgrade
+    assert len(upgrade) == 4, upgrade
     schema = project.schema
+    jsonb = "postgresql.JSONB(astext_type=sa.Text()).with_variant(sa.JSON(), 'sqlite')"
     assert upgrade[0] == (
-        "op.add_column('jobs', sa.Column('meta', postgresql.JSONB(astext_type=sa.Text()), "
-        f"nullable=True), schema='{schema}')"
+        f"op.add_column('jobs', sa.Column('meta', {jsonb}, nullable=True), schema='{schema}')"
     )
     assert upgrade[1] == (
-        "op.add_column('jobs', sa.Column('progress', postgresql.JSONB(astext_type=sa.Text()), "
-        f"nullable=True), schema='{schema}')"
+        f"op.add_column('jobs', sa.Column('progress', {jsonb}, nullable=True), schema='{schema}')"
+    )
+    assert upgrade[3] == (
+        "op.create_jobs_checks('jobs', {'jobs_meta_object': "
+        f"\"meta IS NULL OR jsonb_typeof(meta) = 'object'\"}}, schema='{schema}')"
     )
     create_index = upgrade[2]
     assert create_index.startswith("op.create_index('jobs_meta', 'jobs', ['meta']")
@@ -575,6 +587,11 @@ def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
                 """VALUES ('send', '{"tenant": 7}')"""
             )
         )
+    with (
+        pytest.raises(sa.exc.IntegrityError, match="jobs_meta_object"),
+        project.engine.begin() as conn,
+    ):
+        conn.execute(sa.text(f"INSERT INTO {project.qualified()} (task, meta) VALUES ('t', '[1]')"))
 
     project.downgrade("-1")  # the downgrade removes exactly them
     project.upgrade()
