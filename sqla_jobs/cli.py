@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -168,10 +169,16 @@ def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
     except sa.exc.DBAPIError as exc:
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
     if not exists:
-        raise CommandError(
-            f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
-            EXIT_FAILURE,
-        )
+        raise CommandError(f"table {table.fullname!r} does not exist: {_SCHEMA_HINT}", EXIT_FAILURE)
+
+
+#: A table or column this version needs is not in the database. The migrations may well
+#: have run (written by an older sqla-jobs, or without ``import alembic_ext`` in env.py):
+#: the check says exactly what differs.
+_SCHEMA_HINT = (
+    "the database lacks what this version of sqla-jobs needs; `sqla-jobs check JOBS` says "
+    "what differs and how to fix it"
+)
 
 
 @contextlib.contextmanager
@@ -191,8 +198,8 @@ def _describe(exc: sa.exc.DBAPIError) -> str:
     import psycopg.errors
 
     first = _first_line(exc)
-    if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-        return f"{first}: run your migrations (alembic upgrade head)"
+    if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
+        return f"{first}: {_SCHEMA_HINT}"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
@@ -354,6 +361,89 @@ def _error_summary(text: str | None, width: int = 60) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     return last if len(last) <= width else last[: width - 1] + "…"
+
+
+# -- check --------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Compare the database with the schema this version declares; exit 1 if it differs."""
+    from alembic_ext.check import FIX
+
+    target = load_target(args.target)
+    table = admin.source_table(target)
+    shards = shards_from(args)
+    engines = _shard_engines(shards) if shards is not None else {"": engine_from(args)}
+    report: list[tuple[str, list[Any]]] = []
+    try:
+        for name, engine in engines.items():
+            report.append((name, _schema_differences(engine, table)))
+    finally:
+        for engine in engines.values():
+            engine.dispose()
+    drift = any(differences for _, differences in report)
+    if args.json:
+        out: dict[str, Any] = {"table": table.fullname, "ok": not drift}
+        if shards is not None:
+            out["shards"] = [
+                {"shard": name, "differences": [d.to_dict() for d in differences]}
+                for name, differences in report
+            ]
+        out["differences"] = [d.to_dict() for _, differences in report for d in differences]
+        out["fix"] = FIX if drift else None
+        _print_json(out)
+        return EXIT_FAILURE if drift else EXIT_OK
+    for name, differences in report:
+        where = f"shard {name}: " if name else ""
+        if not differences:
+            print(
+                f"{where}{table.fullname}: the schema is this version's (tables, columns, "
+                "indexes, constraints, trigger, storage parameters)"
+            )
+        for d in differences:
+            print(f"{where}{d.message}{' (the worker needs it)' if d.fatal else ''}")
+    if drift:
+        print(f"Fix: {FIX}.")
+    return EXIT_FAILURE if drift else EXIT_OK
+
+
+def _schema_differences(engine: sa.Engine, table: sa.Table) -> list[Any]:
+    """:func:`alembic_ext.check.schema_differences` on a connection of ``engine``; database
+    errors as one line."""
+    from alembic_ext.check import schema_differences
+
+    with _database_errors(), engine.connect() as conn:
+        return schema_differences(conn, table)
+
+
+def _check_schema(engine: sa.Engine, jobs: Jobs, args: argparse.Namespace) -> None:
+    """At worker start: refuse to start (one line) when a table or column is missing, since
+    the worker's statements would fail on it (over and over, under a supervisor that
+    restarts it); log a warning for any other difference, which makes the queue slower or
+    less guarded but not wrong, and must not take a running queue down on a deploy. The
+    warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
+    tables' catalogs: tens of milliseconds."""
+    from alembic_ext.check import FIX
+
+    differences = _schema_differences(engine, jobs.table)
+    fatal = [d.message for d in differences if d.fatal]
+    if fatal:
+        raise CommandError(
+            f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
+            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {FIX}",
+            EXIT_FAILURE,
+        )
+    args.schema_drift = [d.message for d in differences]
+    if differences:
+        log = logging.getLogger("sqla_jobs.cli")
+        for d in differences:
+            log.warning("schema: %s", d.message)
+        log.warning(
+            "schema: the worker runs, but the database is not this version's "
+            "(sqla-jobs check %s). Fix: %s",
+            args.registry,
+            FIX,
+        )
 
 
 # -- stats --------------------------------------------------------------------------------
@@ -824,6 +914,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             )
         # Fail here, once, rather than in every child as it restarts.
         _check_table(engine, jobs)
+        _check_schema(engine, jobs, args)
         from .worker.supervisor import supervise
 
         child = ["-v"] * args.verbose
@@ -847,6 +938,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             child, args.processes, grace_period=settings.grace_period, child_args=ports
         )
     _check_table(engine, jobs)
+    _check_schema(engine, jobs, args)
     try:
         if args.asyncio:
             _run_async_worker(jobs, engine.url, settings, args)
@@ -1017,7 +1109,10 @@ def _endpoints(
             from .health import serve_health
 
             at = health_at
-            health = _listening("--health-port", at, lambda: serve_health(worker, at[1], at[0]))
+            drift = getattr(args, "schema_drift", None)  # from the check at start
+            health = _listening(
+                "--health-port", at, lambda: serve_health(worker, at[1], at[0], schema=drift)
+            )
             closers.append(health.close)
         yield
     finally:
@@ -1259,6 +1354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_worker(sub)
     _add_stats(sub)
+    _add_check(sub)
     _add_jobs(sub)
     _add_queues(sub)
     _add_web(sub)
@@ -1375,6 +1471,22 @@ def _add_stats(sub: Any) -> None:
         ": a row per shard and queue, then their sums (SHARD *)",
     )
     stats.set_defaults(func=cmd_stats)
+
+
+def _add_check(sub: Any) -> None:
+    check = sub.add_parser(
+        "check",
+        parents=[_common()],
+        help="compare the database with the schema this version declares",
+        description="Compare the jobs table and its companion tables in the database with "
+        "what this version of sqla-jobs declares (tables, columns, indexes, CHECK "
+        "constraints, the notify trigger and function, storage parameters), the way "
+        "alembic revision --autogenerate compares them. Prints each difference and the "
+        "command that fixes it. Exit code 0 when they match, 1 when they differ.",
+    )
+    check.add_argument("--json", action="store_true", help="one JSON object")
+    _shard_option(check, ": each shard's database")
+    check.set_defaults(func=cmd_check)
 
 
 def _add_jobs(sub: Any) -> None:
