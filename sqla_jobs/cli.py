@@ -368,8 +368,6 @@ def _error_summary(text: str | None, width: int = 60) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Compare the database with the schema this version declares; exit 1 if it differs."""
-    from alembic_ext.check import FIX
-
     target = load_target(args.target)
     table = admin.source_table(target)
     shards = shards_from(args)
@@ -381,6 +379,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     finally:
         for engine in engines.values():
             engine.dispose()
+    from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+
     drift = any(differences for _, differences in report)
     if args.json:
         out: dict[str, Any] = {"table": table.fullname, "ok": not drift}
@@ -410,10 +410,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _schema_differences(engine: sa.Engine, table: sa.Table) -> list[Any]:
     """:func:`alembic_ext.check.schema_differences` on a connection of ``engine``; database
     errors as one line."""
-    from alembic_ext.check import schema_differences
+    # Alembic logs its plugins (when imported) and its context at INFO: noise here.
+    alembic_log = logging.getLogger("alembic")
+    level = alembic_log.level
+    alembic_log.setLevel(max(level, logging.WARNING))
+    try:
+        from alembic_ext.check import schema_differences
 
-    with _database_errors(), engine.connect() as conn:
-        return schema_differences(conn, table)
+        with _database_errors(), engine.connect() as conn:
+            return schema_differences(conn, table)
+    finally:
+        alembic_log.setLevel(level)
 
 
 def _check_schema(engine: sa.Engine, jobs: Jobs, args: argparse.Namespace) -> None:
@@ -423,9 +430,9 @@ def _check_schema(engine: sa.Engine, jobs: Jobs, args: argparse.Namespace) -> No
     less guarded but not wrong, and must not take a running queue down on a deploy. The
     warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
     tables' catalogs: tens of milliseconds."""
-    from alembic_ext.check import FIX
-
     differences = _schema_differences(engine, jobs.table)
+    from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+
     fatal = [d.message for d in differences if d.fatal]
     if fatal:
         raise CommandError(
