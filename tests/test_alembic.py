@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -842,3 +843,78 @@ def downgrade() -> None:
     project.check()
     project.downgrade("base")
     assert_nothing_left(project)
+
+
+def test_new_check_constraints_reach_an_existing_install_and_a_bad_row_stops_them(
+    make_project: Any,
+) -> None:
+    """A table made before ``<table>_attempts_left`` existed (issue 20): autogenerate writes
+    one ``op.create_jobs_checks`` (Alembic before 1.19 neither compares nor renders CHECK
+    constraints). A live row that breaks it (a ready job with no attempt left, written
+    around the library) makes the upgrade fail, naming the constraint, and change
+    nothing; once the row is fixed it goes through, and the downgrade drops it again."""
+    project = make_project(explicit_schema=True)
+    first = project.autogenerate("jobs")
+    project.edit(first, ["name='jobs_attempts_left'"])
+    project.upgrade()
+    with project.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {project.qualified()} (task, attempts, max_attempts) "
+                "VALUES ('old', 3, 3)"
+            )
+        )
+
+    second = project.autogenerate("checks")
+    (upgrade,) = section(second, "upgrade")
+    assert upgrade.startswith("op.create_jobs_checks('jobs', {'jobs_attempts_left': \"status IN")
+    assert upgrade.endswith(f"}}, schema='{project.schema}')")
+    (downgrade,) = section(second, "downgrade")
+    assert downgrade == (
+        f"op.drop_jobs_checks('jobs', ['jobs_attempts_left'], schema='{project.schema}')"
+    )
+    offline = project.offline_sql("upgrade", f"{_revision(first)}:head")
+    assert (
+        f"ALTER TABLE {project.schema}.jobs ADD CONSTRAINT jobs_attempts_left CHECK (status IN"
+        in offline
+    )
+
+    with pytest.raises(sa.exc.IntegrityError, match=r'"jobs_attempts_left" .* violated'):
+        project.upgrade()
+    with project.engine.connect() as conn:
+        version = conn.execute(
+            sa.text(f"SELECT version_num FROM {project.qualified('alembic_version')}")
+        ).scalar_one()
+    assert version == _revision(first)  # rolled back as a whole
+    with project.engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {project.qualified()} SET max_attempts = 4"))
+    project.upgrade()
+    project.check()
+    assert project.compare() == []
+    with (
+        pytest.raises(sa.exc.IntegrityError, match="jobs_attempts_left"),
+        project.engine.begin() as c,
+    ):
+        c.execute(sa.text(f"UPDATE {project.qualified()} SET attempts = 4"))
+
+    project.downgrade("-1")
+    with project.engine.begin() as conn:  # the constraint is gone with the downgrade
+        conn.execute(sa.text(f"UPDATE {project.qualified()} SET attempts = 4"))
+
+
+def _revision(script: Path) -> str:
+    """The revision id a migration declares."""
+    found = re.search(r"^revision: str = '(\w+)'", script.read_text(), re.MULTILINE)
+    assert found is not None
+    return found.group(1)
+
+
+def test_a_hand_written_drop_jobs_checks_reverses_to_the_installed_definitions() -> None:
+    from alembic_ext.ops import DropJobsChecksOp
+
+    reverse = DropJobsChecksOp("jobs", ["jobs_meta_object"], schema="s").reverse()
+    assert reverse.checks == {"jobs_meta_object": "meta IS NULL OR jsonb_typeof(meta) = 'object'"}
+    companion = DropJobsChecksOp("jobs_schedules", ["jobs_schedules_args_object"]).reverse()
+    assert companion.checks == {"jobs_schedules_args_object": "jsonb_typeof(args) = 'object'"}
+    with pytest.raises(ValueError, match="no CHECK constraint of this sqla-jobs is named"):
+        DropJobsChecksOp("jobs", ["nope"]).reverse()
