@@ -772,16 +772,37 @@ def job_table(model: type[Any] | sa.Table) -> sa.Table:
     return table
 
 
-@functools.lru_cache(maxsize=64)
-def reference_table(table_name: str, schema: str | None = None) -> sa.Table:
+def reference_table(
+    table_name: str,
+    schema: str | None = None,
+    naming_convention: typing.Mapping[str, Any] | None = None,
+) -> sa.Table:
     """The jobs table as this version declares it, on a MetaData of its own (with its
     companions): what an application's table is checked against. Read it, never change
-    it (it is shared)."""
+    it (it may be shared).
 
-    class Base(DeclarativeBase):
-        metadata = sa.MetaData(schema=schema)
+    ``naming_convention``: the application's MetaData's, so that constraint names come out
+    as they do there (``ck_%(table_name)s_%(constraint_name)s`` renames the CHECKs)."""
+    if naming_convention is None or dict(naming_convention) == _DEFAULT_CONVENTION:
+        return _default_reference(table_name, schema)
+    return _build_reference(table_name, schema, naming_convention)
 
-    model: Any = type("Job", (JobMixin, Base), {"__tablename__": table_name})
+
+_DEFAULT_CONVENTION = dict(sa.MetaData().naming_convention)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_reference(table_name: str, schema: str | None) -> sa.Table:
+    return _build_reference(table_name, schema, None)
+
+
+def _build_reference(
+    table_name: str, schema: str | None, naming_convention: typing.Mapping[str, Any] | None
+) -> sa.Table:
+    convention = _DEFAULT_CONVENTION if naming_convention is None else dict(naming_convention)
+    metadata = sa.MetaData(schema=schema, naming_convention=convention)
+    base: Any = type("Base", (DeclarativeBase,), {"metadata": metadata})
+    model: Any = type("Job", (JobMixin, base), {"__tablename__": table_name})
     table: sa.Table = model.__table__
     return table
 
@@ -791,7 +812,7 @@ def missing_parts(table: sa.Table) -> list[str]:
     'jobs_claim', 'jobs_dead'"), compared by name with :func:`reference_table`: columns,
     CHECK constraints, indexes, the DDL that creates the notify trigger, and the companion
     tables in its metadata."""
-    wanted = reference_table(table.name, table.schema)
+    wanted = reference_table(table.name, table.schema, table.metadata.naming_convention)
     constraints = {constraint.name for constraint in table.constraints}
     indexes = {index.name for index in table.indexes}
     tables = table.metadata.tables

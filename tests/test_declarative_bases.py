@@ -256,3 +256,43 @@ def test_autogenerate_writes_the_whole_queue(kind: str, make_project: Any) -> No
         == 1
     )
     assert jobs.result(project.engine, job_id, timeout=5) == 42
+
+
+def test_a_metadata_naming_convention_names_the_constraints(make_project: Any) -> None:
+    """With a ``ck`` naming convention (common in Alembic projects) the CHECK constraints
+    take the convention's names; ``Jobs(model)`` compares with a reference named the same
+    way, and an existing table that lacks one gets it under that name."""
+    convention = {"ck": "ck_%(table_name)s_%(constraint_name)s", "pk": "pk_%(table_name)s"}
+
+    class Base(DeclarativeBase):
+        metadata = sa.MetaData(naming_convention=convention)
+
+    class Job(JobMixin, Base):
+        __tablename__ = "jobs"
+
+    names = {str(c.name) for c in Job.__table__.constraints}
+    assert {"ck_jobs_jobs_status", "ck_jobs_jobs_meta_object", "pk_jobs"} <= names
+    Jobs(Job)  # accepted: nothing is missing
+
+    project: Project = make_project(explicit_schema=True)
+    project.write_models(
+        HEADER
+        + """
+from sqlalchemy.orm import DeclarativeBase
+
+CONVENTION = {{"ck": "ck_%(table_name)s_%(constraint_name)s", "pk": "pk_%(table_name)s"}}
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(schema={schema!r}, naming_convention=CONVENTION)
+
+class Job(JobMixin, Base):
+    __tablename__ = {table!r}
+"""
+    )
+    first = project.autogenerate("jobs")
+    project.edit(first, ["name=op.f('ck_jobs_jobs_meta_object')"])
+    project.upgrade()
+    (upgrade,) = section(project.autogenerate("checks"), "upgrade")
+    assert upgrade.startswith("op.create_jobs_checks('jobs', {'ck_jobs_jobs_meta_object': ")
+    project.upgrade()
+    project.check()
