@@ -788,7 +788,7 @@ def reference_table(
     return _build_reference(table_name, schema, naming_convention)
 
 
-_DEFAULT_CONVENTION = dict(sa.MetaData().naming_convention)
+_DEFAULT_CONVENTION: dict[str, Any] = dict(sa.MetaData().naming_convention)
 
 
 @functools.lru_cache(maxsize=64)
@@ -799,7 +799,7 @@ def _default_reference(table_name: str, schema: str | None) -> sa.Table:
 def _build_reference(
     table_name: str, schema: str | None, naming_convention: typing.Mapping[str, Any] | None
 ) -> sa.Table:
-    convention = _DEFAULT_CONVENTION if naming_convention is None else dict(naming_convention)
+    convention: dict[str, Any] = dict(naming_convention or _DEFAULT_CONVENTION)
     metadata = sa.MetaData(schema=schema, naming_convention=convention)
     base: Any = type("Base", (DeclarativeBase,), {"metadata": metadata})
     model: Any = type("Job", (JobMixin, base), {"__tablename__": table_name})
