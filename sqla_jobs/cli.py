@@ -430,21 +430,47 @@ def _check_schema(engine: sa.Engine, jobs: Jobs, args: argparse.Namespace) -> No
     less guarded but not wrong, and must not take a running queue down on a deploy. The
     warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
     tables' catalogs: tens of milliseconds."""
-    differences = _schema_differences(engine, jobs.table)
+    _schema_gate({"": _schema_differences(engine, jobs.table)}, args)
+
+
+def _check_shard_schemas(jobs: Jobs, shards: dict[str, str], args: argparse.Namespace) -> None:
+    """:func:`_check_schema` for each shard a worker of this process serves. A shard that
+    cannot be reached is not checked (a warning): its worker waits for it, as for any
+    shard that is down, and the others start."""
+    found: dict[str, list[Any]] = {}
+    for name, url in shards.items():
+        engine = create_engine(url)
+        try:
+            found[name] = _schema_differences(engine, jobs.table)
+        except CommandError as exc:
+            logging.getLogger("sqla_jobs.cli").warning(
+                "schema: shard %s not checked: %s", name, exc
+            )
+        finally:
+            engine.dispose()
+    _schema_gate(found, args)
+
+
+def _schema_gate(found: dict[str, list[Any]], args: argparse.Namespace) -> None:
+    """Refuse or warn, from the differences found per shard (``""``: the one database)."""
     from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
 
-    fatal = [d.message for d in differences if d.fatal]
+    def named(shard: str, message: str) -> str:
+        return f"shard {shard}: {message}" if shard else message
+
+    differences = [named(shard, d.message) for shard, ds in found.items() for d in ds]
+    fatal = [named(shard, d.message) for shard, ds in found.items() for d in ds if d.fatal]
     if fatal:
         raise CommandError(
             f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
             f"`sqla-jobs check {args.registry}` lists every difference. Fix: {FIX}",
             EXIT_FAILURE,
         )
-    args.schema_drift = [d.message for d in differences]
+    args.schema_drift = differences
     if differences:
         log = logging.getLogger("sqla_jobs.cli")
-        for d in differences:
-            log.warning("schema: %s", d.message)
+        for message in differences:
+            log.warning("schema: %s", message)
         log.warning(
             "schema: the worker runs, but the database is not this version's "
             "(sqla-jobs check %s). Fix: %s",
@@ -985,6 +1011,7 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
         if args.processes > 1:
             flag = "--until-empty" if args.until_empty else "--one-process"
             raise CommandError(f"{flag} and --processes do not mix: one process serves all")
+        _check_shard_schemas(jobs, shards, args)
         try:
             if args.asyncio:
                 _run_async_sharded(jobs, shards, settings, args)

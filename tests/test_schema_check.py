@@ -168,3 +168,28 @@ def test_healthz_says_ok_when_the_schema_is_this_version_s(schema: str) -> None:
         proc.kill()
     assert proc.returncode == 0, out
     assert "schema:" not in out
+
+
+def test_shards_are_checked_each(engine: sa.Engine, schema: str, database_url: str) -> None:
+    """``check --shard`` and a worker of shards: each shard's differences, named by shard;
+    a shard that cannot be reached is not checked, and does not stop the others."""
+    alter(engine, schema, "DROP TABLE {s}.jobs_throughput")
+    down = "postgresql://nobody@127.0.0.1:1/nothing"
+    result = run_cli("check", JOBS, "--shard", f"a={database_url}", env=in_schema(schema))
+    assert result.returncode == 1
+    assert f"shard a: table '{schema}.jobs_throughput' is missing (the worker needs it)" in (
+        result.stdout
+    )
+    worker = run_cli(
+        "worker",
+        JOBS,
+        "--until-empty",
+        "--shard",
+        f"a={database_url}",
+        "--shard",
+        f"b={down}",
+        env=in_schema(schema),
+    )
+    assert worker.returncode == 1
+    assert "schema: shard b not checked: cannot connect to the database" in worker.stderr
+    assert f"needs: shard a: table '{schema}.jobs_throughput' is missing." in worker.stderr
