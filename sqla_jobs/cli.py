@@ -8,6 +8,7 @@
     $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
     $ sqla-jobs queues pause myapp.tasks:jobs webhooks
     $ sqla-jobs web myapp.tasks:jobs --port 8080
+    $ sqla-jobs check myapp.tasks:jobs      # is the database this version's schema?
     $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
 The database URL comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,

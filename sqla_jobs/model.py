@@ -11,9 +11,20 @@
         __tablename__ = "jobs"                 # any name
         __table_args__ = {"schema": "work"}    # optional: a schema (or MetaData(schema=...))
 
-The table, its partial indexes, its storage parameters and its NOTIFY trigger are created
-by ``metadata.create_all()`` or, better, by ``op.create_jobs_table()`` in an Alembic
-migration (see :mod:`alembic_ext`).
+The table, its partial indexes, its CHECK constraints, its storage parameters and its
+NOTIFY trigger are created by ``metadata.create_all()`` or, better, by
+``op.create_jobs_table()`` in an Alembic migration (see :mod:`alembic_ext`). Any
+declarative style works (see :class:`JobMixin`); ``sqla-jobs check`` compares a live
+database with all of it.
+
+``metadata.create_all()`` also works on SQLite, for an application whose own tests run
+there: the PostgreSQL types have SQLite variants (JSON, INTEGER), and what only PostgreSQL
+can run (the trigger, the storage parameters, the partial and GIN indexes, the JSON CHECK
+constraints) is left out there. PostgreSQL's DDL is exactly what it is without them.
+
+The CHECK constraints (:data:`CHECKS`) hold what the worker assumes of any row, whoever
+wrote it: an object ``args``, an object or NULL ``meta``, an attempt left for a job that
+waits to run, and so on.
 
 Why the indexes look the way they do
 ------------------------------------
