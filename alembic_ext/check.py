@@ -102,7 +102,14 @@ def schema_differences(connection: sa.Connection, table: sa.Table) -> list[Diffe
     context = MigrationContext.configure(connection, opts=opts)
     script = produce_migrations(context, table.metadata)
     assert script.upgrade_ops is not None
-    return list(_describe(connection, script.upgrade_ops.ops))
+    # Only operations on these tables: a comparator of another plugin the application
+    # imported may write operations of its own (a function, an enum type).
+    ours = [
+        op
+        for op in script.upgrade_ops.ops
+        if getattr(op, "table_name", None) in names and getattr(op, "schema", None) == schema
+    ]
+    return list(_describe(connection, ours))
 
 
 def _name(schema: str | None, name: str) -> str:

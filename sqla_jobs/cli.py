@@ -431,43 +431,59 @@ def _check_schema(engine: sa.Engine, jobs: Jobs, args: argparse.Namespace) -> No
     less guarded but not wrong, and must not take a running queue down on a deploy. The
     warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
     tables' catalogs: tens of milliseconds."""
-    _schema_gate({"": _schema_differences(engine, jobs.table)}, args)
+    found = _checked(engine, jobs.table, "")
+    if found is not None:
+        _schema_gate({"": found}, args)
+
+
+def _checked(engine: sa.Engine, table: sa.Table, shard: str) -> list[Any] | None:
+    """The differences, or None (a warning) when the comparison itself failed: the check
+    is there to explain a schema, never to be the reason a worker does not run."""
+    log = logging.getLogger("sqla_jobs.cli")
+    try:
+        return _schema_differences(engine, table)
+    except CommandError as exc:
+        log.warning("schema: %s not checked: %s", f"shard {shard}" if shard else "database", exc)
+    except Exception as exc:
+        log.warning("schema: not checked (%s: %s)", type(exc).__name__, exc)
+    return None
 
 
 def _check_shard_schemas(jobs: Jobs, shards: dict[str, str], args: argparse.Namespace) -> None:
     """:func:`_check_schema` for each shard a worker of this process serves. A shard that
     cannot be reached is not checked (a warning): its worker waits for it, as for any
     shard that is down, and the others start."""
-    found: dict[str, list[Any]] = {}
+    found: dict[str, list[Any] | None] = {}
     for name, url in shards.items():
         engine = create_engine(url)
         try:
-            found[name] = _schema_differences(engine, jobs.table)
-        except CommandError as exc:
-            logging.getLogger("sqla_jobs.cli").warning(
-                "schema: shard %s not checked: %s", name, exc
-            )
+            differences = _checked(engine, jobs.table, name)
         finally:
             engine.dispose()
+        found[name] = differences
     _schema_gate(found, args)
 
 
-def _schema_gate(found: dict[str, list[Any]], args: argparse.Namespace) -> None:
-    """Refuse or warn, from the differences found per shard (``""``: the one database)."""
+def _schema_gate(found: dict[str, list[Any] | None], args: argparse.Namespace) -> None:
+    """Refuse or warn, from the differences found per shard (``""``: the one database;
+    None: not checked)."""
     from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
 
     def named(shard: str, message: str) -> str:
         return f"shard {shard}: {message}" if shard else message
 
-    differences = [named(shard, d.message) for shard, ds in found.items() for d in ds]
-    fatal = [named(shard, d.message) for shard, ds in found.items() for d in ds if d.fatal]
+    checked = {shard: ds for shard, ds in found.items() if ds is not None}
+    differences = [named(shard, d.message) for shard, ds in checked.items() for d in ds]
+    fatal = [named(shard, d.message) for shard, ds in checked.items() for d in ds if d.fatal]
     if fatal:
         raise CommandError(
             f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
             f"`sqla-jobs check {args.registry}` lists every difference. Fix: {FIX}",
             EXIT_FAILURE,
         )
-    args.schema_drift = differences
+    # For /healthz: what differs, and which shards went unchecked.
+    unchecked = [named(shard, "not checked") for shard, ds in found.items() if ds is None]
+    args.schema_drift = differences + unchecked
     if differences:
         log = logging.getLogger("sqla_jobs.cli")
         for message in differences:
