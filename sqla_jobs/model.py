@@ -437,86 +437,68 @@ def add_constraints(table: sa.Table) -> None:
     for suffix, sql in CHECKS.items():
         check = sa.CheckConstraint(sql, name=derived_name(name, suffix))
         table.append_constraint(_postgresql_only(check) if suffix in _POSTGRESQL_CHECKS else check)
-    # Index() given Column objects attaches itself to their table. On SQLite the partial
-    # ones would index every row without their predicate (a unique key held by finished
-    # jobs too): created on PostgreSQL only, as the GIN ones.
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "claim"),
-            c.queue,
-            sa.text("priority DESC"),
-            c.run_at,
-            c.id,
-            postgresql_where=sa.text("status = 'ready'"),
-        )
+    before = set(table.indexes)
+    # Index() given Column objects attaches itself to their table.
+    sa.Index(
+        derived_name(name, "claim"),
+        c.queue,
+        sa.text("priority DESC"),
+        c.run_at,
+        c.id,
+        postgresql_where=sa.text("status = 'ready'"),
     )
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "scheduled"),
-            c.run_at,
-            postgresql_where=sa.text("status = 'scheduled'"),
-        )
+    sa.Index(
+        derived_name(name, "scheduled"), c.run_at, postgresql_where=sa.text("status = 'scheduled'")
     )
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "running"),
-            c.locked_until,
-            postgresql_where=sa.text("status = 'running'"),
-        )
+    sa.Index(
+        derived_name(name, "running"),
+        c.locked_until,
+        postgresql_where=sa.text("status = 'running'"),
     )
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "finished"),
-            c.finished_at,
-            postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
-        )
+    sa.Index(
+        derived_name(name, "finished"),
+        c.finished_at,
+        postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
     )
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE
-        )
-    )
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "dead"),
-            c.queue,
-            c.task,
-            c.id,
-            postgresql_where=sa.text("status = 'dead'"),
-        )
+    sa.Index(derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
+    sa.Index(
+        derived_name(name, "dead"),
+        c.queue,
+        c.task,
+        c.id,
+        postgresql_where=sa.text("status = 'dead'"),
     )
     # jsonb_path_ops: smaller and faster than the default GIN operator class, and it serves
     # the one operator a tag filter needs (@>, containment).
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "meta"),
-            c.meta,
-            postgresql_using="gin",
-            postgresql_ops={"meta": "jsonb_path_ops"},
-            postgresql_where=sa.text("meta IS NOT NULL"),
-        )
+    sa.Index(
+        derived_name(name, "meta"),
+        c.meta,
+        postgresql_using="gin",
+        postgresql_ops={"meta": "jsonb_path_ops"},
+        postgresql_where=sa.text("meta IS NOT NULL"),
     )
     # The limited claim counts the running jobs of each key (sqla_jobs.throttle). Only
     # running rows that have a key are in it: nothing for queues without keys, and a
     # handful of rows at any time for those with.
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "keys"),
-            c.queue,
-            c.concurrency_key,
-            postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
-        )
+    sa.Index(
+        derived_name(name, "keys"),
+        c.queue,
+        c.concurrency_key,
+        postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
     )
     # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.
     # Partial: the jobs that wait for nothing (nearly all) add nothing to it.
-    _postgresql_only(
-        sa.Index(
-            derived_name(name, "parents"),
-            c.parents,
-            postgresql_using="gin",
-            postgresql_where=sa.text("parents IS NOT NULL"),
-        )
+    sa.Index(
+        derived_name(name, "parents"),
+        c.parents,
+        postgresql_using="gin",
+        postgresql_where=sa.text("parents IS NOT NULL"),
     )
+    # On SQLite the partial indexes would index every row without their predicate (a
+    # unique key held by finished jobs too), and the GIN ones cannot be made: all of them
+    # are created on PostgreSQL only.
+    for index in table.indexes - before:
+        _postgresql_only(index)
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
