@@ -33,6 +33,8 @@ from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql
 
+from sqla_jobs.model import derived_name
+
 from .autogenerate import _is_jobs_table  # importing it registers the comparators
 from .ops import CreateJobsChecksOp, CreateJobsTableOp, ReplaceJobsDDLOp
 
@@ -170,8 +172,8 @@ def _describe_change(table: str, op: Any) -> Difference:
         column = f"{table}.{op.column_name}"
         if op.modify_type is not None:
             message = (
-                f"column {column} is {op.existing_type} in the database; this version "
-                f"declares {op.modify_type.compile(dialect=_POSTGRESQL)}"
+                f"column {column} is {_type(op.existing_type)} in the database; this version "
+                f"declares {_type(op.modify_type)}"
             )
         elif op.modify_nullable is not None:
             wanted = "NULL" if op.modify_nullable else "NOT NULL"
@@ -189,12 +191,16 @@ def _describe_change(table: str, op: Any) -> Difference:
     )
 
 
+def _type(type_: Any) -> str:
+    return str(type_.compile(dialect=_POSTGRESQL)) if type_ is not None else "another type"
+
+
 def _describe_ddl(connection: sa.Connection, op: ReplaceJobsDDLOp) -> Iterator[Difference]:
     """The notify function, its trigger and the storage parameters: ``op`` is what this
     version installs, its reverse what the database has."""
     table = _name(op.schema, op.table_name)
     found = op.reverse()
-    function = f"{op.table_name}_notify"
+    function = derived_name(op.table_name, "notify")
     if not found.function_body:
         message = f"the notify function {function}() of {table!r} is missing"
         yield Difference(table, "trigger", message, False)

@@ -93,6 +93,7 @@ def test_each_difference_is_named_with_the_fix(engine: sa.Engine, schema: str) -
         "ALTER TABLE {s}.jobs DROP CONSTRAINT jobs_meta_object",
         "DROP TRIGGER jobs_notify ON {s}.jobs",
         "ALTER TABLE {s}.jobs_queues ALTER COLUMN paused DROP NOT NULL",
+        "ALTER TABLE {s}.jobs ALTER COLUMN result TYPE json",
     )
     result = run_cli("check", JOBS, env=in_schema(schema))
     assert result.returncode == 1, result.stdout + result.stderr
@@ -106,6 +107,7 @@ def test_each_difference_is_named_with_the_fix(engine: sa.Engine, schema: str) -
         "autovacuum_vacuum_scale_factor is 0.2 (0.02 expected)",
         f"'{schema}.jobs' lacks CHECK constraint 'jobs_meta_object'",
         f"column {schema}.jobs_queues.paused should be NOT NULL",
+        f"column {schema}.jobs.result is JSON in the database; this version declares JSONB",
     ]
     assert sorted(lines[:-1]) == sorted(expected), lines
     assert lines[-1].startswith("Fix: apply the migration that adds it (alembic upgrade head)")
