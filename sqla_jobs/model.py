@@ -324,15 +324,16 @@ def _declare_dataclass_columns(cls: type[Any]) -> None:
     :class:`JobMixin`, as keyword-only dataclass fields with a default of "not given".
 
     SQLAlchemy 2.1 keeps such a default off the INSERT (the column gets its server
-    default); 2.0 would send NULL for every column the caller did not give, so it is
-    refused there with the reason.
+    default); 2.0 sets the attribute to None, which a JSON column writes as JSON ``null``
+    (``args`` would not get its ``{}``), so it is refused there with the reason.
     """
     if not hasattr(sa.orm, "unmapped_dataclass"):  # new in SQLAlchemy 2.1
         raise TypeError(
             f"{cls.__name__}: JobMixin on a MappedAsDataclass base needs SQLAlchemy 2.1 or "
-            f"later (installed: {sa.__version__}): with 2.0, a dataclass field that the caller "
-            "leaves out is INSERTed as NULL instead of taking its server default. Map the "
-            "jobs model on a base without MappedAsDataclass, or upgrade SQLAlchemy."
+            f"later (installed: {sa.__version__}): with 2.0, a dataclass field the caller "
+            "leaves out is set to None, which the JSON column args stores as JSON null "
+            "instead of taking its server default. Map the jobs model on a base without "
+            "MappedAsDataclass, or upgrade SQLAlchemy."
         )
     hints = typing.get_type_hints(JobMixin)
     annotations = dict(inspect.get_annotations(cls))
