@@ -46,6 +46,12 @@ later sqla-jobs adds a column or an index, the next autogenerate writes a plain
 ``op.add_column`` / ``op.create_index`` for it. ``alembic upgrade head --sql`` prints all
 of it, trigger function included, as SQL a DBA can review and run.
 
+What Alembic does not compare is compared too: the notify function, trigger and storage
+parameters (``op.replace_jobs_ddl``), and the named CHECK constraints of the jobs table and
+its companions (``op.create_jobs_checks``, whose reverse is ``op.drop_jobs_checks``).
+:mod:`alembic_ext.check` runs the same comparison against a live database, for
+``sqla-jobs check`` and the worker's start.
+
 Autogenerate compares only the schemas Alembic is told to look at: a jobs table outside
 the default schema needs ``include_schemas=True`` (and an ``include_name`` filter to keep
 the comparison to your own schemas), or Alembic will propose to create it on every run.
@@ -54,10 +60,18 @@ the comparison to your own schemas), or Alembic will propose to create it on eve
 from __future__ import annotations
 
 from . import autogenerate, ops
-from .ops import CreateJobsTableOp, DropJobsTableOp, installed_jobs_table
+from .ops import (
+    CreateJobsChecksOp,
+    CreateJobsTableOp,
+    DropJobsChecksOp,
+    DropJobsTableOp,
+    installed_jobs_table,
+)
 
 __all__ = [
+    "CreateJobsChecksOp",
     "CreateJobsTableOp",
+    "DropJobsChecksOp",
     "DropJobsTableOp",
     "autogenerate",
     "installed_jobs_table",

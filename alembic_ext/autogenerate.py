@@ -11,6 +11,11 @@ operations they produced:
   trigger of sqla-jobs, together with the ``DropIndexOp``\\ s before it, becomes one
   :class:`~alembic_ext.ops.DropJobsTableOp`, whose reverse re-creates the table as it was.
 
+What Alembic does not compare is compared here, read-only: the notify function, trigger
+and storage parameters (:class:`~alembic_ext.ops.ReplaceJobsDDLOp`), and the named CHECK
+constraints of the jobs table and its companions
+(:class:`~alembic_ext.ops.CreateJobsChecksOp`).
+
 Because nothing is compared here, whatever Alembic filtered out (``include_object``,
 ``include_name``, ``include_schemas``) stays out: an index the filter skips is not in the
 rewritten operation either. Changes to an existing jobs table (a column or an index added
@@ -29,7 +34,7 @@ from alembic.operations import ops
 
 from sqla_jobs.model import STORAGE_PARAMETERS, derived_name
 
-from .ops import CreateJobsTableOp, DropJobsTableOp, ReplaceJobsDDLOp
+from .ops import CreateJobsChecksOp, CreateJobsTableOp, DropJobsTableOp, ReplaceJobsDDLOp
 
 __all__ = ["rewrite_jobs_tables"]
 
@@ -57,10 +62,12 @@ def rewrite_jobs_tables(
     autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
 ) -> None:
     """Swap the create/drop table and index operations of jobs tables for the jobs ops,
-    and replace the DDL of existing jobs tables that a newer sqla-jobs changed."""
+    replace the DDL of existing jobs tables that a newer sqla-jobs changed, and add the
+    CHECK constraints it declares that they lack."""
     _rewrite_creates(upgrade_ops)
     _rewrite_drops(autogen_context, upgrade_ops)
     _replace_changed_ddl(autogen_context, upgrade_ops, schemas)
+    _add_missing_checks(autogen_context, upgrade_ops, schemas)
 
 
 def _take_index_ops(
@@ -229,3 +236,63 @@ def _found_ddl(
 def _squeezed(text: str) -> str:
     """A function body with its white space folded: indentation is not a change."""
     return " ".join(text.split())
+
+
+def _jobs_family(autogen_context: AutogenContext) -> list[tuple[sa.Table, list[sa.Table]]]:
+    """Each jobs table of the metadata, with itself and its companion tables."""
+    family = []
+    for table in autogen_context.sorted_tables:
+        companions = table.info.get("sqla_jobs_companions")
+        if table.info.get("sqla_jobs") and companions is not None:
+            family.append((table, [table, *companions]))
+    return family
+
+
+def _add_missing_checks(
+    autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
+) -> None:
+    """A :class:`~alembic_ext.ops.CreateJobsChecksOp` for each table of a jobs table's
+    family (itself and its companions) that exists in the database without some of the
+    named CHECK constraints its model declares (compared by name, as Alembic compares
+    them: PostgreSQL rewrites a condition's text, so a changed condition gets a new name).
+
+    A constraint that another comparator already adds (Alembic's opt-in
+    ``checkconstraint_byname`` plugin) is left to it.
+    """
+    connection = autogen_context.connection
+    if connection is None or connection.dialect.name != "postgresql":
+        return
+    created = {
+        (op.schema, op.table_name)
+        for op in upgrade_ops.ops
+        if isinstance(op, (ops.CreateTableOp, CreateJobsTableOp))
+    }
+    added = {
+        sub.constraint_name
+        for op in upgrade_ops.ops
+        if isinstance(op, ops.ModifyTableOps)
+        for sub in op.ops
+        if isinstance(sub, ops.CreateCheckConstraintOp)
+    }
+    inspector = sa.inspect(connection)
+    for _, family in _jobs_family(autogen_context):
+        for table in family:
+            if (table.schema, table.name) in created or table.schema not in schemas:
+                continue
+            if not autogen_context.run_name_filters(
+                table.name, "table", {"schema_name": table.schema}
+            ) or not autogen_context.run_object_filters(table, table.name, "table", False, None):
+                continue
+            if not inspector.has_table(table.name, schema=table.schema):
+                continue
+            have = {c["name"] for c in inspector.get_check_constraints(table.name, table.schema)}
+            missing = {
+                str(c.name): str(c.sqltext)
+                for c in sorted(table.constraints, key=lambda c: str(c.name))
+                if isinstance(c, sa.CheckConstraint)
+                and c.name is not None
+                and c.name not in have
+                and c.name not in added
+            }
+            if missing:
+                upgrade_ops.ops.append(CreateJobsChecksOp(table.name, missing, schema=table.schema))

@@ -27,7 +27,7 @@ replay caveat above.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,15 +40,25 @@ from sqlalchemy.sql.schema import SchemaItem
 
 from sqla_jobs.model import (
     STORAGE_PARAMETERS,
+    Companions,
     JobMixin,
     _qualified,
+    _quote,
     companion_tables,
     ddl_statements,
     drop_statements,
     notify_function_body,
+    reference_table,
 )
 
-__all__ = ["CreateJobsTableOp", "DropJobsTableOp", "ReplaceJobsDDLOp", "installed_jobs_table"]
+__all__ = [
+    "CreateJobsChecksOp",
+    "CreateJobsTableOp",
+    "DropJobsChecksOp",
+    "DropJobsTableOp",
+    "ReplaceJobsDDLOp",
+    "installed_jobs_table",
+]
 
 #: What rendered migrations import: the ops exist only once this package is imported, and a
 #: migration should not depend on env.py having done it.
@@ -324,6 +334,117 @@ class ReplaceJobsDDLOp(MigrateOperation):
             )
         return self._reverse
 
+    def to_diff_tuple(self) -> tuple[str, str | None, str]:
+        return ("replace_jobs_ddl", self.schema, self.table_name)
+
+
+@Operations.register_operation("create_jobs_checks")
+class CreateJobsChecksOp(MigrateOperation):
+    """Add CHECK constraints to an existing jobs table or companion table: those a newer
+    sqla-jobs declares (``checks``: name to SQL condition, written into the migration).
+
+    Autogenerate writes it for the constraints of the model that the database lacks,
+    found by name: Alembic before 1.19 compares no CHECK constraints, and cannot render
+    the one it would write. One ``ALTER TABLE`` adds them all, so PostgreSQL reads the
+    table once to validate them; a row that breaks one makes the upgrade fail with the
+    constraint's name (fix or delete such rows, then upgrade again).
+    """
+
+    def __init__(
+        self, table_name: str, checks: Mapping[str, str], *, schema: str | None = None
+    ) -> None:
+        self.table_name = table_name
+        self.checks = dict(checks)
+        self.schema = schema
+
+    @classmethod
+    def create_jobs_checks(
+        cls,
+        operations: Operations,
+        table_name: str,
+        checks: Mapping[str, str],
+        *,
+        schema: str | None = None,
+    ) -> None:
+        """Add the named CHECK constraints (name to SQL condition) to ``table_name``."""
+        operations.invoke(cls(table_name, checks, schema=schema))
+
+    def reverse(self) -> DropJobsChecksOp:
+        return DropJobsChecksOp(
+            self.table_name, list(self.checks), schema=self.schema, checks=self.checks
+        )
+
+    def to_diff_tuple(self) -> tuple[str, str | None, str, list[str]]:
+        return ("add_jobs_checks", self.schema, self.table_name, sorted(self.checks))
+
+
+@Operations.register_operation("drop_jobs_checks")
+class DropJobsChecksOp(MigrateOperation):
+    """Drop named CHECK constraints of a jobs table or companion table (those that exist):
+    the downgrade of :class:`CreateJobsChecksOp`, which keeps their definitions for its
+    own reverse."""
+
+    def __init__(
+        self,
+        table_name: str,
+        names: Iterable[str],
+        *,
+        schema: str | None = None,
+        checks: Mapping[str, str] | None = None,
+    ) -> None:
+        self.table_name = table_name
+        self.names = list(names)
+        self.schema = schema
+        self._checks = dict(checks) if checks is not None else None
+
+    @classmethod
+    def drop_jobs_checks(
+        cls,
+        operations: Operations,
+        table_name: str,
+        names: Sequence[str],
+        *,
+        schema: str | None = None,
+    ) -> None:
+        """Drop the named CHECK constraints of ``table_name``, if they exist."""
+        operations.invoke(cls(table_name, names, schema=schema))
+
+    def reverse(self) -> CreateJobsChecksOp:
+        if self._checks is not None:
+            return CreateJobsChecksOp(self.table_name, self._checks, schema=self.schema)
+        # Written by hand: the definitions the installed sqla-jobs gives these names.
+        declared = _declared_checks(self.table_name, self.schema)
+        unknown = [name for name in self.names if name not in declared]
+        if unknown:
+            raise ValueError(
+                f"drop_jobs_checks: no CHECK constraint of this sqla-jobs is named {unknown!r}; "
+                "write the reverse's create_jobs_checks(...) by hand"
+            )
+        checks = {name: declared[name] for name in self.names}
+        return CreateJobsChecksOp(self.table_name, checks, schema=self.schema)
+
+    def to_diff_tuple(self) -> tuple[str, str | None, str, list[str]]:
+        return ("remove_jobs_checks", self.schema, self.table_name, sorted(self.names))
+
+
+def _declared_checks(table_name: str, schema: str | None) -> dict[str, str]:
+    """The CHECK constraints (name to SQL) the installed sqla-jobs declares on a table of
+    this name, as a jobs table or as the companion of one (``<jobs>_schedules``): a
+    hand-written ``drop_jobs_checks`` may name either."""
+    bases = [table_name] + [
+        table_name[: -len(suffix) - 1]
+        for suffix in Companions._fields
+        if table_name.endswith(f"_{suffix}")
+    ]
+    return {
+        str(c.name): str(c.sqltext)
+        for base in bases
+        for table in reference_table(base, schema).metadata.tables.values()
+        if table.name == table_name
+        for c in table.constraints
+        if isinstance(c, sa.CheckConstraint)
+    }
+
 
 @Operations.implementation_for(CreateJobsTableOp)
 def create_jobs_table(operations: Operations, operation: CreateJobsTableOp) -> sa.Table:
@@ -383,6 +504,28 @@ def replace_jobs_ddl(operations: Operations, operation: ReplaceJobsDDLOp) -> Non
     )
     for statement in statements:
         operations.execute(_sql(statement))
+
+
+@Operations.implementation_for(CreateJobsChecksOp)
+def create_jobs_checks(operations: Operations, operation: CreateJobsChecksOp) -> None:
+    """One ``ALTER TABLE ... ADD CONSTRAINT ... CHECK (...)`` for all of them."""
+    if not operation.checks:
+        return
+    table = _bare_table(operation.table_name, operation.schema)
+    adds = ", ".join(
+        f"ADD CONSTRAINT {_quote(name)} CHECK ({sql})" for name, sql in operation.checks.items()
+    )
+    operations.execute(_sql(f"ALTER TABLE {_qualified(table)} {adds}"))
+
+
+@Operations.implementation_for(DropJobsChecksOp)
+def drop_jobs_checks(operations: Operations, operation: DropJobsChecksOp) -> None:
+    """One ``ALTER TABLE ... DROP CONSTRAINT IF EXISTS ...`` for all of them."""
+    if not operation.names:
+        return
+    table = _bare_table(operation.table_name, operation.schema)
+    drops = ", ".join(f"DROP CONSTRAINT IF EXISTS {_quote(name)}" for name in operation.names)
+    operations.execute(_sql(f"ALTER TABLE {_qualified(table)} {drops}"))
 
 
 # --- rendering ------------------------------------------------------------------------
@@ -484,3 +627,22 @@ def render_replace_jobs_ddl(autogen_context: AutogenContext, op: ReplaceJobsDDLO
     args.append(f"function_body={op.function_body!r}")
     args.append(f"storage_parameters={op.storage_parameters!r}")
     return f"{prefix}replace_jobs_ddl(" + ", ".join(args) + ")"
+
+
+@renderers.dispatch_for(CreateJobsChecksOp)
+def render_create_jobs_checks(autogen_context: AutogenContext, op: CreateJobsChecksOp) -> str:
+    """Render ``op.create_jobs_checks(name, {constraint: condition, ...}, schema=...)``, the
+    conditions written out so the migration records what it adds."""
+    autogen_context.imports.add(IMPORT)
+    prefix = autogen_context.opts["alembic_module_prefix"] or ""
+    schema = f", schema={op.schema!r}" if op.schema else ""
+    return f"{prefix}create_jobs_checks({op.table_name!r}, {op.checks!r}{schema})"
+
+
+@renderers.dispatch_for(DropJobsChecksOp)
+def render_drop_jobs_checks(autogen_context: AutogenContext, op: DropJobsChecksOp) -> str:
+    """Render ``op.drop_jobs_checks(name, [constraint, ...], schema=...)``."""
+    autogen_context.imports.add(IMPORT)
+    prefix = autogen_context.opts["alembic_module_prefix"] or ""
+    schema = f", schema={op.schema!r}" if op.schema else ""
+    return f"{prefix}drop_jobs_checks({op.table_name!r}, {op.names!r}{schema})"

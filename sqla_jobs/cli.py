@@ -8,6 +8,7 @@
     $ sqla-jobs jobs retry myapp.tasks:jobs --queue webhooks --status dead --yes
     $ sqla-jobs queues pause myapp.tasks:jobs webhooks
     $ sqla-jobs web myapp.tasks:jobs --port 8080
+    $ sqla-jobs check myapp.tasks:jobs      # is the database this version's schema?
     $ sqla-jobs worker myapp.tasks:jobs --shard eu=postgresql://db-eu/app --shard us=...
 
 The database comes from ``--database-url`` or ``DATABASE_URL`` (or, for ``worker``,
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -281,45 +283,52 @@ def _shard_engines(shards: dict[str, Any]) -> dict[str, sa.Engine]:
     }
 
 
-def _check_table(engine: sa.Engine, jobs: Jobs | type[Any]) -> None:
+def _check_table(bind: Any, jobs: Jobs | type[Any]) -> None:
+    """The jobs table exists, on an ``Engine`` or an ``AsyncEngine``; one line if not, or
+    if the database cannot be reached."""
     try:
-        with engine.connect() as conn:
-            _check_connection(conn, jobs)
+        _on_connection(bind, lambda conn: _check_connection(conn, jobs))
     except sa.exc.DBAPIError as exc:
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
     except TypeError as exc:
-        raise _type_error(engine, exc) from None
+        raise _type_error(getattr(bind, "sync_engine", bind), exc) from None
 
 
-def _check_engine(bind: Any, jobs: Jobs | type[Any]) -> None:
-    """:func:`_check_table` on an ``Engine`` or an ``AsyncEngine`` (on an event loop of its
-    own, whose connections are disposed of with it)."""
+_T = typing.TypeVar("_T")
+
+
+def _on_connection(bind: Any, fn: Callable[[sa.Connection], _T]) -> _T:
+    """``fn`` on a connection of an ``Engine``, or of an ``AsyncEngine`` (the app's own,
+    from ``--engine``: through ``run_sync``, on an event loop of its own whose connections
+    are disposed of with it, since they belong to that loop)."""
     if not hasattr(bind, "sync_engine"):
-        _check_table(bind, jobs)
-        return
+        with bind.connect() as conn:
+            return fn(conn)
     import asyncio
 
-    async def check() -> None:
+    async def run() -> _T:
         try:
             async with bind.connect() as conn:
-                await conn.run_sync(_check_connection, jobs)
-        except sa.exc.DBAPIError as exc:
-            raise CommandError(_describe(exc), EXIT_FAILURE) from None
-        except TypeError as exc:
-            raise _type_error(bind.sync_engine, exc) from None
+                return typing.cast(_T, await conn.run_sync(fn))
         finally:
             await bind.dispose()
 
-    asyncio.run(check())
+    return asyncio.run(run())
 
 
 def _check_connection(conn: sa.Connection, jobs: Jobs | type[Any]) -> None:
     table = admin.source_table(jobs)
     if not sa.inspect(conn).has_table(table.name, schema=table.schema):
-        raise CommandError(
-            f"table {table.fullname!r} does not exist: run your migrations (alembic upgrade head)",
-            EXIT_FAILURE,
-        )
+        raise CommandError(f"table {table.fullname!r} does not exist: {_SCHEMA_HINT}", EXIT_FAILURE)
+
+
+#: A table or column this version needs is not in the database. The migrations may well
+#: have run (written by an older sqla-jobs, or without ``import alembic_ext`` in env.py):
+#: the check says exactly what differs.
+_SCHEMA_HINT = (
+    "the database lacks what this version of sqla-jobs needs; `sqla-jobs check JOBS` says "
+    "what differs and how to fix it"
+)
 
 
 def _type_error(engine: sa.Engine, exc: TypeError) -> CommandError:
@@ -354,8 +363,8 @@ def _describe(exc: sa.exc.DBAPIError) -> str:
     import psycopg.errors
 
     first = _first_line(exc)
-    if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-        return f"{first}: run your migrations (alembic upgrade head)"
+    if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
+        return f"{first}: {_SCHEMA_HINT}"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
@@ -517,6 +526,138 @@ def _error_summary(text: str | None, width: int = 60) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     return last if len(last) <= width else last[: width - 1] + "…"
+
+
+# -- check --------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Compare the database with the schema this version declares; exit 1 if it differs."""
+    target = load_target(args.target)
+    table = admin.source_table(target)
+    shards = shards_from(args)
+    engines = _shard_engines(shards) if shards is not None else {"": engine_from(args)}
+    report: list[tuple[str, list[Any]]] = []
+    try:
+        for name, engine in engines.items():
+            report.append((name, _schema_differences(engine, table)))
+    finally:
+        for engine in engines.values():
+            engine.dispose()
+    from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+
+    drift = any(differences for _, differences in report)
+    if args.json:
+        out: dict[str, Any] = {"table": table.fullname, "ok": not drift}
+        if shards is not None:
+            out["shards"] = [
+                {"shard": name, "differences": [d.to_dict() for d in differences]}
+                for name, differences in report
+            ]
+        out["differences"] = [d.to_dict() for _, differences in report for d in differences]
+        out["fix"] = FIX if drift else None
+        _print_json(out)
+        return EXIT_FAILURE if drift else EXIT_OK
+    for name, differences in report:
+        where = f"shard {name}: " if name else ""
+        if not differences:
+            print(
+                f"{where}{table.fullname}: the schema is this version's (tables, columns, "
+                "indexes, constraints, trigger, storage parameters)"
+            )
+        for d in differences:
+            print(f"{where}{d.message}{' (the worker needs it)' if d.fatal else ''}")
+    if drift:
+        print(f"Fix: {FIX}.")
+    return EXIT_FAILURE if drift else EXIT_OK
+
+
+def _schema_differences(engine: Any, table: sa.Table) -> list[Any]:
+    """:func:`alembic_ext.check.schema_differences` on a connection of ``engine`` (an
+    ``Engine`` or an ``AsyncEngine``); database errors as one line."""
+    # Alembic logs its plugins (when imported) and its context at INFO: noise here.
+    alembic_log = logging.getLogger("alembic")
+    level = alembic_log.level
+    alembic_log.setLevel(max(level, logging.WARNING))
+    try:
+        from alembic_ext.check import schema_differences
+
+        with _database_errors():
+            return _on_connection(engine, lambda conn: schema_differences(conn, table))
+    finally:
+        alembic_log.setLevel(level)
+
+
+def _check_schema(engine: Any, jobs: Jobs, args: argparse.Namespace) -> None:
+    """At worker start: refuse to start (one line) when a table or column is missing, since
+    the worker's statements would fail on it (over and over, under a supervisor that
+    restarts it); log a warning for any other difference, which makes the queue slower or
+    less guarded but not wrong, and must not take a running queue down on a deploy. The
+    warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
+    tables' catalogs: tens of milliseconds."""
+    found = _checked(engine, jobs.table, "")
+    if found is not None:
+        _schema_gate({"": found}, args)
+
+
+def _checked(engine: Any, table: sa.Table, shard: str) -> list[Any] | None:
+    """The differences, or None (a warning) when the comparison itself failed: the check
+    is there to explain a schema, never to be the reason a worker does not run."""
+    log = logging.getLogger("sqla_jobs.cli")
+    try:
+        return _schema_differences(engine, table)
+    except CommandError as exc:
+        log.warning("schema: %s not checked: %s", f"shard {shard}" if shard else "database", exc)
+    except Exception as exc:
+        log.warning("schema: not checked (%s: %s)", type(exc).__name__, exc)
+    return None
+
+
+def _check_shard_schemas(jobs: Jobs, shards: dict[str, str], args: argparse.Namespace) -> None:
+    """:func:`_check_schema` for each shard a worker of this process serves. A shard that
+    cannot be reached is not checked (a warning): its worker waits for it, as for any
+    shard that is down, and the others start."""
+    found: dict[str, list[Any] | None] = {}
+    for name, url in shards.items():
+        engine = create_engine(url)
+        try:
+            differences = _checked(engine, jobs.table, name)
+        finally:
+            engine.dispose()
+        found[name] = differences
+    _schema_gate(found, args)
+
+
+def _schema_gate(found: dict[str, list[Any] | None], args: argparse.Namespace) -> None:
+    """Refuse or warn, from the differences found per shard (``""``: the one database;
+    None: not checked)."""
+    from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+
+    def named(shard: str, message: str) -> str:
+        return f"shard {shard}: {message}" if shard else message
+
+    checked = {shard: ds for shard, ds in found.items() if ds is not None}
+    differences = [named(shard, d.message) for shard, ds in checked.items() for d in ds]
+    fatal = [named(shard, d.message) for shard, ds in checked.items() for d in ds if d.fatal]
+    if fatal:
+        raise CommandError(
+            f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
+            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {FIX}",
+            EXIT_FAILURE,
+        )
+    # For /healthz: what differs, and which shards went unchecked.
+    unchecked = [named(shard, "not checked") for shard, ds in found.items() if ds is None]
+    args.schema_drift = differences + unchecked
+    if differences:
+        log = logging.getLogger("sqla_jobs.cli")
+        for message in differences:
+            log.warning("schema: %s", message)
+        log.warning(
+            "schema: the worker runs, but the database is not this version's "
+            "(sqla-jobs check %s). Fix: %s",
+            args.registry,
+            FIX,
+        )
 
 
 # -- stats --------------------------------------------------------------------------------
@@ -1039,7 +1180,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 "restarts the workers that stop"
             )
         # Fail here, once, rather than in every child as it restarts.
-        _check_engine(engine, jobs)
+        _check_table(engine, jobs)
+        _check_schema(engine, jobs, args)
         from .worker.supervisor import supervise
 
         child = ["-v"] * args.verbose
@@ -1063,7 +1205,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return supervise(
             child, args.processes, grace_period=settings.grace_period, child_args=ports
         )
-    _check_engine(engine, jobs)
+    _check_table(engine, jobs)
+    _check_schema(engine, jobs, args)
     try:
         if args.asyncio:
             _run_async_worker(jobs, engine if loaded is not None else _url(args), settings, args)
@@ -1129,6 +1272,7 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, Any]
         if args.processes > 1:
             flag = "--until-empty" if args.until_empty else "--one-process"
             raise CommandError(f"{flag} and --processes do not mix: one process serves all")
+        _check_shard_schemas(jobs, shards, args)
         try:
             if args.asyncio:
                 _run_async_sharded(jobs, shards, settings, args)
@@ -1285,7 +1429,10 @@ def _endpoints(
             from .health import serve_health
 
             at = health_at
-            health = _listening("--health-port", at, lambda: serve_health(worker, at[1], at[0]))
+            drift = getattr(args, "schema_drift", None)  # from the check at start
+            health = _listening(
+                "--health-port", at, lambda: serve_health(worker, at[1], at[0], schema=drift)
+            )
             closers.append(health.close)
         yield
     finally:
@@ -1548,6 +1695,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_worker(sub)
     _add_stats(sub)
+    _add_check(sub)
     _add_jobs(sub)
     _add_queues(sub)
     _add_web(sub)
@@ -1666,6 +1814,22 @@ def _add_stats(sub: Any) -> None:
         ": a row per shard and queue, then their sums (SHARD *)",
     )
     stats.set_defaults(func=cmd_stats)
+
+
+def _add_check(sub: Any) -> None:
+    check = sub.add_parser(
+        "check",
+        parents=[_common()],
+        help="compare the database with the schema this version declares",
+        description="Compare the jobs table and its companion tables in the database with "
+        "what this version of sqla-jobs declares (tables, columns, indexes, CHECK "
+        "constraints, the notify trigger and function, storage parameters), the way "
+        "alembic revision --autogenerate compares them. Prints each difference and the "
+        "command that fixes it. Exit code 0 when they match, 1 when they differ.",
+    )
+    check.add_argument("--json", action="store_true", help="one JSON object")
+    _shard_option(check, ": each shard's database")
+    check.set_defaults(func=cmd_check)
 
 
 def _add_jobs(sub: Any) -> None:

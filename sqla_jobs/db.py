@@ -25,7 +25,13 @@ import sqlalchemy as sa
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["create_async_engine", "create_engine", "embedded_url", "normalize_url"]
+__all__ = [
+    "create_async_engine",
+    "create_engine",
+    "embedded_url",
+    "normalize_url",
+    "require_postgresql",
+]
 
 
 def normalize_url(url: str | sa.URL) -> sa.URL:
@@ -109,6 +115,21 @@ def _engine_args(url: str | sa.URL, kw: dict[str, Any]) -> sa.URL:
         kw["connect_args"] = given
     kw.setdefault("pool_pre_ping", True)
     return parsed
+
+
+def require_postgresql(
+    bind: sa.Connection | sa.Engine, what: str, error: type[Exception] = RuntimeError
+) -> None:
+    """Raise ``error`` unless ``bind`` is PostgreSQL: for what runs PostgreSQL's own SQL
+    (the claim, ``ON CONFLICT``, arrays and JSONB operators).
+
+    The jobs tables can be created elsewhere (an application's SQLite tests create its
+    whole metadata), and a plain ``enqueue`` and :mod:`sqla_jobs.testing`'s assertions
+    work there; the rest says so in one line instead of failing inside the SQL.
+    """
+    name = bind.dialect.name
+    if name != "postgresql":
+        raise error(f"{what} needs PostgreSQL; this database is {name}")
 
 
 def create_engine(url: str | sa.URL, **kw: Any) -> sa.Engine:

@@ -21,7 +21,12 @@ The body is the report as JSON::
     {"healthy": false, "state": "running", "worker": "web-1:4242:a1b2c3",
      "problems": ["fetch loop stuck: waiting on Io claim for 75.2s"],
      "loops": {"fetch loop": {"waiting_on": "Io claim", "seconds": 75.2}, ...},
-     "running": 3, "concurrency": 16, "unwritten_outcomes": 0, "database": "ok"}
+     "running": 3, "concurrency": 16, "unwritten_outcomes": 0, "database": "ok",
+     "schema": "ok"}
+
+``schema`` is there when ``sqla-jobs worker`` checked the schema at start: ``"ok"``, or
+the differences it found that let the worker start (a missing index, another storage
+parameter, the trigger; see ``sqla-jobs check``).
 
 An HTTP endpoint rather than a file that a probe script compares timestamps of: a
 Kubernetes ``httpGet`` probe (or ``curl -f`` in a Docker ``HEALTHCHECK``) reads it as is, and
@@ -37,7 +42,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -49,8 +54,15 @@ PATHS = ("/healthz", "/livez", "/")
 class HealthServer:
     """Serves ``GET /healthz`` for one worker, from a daemon thread."""
 
-    def __init__(self, worker: Any, port: int = 0, host: str = "0.0.0.0") -> None:
-        read = _reader(worker)
+    def __init__(
+        self,
+        worker: Any,
+        port: int = 0,
+        host: str = "0.0.0.0",
+        *,
+        schema: Sequence[str] | None = None,
+    ) -> None:
+        read = _with_schema(_reader(worker), schema)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -93,11 +105,29 @@ class _Server6(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-def serve_health(worker: Any, port: int, host: str = "0.0.0.0") -> HealthServer:
+def serve_health(
+    worker: Any, port: int, host: str = "0.0.0.0", *, schema: Sequence[str] | None = None
+) -> HealthServer:
     """Start serving ``/healthz`` for ``worker``: a ``Worker`` or an ``AsyncWorker``, or a
     :class:`~sqla_jobs.sharding.ShardedWorker` or ``AsyncShardedWorker`` (every shard on
-    one port: see their ``health()``)."""
-    return HealthServer(worker, port, host)
+    one port: see their ``health()``).
+
+    ``schema``: what the schema check at start found different in the database (see
+    :mod:`alembic_ext.check`), shown as the body's ``"schema"`` (``"ok"``, or the list).
+    It does not make the worker unhealthy: a worker that started can run its statements
+    (a missing table or column stops it at start), and a restart would not change the
+    schema; the body says what to fix."""
+    return HealthServer(worker, port, host, schema=schema)
+
+
+def _with_schema(
+    read: Callable[[], dict[str, Any]], schema: Sequence[str] | None
+) -> Callable[[], dict[str, Any]]:
+    """The report, with the start-up schema check's result when there was one."""
+    if schema is None:
+        return read
+    found: str | list[str] = list(schema) or "ok"
+    return lambda: {**read(), "schema": found}
 
 
 def _reader(worker: Any) -> Callable[[], dict[str, Any]]:

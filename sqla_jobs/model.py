@@ -11,9 +11,20 @@
         __tablename__ = "jobs"                 # any name
         __table_args__ = {"schema": "work"}    # optional: a schema (or MetaData(schema=...))
 
-The table, its partial indexes, its storage parameters and its NOTIFY trigger are created
-by ``metadata.create_all()`` or, better, by ``op.create_jobs_table()`` in an Alembic
-migration (see :mod:`alembic_ext`).
+The table, its partial indexes, its CHECK constraints, its storage parameters and its
+NOTIFY trigger are created by ``metadata.create_all()`` or, better, by
+``op.create_jobs_table()`` in an Alembic migration (see :mod:`alembic_ext`). Any
+declarative style works (see :class:`JobMixin`); ``sqla-jobs check`` compares a live
+database with all of it.
+
+``metadata.create_all()`` also works on SQLite, for an application whose own tests run
+there: the PostgreSQL types have SQLite variants (JSON, INTEGER), and what only PostgreSQL
+can run (the trigger, the storage parameters, the partial and GIN indexes, the JSON CHECK
+constraints) is left out there. PostgreSQL's DDL is exactly what it is without them.
+
+The CHECK constraints (:data:`CHECKS`) hold what the worker assumes of any row, whoever
+wrote it: an object ``args``, an object or NULL ``meta``, an attempt left for a job that
+waits to run, and so on.
 
 Why the indexes look the way they do
 ------------------------------------
@@ -52,7 +63,10 @@ add nothing to it and pay nothing for it at insert, claim and completion.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
+import inspect
+import typing
 from datetime import datetime
 from typing import Any, ClassVar, NamedTuple
 
@@ -60,7 +74,16 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.dialects.postgresql.base import PGDialect
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    MappedAsDataclass,
+    MappedColumn,
+    Mapper,
+    mapped_column,
+)
+from sqlalchemy.sql.compiler import SQLCompiler
 
 __all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel", "result_channel"]
 
@@ -154,12 +177,77 @@ def _status_list(statuses: tuple[str, ...]) -> str:
     return ", ".join(f"'{s}'" for s in statuses)
 
 
+# --- column types: PostgreSQL's, and what an application's SQLite tests can create --------
+#
+# The queue runs on PostgreSQL only, but the jobs tables live in the application's own
+# metadata, so an application whose tests run ``metadata.create_all()`` on SQLite must be
+# able to create them there. Each PostgreSQL-only type carries a SQLite variant. The base
+# type stays PostgreSQL's: it decides the Python-side operators (``meta.contains(...)``
+# is JSONB's ``@>``, ``parents.overlap(...)`` is ARRAY's ``&&``), and PostgreSQL's DDL is
+# exactly what it was without the variants.
+
+
+def _jsonb() -> sa.types.TypeEngine[Any]:
+    return JSONB().with_variant(sa.JSON(), "sqlite")
+
+
+def _array(item: sa.types.TypeEngine[Any] | type[sa.types.TypeEngine[Any]]) -> Any:
+    return ARRAY(item).with_variant(sa.JSON(), "sqlite")
+
+
+#: BIGINT on PostgreSQL; on SQLite, INTEGER, which is what makes a primary key take the
+#: rowid there (and number itself).
+_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class EmptyObject(sa.sql.expression.ColumnElement[Any]):
+    """The server default of a JSON object column: ``'{}'::jsonb`` on PostgreSQL, as it
+    always was, and ``'{}'`` elsewhere (SQLite has no cast syntax)."""
+
+    inherit_cache = True
+
+
+@compiles(EmptyObject)
+def _empty_object(element: EmptyObject, compiler: SQLCompiler, **kw: Any) -> str:
+    return "'{}'"
+
+
+@compiles(EmptyObject, "postgresql")
+def _empty_object_pg(element: EmptyObject, compiler: SQLCompiler, **kw: Any) -> str:
+    return "'{}'::jsonb"
+
+
+#: Marks the columns a :class:`JobMixin` declares (``Column.info``), so that a table built
+#: from them can be told from a Table an application built itself and mapped.
+_MIXIN_COLUMN = "sqla_jobs.column"
+
+
+def _column(*args: Any, **kw: Any) -> Any:
+    """``mapped_column(...)``, marked as the mixin's."""
+    return mapped_column(*args, info={_MIXIN_COLUMN: True}, **kw)
+
+
 class JobMixin:
     """Columns, constraints and indexes of a jobs table.
 
     Mix it into a declarative class of the application's own ``Base``; the class chooses
     the table name (``__tablename__``) and, through ``__table_args__``, the schema. A model
     may add columns of its own; the queue only reads and writes the ones declared here.
+
+    Any declarative style works: a :class:`~sqlalchemy.orm.DeclarativeBase` (with or without
+    :class:`~sqlalchemy.orm.MappedAsDataclass`, or a ``DeclarativeBaseNoMeta``), the legacy
+    ``declarative_base()`` and ``registry.generate_base()``, ``@registry.mapped``, and bases
+    built on them such as Flask-SQLAlchemy's ``db.Model``. The indexes, CHECK constraints,
+    notify trigger and companion tables are added when the class is mapped (the
+    ``after_mapper_constructed`` event), which is the one moment every style shares: a
+    metaclass-based base builds the Table only after ``__init_subclass__`` has run. A Table
+    the application builds itself and maps (``__table__ = Table(...)``,
+    ``map_imperatively``) is left as it is; :class:`~sqla_jobs.Jobs` then says what it
+    lacks.
+
+    On a ``MappedAsDataclass`` base (SQLAlchemy 2.1 or later) the columns are keyword-only
+    dataclass fields that default to "not given", so ``Job(task=..., args=...)`` leaves
+    every other column to its server default, as on any other base.
     """
 
     __sqla_jobs__: ClassVar[bool] = True
@@ -171,58 +259,52 @@ class JobMixin:
     #: sets its own ``__mapper_args__`` replaces this.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
 
-    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(always=False), primary_key=True)
-    queue: Mapped[str] = mapped_column(sa.Text, nullable=False, server_default="default")
-    task: Mapped[str] = mapped_column(sa.Text, nullable=False)
-    args: Mapped[dict[str, Any]] = mapped_column(
-        JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
-    )
-    status: Mapped[str] = mapped_column(sa.Text, nullable=False, server_default="ready")
-    priority: Mapped[int] = mapped_column(sa.SmallInteger, nullable=False, server_default="0")
-    run_at: Mapped[datetime] = mapped_column(
+    id: Mapped[int] = _column(_ID, sa.Identity(always=False), primary_key=True)
+    queue: Mapped[str] = _column(sa.Text, nullable=False, server_default="default")
+    task: Mapped[str] = _column(sa.Text, nullable=False)
+    args: Mapped[dict[str, Any]] = _column(_jsonb(), nullable=False, server_default=EmptyObject())
+    status: Mapped[str] = _column(sa.Text, nullable=False, server_default="ready")
+    priority: Mapped[int] = _column(sa.SmallInteger, nullable=False, server_default="0")
+    run_at: Mapped[datetime] = _column(
         sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
     )
-    attempts: Mapped[int] = mapped_column(sa.Integer, nullable=False, server_default="0")
-    max_attempts: Mapped[int] = mapped_column(sa.Integer, nullable=False, server_default="5")
-    locked_until: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
-    locked_by: Mapped[str | None] = mapped_column(sa.Text)
-    unique_key: Mapped[str | None] = mapped_column(sa.Text)
-    last_error: Mapped[str | None] = mapped_column(sa.Text)
-    created_at: Mapped[datetime] = mapped_column(
+    attempts: Mapped[int] = _column(sa.Integer, nullable=False, server_default="0")
+    max_attempts: Mapped[int] = _column(sa.Integer, nullable=False, server_default="5")
+    locked_until: Mapped[datetime | None] = _column(sa.DateTime(timezone=True))
+    locked_by: Mapped[str | None] = _column(sa.Text)
+    unique_key: Mapped[str | None] = _column(sa.Text)
+    last_error: Mapped[str | None] = _column(sa.Text)
+    created_at: Mapped[datetime] = _column(
         sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
     )
-    finished_at: Mapped[datetime | None] = mapped_column(sa.DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = _column(sa.DateTime(timezone=True))
     #: A JSON object given at enqueue (``meta={...}``): tags, correlation ids. Keys
     #: starting with ``sqla_jobs.`` are the library's (the trace context, when tracing).
-    meta: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    meta: Mapped[dict[str, Any] | None] = _column(_jsonb())
     #: What the running handler last said about its progress
     #: (``current_job().set_progress(...)``), written with the heartbeat.
-    progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    progress: Mapped[dict[str, Any] | None] = _column(_jsonb())
     #: The key a task's ``concurrency_key`` function computed from the job's arguments at
     #: enqueue: at most ``key_concurrency`` running jobs of a queue share one (see
     #: :mod:`sqla_jobs.throttle`). NULL: no key.
-    concurrency_key: Mapped[str | None] = mapped_column(sa.Text)
+    concurrency_key: Mapped[str | None] = _column(sa.Text)
     #: The handler's return value, for a job enqueued with ``keep_result``: written by the
     #: completion that marks it ``done`` (see :meth:`Jobs.result <sqla_jobs.Jobs.result>`).
-    result: Mapped[Any | None] = mapped_column(JSONB)
+    result: Mapped[Any | None] = _column(_jsonb())
     #: The jobs this one waits for (``enqueue(..., after=[...])``), or None. Searched by
     #: ``<table>_parents`` when a parent finishes.
-    parents: Mapped[list[int] | None] = mapped_column(ARRAY(sa.BigInteger))
+    parents: Mapped[list[int] | None] = _column(_array(sa.BigInteger))
     #: How many of ``parents`` have not yet succeeded. A job with ``waiting > 0`` is held
     #: as ``scheduled`` with ``run_at`` in the year 9999, which the promoter never reaches.
-    waiting: Mapped[int | None] = mapped_column(sa.Integer)
+    waiting: Mapped[int | None] = _column(sa.Integer)
 
     def __init_subclass__(cls, **kw: Any) -> None:
-        # Declarative builds the Table inside super().__init_subclass__. Constraints and
-        # indexes are added to it here rather than through __table_args__, so that a model
-        # can still set its own __table_args__ (a schema, a comment) without losing them.
+        # A dataclass mapping refuses mapped attributes inherited from a class that is not
+        # a dataclass, so such a class gets its own copy of each column, declared before
+        # declarative (inside super().__init_subclass__) reads the class.
+        if issubclass(cls, MappedAsDataclass):
+            _declare_dataclass_columns(cls)
         super().__init_subclass__(**kw)
-        table = cls.__dict__.get("__table__")
-        if isinstance(table, sa.Table) and not table.info.get("sqla_jobs"):
-            table.info["sqla_jobs"] = True
-            add_constraints(table)
-            attach_ddl(table)
-            companion_tables(table)
 
     def __repr__(self) -> str:
         return (
@@ -231,19 +313,132 @@ class JobMixin:
         )
 
 
+#: The names of the columns :class:`JobMixin` declares, in order.
+COLUMN_NAMES: tuple[str, ...] = tuple(
+    name for name, value in vars(JobMixin).items() if isinstance(value, MappedColumn)
+)
+
+
+def _declare_dataclass_columns(cls: type[Any]) -> None:
+    """Declare on ``cls`` itself each of the mixin's columns that it would inherit from
+    :class:`JobMixin`, as keyword-only dataclass fields with a default of "not given".
+
+    SQLAlchemy 2.1 keeps such a default off the INSERT (the column gets its server
+    default); 2.0 sets the attribute to None, which a JSON column writes as JSON ``null``
+    (``args`` would not get its ``{}``), so it is refused there with the reason.
+    """
+    if not hasattr(sa.orm, "unmapped_dataclass"):  # new in SQLAlchemy 2.1
+        raise TypeError(
+            f"{cls.__name__}: JobMixin on a MappedAsDataclass base needs SQLAlchemy 2.1 or "
+            f"later (installed: {sa.__version__}): with 2.0, a dataclass field the caller "
+            "leaves out is set to None, which the JSON column args stores as JSON null "
+            "instead of taking its server default. Map the jobs model on a base without "
+            "MappedAsDataclass, or upgrade SQLAlchemy."
+        )
+    hints = typing.get_type_hints(JobMixin)
+    annotations = dict(inspect.get_annotations(cls))
+    for name in COLUMN_NAMES:
+        owner = next(klass for klass in cls.__mro__ if name in vars(klass))
+        if owner is not JobMixin:
+            continue  # the model (or a class between) declares it: theirs
+        source: sa.Column[Any] = vars(JobMixin)[name].column
+        extra: list[Any] = []
+        if source.identity is not None:
+            extra.append(sa.Identity(always=source.identity.always))
+        fields: dict[str, Any] = (
+            {"init": False} if source.primary_key else {"kw_only": True, "default": None}
+        )
+        server_default = source.server_default
+        copy = mapped_column(
+            source.type,
+            *extra,
+            primary_key=source.primary_key,
+            nullable=source.nullable,
+            server_default=getattr(server_default, "arg", None),
+            info=dict(source.info),
+            **fields,
+        )
+        setattr(cls, name, copy)
+        annotations[name] = hints[name]
+    cls.__annotations__ = annotations
+
+
+@event.listens_for(JobMixin, "after_mapper_constructed", propagate=True)
+def _complete_mapped_table(mapper: Mapper[Any], cls: type[Any]) -> None:
+    """Add the indexes, CHECK constraints, DDL and companion tables to a jobs table built
+    from the mixin's columns, whichever declarative style mapped it.
+
+    The event fires once per mapped class, as soon as its mapper exists, for every style
+    (inside ``__init_subclass__`` for ``DeclarativeBase``, in the metaclass for
+    ``declarative_base()``, in the decorator for ``@registry.mapped``). A subclass mapped
+    on the same table, or a table that already has them, is skipped, and so is a table
+    that was not built from the mixin's own columns (the application's own ``Table``):
+    changing a Table its owner built could duplicate what it already declares.
+    """
+    table = mapper.local_table
+    if not isinstance(table, sa.Table) or table.info.get("sqla_jobs"):
+        return
+    if not any(column.info.get(_MIXIN_COLUMN) for column in table.c):
+        return
+    if not set(COLUMN_NAMES) <= set(table.c.keys()):
+        return  # a table of another kind, in an inheritance hierarchy
+    complete_table(table)
+
+
+def complete_table(table: sa.Table) -> None:
+    """Give a table of the mixin's columns its constraints, indexes, DDL and companions."""
+    table.info["sqla_jobs"] = True
+    add_constraints(table)
+    attach_ddl(table)
+    companion_tables(table)
+
+
+def _postgresql_only(item: Any) -> Any:
+    """``metadata.create_all()`` creates this on PostgreSQL only: SQL that other databases
+    cannot run (``jsonb_typeof``, a GIN index) or would read differently (a partial unique
+    index without its predicate)."""
+    return item.ddl_if(dialect="postgresql")
+
+
+#: ``<table>_<suffix>`` CHECK constraints and what they hold. The first four are as old as
+#: the table; the others were added in 0.2 (an upgrade adds them: see ``alembic_ext``).
+#:
+#: Each one holds for every row the library writes (an UPDATE that broke one would fail
+#: its whole batch, so each was checked against every statement that writes the column),
+#: and says what the worker assumes of a row someone else wrote:
+#:
+#: * ``args_object``, ``meta_object``: a handler is called with the arguments as keywords,
+#:   and ``meta`` is read as a mapping;
+#: * ``attempts_left``: a job waiting to run (scheduled or ready) has an attempt left, and a
+#:   running one has used at most all of them. Attempts only grow, and the claim adds one,
+#:   so this also keeps the claim from overflowing the column. Finished jobs are free
+#:   (``retry`` raises ``max_attempts`` past their attempts);
+#: * ``waiting``: a job held for its parents waits for a count of them, never fewer than 0.
+CHECKS: dict[str, str] = {
+    "status": f"status IN ({_status_list(STATUSES)})",
+    "priority": "priority >= 0",
+    "max_attempts": "max_attempts >= 1",
+    "attempts": "attempts >= 0",
+    "args_object": "jsonb_typeof(args) = 'object'",
+    "meta_object": "meta IS NULL OR jsonb_typeof(meta) = 'object'",
+    "attempts_left": (
+        "status IN ('done', 'dead', 'cancelled') OR attempts < max_attempts"
+        " OR (status = 'running' AND attempts = max_attempts)"
+    ),
+    "waiting": "waiting IS NULL OR waiting >= 0",
+}
+#: The CHECK constraints whose SQL is PostgreSQL's alone (SQLite has no ``jsonb_typeof``).
+_POSTGRESQL_CHECKS = frozenset({"args_object", "meta_object"})
+
+
 def add_constraints(table: sa.Table) -> None:
     """CHECK constraints and partial indexes, named after the table so that two job tables
     never collide."""
     name, c = table.name, table.c
-    for constraint in (
-        sa.CheckConstraint(
-            f"status IN ({_status_list(STATUSES)})", name=derived_name(name, "status")
-        ),
-        sa.CheckConstraint("priority >= 0", name=derived_name(name, "priority")),
-        sa.CheckConstraint("max_attempts >= 1", name=derived_name(name, "max_attempts")),
-        sa.CheckConstraint("attempts >= 0", name=derived_name(name, "attempts")),
-    ):
-        table.append_constraint(constraint)
+    for suffix, sql in CHECKS.items():
+        check = sa.CheckConstraint(sql, name=derived_name(name, suffix))
+        table.append_constraint(_postgresql_only(check) if suffix in _POSTGRESQL_CHECKS else check)
+    before = set(table.indexes)
     # Index() given Column objects attaches itself to their table.
     sa.Index(
         derived_name(name, "claim"),
@@ -300,6 +495,11 @@ def add_constraints(table: sa.Table) -> None:
         postgresql_using="gin",
         postgresql_where=sa.text("parents IS NOT NULL"),
     )
+    # On SQLite the partial indexes would index every row without their predicate (a
+    # unique key held by finished jobs too), and the GIN ones cannot be made: all of them
+    # are created on PostgreSQL only.
+    for index in table.indexes - before:
+        _postgresql_only(index)
 
 
 #: The predicate of ``<table>_unique``; ON CONFLICT must name it to infer that index.
@@ -382,13 +582,17 @@ def attach_ddl(table: sa.Table) -> None:
         return
     table.info["sqla_jobs_ddl"] = True
 
+    # PL/pgSQL and storage parameters: PostgreSQL's alone. Elsewhere (an application's
+    # SQLite tests) the table is created without them.
     def _after_create(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
-        for statement in ddl_statements(target):
-            connection.exec_driver_sql(statement)
+        if connection.dialect.name == "postgresql":
+            for statement in ddl_statements(target):
+                connection.exec_driver_sql(statement)
 
     def _after_drop(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
-        for statement in drop_statements(target):
-            connection.exec_driver_sql(statement)
+        if connection.dialect.name == "postgresql":
+            for statement in drop_statements(target):
+                connection.exec_driver_sql(statement)
 
     event.listen(table, "after_create", _after_create)
     event.listen(table, "after_drop", _after_drop)
@@ -452,7 +656,7 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
         # A rate-limited queue's sliding log: when each job started within the last
         # period (at most the rate's count of them), written by the limited claim.
-        sa.Column("rate_log", ARRAY(sa.DateTime(timezone=True))),
+        sa.Column("rate_log", _array(sa.DateTime(timezone=True))),
         sa.Column(
             "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
         ),
@@ -463,7 +667,7 @@ def companion_tables(table: sa.Table) -> Companions:
         metadata,
         sa.Column("name", sa.Text, primary_key=True),
         sa.Column("task", sa.Text, nullable=False),
-        sa.Column("args", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column("args", _jsonb(), nullable=False, server_default=EmptyObject()),
         sa.Column("cron", sa.Text, nullable=False),
         # The IANA time zone the expression is read in; NULL is UTC.
         sa.Column("tz", sa.Text),
@@ -482,6 +686,12 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Index(
             derived_name(name, "schedules_due"), "next_run_at", postgresql_where=sa.text("enabled")
         ),
+        # A due schedule's arguments become a job's: an object, as the jobs table holds.
+        _postgresql_only(
+            sa.CheckConstraint(
+                CHECKS["args_object"], name=derived_name(name, "schedules_args_object")
+            )
+        ),
         schema=schema,
     )
     workers = sa.Table(
@@ -491,7 +701,7 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Column("host", sa.Text, nullable=False),
         sa.Column("pid", sa.Integer, nullable=False),
         sa.Column("kind", sa.Text, nullable=False),
-        sa.Column("queues", ARRAY(sa.Text), nullable=False),
+        sa.Column("queues", _array(sa.Text), nullable=False),
         sa.Column("concurrency", sa.Integer, nullable=False),
         sa.Column("running", sa.Integer, nullable=False),
         sa.Column("processed", sa.BigInteger, nullable=False),
@@ -530,7 +740,7 @@ def companion_tables(table: sa.Table) -> Companions:
         sa.Column("queue", sa.Text, primary_key=True),
         sa.Column("key", sa.Text, primary_key=True),
         # The starts within the key's last period, oldest first (at most the rate's count).
-        sa.Column("log", ARRAY(sa.DateTime(timezone=True)), nullable=False),
+        sa.Column("log", _array(sa.DateTime(timezone=True)), nullable=False),
         # Set while the log is full: the oldest start plus the period.
         sa.Column("full_until", sa.DateTime(timezone=True)),
         # The newest start plus the period: from then on the row only takes room.
@@ -553,4 +763,87 @@ def job_table(model: type[Any] | sa.Table) -> sa.Table:
     table = model if isinstance(model, sa.Table) else getattr(model, "__table__", None)
     if not isinstance(table, sa.Table) or "task" not in table.c or "locked_until" not in table.c:
         raise TypeError(f"{model!r} is not a JobMixin model or jobs table")
+    return table
+
+
+def reference_table(
+    table_name: str,
+    schema: str | None = None,
+    naming_convention: typing.Mapping[str, Any] | None = None,
+) -> sa.Table:
+    """The jobs table as this version declares it, on a MetaData of its own (with its
+    companions): what an application's table is checked against. Read it, never change
+    it (it may be shared).
+
+    ``naming_convention``: the application's MetaData's, so that constraint names come out
+    as they do there (``ck_%(table_name)s_%(constraint_name)s`` renames the CHECKs)."""
+    if naming_convention is None or dict(naming_convention) == _DEFAULT_CONVENTION:
+        return _default_reference(table_name, schema)
+    return _build_reference(table_name, schema, naming_convention)
+
+
+_DEFAULT_CONVENTION: dict[str, Any] = dict(sa.MetaData().naming_convention)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_reference(table_name: str, schema: str | None) -> sa.Table:
+    return _build_reference(table_name, schema, None)
+
+
+def _build_reference(
+    table_name: str, schema: str | None, naming_convention: typing.Mapping[str, Any] | None
+) -> sa.Table:
+    convention: dict[str, Any] = dict(naming_convention or _DEFAULT_CONVENTION)
+    metadata = sa.MetaData(schema=schema, naming_convention=convention)
+    base: Any = type("Base", (DeclarativeBase,), {"metadata": metadata})
+    model: Any = type("Job", (JobMixin, base), {"__tablename__": table_name})
+    table: sa.Table = model.__table__
+    return table
+
+
+def missing_parts(table: sa.Table) -> list[str]:
+    """What ``table`` lacks of a complete jobs table, one phrase per kind ("indexes
+    'jobs_claim', 'jobs_dead'"), compared by name with :func:`reference_table`: columns,
+    CHECK constraints, indexes, the DDL that creates the notify trigger, and the companion
+    tables in its metadata."""
+    wanted = reference_table(table.name, table.schema, table.metadata.naming_convention)
+    constraints = {constraint.name for constraint in table.constraints}
+    indexes = {index.name for index in table.indexes}
+    tables = table.metadata.tables
+    found = {
+        "columns": [column.key for column in wanted.c if column.key not in table.c],
+        "CHECK constraints": sorted(
+            str(c.name)
+            for c in wanted.constraints
+            if isinstance(c, sa.CheckConstraint) and c.name not in constraints
+        ),
+        "indexes": sorted(str(i.name) for i in wanted.indexes if i.name not in indexes),
+        "companion tables": [
+            companion.name
+            for companion in wanted.info["sqla_jobs_companions"]
+            if tables.get(_key(table.schema, companion.name)) is None
+        ],
+    }
+    missing = [f"{kind} {', '.join(map(repr, names))}" for kind, names in found.items() if names]
+    if not table.info.get("sqla_jobs_ddl"):
+        missing.append("the notify trigger (its create_all DDL)")
+    return missing
+
+
+def _key(schema: str | None, name: str) -> str:
+    return f"{schema}.{name}" if schema else name
+
+
+def check_complete(model: type[Any] | sa.Table) -> sa.Table:
+    """The model's jobs table, if it is complete; a ``TypeError`` naming what it lacks if
+    not (a Table the application built and mapped itself)."""
+    table = job_table(model)
+    missing = missing_parts(table)
+    if missing:
+        raise TypeError(
+            f"{model!r} maps table {table.fullname!r}, which lacks what a jobs table needs: "
+            f"{'; '.join(missing)}. Declare the model as `class Job(JobMixin, Base)` with a "
+            "`__tablename__` on a declarative base, which builds the whole table, rather "
+            "than mapping a Table of your own."
+        )
     return table

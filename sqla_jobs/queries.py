@@ -30,6 +30,8 @@ from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from .bulk import CheckedLater, copy_allowed, copy_run
+from .db import require_postgresql
+from .errors import EnqueueError
 from .model import (
     LIVE_STATUSES,
     UNIQUE_WHERE,
@@ -1625,6 +1627,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
     ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
     see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
     whose unique key a live job holds are not)."""
+    require_postgresql(connection, "enqueue_many", EnqueueError)
     if isinstance(rows, Run):
         return _write_run(connection, queries, rows.first, rows.args) if rows else 0
     statement = queries.bulk_insert
@@ -1655,6 +1658,7 @@ def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: C
     <sqla_jobs.Jobs.job_values>`, without a unique or concurrency key) and differ only in
     their arguments, given as JSON ``texts`` checked as they are written; returns how many
     were inserted."""
+    require_postgresql(connection, "enqueue_many", EnqueueError)
     return _write_run(connection, queries, row, texts)
 
 

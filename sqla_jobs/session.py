@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .bulk import CheckedLater, gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
+from .db import require_postgresql
 from .errors import EnqueueError
 from .model import JobMixin
 from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
@@ -330,6 +331,8 @@ def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, A
     """Checked rows wait for the next flush, tagged with the transaction whose fate they
     share; the ``enqueued`` listeners hear of them when it commits. How many."""
     if rows:
+        # Refused now, not at the flush: the rows are written with PostgreSQL's SQL.
+        require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
         boundary = _boundary(session)
         _pending(session).append((boundary, registry, rows))
         if registry.events.wants("enqueued"):
@@ -539,9 +542,7 @@ else:
         # A plain enqueue is never unique here (refused), so it always returns the new job.
 
         @overload
-        def enqueue(
-            self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs
-        ) -> JobMixin: ...
+        def enqueue(self, task: Task[P, Any], /, *args: P.args, **kwargs: P.kwargs) -> JobMixin: ...
 
         @overload
         def enqueue(
@@ -572,9 +573,7 @@ else:
             self, task: str, /, *args: Any, **kwargs: Any
         ) -> JobMixin | None: ...
 
-        async def enqueue_unique(
-            self, task: Any, /, *args: Any, **kwargs: Any
-        ) -> JobMixin | None:
+        async def enqueue_unique(self, task: Any, /, *args: Any, **kwargs: Any) -> JobMixin | None:
             """``enqueue(..., unique=True)`` (or with ``unique_key=``, as an option of
             ``task.with_options()``), awaited."""
             task = as_unique(task, kwargs)
@@ -629,6 +628,7 @@ def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> t
     is new."""
     q = registry.queries
     connection = session.connection()
+    require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
     for _ in range(5):
         job_id = connection.execute(q.insert_unique, values).scalar()
         inserted = job_id is not None
@@ -646,10 +646,10 @@ def insert_scoped(session: Session, registry: Jobs, values: dict[str, Any]) -> t
     """Enqueue a scoped unique job now (see :func:`sqla_jobs.queries.enqueue_scoped`);
     return the new job, the holder (replaced or kept), or None when the key's period
     holds it and the job that took it is gone; and whether the job is new."""
+    connection = session.connection()
+    require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
     scope = values.pop("unique_scope")
-    job_id, outcome = enqueue_scoped(
-        session.connection(), registry.queries, job_params(values), scope
-    )
+    job_id, outcome = enqueue_scoped(connection, registry.queries, job_params(values), scope)
     if outcome == "gone":
         return None, False
     with session.no_autoflush:

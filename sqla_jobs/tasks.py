@@ -58,7 +58,7 @@ from .limits import (
     shorten,
     text_problem,
 )
-from .model import JobStatus, job_table
+from .model import JobStatus, check_complete
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
@@ -895,7 +895,7 @@ class Jobs:
         session_factory: SessionFactory | None = None,
     ) -> None:
         self.model = model
-        self.table: sa.Table = job_table(model)
+        self.table: sa.Table = check_complete(model)
         _check_queue(default_queue)
         _check_max_attempts(max_attempts)
         self.default_queue = default_queue

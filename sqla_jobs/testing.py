@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from . import admin
+from .db import require_postgresql
 from .model import LIVE_STATUSES, JobStatus
 from .queries import claim_params, interval
 from .session import insert_pending, pending_jobs, session_registry
@@ -318,7 +319,10 @@ def run_queued_jobs(
     :param max_runs: give up (``RuntimeError``) after this many attempts: a job that keeps
         enqueueing itself, or snoozing under ``include_scheduled``, would never end.
     """
-    bind = session.get_bind()
+    bind = session.get_bind(jobs.model)
+    # The claim and the completions are PostgreSQL's SQL (UPDATE in a WITH, FOR UPDATE SKIP
+    # LOCKED, unnest): on SQLite, say so rather than fail inside a statement.
+    require_postgresql(bind, "run_queued_jobs (it runs the worker's own statements)")
     engine = bind if isinstance(bind, sa.Engine) else bind.engine
     worker = Worker(jobs, engine, concurrency=1, listen=False, name="sqla_jobs.testing")
     q = jobs.queries

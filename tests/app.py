@@ -170,6 +170,8 @@ def talk(text: str) -> None:
 @talk_jobs.task(queue="talk")
 async def talk_async(text: str) -> None:
     log.warning("async handler says %s", text)
+
+
 # -- rows written by others (tests/test_poison_rows.py) ------------------------------------
 
 #: A registry of its own, so that no other test's worker serves these queues.

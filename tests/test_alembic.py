@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -530,25 +531,37 @@ def test_later_release_adds_a_column_and_an_index(make_project: Any) -> None:
 def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
     make_project: Any,
 ) -> None:
-    """A table made before ``meta``, ``progress`` and the ``<table>_meta`` index existed: the
-    next autogenerate writes exactly those three, with nothing to edit by hand, and the
-    upgraded table takes jobs with meta."""
+    """A table made before ``meta``, ``progress``, the ``<table>_meta`` index and the
+    ``<table>_meta_object`` CHECK constraint existed: the next autogenerate writes exactly
+    those four, with nothing to edit by hand, and the upgraded table takes jobs with meta
+    (and refuses a meta that is not an object)."""
     project = make_project(explicit_schema=True)
     first = project.autogenerate("jobs")
-    project.edit(first, ["sa.Column('meta'", "sa.Column('progress'", "sa.Index('jobs_meta'"])
+    project.edit(
+        first,
+        [
+            "sa.Column('meta'",
+            "sa.Column('progress'",
+            "sa.Index('jobs_meta'",
+            "name='jobs_meta_object'",
+        ],
+    )
     project.upgrade()
 
     second = project.autogenerate("sqla-jobs 0.2")
     upgrade = section(second, "upgrade")
-    assert len(upgrade) == 3, upgrade
+    assert len(upgrade) == 4, upgrade
     schema = project.schema
+    jsonb = "postgresql.JSONB(astext_type=sa.Text()).with_variant(sa.JSON(), 'sqlite')"
     assert upgrade[0] == (
-        "op.add_column('jobs', sa.Column('meta', postgresql.JSONB(astext_type=sa.Text()), "
-        f"nullable=True), schema='{schema}')"
+        f"op.add_column('jobs', sa.Column('meta', {jsonb}, nullable=True), schema='{schema}')"
     )
     assert upgrade[1] == (
-        "op.add_column('jobs', sa.Column('progress', postgresql.JSONB(astext_type=sa.Text()), "
-        f"nullable=True), schema='{schema}')"
+        f"op.add_column('jobs', sa.Column('progress', {jsonb}, nullable=True), schema='{schema}')"
+    )
+    assert upgrade[3] == (
+        "op.create_jobs_checks('jobs', {'jobs_meta_object': "
+        f"\"meta IS NULL OR jsonb_typeof(meta) = 'object'\"}}, schema='{schema}')"
     )
     create_index = upgrade[2]
     assert create_index.startswith("op.create_index('jobs_meta', 'jobs', ['meta']")
@@ -575,6 +588,11 @@ def test_meta_and_progress_reach_an_existing_table_through_autogenerate(
                 """VALUES ('send', '{"tenant": 7}')"""
             )
         )
+    with (
+        pytest.raises(sa.exc.IntegrityError, match="jobs_meta_object"),
+        project.engine.begin() as conn,
+    ):
+        conn.execute(sa.text(f"INSERT INTO {project.qualified()} (task, meta) VALUES ('t', '[1]')"))
 
     project.downgrade("-1")  # the downgrade removes exactly them
     project.upgrade()
@@ -825,3 +843,78 @@ def downgrade() -> None:
     project.check()
     project.downgrade("base")
     assert_nothing_left(project)
+
+
+def test_new_check_constraints_reach_an_existing_install_and_a_bad_row_stops_them(
+    make_project: Any,
+) -> None:
+    """A table made before ``<table>_attempts_left`` existed (issue 20): autogenerate writes
+    one ``op.create_jobs_checks`` (Alembic before 1.19 neither compares nor renders CHECK
+    constraints). A live row that breaks it (a ready job with no attempt left, written
+    around the library) makes the upgrade fail, naming the constraint, and change
+    nothing; once the row is fixed it goes through, and the downgrade drops it again."""
+    project = make_project(explicit_schema=True)
+    first = project.autogenerate("jobs")
+    project.edit(first, ["name='jobs_attempts_left'"])
+    project.upgrade()
+    with project.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {project.qualified()} (task, attempts, max_attempts) "
+                "VALUES ('old', 3, 3)"
+            )
+        )
+
+    second = project.autogenerate("checks")
+    (upgrade,) = section(second, "upgrade")
+    assert upgrade.startswith("op.create_jobs_checks('jobs', {'jobs_attempts_left': \"status IN")
+    assert upgrade.endswith(f"}}, schema='{project.schema}')")
+    (downgrade,) = section(second, "downgrade")
+    assert downgrade == (
+        f"op.drop_jobs_checks('jobs', ['jobs_attempts_left'], schema='{project.schema}')"
+    )
+    offline = project.offline_sql("upgrade", f"{_revision(first)}:head")
+    assert (
+        f"ALTER TABLE {project.schema}.jobs ADD CONSTRAINT jobs_attempts_left CHECK (status IN"
+        in offline
+    )
+
+    with pytest.raises(sa.exc.IntegrityError, match=r'"jobs_attempts_left" .* violated'):
+        project.upgrade()
+    with project.engine.connect() as conn:
+        version = conn.execute(
+            sa.text(f"SELECT version_num FROM {project.qualified('alembic_version')}")
+        ).scalar_one()
+    assert version == _revision(first)  # rolled back as a whole
+    with project.engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {project.qualified()} SET max_attempts = 4"))
+    project.upgrade()
+    project.check()
+    assert project.compare() == []
+    with (
+        pytest.raises(sa.exc.IntegrityError, match="jobs_attempts_left"),
+        project.engine.begin() as c,
+    ):
+        c.execute(sa.text(f"UPDATE {project.qualified()} SET attempts = 4"))
+
+    project.downgrade("-1")
+    with project.engine.begin() as conn:  # the constraint is gone with the downgrade
+        conn.execute(sa.text(f"UPDATE {project.qualified()} SET attempts = 4"))
+
+
+def _revision(script: Path) -> str:
+    """The revision id a migration declares."""
+    found = re.search(r"^revision: str = '(\w+)'", script.read_text(), re.MULTILINE)
+    assert found is not None
+    return found.group(1)
+
+
+def test_a_hand_written_drop_jobs_checks_reverses_to_the_installed_definitions() -> None:
+    from alembic_ext.ops import DropJobsChecksOp
+
+    reverse = DropJobsChecksOp("jobs", ["jobs_meta_object"], schema="s").reverse()
+    assert reverse.checks == {"jobs_meta_object": "meta IS NULL OR jsonb_typeof(meta) = 'object'"}
+    companion = DropJobsChecksOp("jobs_schedules", ["jobs_schedules_args_object"]).reverse()
+    assert companion.checks == {"jobs_schedules_args_object": "jsonb_typeof(args) = 'object'"}
+    with pytest.raises(ValueError, match="no CHECK constraint of this sqla-jobs is named"):
+        DropJobsChecksOp("jobs", ["nope"]).reverse()

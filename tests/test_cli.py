@@ -374,17 +374,21 @@ def partly_migrated(db: sa.Engine) -> Any:
         conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def test_missing_tables_say_run_your_migrations(partly_migrated: str) -> None:
+def test_missing_tables_point_to_the_schema_check(partly_migrated: str) -> None:
+    """A missing table is named, with the command that says what else differs; never "run
+    your migrations", which is wrong for someone whose migrations ran (issue 21)."""
     no_schema = environment({"SQLA_JOBS_TEST_SCHEMA": "no_such_schema"})
     partial = environment({"SQLA_JOBS_TEST_SCHEMA": partly_migrated})
     missing = cli("stats", JOBS, env=no_schema)
     assert missing.returncode == 1
-    assert "table 'no_such_schema.jobs' does not exist: run your migrations" in missing.stderr
+    assert "table 'no_such_schema.jobs' does not exist: the database lacks" in missing.stderr
+    assert "`sqla-jobs check JOBS` says what differs" in missing.stderr
     for argv in (("queues", "list", JOBS), ("queues", "pause", JOBS, "q"), ("stats", JOBS)):
         result = cli(*argv, env=partial)
         assert result.returncode == 1, (argv, result.stderr)
         assert f'relation "{partly_migrated}.jobs_queues" does not exist' in result.stderr
-        assert "run your migrations (alembic upgrade head)" in result.stderr
+        assert "`sqla-jobs check JOBS` says what differs and how to fix it" in result.stderr
+        assert "run your migrations" not in result.stderr
     ok = cli("jobs", "list", JOBS, "--json", env=partial)
     assert (ok.returncode, ok.stdout) == (0, "[]\n"), "what does not need the table works"
 

@@ -146,7 +146,9 @@ def test_worker_reports_a_missing_table(db: sa.Engine) -> None:
     env = {"SQLA_JOBS_TEST_SCHEMA": "no_such_schema"}
     result = run_cli("worker", "tests.app:jobs", env=env)
     assert result.returncode == 1
-    assert "does not exist: run your migrations" in result.stderr
+    assert "does not exist: the database lacks what this version of sqla-jobs needs" in (
+        result.stderr
+    )
 
 
 def test_losing_the_database_logs_one_line_per_warning(db: sa.Engine, database_url: str) -> None:

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession, Worker
@@ -126,12 +127,59 @@ def check_key_rate(jobs: Jobs, engine: sa.Engine) -> None:
     assert sorted(tuple(r) for r in logged) == [("a", 2), ("b", 1)], logged
 
 
+#: Rows the worker could not handle (issue 20): each must be refused by the upgraded
+#: database itself, by the CHECK constraint named.
+REFUSED_ROWS = [
+    ("jobs_meta_object", "INSERT INTO jobs (task, meta) VALUES ('t', '[1]')"),
+    ("jobs_meta_object", """INSERT INTO jobs (task, meta) VALUES ('t', '"tag"')"""),
+    ("jobs_args_object", "INSERT INTO jobs (task, args) VALUES ('t', '[]')"),
+    ("jobs_args_object", "INSERT INTO jobs (task, args) VALUES ('t', 'null')"),
+    ("jobs_attempts_left", "INSERT INTO jobs (task, attempts, max_attempts) VALUES ('t', 5, 5)"),
+    (
+        "jobs_attempts_left",
+        "INSERT INTO jobs (task, status, attempts, max_attempts) VALUES ('t', 'running', 6, 5)",
+    ),
+    (
+        "jobs_attempts_left",
+        "INSERT INTO jobs (task, status, attempts, max_attempts) "
+        "VALUES ('t', 'scheduled', 2147483647, 2147483647)",
+    ),
+    ("jobs_waiting", "INSERT INTO jobs (task, waiting) VALUES ('t', -1)"),
+    ("jobs_status", "INSERT INTO jobs (task, status) VALUES ('t', 'finished')"),
+    ("jobs_priority", "INSERT INTO jobs (task, priority) VALUES ('t', -1)"),
+    (
+        "jobs_schedules_args_object",
+        "INSERT INTO jobs_schedules (name, task, cron, args) VALUES ('s', 't', '* * * * *', '[]')",
+    ),
+]
+
+
+def check_constraints(jobs: Jobs, engine: sa.Engine) -> None:
+    """The CHECK constraints of 0.2 (an object ``meta`` and ``args``, an attempt left for a
+    waiting job, ...) refuse what the worker cannot handle, and let the rest in: a dead
+    job past its attempts, a running job on its last one."""
+    for name, statement in REFUSED_ROWS:
+        with pytest.raises(sa.exc.IntegrityError, match=name), engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    with engine.begin() as conn:
+        for status, attempts in (("dead", 9), ("cancelled", 0), ("running", 5), ("done", 7)):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO jobs (task, queue, status, attempts, max_attempts, meta) "
+                    """VALUES ('t', 'upgrade-checks', :s, :a, 5, '{"k": 1}')"""
+                ),
+                {"s": status, "a": attempts},
+            )
+        conn.execute(sa.text("DELETE FROM jobs WHERE queue = 'upgrade-checks'"))
+
+
 #: (name, check) for each feature of this release that the upgrade must bring along.
 UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("unique scopes", check_unique_scopes),
     ("concurrency and rate limits", check_limits),
     ("results and workflows", check_results_and_workflows),
     ("per-key rates", check_key_rate),
+    ("CHECK constraints", check_constraints),
 ]
 
 
@@ -149,6 +197,14 @@ def test_a_0_1_install_upgrades_through_autogenerate(make_project: Any) -> None:
     # No hand edits: the new companion table is a plain create_table.
     assert any(s.startswith("op.create_table('jobs_unique_keys',") for s in upgrade), upgrade
     assert any(s.startswith("op.create_table('jobs_key_starts',") for s in upgrade), upgrade
+    # The CHECK constraints 0.1 did not have (Alembic compares none of them).
+    checks = [s for s in upgrade if s.startswith("op.create_jobs_checks(")]
+    assert [c.split(",")[0] for c in checks] == [
+        "op.create_jobs_checks('jobs'",
+        "op.create_jobs_checks('jobs_schedules'",
+    ], upgrade
+    for name in ("jobs_args_object", "jobs_meta_object", "jobs_attempts_left", "jobs_waiting"):
+        assert f"'{name}':" in checks[0]
     project.upgrade()
     project.check()  # alembic check: the upgraded database matches the models
     assert [d for d in project.compare() if "links" not in str(d)] == []
@@ -164,5 +220,27 @@ def test_a_0_1_install_upgrades_through_autogenerate(make_project: Any) -> None:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs WHERE task = 'old.task'")).scalar()
 
     project.downgrade("0001")  # and the generated downgrade goes back to 0.1
+    project.upgrade()
+    project.check()
+
+
+def test_the_example_s_0_2_migration_reaches_this_version_s_schema(make_project: Any) -> None:
+    """The shortener's migrations (0.1's, then the one 0.2's autogenerate wrote, which the
+    README points to as "exactly what 0.2 adds") leave nothing for autogenerate to write,
+    and ``sqla-jobs check`` finds nothing either."""
+    from alembic_ext.check import schema_differences
+
+    project: Project = make_project(explicit_schema=False)
+    project.exclude = "links"
+    project.write_ini()
+    versions = project.root / "migrations" / "versions"
+    for migration in sorted(V01_MIGRATION.parent.glob("0*.py")):
+        shutil.copy(migration, versions / migration.name)
+    project.upgrade()
+    project.check()
+    models = project.load_models()
+    with project.engine.connect() as conn:
+        assert schema_differences(conn, models.Job.__table__) == []
+    project.downgrade("0001")
     project.upgrade()
     project.check()

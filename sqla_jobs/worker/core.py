@@ -1449,6 +1449,7 @@ class WorkerCore:
             log.error(POOLING_ADVICE, self.name, describe(exc))
         else:
             log.debug(message, *args)
+
     def _idle_with_work(self, now: float) -> str | None:
         """Why the worker runs nothing though it holds claims to run, or None.
 

@@ -231,6 +231,8 @@ def _until_tick(align: float, at_least: float = 0.5) -> None:
 @jobs.task(name="faults.kid", queue="flow")
 def kid(i: int) -> None:
     record(item=i)
+
+
 # -- paused workers (test_pause.py) ---------------------------------------------------------
 
 

@@ -40,6 +40,10 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items_priority",
         "work_items_max_attempts",
         "work_items_attempts",
+        "work_items_args_object",
+        "work_items_meta_object",
+        "work_items_attempts_left",
+        "work_items_waiting",
     }
     assert all(f"'{s}'" in checks["work_items_status"] for s in STATUSES)
     assert {t.name for t in Base.metadata.tables.values()} == {

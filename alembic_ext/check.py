@@ -1,0 +1,223 @@
+"""Does the live database hold the jobs tables this version of sqla-jobs declares?
+
+.. code-block:: python
+
+    from alembic_ext.check import schema_differences
+
+    with engine.connect() as conn:
+        for difference in schema_differences(conn, jobs.table):
+            print(difference.message)
+
+``sqla-jobs check JOBS`` prints the same (and exits 1 when anything differs), and
+``sqla-jobs worker`` runs it at start: a missing table or column (the worker's statements
+could not run) stops the worker with one line, anything else is a warning in the log and in
+``/healthz``.
+
+The comparison is Alembic's autogenerate itself, restricted to the jobs table and its
+companion tables, with this package's comparators (:mod:`alembic_ext.autogenerate`): the
+notify function, trigger and storage parameters, and the named CHECK constraints. So there
+is one description of what the schema should be (the model), and what this reports is
+exactly what ``alembic revision --autogenerate`` would write to fix it. It reads the
+catalogs only, and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from alembic.autogenerate import produce_migrations
+from alembic.operations import ops
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.dialects import postgresql
+
+from sqla_jobs.model import derived_name
+
+from .autogenerate import _is_jobs_table  # importing it registers the comparators
+from .ops import CreateJobsChecksOp, CreateJobsTableOp, ReplaceJobsDDLOp
+
+__all__ = ["FIX", "Difference", "schema_differences"]
+
+_POSTGRESQL: sa.Dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+#: What to run when something differs: the migration that adds it may exist already (not
+#: applied yet) or not (then autogenerate writes it).
+FIX = (
+    "apply the migration that adds it (alembic upgrade head) or, if there is none, write it "
+    "with alembic revision --autogenerate (env.py must import alembic_ext), then upgrade"
+)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way the database differs from what this version of sqla-jobs declares."""
+
+    #: The table it is about, schema-qualified when it has a schema.
+    table: str
+    #: ``"table"``, ``"column"``, ``"index"``, ``"check"``, ``"trigger"``, ``"storage"``,
+    #: or the name of the Alembic operation that would fix it.
+    kind: str
+    #: One line that says what differs.
+    message: str
+    #: The worker cannot run with it: a statement it runs would fail (a missing table or
+    #: column), where the others make it slower or less safe, not wrong.
+    fatal: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.table,
+            "kind": self.kind,
+            "message": self.message,
+            "fatal": self.fatal,
+        }
+
+
+def schema_differences(connection: sa.Connection, table: sa.Table) -> list[Difference]:
+    """What differs between the database and the jobs table ``table`` (a complete one: from
+    a ``JobMixin`` model) with its companion tables, as Alembic's autogenerate sees it.
+
+    Only those tables are compared (Alembic's ``include_name``/``include_object``), in
+    their schema; nothing else of the application's metadata is read."""
+    companions = table.info.get("sqla_jobs_companions") or ()
+    names = {table.name, *(companion.name for companion in companions)}
+    schema = table.schema
+
+    def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+        if type_ == "schema":
+            return name == schema
+        if type_ == "table":
+            return name in names and parent_names.get("schema_name") == schema
+        return True
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, other: Any) -> bool:
+        if type_ == "table":
+            return name in names and obj.schema == schema
+        return True
+
+    opts: dict[str, Any] = {
+        "include_name": include_name,
+        "include_object": include_object,
+        "include_schemas": schema is not None,
+    }
+    context = MigrationContext.configure(connection, opts=opts)
+    script = produce_migrations(context, table.metadata)
+    assert script.upgrade_ops is not None
+    # Only operations on these tables: a comparator of another plugin the application
+    # imported may write operations of its own (a function, an enum type).
+    ours = [
+        op
+        for op in script.upgrade_ops.ops
+        if getattr(op, "table_name", None) in names and getattr(op, "schema", None) == schema
+    ]
+    return list(_describe(connection, ours))
+
+
+def _name(schema: str | None, name: str) -> str:
+    return f"{schema}.{name}" if schema else name
+
+
+def _describe(connection: sa.Connection, operations: list[Any]) -> Iterator[Difference]:
+    created = {
+        (op.schema, op.table_name)
+        for op in operations
+        if isinstance(op, (CreateJobsTableOp, ops.CreateTableOp))
+    }
+    for op in operations:
+        if isinstance(op, (CreateJobsTableOp, ops.CreateTableOp)):
+            name = _name(op.schema, op.table_name)
+            yield Difference(name, "table", f"table {name!r} is missing", True)
+        elif isinstance(op, ops.ModifyTableOps):
+            if (op.schema, op.table_name) in created:
+                continue  # the indexes of a missing table: it is missing
+            name = _name(op.schema, op.table_name)
+            for sub in op.ops:
+                yield _describe_change(name, sub)
+        elif isinstance(op, ReplaceJobsDDLOp):
+            yield from _describe_ddl(connection, op)
+        elif isinstance(op, CreateJobsChecksOp):
+            name = _name(op.schema, op.table_name)
+            checks = ", ".join(map(repr, op.checks))
+            plural = "s" if len(op.checks) > 1 else ""
+            yield Difference(
+                name, "check", f"{name!r} lacks CHECK constraint{plural} {checks}", False
+            )
+        else:
+            table = _name(getattr(op, "schema", None), getattr(op, "table_name", "?"))
+            yield Difference(table, type(op).__name__, f"{table!r}: {type(op).__name__}", False)
+
+
+def _describe_change(table: str, op: Any) -> Difference:
+    """One change inside a table: a column, an index, a constraint."""
+    if isinstance(op, ops.AddColumnOp):
+        return Difference(table, "column", f"column {table}.{op.column.name} is missing", True)
+    if isinstance(op, ops.DropColumnOp):
+        return Difference(
+            table,
+            "column",
+            f"column {table}.{op.column_name} is in the database but not in this version's model",
+            False,
+        )
+    if isinstance(op, ops.CreateIndexOp):
+        return Difference(table, "index", f"index {op.index_name!r} on {table!r} is missing", False)
+    if isinstance(op, ops.DropIndexOp):
+        return Difference(
+            table,
+            "index",
+            f"index {op.index_name!r} on {table!r} is in the database but not in the model",
+            False,
+        )
+    if isinstance(op, ops.AlterColumnOp):
+        column = f"{table}.{op.column_name}"
+        if op.modify_type is not None:
+            message = (
+                f"column {column} is {_type(op.existing_type)} in the database; this version "
+                f"declares {_type(op.modify_type)}"
+            )
+        elif op.modify_nullable is not None:
+            wanted = "NULL" if op.modify_nullable else "NOT NULL"
+            message = f"column {column} should be {wanted}"
+        else:
+            message = f"column {column} differs ({op.kw or 'server default or comment'})"
+        return Difference(table, "column", message, False)
+    if isinstance(op, ops.CreateCheckConstraintOp):
+        return Difference(
+            table, "check", f"{table!r} lacks CHECK constraint {op.constraint_name!r}", False
+        )
+    name = getattr(op, "constraint_name", None) or getattr(op, "index_name", None) or ""
+    return Difference(
+        table, type(op).__name__, f"{table!r}: {type(op).__name__} {name}".rstrip(), False
+    )
+
+
+def _type(type_: Any) -> str:
+    return str(type_.compile(dialect=_POSTGRESQL)) if type_ is not None else "another type"
+
+
+def _describe_ddl(connection: sa.Connection, op: ReplaceJobsDDLOp) -> Iterator[Difference]:
+    """The notify function, its trigger and the storage parameters: ``op`` is what this
+    version installs, its reverse what the database has."""
+    table = _name(op.schema, op.table_name)
+    found = op.reverse()
+    function = derived_name(op.table_name, "notify")
+    if not found.function_body:
+        message = f"the notify function {function}() of {table!r} is missing"
+        yield Difference(table, "trigger", message, False)
+    elif " ".join(found.function_body.split()) != " ".join(op.function_body.split()):
+        message = f"the notify function {function}() of {table!r} is not this version's"
+        yield Difference(table, "trigger", message, False)
+    if not _is_jobs_table(connection, op.schema, op.table_name):
+        message = f"the notify trigger {function} on {table!r} is missing"
+        yield Difference(table, "trigger", message, False)
+    storage = []
+    for key, value in op.storage_parameters.items():
+        have = found.storage_parameters.get(key)
+        if have != value:
+            storage.append(f"{key} is {have if have is not None else 'not set'} ({value} expected)")
+    for key, have in found.storage_parameters.items():
+        if key not in op.storage_parameters:
+            storage.append(f"{key} is {have} (this version does not set it)")
+    if storage:
+        message = f"storage parameters of {table!r}: {'; '.join(storage)}"
+        yield Difference(table, "storage", message, False)

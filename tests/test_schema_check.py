@@ -1,0 +1,197 @@
+"""``sqla-jobs check``, and the same check when a worker starts and in ``/healthz``.
+
+Issue 21: with a jobs table built bare (or migrations written without ``import
+alembic_ext``), the first symptom was a worker traceback (``relation "job_schedules" does
+not exist``) while ``sqla-jobs stats`` said "run your migrations" to someone whose
+migrations had run. The check compares the live database with this version's schema and
+says what differs and what fixes it.
+
+Each test owns a schema holding the test app's jobs table and its companions, created as
+this version declares them, then changed the way an older or hand-made schema differs.
+The commands are run as a user runs them (``python -m sqla_jobs.cli``), with
+``SQLA_JOBS_TEST_SCHEMA`` pointing ``tests.app`` at that schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from alembic_ext.check import schema_differences
+from sqla_jobs.model import reference_table
+
+from .helpers import wait_for
+from .test_cli_observability import free_ports, get
+from .test_cli_worker import ROOT, run_cli
+
+JOBS = "tests.app:jobs"
+
+
+@pytest.fixture
+def schema(engine: sa.Engine) -> Iterator[str]:
+    """A schema of its own with the jobs table and its companions, as declared."""
+    name = f"check_{uuid.uuid4().hex[:10]}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+        reference_table("jobs", name).metadata.create_all(conn)
+    yield name
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def in_schema(schema: str) -> dict[str, str]:
+    return {"SQLA_JOBS_TEST_SCHEMA": schema}
+
+
+def start_worker(schema: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "sqla_jobs.cli", "worker", JOBS, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **in_schema(schema)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def alter(engine: sa.Engine, schema: str, *statements: str) -> None:
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.exec_driver_sql(statement.format(s=f'"{schema}"'))
+
+
+def test_a_schema_as_declared_has_no_differences(engine: sa.Engine, schema: str) -> None:
+    with engine.connect() as conn:
+        assert schema_differences(conn, reference_table("jobs", schema)) == []
+    result = run_cli("check", JOBS, env=in_schema(schema))
+    assert result.returncode == 0, result.stderr
+    assert f"{schema}.jobs: the schema is this version's" in result.stdout
+    as_json = run_cli("check", JOBS, "--json", env=in_schema(schema))
+    report = json.loads(as_json.stdout)
+    assert (as_json.returncode, report["ok"], report["differences"]) == (0, True, [])
+
+
+def test_each_difference_is_named_with_the_fix(engine: sa.Engine, schema: str) -> None:
+    """Everything the check compares, changed at once: each is one line, and the exit
+    code says that the database is not this version's."""
+    alter(
+        engine,
+        schema,
+        "DROP TABLE {s}.jobs_schedules",
+        "ALTER TABLE {s}.jobs DROP COLUMN progress",
+        "DROP INDEX {s}.jobs_claim",
+        "ALTER TABLE {s}.jobs RESET (fillfactor)",
+        "ALTER TABLE {s}.jobs SET (autovacuum_vacuum_scale_factor = 0.2)",
+        "ALTER TABLE {s}.jobs DROP CONSTRAINT jobs_meta_object",
+        "DROP TRIGGER jobs_notify ON {s}.jobs",
+        "ALTER TABLE {s}.jobs_queues ALTER COLUMN paused DROP NOT NULL",
+        "ALTER TABLE {s}.jobs ALTER COLUMN result TYPE json",
+    )
+    result = run_cli("check", JOBS, env=in_schema(schema))
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    expected = [
+        f"table '{schema}.jobs_schedules' is missing (the worker needs it)",
+        f"column {schema}.jobs.progress is missing (the worker needs it)",
+        f"index 'jobs_claim' on '{schema}.jobs' is missing",
+        f"the notify trigger jobs_notify on '{schema}.jobs' is missing",
+        f"storage parameters of '{schema}.jobs': fillfactor is not set (80 expected); "
+        "autovacuum_vacuum_scale_factor is 0.2 (0.02 expected)",
+        f"'{schema}.jobs' lacks CHECK constraint 'jobs_meta_object'",
+        f"column {schema}.jobs_queues.paused should be NOT NULL",
+        f"column {schema}.jobs.result is JSON in the database; this version declares JSONB",
+    ]
+    assert sorted(lines[:-1]) == sorted(expected), lines
+    assert lines[-1].startswith("Fix: apply the migration that adds it (alembic upgrade head)")
+    assert "alembic revision --autogenerate (env.py must import alembic_ext)" in lines[-1]
+
+    report = json.loads(run_cli("check", JOBS, "--json", env=in_schema(schema)).stdout)
+    assert not report["ok"] and report["fix"]
+    fatal = sorted(d["kind"] for d in report["differences"] if d["fatal"])
+    assert fatal == ["column", "table"]
+
+
+def test_a_missing_table_stops_the_worker_at_start_with_one_line(
+    engine: sa.Engine, schema: str
+) -> None:
+    """The worker's statements could not run: one line that names what is missing and the
+    check, instead of a traceback from its first duty (and again at every restart)."""
+    alter(engine, schema, "DROP TABLE {s}.jobs_schedules", "ALTER TABLE {s}.jobs DROP COLUMN meta")
+    result = run_cli("worker", JOBS, "--until-empty", env=in_schema(schema))
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("sqla-jobs: error: the database lacks what this version of sqla-jobs")
+    assert f"table '{schema}.jobs_schedules' is missing" in line
+    assert f"column {schema}.jobs.meta is missing" in line
+    assert f"`sqla-jobs check {JOBS}` lists every difference" in line
+    assert "run your migrations" not in line
+
+
+def test_other_differences_are_warned_and_shown_in_healthz(engine: sa.Engine, schema: str) -> None:
+    """A missing index or trigger makes the queue slower, not wrong: the worker starts, says
+    so in its log, and ``/healthz`` shows it (200: a restart would not fix a schema)."""
+    alter(engine, schema, "DROP INDEX {s}.jobs_dead", "DROP TRIGGER jobs_notify ON {s}.jobs")
+    port = free_ports()
+    proc = start_worker(schema, "--health-port", f"127.0.0.1:{port}")
+    try:
+        status, body = wait_for(lambda: (r := get(port, "/healthz"))[0] and r, timeout=30)
+        report = json.loads(body)
+        assert status == 200 and report["healthy"], report
+        assert sorted(report["schema"]) == [
+            f"index 'jobs_dead' on '{schema}.jobs' is missing",
+            f"the notify trigger jobs_notify on '{schema}.jobs' is missing",
+        ]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"schema: index 'jobs_dead' on '{schema}.jobs' is missing" in out
+    assert "the worker runs, but the database is not this version's" in out
+
+
+def test_healthz_says_ok_when_the_schema_is_this_version_s(schema: str) -> None:
+    port = free_ports()
+    proc = start_worker(schema, "--health-port", f"127.0.0.1:{port}")
+    try:
+        status, body = wait_for(lambda: (r := get(port, "/healthz"))[0] and r, timeout=30)
+        assert status == 200 and json.loads(body)["schema"] == "ok"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "schema:" not in out
+
+
+def test_shards_are_checked_each(engine: sa.Engine, schema: str, database_url: str) -> None:
+    """``check --shard`` and a worker of shards: each shard's differences, named by shard;
+    a shard that cannot be reached is not checked, and does not stop the others."""
+    alter(engine, schema, "DROP TABLE {s}.jobs_throughput")
+    down = "postgresql://nobody@127.0.0.1:1/nothing"
+    result = run_cli("check", JOBS, "--shard", f"a={database_url}", env=in_schema(schema))
+    assert result.returncode == 1
+    assert f"shard a: table '{schema}.jobs_throughput' is missing (the worker needs it)" in (
+        result.stdout
+    )
+    worker = run_cli(
+        "worker",
+        JOBS,
+        "--until-empty",
+        "--shard",
+        f"a={database_url}",
+        "--shard",
+        f"b={down}",
+        env=in_schema(schema),
+    )
+    assert worker.returncode == 1
+    assert "schema: shard b not checked: cannot connect to the database" in worker.stderr
+    assert f"needs: shard a: table '{schema}.jobs_throughput' is missing." in worker.stderr
