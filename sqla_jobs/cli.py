@@ -613,18 +613,21 @@ def _checked(engine: Any, table: sa.Table, shard: str) -> list[Any] | None:
     return None
 
 
-def _check_shard_schemas(jobs: Jobs, shards: dict[str, str], args: argparse.Namespace) -> None:
-    """:func:`_check_schema` for each shard a worker of this process serves. A shard that
-    cannot be reached is not checked (a warning): its worker waits for it, as for any
-    shard that is down, and the others start."""
+def _check_shard_schemas(jobs: Jobs, shards: Mapping[str, Any], args: argparse.Namespace) -> None:
+    """:func:`_check_schema` for each shard a worker of this process serves (a URL, or the
+    app's own engine from ``--engine``). A shard that cannot be reached is not checked (a
+    warning): its worker waits for it, as for any shard that is down, and the others
+    start."""
     found: dict[str, list[Any] | None] = {}
-    for name, url in shards.items():
-        engine = create_engine(url)
-        try:
-            differences = _checked(engine, jobs.table, name)
-        finally:
-            engine.dispose()
-        found[name] = differences
+    for name, bind in shards.items():
+        if isinstance(bind, (str, sa.URL)):
+            engine = create_engine(bind)
+            try:
+                found[name] = _checked(engine, jobs.table, name)
+            finally:
+                engine.dispose()
+        else:
+            found[name] = _checked(bind, jobs.table, name)
     _schema_gate(found, args)
 
 
