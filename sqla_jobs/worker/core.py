@@ -443,7 +443,7 @@ class WorkerCore:
         token = set_current(job)
         events = self.jobs.events
         events.fire("started", job)
-        run = Run(self, task, job, token)
+        run = job.run = Run(self, task, job, token)
         try:
             if events.run_hooks:
                 run.enter_hooks(events.run_hooks)  # the app's context (around_run) may raise
@@ -466,6 +466,9 @@ class WorkerCore:
         (:class:`~sqla_jobs.errors.WorkerError`): a worker that fails every run would
         otherwise spend the attempts of every job it claims.
         """
+        run = job.run
+        if run is not None:
+            run.abandon(exc)  # current_job and the run hooks, whatever failed around it
         with self._lock:
             self._crashes += 1
             crashes = self._crashes
@@ -1647,9 +1650,23 @@ class Run:
             except Exception:
                 log.exception("run hook %r failed to exit", hook)
 
+    def _close(self) -> None:
+        """The run is over: :func:`current_job` is reset (once) and the job lets go of it."""
+        if self.job.run is self:
+            self.job.run = None
+            reset_current(self._token)
+
+    def abandon(self, error: BaseException) -> None:
+        """The worker's own code failed around this run (:meth:`WorkerCore.crashed`): close
+        it as a failure, so that the executor's next run starts without this one's
+        :func:`current_job` or hooks."""
+        self._close()
+        if self.hooks:
+            self._exit_hooks("failed", error)
+
     def end(self, error: BaseException | None) -> Outcome:
         """The handler is done (``error`` is what it raised, if anything)."""
-        reset_current(self._token)
+        self._close()
         outcome = self.core.end(self.task, self.job, error)
         if self.hooks:
             self._exit_hooks(outcome_name(outcome), error)
@@ -1658,7 +1675,7 @@ class Run:
     def committed(self) -> Outcome:
         """A transactional run committed its writes with its completion: nothing is left
         to record."""
-        reset_current(self._token)
+        self._close()
         core = self.core
         if core._crashes:
             core._crashes = 0
@@ -1672,7 +1689,7 @@ class Run:
     def lost(self) -> Outcome:
         """A transactional run's guarded completion matched no row: the claim was lost
         (the lease passed, or the job was cancelled), and its writes were rolled back."""
-        reset_current(self._token)
+        self._close()
         job = self.job
         duration = time.monotonic() - job.started
         job.cancel("lease lost, or cancelled: this claim is no longer this worker's")

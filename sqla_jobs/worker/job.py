@@ -92,6 +92,10 @@ class ClaimedJob:
     #: Set by the worker once this claim's fate is decided (its outcome recorded, handed
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)
+    #: The run started for this claim and not yet ended (a ``worker.core.Run``), so that a
+    #: failure of the worker's own code around it can still close it (reset
+    #: :func:`current_job`, exit the run hooks) in the executor's context.
+    run: Any = field(default=None, repr=False)
     _event: threading.Event | None = field(default=None, repr=False)
     #: The latest progress note (JSON text), and the one the heartbeat last wrote: two
     #: fields, each written by one side only (the handler, the heartbeat), so no lock.

@@ -688,13 +688,15 @@ def test_a_failure_around_a_run_fails_that_run_and_five_in_a_row_stop_the_worker
         core.finished(job, core.crashed(job, RuntimeError("bug")))
     assert core.fatal is None and driver.stops == 0
     (job,) = core.claimed([row(20)])
-    core.start(job)
+    running = core.start(job)  # still running while the next two fail around theirs
+    assert isinstance(running, core_mod.Run)
     for _ in range(2):
         (job,) = core.claimed([row(next(_ids) + 100)])
         core.start(job)
         core.crashed(job, RuntimeError("bug"))
     assert isinstance(core.fatal, WorkerError) and driver.stops == 1
     assert "5 runs in a row failed in the worker itself: RuntimeError: bug" in str(core.fatal)
+    running.end(None)
 
 
 def test_a_failure_around_a_claim_already_decided_records_nothing_more() -> None:
@@ -767,7 +769,8 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
     cancelled: list[int] = []
     jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
     kept, lost, fresh = core.claimed([row(1), row(2), row(3)])
-    assert isinstance(core.start(fresh), core_mod.Run)  # just claimed: starts
+    first = core.start(fresh)
+    assert isinstance(first, core_mod.Run)  # just claimed: starts
     clock.advance(5.1)  # half the lease and then some, with nothing renewed: paused
     assert core.start(kept) is None and core.start(lost) is None
     assert kept.confirming and not kept.started and driver.pokes == 2 and core._poked
@@ -787,7 +790,10 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
     for _ in range(4):
         clock.advance(3.4)  # the heartbeat's every third of a lease
         run_steps(core.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
-    assert isinstance(core.start(ahead), core_mod.Run)
+    last = core.start(ahead)
+    assert isinstance(last, core_mod.Run)
+    for started in (last, run, first):  # as the drivers do: current_job is reset
+        started.end(None)
 
 
 def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(

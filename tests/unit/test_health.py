@@ -13,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs.worker import steps as s
+from sqla_jobs.worker.core import Run
 from sqla_jobs.worker.db import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
@@ -260,13 +261,15 @@ def test_a_worker_whose_claims_wait_while_its_slots_run_nothing_is_unhealthy() -
         "3 claimed jobs waiting 6.0s to start while 2 of 2 slots run no handler",
     )
     # Both slots run a handler: the third was claimed ahead, and waits for one of them.
-    core.start(first)
-    core.start(second)
+    runs = [core.start(first), core.start(second)]
     assert core.health(now=at + 60).healthy
     core.finished(first, Outcome(OutcomeKind.SUCCEEDED, first))
     core._unwritten = 0  # as if the completer wrote it
     assert core.health(now=at + 60).problems == (
         "1 claimed jobs waiting 60.0s to start while 1 of 2 slots run no handler",
     )
-    core.start(third)
+    runs.append(core.start(third))
     assert core.health(now=at + 60).healthy
+    for run in reversed(runs):  # current_job is reset, as when a run ends
+        assert isinstance(run, Run)
+        run._close()
