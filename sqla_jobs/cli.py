@@ -1132,10 +1132,17 @@ def cmd_web(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .web import create_app
+        from .web.app import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
         ) from None
+    try:
+        # The address it listens on, and the loopback names: a page that rebinds its own
+        # name to this address (DNS rebinding) is refused.
+        hosts = check_allowed_hosts(args.allowed_host or [args.host, *DEFAULT_ALLOWED_HOSTS])
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     shards = shards_from(args)
     if shards is not None:
         target: Jobs | type[Any] = load_target(args.target)
@@ -1160,6 +1167,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         authorize=authorize,
         read_only=None if authorize is not None else not args.allow_actions,
         title=args.title,
+        allowed_hosts=hosts,
     )
     mode = "read-only" if authorize is None and not args.allow_actions else "actions enabled"
     print(f"sqla-jobs web: http://{args.host}:{args.port}{args.root_path}/ ({mode})", flush=True)
@@ -1196,6 +1204,14 @@ def _add_web(sub: Any) -> None:
         help="the path prefix a reverse proxy serves it under (e.g. /jobs)",
     )
     web.add_argument("--title", default="sqla-jobs", help="the name in the page header")
+    web.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="HOST",
+        help="a Host name the dashboard answers for, e.g. jobs.example.com or "
+        "'*.example.com' (repeat for several; default: the --host address, localhost, "
+        "127.0.0.1 and [::1]); any other Host gets a 400",
+    )
     _shard_option(web, ": a page of every shard's queues, and each shard's own dashboard")
     web.set_defaults(func=cmd_web)
 
