@@ -20,9 +20,10 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import operator
 import random
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import (
@@ -45,12 +46,21 @@ from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Events
 from .limits import (
+    INT_MAX,
+    JSON_MAX_DEPTH,
+    JSONB_SAFE_CHARS,
+    KEEP_MAX_SECONDS,
     META_MAX_BYTES,
     META_RESERVED_PREFIX,
+    NUMERIC_MAX_DIGITS,
     QUEUE_MAX_BYTES,
     SCHEDULE_NAME_MAX_BYTES,
     UNIQUE_KEY_MAX_BYTES,
+    Encodings,
     check_name,
+    digits_unbounded,
+    int_problem,
+    jsonb_problem,
     shorten,
     text_problem,
 )
@@ -223,6 +233,8 @@ class Task(Generic[P, R]):
     #: INSERT does.
     _keywords: frozenset[str] | None = field(init=False, repr=False, default=None)
     _required: frozenset[str] = field(init=False, repr=False, default=frozenset())
+    #: The ``*args`` parameter's name, if any: its tuple is the call's own, not a value.
+    _var_positional: str | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         sig = inspect.signature(self.fn)
@@ -245,6 +257,8 @@ class Task(Generic[P, R]):
         if all(p.kind in kinds for p in params):
             self._keywords = frozenset(p.name for p in params)
             self._required = frozenset(p.name for p in params if p.default is p.empty)
+        star = [p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL]
+        self._var_positional = star[0] if star else None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.fn(*args, **kwargs)
@@ -278,19 +292,20 @@ class Task(Generic[P, R]):
             for key, value in arguments.items():
                 try:
                     _check_json(value)
-                except (TypeError, ValueError, RecursionError) as exc:
+                except RecursionError:
+                    raise EnqueueError(
+                        f"task {self.name!r}: argument {key!r} is nested too deeply to encode "
+                        f"(at most {JSON_MAX_DEPTH} levels)"
+                    ) from None
+                except (TypeError, ValueError) as exc:
                     raise EnqueueError(
                         f"task {self.name!r}: argument {key!r} is not JSON-serialisable ({exc})"
                     ) from None
             raise
-        # What JSON accepts but PostgreSQL cannot store (NUL, surrogates), and dict keys
-        # that JSON would silently turn into strings. The one encoding says whether to
-        # look: a surrogate fails UTF-8 (only non-ASCII text can hold one), a NUL always
-        # comes out escaped as \u0000, and a nested dict shows a '{' past the first
-        # character. Each may be a false alarm (a string that holds those characters),
-        # which the walk clears.
-        if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
-            found = _unstorable(arguments)
+        if _suspect(text):
+            found = _unstorable(
+                arguments, exact=True, var_positional=self._var_positional, size=len(text)
+            )
             if found is not None:
                 name, where, why = found
                 raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
@@ -355,16 +370,20 @@ class Task(Generic[P, R]):
         except (TypeError, ValueError, RecursionError):
             return None
         joined = "\n".join(texts)
-        # As in bind_args: NUL comes out as \u0000, a surrogate fails UTF-8, and each text
-        # starts with the one '{' of its dict unless an argument holds a dict (or a '{').
+        # As in bind_args (see _suspect), once for all the texts: each starts with the one
+        # '{' of its dict unless an argument holds a dict (or a '{').
         if (
             "\\u0000" in joined
             or joined.count("{") != len(texts)
+            or "[" in joined
+            or "e+" in joined
+            or "-0.0" in joined
             or not (joined.isascii() or _is_utf8(joined))
+            or len(joined) > _long_text()
         ):
             for arguments, text in zip(plain, texts, strict=True):
-                if "\\u0000" in text or "{" in text[1:] or not (text.isascii() or _is_utf8(text)):
-                    found = _unstorable(arguments)
+                if _suspect(text):
+                    found = _unstorable(arguments, exact=True, size=len(text))
                     if found is not None:
                         name, where, why = found
                         raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
@@ -639,9 +658,59 @@ _positional = operator.attrgetter("args")
 _keywords_of = operator.attrgetter("kwargs")
 
 
-def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """The first string or dict key in the arguments that PostgreSQL could not store in
-    JSON, or a dict key that is not a string, as ``(argument, " (at path)", why)``."""
+def _suspect(text: str) -> bool:
+    """Whether the JSON text of a job's arguments may hold something the walk of
+    :func:`_unstorable` must look at; the one encoding says whether to look, in a few
+    scans of C. A surrogate fails UTF-8 (only non-ASCII text can hold one); a NUL always
+    comes out escaped as ``\\u0000``; a nested dict (whose keys may not be strings)
+    shows a ``{`` past the first character, a list or tuple a ``[`` (a tuple comes back as
+    a list; nesting is counted); a float that comes back as an int is written with
+    ``e+``, negative zero as ``-0.0``; only a long text can break a ``jsonb`` limit or
+    hold an int past ``numeric``. Each may be a false alarm (a string that holds those
+    characters), which the walk clears."""
+    return (
+        "[" in text
+        or "{" in text[1:]
+        or "\\u0000" in text
+        or "e+" in text
+        or "-0.0" in text
+        or not (text.isascii() or _is_utf8(text))
+        or len(text) > _long_text()
+    )
+
+
+def _long_text() -> int:
+    """JSON text longer than this may break a ``jsonb`` limit, or hold an int past what
+    ``numeric`` holds (which Python writes only once its own digits limit is lifted)."""
+    return NUMERIC_MAX_DIGITS if digits_unbounded() else JSONB_SAFE_CHARS
+
+
+#: Values the exact walk has nothing to look at in: they are stored as they are.
+_PLAIN = frozenset({bool, type(None)})
+#: A float at least this large is written with an exponent and no decimal point, which
+#: PostgreSQL's JSON (a numeric) gives back as an int.
+_FLOAT_AS_INT = 1e16
+
+
+def _unstorable(
+    arguments: Mapping[str, Any],
+    *,
+    exact: bool = False,
+    var_positional: str | None = None,
+    size: int = 0,
+) -> tuple[str, str, str] | None:
+    """The first value in the arguments that PostgreSQL could not store in JSON (a string
+    or dict key with a NUL or a surrogate, an int past ``numeric``, more than ``jsonb``
+    holds when their JSON text is ``size`` characters), a dict key that is not a string,
+    or nesting past :data:`~sqla_jobs.limits.JSON_MAX_DEPTH`, as ``(argument, " (at
+    path)", why)``.
+
+    ``exact``: also what would come back changed, so that a job runs with exactly the
+    arguments it was given or is refused at enqueue: a tuple (back as a list; the tuple
+    of the ``var_positional`` parameter's ``*args`` is the call's own), a float that would
+    come back as an int, negative zero (back as 0.0)."""
+    big_ints = digits_unbounded()
+    plain = _PLAIN if big_ints else _PLAIN | {int}
     for name, value in arguments.items():
         # Iterative, depth first: the encoder accepted the nesting, so a Python recursion
         # here could still run out of stack.
@@ -653,6 +722,8 @@ def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
                 if problem is not None:
                     return name, _where(name, path), problem
             elif isinstance(item, dict):
+                if len(path) + 2 > JSON_MAX_DEPTH:
+                    return name, "", _too_deep()
                 for key in item:
                     if not isinstance(key, str):
                         as_json = next(iter(json.loads(json.dumps({key: 0}))))
@@ -666,11 +737,153 @@ def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
                     if problem is not None:
                         why = f"has the dict key {shorten(key)} that {problem}"
                         return name, _where(name, path), why
-                children = list(item.items())
+                children = [(k, v) for k, v in item.items() if type(v) not in plain]
                 stack.extend((child, (*path, key)) for key, child in reversed(children))
             elif isinstance(item, (list, tuple)):
-                stack.extend((item[i], (*path, i)) for i in range(len(item) - 1, -1, -1))
+                own = path == () and name == var_positional  # the tuple of *args
+                if exact and isinstance(item, tuple) and not own:
+                    return (
+                        name,
+                        _where(name, path),
+                        f"is a {type(item).__name__}, which JSON stores as an array: the "
+                        "handler would get a list (pass a list)",
+                    )
+                if len(path) + 2 > JSON_MAX_DEPTH:
+                    return name, "", _too_deep()
+                # Most lists hold numbers or strings alone: told in one pass of C.
+                if set(map(type, item)) <= plain:
+                    continue
+                stack.extend(
+                    (item[i], (*path, i))
+                    for i in range(len(item) - 1, -1, -1)
+                    if type(item[i]) not in plain
+                )
+            elif isinstance(item, float):
+                if not exact:
+                    continue
+                if item == 0 and math.copysign(1.0, item) < 0:
+                    return (
+                        name,
+                        _where(name, path),
+                        "is -0.0, which PostgreSQL's JSON (a numeric) has no sign for: the "
+                        "handler would get 0.0",
+                    )
+                if abs(item) >= _FLOAT_AS_INT:
+                    return (
+                        name,
+                        _where(name, path),
+                        f"is the float {item!r}, which PostgreSQL's JSON (a numeric) gives back "
+                        "as an int, having no fraction to write: pass an int, or a string",
+                    )
+            elif isinstance(item, int) and big_ints:
+                problem = int_problem(item)
+                if problem is not None:
+                    return name, _where(name, path), problem
+    if size > JSONB_SAFE_CHARS:
+        for name, value in arguments.items():
+            problem = jsonb_problem(value)
+            if problem is not None:
+                return name, "", problem
+        problem = jsonb_problem(dict(arguments))
+        if problem is not None:
+            return "(all of them)", "", problem
     return None
+
+
+def _too_deep() -> str:
+    return (
+        f"is nested more than {JSON_MAX_DEPTH} levels deep (Python's json encodes and "
+        "decodes it by recursion, at the flush and in the worker)"
+    )
+
+
+def ascii_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every text of job rows (checked values of :meth:`Jobs.job_values`, or a
+    run of them: ``first`` and ``args``) is ASCII, which every encoding of PostgreSQL
+    holds; a scan of C per text."""
+    first: Mapping[str, Any] | None = getattr(rows, "first", None)
+    heads = [first] if first is not None else rows
+    for row in heads:
+        for column in ("task", "queue", "unique_key", "concurrency_key"):
+            value = row.get(column)
+            if isinstance(value, str) and not value.isascii():
+                return False
+        meta = row.get("meta")
+        if meta is not None and not _check_json(meta).isascii():
+            return False
+    arguments = getattr(rows, "args", None)
+    if arguments is None:
+        arguments = [row["args"] for row in rows]
+    return all(_args_text(a).isascii() for a in arguments)
+
+
+def check_encoding(rows: Sequence[Mapping[str, Any]], encodings: Encodings) -> None:
+    """Refuse job rows (as :func:`ascii_rows` takes them) that hold text the database or
+    its connections cannot carry (see :class:`~sqla_jobs.limits.Encodings`), which would
+    fail only at the flush or COMMIT, or in the worker. Raises :class:`EnqueueError`
+    naming the column, or the argument and where in it."""
+    first: Mapping[str, Any] | None = getattr(rows, "first", None)
+    heads = [first] if first is not None else rows
+    for row in heads:
+        for column in ("task", "queue", "unique_key", "concurrency_key"):
+            value = row.get(column)
+            if isinstance(value, str) and not value.isascii():
+                problem = encodings.problem(value)
+                if problem is not None:
+                    raise EnqueueError(f"{column} {shorten(value)} {problem}")
+        meta = row.get("meta")
+        if meta is not None:
+            found = _not_encodable({"meta": meta}, encodings)
+            if found is not None:
+                raise EnqueueError(f"meta{_where('meta', found[0][1:])} {found[1]}")
+    task = (heads[0] if heads else {}).get("task")
+    arguments = getattr(rows, "args", None)
+    if arguments is None:
+        arguments = [row["args"] for row in rows]
+    for args in arguments:
+        if not _args_text(args).isascii():
+            check_encoding_text(task, args, encodings)
+
+
+def check_encoding_text(task: Any, args: Any, encodings: Encodings) -> None:
+    """:func:`check_encoding` for one job's arguments: a dict, or its JSON text."""
+    value = json.loads(args) if isinstance(args, str) else args
+    found = _not_encodable(value, encodings)
+    if found is not None:
+        path, why = found
+        name = str(path[0]) if path else "?"
+        raise EnqueueError(f"task {task!r}: argument {name!r}{_where(name, path[1:])} {why}")
+
+
+def _not_encodable(value: Any, encodings: Encodings) -> tuple[tuple[Any, ...], str] | None:
+    """The path to the first string (or dict key) in the JSON-able ``value`` that
+    ``encodings`` refuses, and why; None if there is none."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            problem = None if item.isascii() else encodings.problem(item, json=True)
+            if problem is not None:
+                return path, problem
+        elif isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not key.isascii():
+                    problem = encodings.problem(key, json=True)
+                    if problem is not None:
+                        return path, f"has the dict key {shorten(key)} that {problem}"
+            pairs = list(item.items())
+            stack.extend((child, (*path, key)) for key, child in reversed(pairs))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((item[i], (*path, i)) for i in range(len(item) - 1, -1, -1))
+    return None
+
+
+def _args_text(args: Any) -> str:
+    """The JSON text of a job's arguments: what their check wrote, or the text itself."""
+    if isinstance(args, str):
+        return args
+    text = getattr(args, "json", None)
+    return text if isinstance(text, str) else _check_json(args)
 
 
 def _where(name: str, path: tuple[Any, ...]) -> str:
@@ -685,10 +898,12 @@ def json_problem(value: Any, name: str = "value") -> str | None:
     message starts with ``name``."""
     try:
         text = _check_json(value)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        return f"{name} is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
+    except (TypeError, ValueError) as exc:
         return f"{name} is not JSON-serialisable ({exc})"
-    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text:
-        found = _unstorable({name: value})
+    if _suspect(text) or text.startswith("{"):
+        found = _unstorable({name: value}, size=len(text))
         if found is not None:
             _, where, why = found
             return f"{name}{where} {why}"
@@ -712,9 +927,13 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
             )
     try:
         text = _check_json(checked)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise EnqueueError(
+            f"meta is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
+        ) from None
+    except (TypeError, ValueError) as exc:
         raise EnqueueError(f"meta is not JSON-serialisable ({exc})") from None
-    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
+    if _suspect(text):
         for key in checked:
             problem = text_problem(key)
             if problem is not None:
@@ -792,6 +1011,16 @@ class Jobs:
         self.table: sa.Table = job_table(model)
         _check_queue(default_queue)
         _check_max_attempts(max_attempts)
+        for label, keep in (("keep_done", keep_done), ("keep_dead", keep_dead)):
+            if keep is None and label == "keep_done":
+                continue
+            if not isinstance(keep, timedelta) or not (
+                timedelta(0) <= keep <= timedelta(seconds=KEEP_MAX_SECONDS)
+            ):
+                raise ValueError(
+                    f"{label} must be a timedelta from 0 to "
+                    f"{KEEP_MAX_SECONDS // (365 * 86400):,} years, got {keep!r}"
+                )
         self.default_queue = default_queue
         self.max_attempts = max_attempts
         self.retry: RetryPolicy = retry or Backoff()
@@ -1703,6 +1932,8 @@ def check_unique_scope(
 def _check_max_attempts(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
+    if value > INT_MAX:
+        raise EnqueueError(f"max_attempts must be <= {INT_MAX} (an int column), got {value}")
 
 
 #: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
@@ -1734,8 +1965,11 @@ def keep_seconds(value: object, registry: Jobs | None) -> float | None:
         raise EnqueueError(
             f"keep_result must be True, False, seconds or a timedelta, got {value!r}"
         )
-    if not seconds >= 0 or seconds == float("inf"):
-        raise EnqueueError(f"keep_result must be a finite duration >= 0, got {value!r}")
+    if not 0 <= seconds <= KEEP_MAX_SECONDS:  # NaN and infinity fail too
+        raise EnqueueError(
+            f"keep_result must be a duration from 0 to {KEEP_MAX_SECONDS // (365 * 86400):,} "
+            f"years, got {value!r}"
+        )
     return seconds
 
 
