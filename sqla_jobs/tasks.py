@@ -379,7 +379,7 @@ class Task(Generic[P, R]):
             or "e+" in joined
             or "-0.0" in joined
             or not (joined.isascii() or _is_utf8(joined))
-            or len(joined) > _long_text()
+            or (len(joined) > NUMERIC_MAX_DIGITS and len(joined) > _long_text())
         ):
             for arguments, text in zip(plain, texts, strict=True):
                 if _suspect(text):
@@ -675,7 +675,7 @@ def _suspect(text: str) -> bool:
         or "e+" in text
         or "-0.0" in text
         or not (text.isascii() or _is_utf8(text))
-        or len(text) > _long_text()
+        or (len(text) > NUMERIC_MAX_DIGITS and len(text) > _long_text())
     )
 
 
