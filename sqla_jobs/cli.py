@@ -46,8 +46,9 @@ import sqlalchemy as sa
 from . import admin, logs
 from .db import create_engine, normalize_url
 from .errors import WorkerError
+from .limits import BIGINT_MAX, KEEP_MAX_SECONDS
 from .model import STATUSES, job_table
-from .tasks import Jobs
+from .tasks import Jobs, json_problem
 from .worker.core import describe
 from .worker.settings import WorkerSettings
 
@@ -193,6 +194,8 @@ def _describe(exc: sa.exc.DBAPIError) -> str:
     first = _first_line(exc)
     if isinstance(exc.orig, psycopg.errors.UndefinedTable):
         return f"{first}: run your migrations (alembic upgrade head)"
+    if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+        return f"{first}: the database role lacks a privilege on the jobs tables"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
@@ -221,23 +224,42 @@ def _queues(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, maximum: int = BIGINT_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {text[:40]}")
     return value
 
 
+def _at_most(maximum: int) -> Callable[[str], int]:
+    """:func:`_positive_int` up to ``maximum``."""
+
+    def convert(text: str) -> int:
+        return _positive_int(text, maximum)
+
+    convert.__name__ = "int"
+    return convert
+
+
+#: Worker processes one supervisor may run: far more than cores on any machine.
+MAX_PROCESSES = 1024
+
+
 def _positive_float(text: str) -> float:
+    """Seconds > 0, at most a day (``--watch``: between refreshes)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not value <= 86400:  # infinity too
+        raise argparse.ArgumentTypeError(f"must be at most 86400 seconds (a day), got {value}")
     return value
 
 
@@ -245,9 +267,9 @@ def _job_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a job id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a job id: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a job id: {text[:40]!r}") from None
+    if not 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"not a job id: {text[:40]!r}")
     return value
 
 
@@ -258,9 +280,14 @@ def _duration(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(
-            f"not a duration: {text!r} (e.g. 90, 90s, 15m, 12h, 7d, 2w)"
+            f"not a duration: {text[:40]!r} (e.g. 90, 90s, 15m, 12h, 7d, 2w)"
         )
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > KEEP_MAX_SECONDS:  # a timedelta, and now() minus it, must hold it
+        raise argparse.ArgumentTypeError(
+            f"duration {text.strip()[:40]!r} is too long: at most 1,000 years"
+        )
+    return seconds
 
 
 # -- output -------------------------------------------------------------------------------
@@ -340,11 +367,17 @@ def _meta_pair(text: str) -> tuple[str, Any]:
     ``"42"``), else as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text[:60]!r}")
     try:
-        return key, json.loads(value)
+        parsed = json.loads(value)
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"--meta {key}: the JSON is nested too deeply") from None
     except ValueError:
         return key, value
+    problem = json_problem(parsed, f"--meta {key}")  # NaN, a NUL, a surrogate...
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return key, parsed
 
 
 def _error_summary(text: str | None, width: int = 60) -> str:
@@ -861,6 +894,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     worker.run()
     except WorkerError as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
+    except sa.exc.DBAPIError as exc:
+        # What the start does before the loops that survive errors (the schedule sync, a
+        # role without rights on the tables): one line, as every other command.
+        raise CommandError(_describe(exc), EXIT_FAILURE) from None
     return EXIT_OK
 
 
@@ -900,6 +937,8 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, str]
                         worker.run()
         except WorkerError as exc:
             raise CommandError(str(exc), EXIT_FAILURE) from None
+        except sa.exc.DBAPIError as exc:
+            raise CommandError(_describe(exc), EXIT_FAILURE) from None
         return EXIT_OK
     from .worker.supervisor import supervise
 
@@ -1187,7 +1226,7 @@ def _add_web(sub: Any) -> None:
     web.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
-    web.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    web.add_argument("--port", type=_at_most(65535), default=8080, help="port (default: 8080)")
     web.add_argument(
         "--allow-actions",
         action="store_true",
@@ -1308,7 +1347,7 @@ def _add_worker(sub: Any) -> None:
     )
     worker.add_argument(
         "--processes",
-        type=_positive_int,
+        type=_at_most(MAX_PROCESSES),
         default=1,
         help="run this many worker processes under a supervisor that restarts one that dies "
         "(default: 1, no supervisor); --concurrency applies to each",
@@ -1519,7 +1558,19 @@ def _add_queues(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(given, 1):
+        # Bytes that are not UTF-8 reach Python as surrogates, which nothing downstream
+        # (psycopg, PostgreSQL) can encode. Where, not what: the argument may be a URL
+        # with a password.
+        bad = _not_utf8(arg)
+        if bad is not None:
+            parser.error(f"argument {i} is not valid UTF-8 ({bad})")
+    bad = _not_utf8(os.environ.get("DATABASE_URL", ""))
+    if bad is not None:
+        print(f"sqla-jobs: error: DATABASE_URL is not valid UTF-8 ({bad})", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    args = parser.parse_args(given)
     level = getattr(args, "log_level", None) or ("DEBUG" if args.verbose else "INFO")
     logs.configure(level, getattr(args, "log_format", None) or "text")
     func: Callable[[argparse.Namespace], int] = args.func
@@ -1531,6 +1582,16 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _not_utf8(text: str) -> str | None:
+    """Where ``text`` (from the command line or the environment) is not UTF-8, or None."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raw = os.fsencode(text[exc.start])
+        return f"byte 0x{raw[0]:02x} at character {exc.start + 1}" if raw else "a surrogate"
+    return None
 
 
 if __name__ == "__main__":
