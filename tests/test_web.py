@@ -694,6 +694,11 @@ def test_dns_rebinding_is_refused_by_the_host_check(
     ]:
         assert named.get("/", headers={"host": host}).status_code == status, host
     assert make_client(allowed_hosts=["*"]).get("/", headers={"host": "any"}).status_code == 200
+    # Over shards: the page of every shard and each shard's own dashboard.
+    sharded = TestClient(create_app(registry, engines={"eu": db}), base_url=BASE)
+    for url in ("/", "/shards/eu/jobs"):
+        assert sharded.get(url).status_code == 200, url
+        assert sharded.get(url, headers={"host": "attacker.example"}).status_code == 400, url
     for bad in (["http://jobs.example.com"], ["jobs.example.com:8080"], [], "localhost", ["a*"]):
         with pytest.raises(ValueError, match="allowed_hosts"):
             create_app(registry, db, allowed_hosts=bad)
