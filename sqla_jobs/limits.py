@@ -2,10 +2,16 @@
 
 Some values are refused only when they reach the database: a NUL character in text or
 JSON, a string that is not valid Unicode, an index entry over about 2.7 kB, a NOTIFY
-payload over 8,000 bytes. A job is INSERTed at the caller's flush or commit, so such a
-value would fail the caller's whole transaction there, far from the enqueue that caused
-it. These checks run inside ``enqueue`` and at declaration instead; the table's own
-CHECK constraints stay the last line.
+payload over 8,000 bytes, a number past its column (an ``int``, a ``numeric``), more than
+``jsonb`` holds, text a database that is not UTF-8 cannot store. A job is INSERTed at the
+caller's flush or commit, so such a value would fail the caller's whole transaction
+there, far from the enqueue that caused it. These checks run inside ``enqueue`` and at
+declaration instead; the table's own CHECK constraints stay the last line.
+
+Some are about reading the value back rather than storing it: JSON nested past
+:data:`JSON_MAX_DEPTH` (Python's ``json`` recurses), an int Python will not write or read
+(:func:`int_problem` takes the number of digits), non-ASCII JSON over a connection that is
+not UTF-8 (:class:`Encodings`).
 """
 
 from __future__ import annotations
@@ -116,9 +122,14 @@ def text_problem(text: str) -> str | None:
     return None
 
 
-def int_problem(value: int, max_digits: int = NUMERIC_MAX_DIGITS) -> str | None:
-    """Why an int has more decimal digits than ``max_digits`` (PostgreSQL's ``numeric``
-    by default), or ``None``. Cheap for any size: no decimal text is written."""
+def int_problem(
+    value: int,
+    max_digits: int = NUMERIC_MAX_DIGITS,
+    holder: str = "PostgreSQL's JSON (a numeric)",
+) -> str | None:
+    """Why an int has more decimal digits than ``max_digits`` (what ``holder``, by default
+    PostgreSQL's ``numeric``, holds), or ``None``. Cheap for any size: no decimal text is
+    written."""
     # A number of n bits has at most ceil(n * log10(2)) digits: most ints are told by
     # their bit length alone, the rest by one comparison with a power of ten.
     bits = abs(value).bit_length()
@@ -126,10 +137,7 @@ def int_problem(value: int, max_digits: int = NUMERIC_MAX_DIGITS) -> str | None:
         return None
     if abs(value) < _power_of_ten(max_digits):
         return None
-    return (
-        f"is an int of more than {max_digits:,} digits, which PostgreSQL's JSON (a numeric) "
-        "cannot hold"
-    )
+    return f"is an int of more than {max_digits:,} digits, which {holder} cannot hold"
 
 
 _POWERS: dict[int, int] = {}

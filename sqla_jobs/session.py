@@ -56,6 +56,7 @@ from .tasks import (
     Task,
     TaskArgs,
     _utcnow,
+    ascii_row,
     ascii_rows,
     check_encoding,
     check_meta,
@@ -212,7 +213,8 @@ class EnqueueMixin:
             values = registry.job_values(task, args, kwargs, **given)
         session = _sync(self)
         boundary = _boundary(session)
-        _check_encoding(session, registry, [values])
+        if not ascii_row(values):
+            _check_encoding(session, registry, [values])
         inserted = True
         if "after" in values:  # never unique: job_values refuses the two together
             from .flow import _add_child
