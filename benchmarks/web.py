@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             dead = conn.execute(
                 sa.select(sa.func.max(Job.id)).where(Job.status == "dead")
             ).scalar_one()
-        client = TestClient(create_app(jobs, engine, read_only=False))
+        client = TestClient(create_app(jobs, engine, read_only=False), base_url="http://localhost")
         client.get("/")
         pages = [
             ("overview", "/"),

@@ -38,6 +38,7 @@ purge      done, dead, cancelled           also scheduled or ready, when named;
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -50,11 +51,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from . import queries as _q
-from .limits import QUEUE_MAX_BYTES, check_name
+from .limits import QUEUE_MAX_BYTES, check_name, text_problem
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
 from .queries import Queries
 from .queries import status_literal as _lit
-from .tasks import CHILDREN_KEY, Jobs
+from .tasks import CHILDREN_KEY, Jobs, json_problem
 from .worker.job import CANCEL_PAYLOAD
 
 __all__ = [
@@ -690,14 +691,25 @@ _PREVIEW = 160
 
 def parse_search(text: str | None) -> tuple[str, Any] | None:
     """What a search box holds: ``("id", 42)`` for ``42`` or ``#42``; ``("contains",
-    {...})`` for a JSON object or ``key=value`` pairs (values read as JSON when they
-    parse, else as strings), matched as ``args @> ...``; else ``("text", ...)``, a
-    case-insensitive substring of the arguments' JSON. ``ValueError`` names a problem."""
+    {...})`` for a JSON object or ``key=value`` pairs separated by spaces (values read as
+    JSON when they parse, else as strings), matched as ``args @> ...``; else ``("text",
+    ...)``, a case-insensitive substring of the arguments' JSON. ``ValueError`` names a
+    problem: a search longer than :data:`SEARCH_MAX_CHARS`, JSON nested deeper than
+    :data:`SEARCH_MAX_DEPTH`, or a value PostgreSQL cannot compare (``NaN``, ``Infinity``,
+    a number past what a float holds, a NUL, a lone surrogate).
+
+    It reads the text word by word, each character once: its time is linear in the text
+    whatever the text holds (the regular expression it replaces backtracked
+    exponentially on ``a=a=a=...``, and a dashboard shares the application's process)."""
     if text is None or not text.strip():
         return None
     text = text.strip()
+    if len(text) > SEARCH_MAX_CHARS:
+        raise ValueError(
+            f"search: {len(text):,} characters; a search is at most {SEARCH_MAX_CHARS:,}"
+        )
     digits = text[1:] if text.startswith("#") else text
-    if digits.isdigit():
+    if digits.isascii() and digits.isdigit():
         value = int(digits)
         if not 1 <= value <= 2**63 - 1:
             raise ValueError(f"not a job id: {text!r}")
@@ -705,24 +717,73 @@ def parse_search(text: str | None) -> tuple[str, Any] | None:
     if text.startswith("{"):
         try:
             obj = json.loads(text)
+        except RecursionError:
+            raise ValueError(_TOO_DEEP) from None
         except ValueError as exc:
             raise ValueError(f"search: not a JSON object: {exc}") from None
         if not isinstance(obj, dict):
             raise ValueError('search: a JSON search must be an object, like {"user_id": 42}')
+        _check_searchable(obj)
         return ("contains", obj)
-    pairs = re.findall(r"([A-Za-z_][\w.-]*)=(\S+)", text)
-    if pairs and re.fullmatch(r"(?:[A-Za-z_][\w.-]*=\S+[\s,]*)+", text):
-        obj = {}
-        for key, raw in pairs:
-            raw = raw.rstrip(",")
-            try:
-                obj[key] = json.loads(raw)
-            except ValueError:
-                obj[key] = raw
-        return ("contains", obj)
-    if "\x00" in text:
-        raise ValueError("search: a NUL character cannot be searched for")
+    pairs = _search_pairs(text)
+    if pairs is not None:
+        _check_searchable(pairs)
+        return ("contains", pairs)
+    problem = text_problem(text)
+    if problem is not None:
+        raise ValueError(f"search: the text {problem}")
     return ("text", text)
+
+
+#: The longest search :func:`parse_search` takes, in characters: far more than a person
+#: types or a JSON object of a few keys needs, and a bound on what one request costs.
+SEARCH_MAX_CHARS = 10_000
+#: How deeply a JSON search may nest; the arguments it is compared with may nest deeper.
+SEARCH_MAX_DEPTH = 32
+_TOO_DEEP = f"search: JSON nested more than {SEARCH_MAX_DEPTH} levels deep"
+_SEARCH_KEY = re.compile(r"[A-Za-z_][\w.-]*")
+
+
+def _search_pairs(text: str) -> dict[str, Any] | None:
+    """``key=value`` words (separated by spaces, commas around them ignored) as a dict,
+    or None when a word is not one; a value is JSON when it parses, else a string."""
+    found: dict[str, Any] = {}
+    for word in text.split():
+        word = word.strip(",")
+        if not word:
+            continue
+        key, equals, raw = word.partition("=")
+        if not equals or not raw or _SEARCH_KEY.fullmatch(key) is None:
+            return None
+        try:
+            found[key] = json.loads(raw)
+        except RecursionError:
+            raise ValueError(_TOO_DEEP) from None
+        except ValueError:
+            found[key] = raw
+    return found or None
+
+
+def _check_searchable(obj: dict[str, Any]) -> None:
+    """Refuse, naming it, what PostgreSQL could not take as the ``jsonb`` of ``@>``: a
+    value nested too deeply, a number that is not finite (``NaN``, ``Infinity``, or
+    ``1e999``, which JSON reads as infinity), a string it cannot store."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > SEARCH_MAX_DEPTH:
+                raise ValueError(_TOO_DEEP)
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"search: {value!r} is not a number PostgreSQL's JSON can hold (numbers "
+                "must be finite)"
+            )
+    problem = json_problem(obj, "search")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def browse_jobs(

@@ -50,8 +50,9 @@ import sqlalchemy as sa
 from . import __version__, admin, logs
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError
+from .limits import BIGINT_MAX, DURATION_MAX_SECONDS
 from .model import STATUSES, job_table
-from .tasks import Jobs
+from .tasks import Jobs, json_problem
 from .worker.core import describe
 from .worker.settings import WorkerSettings
 
@@ -365,6 +366,8 @@ def _describe(exc: sa.exc.DBAPIError) -> str:
     first = _first_line(exc)
     if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
         return f"{first}: {_SCHEMA_HINT}"
+    if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+        return f"{first}: the database role lacks a privilege on the jobs tables"
     if isinstance(exc, sa.exc.OperationalError):
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
@@ -393,23 +396,42 @@ def _queues(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, maximum: int = BIGINT_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {text[:40]}")
     return value
 
 
+def _at_most(maximum: int) -> Callable[[str], int]:
+    """:func:`_positive_int` up to ``maximum``."""
+
+    def convert(text: str) -> int:
+        return _positive_int(text, maximum)
+
+    convert.__name__ = "int"
+    return convert
+
+
+#: Worker processes one supervisor may run: far more than cores on any machine.
+MAX_PROCESSES = 1024
+
+
 def _positive_float(text: str) -> float:
+    """Seconds > 0, at most a day (``--watch``: between refreshes)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not value <= 86400:  # infinity too
+        raise argparse.ArgumentTypeError(f"must be at most 86400 seconds (a day), got {value}")
     return value
 
 
@@ -417,9 +439,9 @@ def _job_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a job id: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"not a job id: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a job id: {text[:40]!r}") from None
+    if not 1 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(f"not a job id: {text[:40]!r}")
     return value
 
 
@@ -430,9 +452,14 @@ def _duration(text: str) -> float:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smhdw]?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(
-            f"not a duration: {text!r} (e.g. 90, 90s, 15m, 12h, 7d, 2w)"
+            f"not a duration: {text[:40]!r} (e.g. 90, 90s, 15m, 12h, 7d, 2w)"
         )
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > DURATION_MAX_SECONDS:  # a timedelta, and now() minus it, must hold it
+        raise argparse.ArgumentTypeError(
+            f"duration {text.strip()[:40]!r} is too long: at most 100 years"
+        )
+    return seconds
 
 
 # -- output -------------------------------------------------------------------------------
@@ -512,11 +539,17 @@ def _meta_pair(text: str) -> tuple[str, Any]:
     ``"42"``), else as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text[:60]!r}")
     try:
-        return key, json.loads(value)
+        parsed = json.loads(value)
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"--meta {key}: the JSON is nested too deeply") from None
     except ValueError:
         return key, value
+    problem = json_problem(parsed, f"--meta {key}")  # NaN, a NUL, a surrogate...
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return key, parsed
 
 
 def _error_summary(text: str | None, width: int = 60) -> str:
@@ -1224,6 +1257,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
                     worker.run()
     except WorkerError as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
+    except sa.exc.DBAPIError as exc:
+        # What the start does before the loops that survive errors (the schedule sync, a
+        # role without rights on the tables): one line, as every other command.
+        raise CommandError(_describe(exc), EXIT_FAILURE) from None
     return EXIT_OK
 
 
@@ -1290,6 +1327,8 @@ def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, Any]
                         worker.run()
         except WorkerError as exc:
             raise CommandError(str(exc), EXIT_FAILURE) from None
+        except sa.exc.DBAPIError as exc:
+            raise CommandError(_describe(exc), EXIT_FAILURE) from None
         return EXIT_OK
     from .worker.supervisor import supervise
 
@@ -1561,10 +1600,17 @@ def cmd_web(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .web import create_app
+        from .web.app import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
         ) from None
+    try:
+        # The address it listens on, and the loopback names: a page that rebinds its own
+        # name to this address (DNS rebinding) is refused.
+        hosts = check_allowed_hosts(args.allowed_host or [args.host, *DEFAULT_ALLOWED_HOSTS])
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     shards = shards_from(args)
     if shards is not None:
         target: Jobs | type[Any] = load_target(args.target)
@@ -1589,6 +1635,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         authorize=authorize,
         read_only=None if authorize is not None else not args.allow_actions,
         title=args.title,
+        allowed_hosts=hosts,
     )
     mode = "read-only" if authorize is None and not args.allow_actions else "actions enabled"
     print(f"sqla-jobs web: http://{args.host}:{args.port}{args.root_path}/ ({mode})", flush=True)
@@ -1608,7 +1655,7 @@ def _add_web(sub: Any) -> None:
     web.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
-    web.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    web.add_argument("--port", type=_at_most(65535), default=8080, help="port (default: 8080)")
     web.add_argument(
         "--allow-actions",
         action="store_true",
@@ -1625,6 +1672,14 @@ def _add_web(sub: Any) -> None:
         help="the path prefix a reverse proxy serves it under (e.g. /jobs)",
     )
     web.add_argument("--title", default="sqla-jobs", help="the name in the page header")
+    web.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="HOST",
+        help="a Host name the dashboard answers for, e.g. jobs.example.com or "
+        "'*.example.com' (repeat for several; default: the --host address, localhost, "
+        "127.0.0.1 and [::1]); any other Host gets a 400",
+    )
     _shard_option(web, ": a page of every shard's queues, and each shard's own dashboard")
     web.set_defaults(func=cmd_web)
 
@@ -1732,7 +1787,7 @@ def _add_worker(sub: Any) -> None:
     )
     worker.add_argument(
         "--processes",
-        type=_positive_int,
+        type=_at_most(MAX_PROCESSES),
         default=1,
         help="run this many worker processes under a supervisor that restarts one that dies "
         "(default: 1, no supervisor); --concurrency applies to each",
@@ -1963,7 +2018,19 @@ def _add_queues(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(given, 1):
+        # Bytes that are not UTF-8 reach Python as surrogates, which nothing downstream
+        # (psycopg, PostgreSQL) can encode. Where, not what: the argument may be a URL
+        # with a password.
+        bad = _not_utf8(arg)
+        if bad is not None:
+            parser.error(f"argument {i} is not valid UTF-8 ({bad})")
+    bad = _not_utf8(os.environ.get("DATABASE_URL", ""))
+    if bad is not None:
+        print(f"sqla-jobs: error: DATABASE_URL is not valid UTF-8 ({bad})", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    args = parser.parse_args(given)
     level = getattr(args, "log_level", None) or ("DEBUG" if args.verbose else "INFO")
     logs.configure(level, getattr(args, "log_format", None) or "text")
     func: Callable[[argparse.Namespace], int] = args.func
@@ -1975,6 +2042,16 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _not_utf8(text: str) -> str | None:
+    """Where ``text`` (from the command line or the environment) is not UTF-8, or None."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raw = os.fsencode(text[exc.start])
+        return f"byte 0x{raw[0]:02x} at character {exc.start + 1}" if raw else "a surrogate"
+    return None
 
 
 if __name__ == "__main__":

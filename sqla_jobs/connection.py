@@ -35,8 +35,17 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from .errors import EnqueueError
+from .limits import database_encodings
 from .queries import enqueue_scoped, insert_json, insert_rows, job_params
-from .tasks import OPTION_NAMES, ConfiguredTask, Jobs, Task, TaskArgs, merge_options
+from .tasks import (
+    OPTION_NAMES,
+    ConfiguredTask,
+    Jobs,
+    Task,
+    TaskArgs,
+    check_encoding,
+    merge_options,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -55,6 +64,9 @@ def enqueue(
     the key, new or not)."""
     registry, plain, options = _resolve(jobs, task, kwargs)
     values = registry.job_values(plain, args, kwargs, **options)
+    encodings = database_encodings(connection)
+    if encodings is not None:
+        check_encoding([values], encodings)
     scope = values.pop("unique_scope", None)
     if "after" in values:
         return _enqueue_after(connection, registry, values)

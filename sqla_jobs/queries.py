@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from .bulk import CheckedLater, copy_allowed, copy_run
 from .db import require_postgresql
 from .errors import EnqueueError
+from .limits import Encodings, database_encodings
 from .model import (
     LIVE_STATUSES,
     UNIQUE_WHERE,
@@ -40,7 +41,15 @@ from .model import (
     notify_channel,
     result_channel,
 )
-from .tasks import CANCELLED_BY_PARENT_KEY, CHILDREN_KEY, RESULTS_KEY, RUN_ANYWAY_KEY
+from .tasks import (
+    CANCELLED_BY_PARENT_KEY,
+    CHILDREN_KEY,
+    RESULTS_KEY,
+    RUN_ANYWAY_KEY,
+    ascii_rows,
+    check_encoding,
+    check_encoding_text,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.sql.expression import CTE
@@ -1536,16 +1545,8 @@ def job_params(values: dict[str, Any]) -> JobParams:
     }
 
 
-# Unique enqueue: one live job per key, enforced by <table>_unique. DO NOTHING returns no
-# row on a conflict; live_by_key then finds the holder.
-def _insert_unique(t: sa.Table) -> sa.Insert:
-    return (
-        pg_insert(t)
-        .on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
-        .returning(t.c.id)
-    )
-
-
+# The live job that holds a unique key (<table>_unique): the answer of a unique enqueue
+# whose INSERT ... ON CONFLICT DO NOTHING (insert_job_unique) returned no row.
 def _live_by_key(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     return sa.select(c.id).where(
@@ -1630,6 +1631,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
     require_postgresql(connection, "enqueue_many", EnqueueError)
     if isinstance(rows, Run):
         return _write_run(connection, queries, rows.first, rows.args) if rows else 0
+    _check_encoding(connection, rows)
     statement = queries.bulk_insert
     inserted = 0
     for shared, run in itertools.groupby(rows, key=_shared_values):
@@ -1672,6 +1674,15 @@ def _write_run(
     params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
     if params["meta"] is not None:
         params["meta"] = _dumps(params["meta"])
+    encodings = database_encodings(connection) if isinstance(connection, sa.Connection) else None
+    if encodings is not None:
+        # A database (or connection) that does not carry every text (LATIN1 has no "€"):
+        # the texts are checked for it too, as they are made (see CheckedLater).
+        if isinstance(args, CheckedLater):
+            args = CheckedLater(args.first, args.rest, _encoded_for(args.encode, row, encodings))
+            check_encoding([{**row, "args": args.first}], encodings)
+        else:
+            check_encoding(Run(row, list(args)), encodings)
     if isinstance(args, CheckedLater):
         if copy_allowed(connection, len(args), ()):
             return copy_run(connection, queries.table, params, args)
@@ -1682,6 +1693,30 @@ def _write_run(
         params["args"] = list(map(args_json, args))
     params["unique_key"] = params["concurrency_key"] = [None] * len(args)
     return int(connection.execute(queries.bulk_insert, params).rowcount)
+
+
+def _check_encoding(connection: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Refuse rows with text that the connection's database cannot store (see
+    :func:`~sqla_jobs.tasks.check_encoding`); nothing to do for a UTF-8 one."""
+    if isinstance(connection, sa.Connection):
+        encodings = database_encodings(connection)
+        if encodings is not None and not ascii_rows(rows):
+            check_encoding(rows, encodings)
+
+
+def _encoded_for(encode: Any, row: dict[str, Any], encodings: Encodings) -> Any:
+    """``encode`` (of a :class:`~sqla_jobs.bulk.CheckedLater`), whose texts are then checked
+    for the database's encodings too."""
+
+    def checked(items: list[Any]) -> list[str]:
+        texts: list[str] = encode(items)
+        if not "".join(texts).isascii():
+            for text in texts:
+                if not text.isascii():
+                    check_encoding_text(row["task"], text, encodings)
+        return texts
+
+    return checked
 
 
 # -- scoped unique keys (<table>_unique_keys) -------------------------------------------
@@ -2084,7 +2119,6 @@ class Queries:
         self.bulk_insert = _bulk_insert(t)
         self.insert_job = _insert_job(t, unique=False)
         self.insert_job_unique = _insert_job(t, unique=True)
-        self.insert_unique = _insert_unique(t)
         self.live_by_key = _live_by_key(t)
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence, Sized
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
+import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
@@ -48,9 +49,21 @@ from .bulk import CheckedLater, gc_paused
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .db import require_postgresql
 from .errors import EnqueueError
+from .limits import database_encodings, known_encodings
 from .model import JobMixin
 from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
-from .tasks import ConfiguredTask, Jobs, Task, TaskArgs, _utcnow, check_meta, merge_options
+from .tasks import (
+    ConfiguredTask,
+    Jobs,
+    Task,
+    TaskArgs,
+    _utcnow,
+    ascii_row,
+    ascii_rows,
+    check_encoding,
+    check_meta,
+    merge_options,
+)
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -210,6 +223,8 @@ class EnqueueMixin:
             values = registry.job_values(task, args, kwargs, **given)
         session = _sync(self)
         boundary = _boundary(session)
+        if not ascii_row(values):
+            _check_encoding(session, registry, [values])
         inserted = True
         job: JobMixin | None
         if "after" in values:  # never unique: job_values refuses the two together
@@ -327,6 +342,40 @@ class EnqueueMixin:
         return _keep_for_flush(_sync(self), registry, rows)
 
 
+def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> None:
+    """Refuse, at the call, text that the database of the jobs' table cannot store (one
+    that is not UTF-8: LATIN1 has no "€"), which it would refuse only at the flush.
+
+    Rows whose text is all ASCII (nearly all) cost a scan and nothing else. The others
+    need the database's encoding, learned from a connection once per engine: a sync
+    session checks out, the first time, the connection its flush would use anyway; an
+    ``AsyncSession``, which cannot wait here, checks once its engine has connected (its
+    first flush). The writers check again where they hold a connection."""
+    if ascii_rows(rows):
+        return
+    try:
+        bind = session.get_bind(mapper=registry.model)
+    except sa.exc.SQLAlchemyError:  # no bind for it: the flush will say so
+        return
+    engine = bind.engine if isinstance(bind, sa.Connection) else bind
+    if not isinstance(engine, sa.Engine):
+        return
+    learned, encodings = known_encodings(engine)
+    if not learned:
+        if engine.dialect.is_async:
+            # Learned when the session's transaction connects (its flush), for the next.
+            _listen(session, ("after_begin", _learn_encoding))
+            return
+        connection = session.connection(bind_arguments={"mapper": registry.model})
+        encodings = database_encodings(connection)
+    if encodings is not None:
+        check_encoding(rows, encodings)
+
+
+def _learn_encoding(session: Session, transaction: Any, connection: sa.Connection) -> None:
+    database_encodings(connection)
+
+
 def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> int:
     """Checked rows wait for the next flush, tagged with the transaction whose fate they
     share; the ``enqueued`` listeners hear of them when it commits. How many."""
@@ -334,6 +383,7 @@ def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, A
         # Refused now, not at the flush: the rows are written with PostgreSQL's SQL.
         require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
         boundary = _boundary(session)
+        _check_encoding(session, registry, rows)
         _pending(session).append((boundary, registry, rows))
         if registry.events.wants("enqueued"):
             _announce(session, registry, rows, boundary)
@@ -625,12 +675,14 @@ def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
 
 def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
     """INSERT a unique job now; return it (or the live job holding its key) and whether it
-    is new."""
+    is new. The arguments go as the JSON text their check wrote (:func:`job_params`), as
+    on a connection: encoded once, at the caller's depth."""
     q = registry.queries
     connection = session.connection()
     require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
+    params = job_params(values)
     for _ in range(5):
-        job_id = connection.execute(q.insert_unique, values).scalar()
+        job_id = connection.execute(q.insert_job_unique, params).scalar()
         inserted = job_id is not None
         if not inserted:
             # The key is held by a live job (committed: ON CONFLICT waits for an

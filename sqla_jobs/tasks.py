@@ -20,11 +20,11 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import operator
 import random
 import re
-import sys
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import (
@@ -48,13 +48,20 @@ from .errors import EnqueueError, UnknownTaskError
 from .events import Around, Events, RunWrapper
 from .limits import (
     DURATION_MAX_SECONDS,
+    INT_MAX,
     INT_MAX_DIGITS,
+    JSON_MAX_DEPTH,
+    JSONB_SAFE_CHARS,
     META_MAX_BYTES,
     META_RESERVED_PREFIX,
     QUEUE_MAX_BYTES,
     SCHEDULE_NAME_MAX_BYTES,
     UNIQUE_KEY_MAX_BYTES,
+    Encodings,
     check_name,
+    digits_unbounded,
+    int_problem,
+    jsonb_problem,
     shorten,
     text_problem,
 )
@@ -237,6 +244,8 @@ class Task(Generic[P, R]):
     #: INSERT does.
     _keywords: frozenset[str] | None = field(init=False, repr=False, default=None)
     _required: frozenset[str] = field(init=False, repr=False, default=frozenset())
+    #: The ``*args`` parameter's name, if any: its tuple is the call's own, not a value.
+    _var_positional: str | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         sig = inspect.signature(self.fn)
@@ -259,6 +268,8 @@ class Task(Generic[P, R]):
         if all(p.kind in kinds for p in params):
             self._keywords = frozenset(p.name for p in params)
             self._required = frozenset(p.name for p in params if p.default is p.empty)
+        star = [p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL]
+        self._var_positional = star[0] if star else None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.fn(*args, **kwargs)
@@ -292,33 +303,25 @@ class Task(Generic[P, R]):
             for key, value in arguments.items():
                 try:
                     _check_json(value)
-                except (TypeError, ValueError, RecursionError) as exc:
+                except RecursionError:
+                    raise EnqueueError(
+                        f"task {self.name!r}: argument {key!r} is nested too deeply to encode "
+                        f"(at most {JSON_MAX_DEPTH} levels)"
+                    ) from None
+                except (TypeError, ValueError) as exc:
                     raise EnqueueError(
                         f"task {self.name!r}: argument {key!r} is not JSON-serialisable ({exc})"
                     ) from None
             raise
-        # What JSON accepts but PostgreSQL cannot store (NUL, surrogates), and dict keys
-        # that JSON would silently turn into strings. The one encoding says whether to
-        # look: a surrogate fails UTF-8 (only non-ASCII text can hold one), a NUL always
-        # comes out escaped as \u0000, and a nested dict shows a '{' past the first
-        # character. Each may be a false alarm (a string that holds those characters),
-        # which the walk clears.
-        if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
-            found = _unstorable(arguments)
+        if _suspect(text):
+            found = _unstorable(
+                arguments, exact=True, var_positional=self._var_positional, size=len(text)
+            )
             if found is not None:
                 name, where, why = found
                 raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
-        if _digits_lifted():
-            self._check_digits(arguments, text)
         arguments.json = text
         return arguments
-
-    def _check_digits(self, arguments: Mapping[str, Any], text: str) -> None:
-        """Refuse an int that no worker could read back (see :func:`long_int_problem`)."""
-        for name, value in arguments.items():
-            problem = long_int_problem(value, repr(name), text)
-            if problem is not None:
-                raise EnqueueError(f"task {self.name!r}: argument {problem}")
 
     def bind_many(self, items: Iterable[TaskArgs[Any] | Mapping[str, Any]]) -> list[CheckedArgs]:
         """:meth:`bind_args` for each of ``items`` (``task.args(...)`` or dicts of keyword
@@ -378,22 +381,23 @@ class Task(Generic[P, R]):
         except (TypeError, ValueError, RecursionError):
             return None
         joined = "\n".join(texts)
-        # As in bind_args: NUL comes out as \u0000, a surrogate fails UTF-8, and each text
-        # starts with the one '{' of its dict unless an argument holds a dict (or a '{').
+        # As in bind_args (see _suspect), once for all the texts: each starts with the one
+        # '{' of its dict unless an argument holds a dict (or a '{').
         if (
             "\\u0000" in joined
             or joined.count("{") != len(texts)
+            or "[" in joined
+            or "e+" in joined
+            or "-0.0" in joined
             or not (joined.isascii() or _is_utf8(joined))
+            or (len(joined) > _long_text())
         ):
             for arguments, text in zip(plain, texts, strict=True):
-                if "\\u0000" in text or "{" in text[1:] or not (text.isascii() or _is_utf8(text)):
-                    found = _unstorable(arguments)
+                if _suspect(text):
+                    found = _unstorable(arguments, exact=True, size=len(text))
                     if found is not None:
                         name, where, why = found
                         raise EnqueueError(f"task {self.name!r}: argument {name!r}{where} {why}")
-        if _digits_lifted() and _LONG_INT.search(joined):
-            for arguments, text in zip(plain, texts, strict=True):
-                self._check_digits(arguments, text)
         return plain, texts
 
     def call_args(self, stored: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -692,9 +696,62 @@ _positional = operator.attrgetter("args")
 _keywords_of = operator.attrgetter("kwargs")
 
 
-def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """The first string or dict key in the arguments that PostgreSQL could not store in
-    JSON, or a dict key that is not a string, as ``(argument, " (at path)", why)``."""
+def _suspect(text: str) -> bool:
+    """Whether the JSON text of a job's arguments may hold something the walk of
+    :func:`_unstorable` must look at; the one encoding says whether to look, in a few
+    scans of C. A surrogate fails UTF-8 (only non-ASCII text can hold one); a NUL always
+    comes out escaped as ``\\u0000``; a nested dict (whose keys may not be strings)
+    shows a ``{`` past the first character, a list or tuple a ``[`` (a tuple comes back as
+    a list; nesting is counted); a float that comes back as an int is written with
+    ``e+``, negative zero as ``-0.0``; only a long text can break a ``jsonb`` limit or
+    hold an int past ``numeric``. Each may be a false alarm (a string that holds those
+    characters), which the walk clears."""
+    return (
+        "[" in text
+        or "{" in text[1:]
+        or "\\u0000" in text
+        or "e+" in text
+        or "-0.0" in text
+        or not (text.isascii() or _is_utf8(text))
+        or (len(text) > _long_text())
+    )
+
+
+def _long_text() -> int:
+    """JSON text longer than this may break a ``jsonb`` limit, or hold an int past what a
+    worker reads back (which Python writes only once its own digits limit is lifted)."""
+    return INT_MAX_DIGITS if digits_unbounded() else JSONB_SAFE_CHARS
+
+
+#: Values the exact walk has nothing to look at in: they are stored as they are.
+_PLAIN = frozenset({bool, type(None)})
+#: A float at least this large is written with an exponent and no decimal point, which
+#: PostgreSQL's JSON (a numeric) gives back as an int.
+_FLOAT_AS_INT = 1e16
+
+
+def _unstorable(
+    arguments: Mapping[str, Any],
+    *,
+    exact: bool = False,
+    var_positional: str | None = None,
+    size: int = 0,
+) -> tuple[str, str, str] | None:
+    """The first value in the arguments that PostgreSQL could not store in JSON (a string
+    or dict key with a NUL or a surrogate, an int past ``numeric``, more than ``jsonb``
+    holds when their JSON text is ``size`` characters), a dict key that is not a string,
+    or nesting past :data:`~sqla_jobs.limits.JSON_MAX_DEPTH`, as ``(argument, " (at
+    path)", why)``.
+
+    ``exact``: also what would come back changed, so that a job runs with exactly the
+    arguments it was given or is refused at enqueue: a tuple (back as a list; the tuple
+    of the ``var_positional`` parameter's ``*args`` is the call's own), a float that would
+    come back as an int, negative zero (back as 0.0)."""
+    big_ints = digits_unbounded()
+    # What needs no look: ints unless Python may write one past numeric, floats unless
+    # their round trip is checked.
+    plain = _PLAIN | (set() if big_ints else {int}) | (set() if exact else {float})
+    numbers = _NUMBERS - {int} if big_ints else _NUMBERS
     for name, value in arguments.items():
         # Iterative, depth first: the encoder accepted the nesting, so a Python recursion
         # here could still run out of stack.
@@ -706,6 +763,8 @@ def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
                 if problem is not None:
                     return name, _where(name, path), problem
             elif isinstance(item, dict):
+                if len(path) + 2 > JSON_MAX_DEPTH:
+                    return name, "", _too_deep()
                 for key in item:
                     if not isinstance(key, str):
                         as_json = next(iter(json.loads(json.dumps({key: 0}))))
@@ -719,11 +778,189 @@ def _unstorable(arguments: Mapping[str, Any]) -> tuple[str, str, str] | None:
                     if problem is not None:
                         why = f"has the dict key {shorten(key)} that {problem}"
                         return name, _where(name, path), why
-                children = list(item.items())
+                children = [(k, v) for k, v in item.items() if type(v) not in plain]
                 stack.extend((child, (*path, key)) for key, child in reversed(children))
             elif isinstance(item, (list, tuple)):
-                stack.extend((item[i], (*path, i)) for i in range(len(item) - 1, -1, -1))
+                own = path == () and name == var_positional  # the tuple of *args
+                if exact and isinstance(item, tuple) and not own:
+                    return (
+                        name,
+                        _where(name, path),
+                        f"is a {type(item).__name__}, which JSON stores as an array: the "
+                        "handler would get a list (pass a list)",
+                    )
+                if len(path) + 2 > JSON_MAX_DEPTH:
+                    return name, "", _too_deep()
+                # Most lists hold numbers or strings alone: told in a few passes of C.
+                kinds = set(map(type, item))
+                if kinds <= plain or (exact and kinds <= numbers and _floats_kept(item)):
+                    continue
+                stack.extend(
+                    (item[i], (*path, i))
+                    for i in range(len(item) - 1, -1, -1)
+                    if type(item[i]) not in plain
+                )
+            elif isinstance(item, float):
+                if not exact:
+                    continue
+                if item == 0 and math.copysign(1.0, item) < 0:
+                    return (
+                        name,
+                        _where(name, path),
+                        "is -0.0, which PostgreSQL's JSON (a numeric) has no sign for: the "
+                        "handler would get 0.0",
+                    )
+                if abs(item) >= _FLOAT_AS_INT:
+                    return (
+                        name,
+                        _where(name, path),
+                        f"is the float {item!r}, which PostgreSQL's JSON (a numeric) gives back "
+                        "as an int, having no fraction to write: pass an int, or a string",
+                    )
+            elif isinstance(item, int) and big_ints:
+                problem = int_problem(item)
+                if problem is not None:
+                    return name, _where(name, path), problem
+    if size > JSONB_SAFE_CHARS:
+        for name, value in arguments.items():
+            problem = jsonb_problem(value)
+            if problem is not None:
+                return name, "", problem
+        problem = jsonb_problem(dict(arguments))
+        if problem is not None:
+            return "(all of them)", "", problem
     return None
+
+
+#: The types of a list of numbers alone, whose floats :func:`_floats_kept` checks at once.
+_NUMBERS = frozenset({int, float, bool})
+
+
+def _floats_kept(numbers: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether no float among ``numbers`` (ints, floats and bools, no other type) would
+    come back changed, told without a loop of Python: none is 1e16 or more across, and
+    none is a zero (``-0.0 == 0``; a zero of any kind sends the list to the walk)."""
+    return min(numbers) > -_FLOAT_AS_INT and max(numbers) < _FLOAT_AS_INT and 0 not in numbers
+
+
+def _too_deep() -> str:
+    return (
+        f"is nested more than {JSON_MAX_DEPTH} levels deep (Python's json encodes and "
+        "decodes it by recursion, at the flush and in the worker)"
+    )
+
+
+def ascii_row(row: Mapping[str, Any]) -> bool:
+    """:func:`ascii_rows` for one row, as ``session.enqueue`` makes it: a few scans of C,
+    a quarter of a microsecond."""
+    args = row["args"]
+    text = args.json if type(args) is CheckedArgs else _args_text(args)
+    if not (text.isascii() and row["task"].isascii() and row["queue"].isascii()):
+        return False
+    if "unique_key" in row or "concurrency_key" in row or "meta" in row:
+        return ascii_rows([row])
+    return True
+
+
+def ascii_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether every text of job rows (checked values of :meth:`Jobs.job_values`, or a
+    run of them: ``first`` and ``args``) is ASCII, which every encoding of PostgreSQL
+    holds; a scan of C per text."""
+    first: Mapping[str, Any] | None = getattr(rows, "first", None)
+    heads = [first] if first is not None else rows
+    for row in heads:
+        if not (row["task"].isascii() and row["queue"].isascii()):
+            return False
+        # The other texts, when a row has them (most have none).
+        for column in ("unique_key", "concurrency_key"):
+            if column in row:
+                value = row[column]
+                if isinstance(value, str) and not value.isascii():
+                    return False
+        meta = row.get("meta")
+        if meta is not None and not _check_json(meta).isascii():
+            return False
+    arguments = getattr(rows, "args", None)
+    if arguments is None:
+        arguments = [row["args"] for row in rows]
+    try:
+        # Checked arguments carry their text: read in C, scanned once.
+        texts = list(map(_checked_text, arguments))
+    except AttributeError:
+        texts = list(map(_args_text, arguments))
+    return "".join(texts).isascii()
+
+
+def check_encoding(rows: Sequence[Mapping[str, Any]], encodings: Encodings) -> None:
+    """Refuse job rows (as :func:`ascii_rows` takes them) that hold text the database or
+    its connections cannot carry (see :class:`~sqla_jobs.limits.Encodings`), which would
+    fail only at the flush or COMMIT, or in the worker. Raises :class:`EnqueueError`
+    naming the column, or the argument and where in it."""
+    first: Mapping[str, Any] | None = getattr(rows, "first", None)
+    heads = [first] if first is not None else rows
+    for row in heads:
+        for column in ("task", "queue", "unique_key", "concurrency_key"):
+            value = row.get(column)
+            if isinstance(value, str) and not value.isascii():
+                problem = encodings.problem(value)
+                if problem is not None:
+                    raise EnqueueError(f"{column} {shorten(value)} {problem}")
+        meta = row.get("meta")
+        if meta is not None:
+            found = _not_encodable({"meta": meta}, encodings)
+            if found is not None:
+                raise EnqueueError(f"meta{_where('meta', found[0][1:])} {found[1]}")
+    task = (heads[0] if heads else {}).get("task")
+    arguments = getattr(rows, "args", None)
+    if arguments is None:
+        arguments = [row["args"] for row in rows]
+    for args in arguments:
+        if not _args_text(args).isascii():
+            check_encoding_text(task, args, encodings)
+
+
+def check_encoding_text(task: Any, args: Any, encodings: Encodings) -> None:
+    """:func:`check_encoding` for one job's arguments: a dict, or its JSON text."""
+    value = json.loads(args) if isinstance(args, str) else args
+    found = _not_encodable(value, encodings)
+    if found is not None:
+        path, why = found
+        name = str(path[0]) if path else "?"
+        raise EnqueueError(f"task {task!r}: argument {name!r}{_where(name, path[1:])} {why}")
+
+
+def _not_encodable(value: Any, encodings: Encodings) -> tuple[tuple[Any, ...], str] | None:
+    """The path to the first string (or dict key) in the JSON-able ``value`` that
+    ``encodings`` refuses, and why; None if there is none."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            problem = None if item.isascii() else encodings.problem(item, json=True)
+            if problem is not None:
+                return path, problem
+        elif isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not key.isascii():
+                    problem = encodings.problem(key, json=True)
+                    if problem is not None:
+                        return path, f"has the dict key {shorten(key)} that {problem}"
+            pairs = list(item.items())
+            stack.extend((child, (*path, key)) for key, child in reversed(pairs))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((item[i], (*path, i)) for i in range(len(item) - 1, -1, -1))
+    return None
+
+
+_checked_text = operator.attrgetter("json")
+
+
+def _args_text(args: Any) -> str:
+    """The JSON text of a job's arguments: what their check wrote, or the text itself."""
+    if isinstance(args, str):
+        return args
+    text = getattr(args, "json", None)
+    return text if isinstance(text, str) else _check_json(args)
 
 
 def _where(name: str, path: tuple[Any, ...]) -> str:
@@ -737,35 +974,24 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
 _LONG_INT = re.compile("[0-9]{" + str(INT_MAX_DIGITS + 1) + ",}")
 
 
-def _digits_lifted() -> bool:
-    """This process lifted Python's limit on int digits (``sys.set_int_max_str_digits``),
-    so that the encoder writes ints that a worker with the default limit cannot read."""
-    limit = sys.get_int_max_str_digits()
-    return limit == 0 or limit > INT_MAX_DIGITS
-
-
 def long_int_problem(value: Any, name: str, text: str) -> str | None:
-    """Why ``value`` (encoded as ``text``) holds an int no worker could read back, or None.
+    """Why ``value`` (encoded as ``text``) holds an int no worker could read back, or None:
+    for what is not checked by :func:`_unstorable`'s walk (a result, a progress note).
 
     With Python's default limit the encoder itself refuses an int of more than 4,300
-    digits; a producer that lifted the limit would write one, and every worker that
-    claimed the job would fail to decode its row. Looked for only when the limit is
+    digits; a producer that lifted the limit would write one, and every reader of the row
+    (a worker, ``Jobs.result``) would fail to decode it. Looked for only when the limit is
     lifted and the text shows such a run of digits; the message starts with ``name``.
     """
-    if not _digits_lifted() or not _LONG_INT.search(text):
+    if len(text) <= INT_MAX_DIGITS or not digits_unbounded() or not _LONG_INT.search(text):
         return None
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
         if isinstance(item, int) and not isinstance(item, bool):
-            if item.bit_length() > INT_MAX_DIGITS * 3:  # 10**4300 has 14,284 bits
-                digits = len(str(abs(item)))
-                if digits > INT_MAX_DIGITS:
-                    where = "".join(f"[{p!r}]" for p in path)
-                    return (
-                        f"{name}{where} is an int of {digits} digits; a worker reads back at "
-                        f"most {INT_MAX_DIGITS} (Python's default limit): pass it as a string"
-                    )
+            problem = int_problem(item)
+            if problem is not None:
+                return f"{name}{''.join(f'[{p!r}]' for p in path)} {problem}"
         elif isinstance(item, dict):
             stack.extend((child, (*path, key)) for key, child in item.items())
         elif isinstance(item, (list, tuple)):
@@ -779,10 +1005,12 @@ def json_problem(value: Any, name: str = "value") -> str | None:
     message starts with ``name``."""
     try:
         text = _check_json(value)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        return f"{name} is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
+    except (TypeError, ValueError) as exc:
         return f"{name} is not JSON-serialisable ({exc})"
-    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text:
-        found = _unstorable({name: value})
+    if _suspect(text) or text.startswith("{"):
+        found = _unstorable({name: value}, size=len(text))
         if found is not None:
             _, where, why = found
             return f"{name}{where} {why}"
@@ -806,9 +1034,13 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
             )
     try:
         text = _check_json(checked)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise EnqueueError(
+            f"meta is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
+        ) from None
+    except (TypeError, ValueError) as exc:
         raise EnqueueError(f"meta is not JSON-serialisable ({exc})") from None
-    if not (text.isascii() or _is_utf8(text)) or "\\u0000" in text or "{" in text[1:]:
+    if _suspect(text):
         for key in checked:
             problem = text_problem(key)
             if problem is not None:
@@ -817,9 +1049,6 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
         if found is not None:
             name, where, why = found
             raise EnqueueError(f"meta key {name!r}{where} {why}")
-    problem = long_int_problem(checked, "meta", text)
-    if problem is not None:
-        raise EnqueueError(problem)
     size = len(text.encode())
     if size > META_MAX_BYTES:
         raise EnqueueError(
@@ -898,6 +1127,13 @@ class Jobs:
         self.table: sa.Table = check_complete(model)
         _check_queue(default_queue)
         _check_max_attempts(max_attempts)
+        for label, keep in (("keep_done", keep_done), ("keep_dead", keep_dead)):
+            if keep is None and label == "keep_done":
+                continue
+            if not isinstance(keep, timedelta) or not (
+                timedelta(0) <= keep <= timedelta(seconds=DURATION_MAX_SECONDS)
+            ):
+                raise ValueError(f"{label} must be a timedelta from 0 to 100 years, got {keep!r}")
         self.default_queue = default_queue
         self.max_attempts = max_attempts
         self.retry: RetryPolicy = retry or Backoff()
@@ -1865,6 +2101,8 @@ def check_unique_scope(
 def _check_max_attempts(value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
+    if value > INT_MAX:
+        raise EnqueueError(f"max_attempts must be <= {INT_MAX} (an int column), got {value}")
 
 
 #: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
@@ -1898,14 +2136,12 @@ def keep_seconds(value: object, registry: Jobs | None) -> float | None:
         raise EnqueueError(
             f"keep_result must be True, False, seconds or a timedelta, got {value!r}"
         )
-    if not seconds >= 0 or seconds == float("inf"):
-        raise EnqueueError(f"keep_result must be a finite duration >= 0, got {value!r}")
-    if seconds > DURATION_MAX_SECONDS:
+    if not 0 <= seconds <= DURATION_MAX_SECONDS:  # NaN and infinity fail too
         # The completion computes when the result expires: past the year 9999 it would
         # fail, with every other outcome of its batch.
         raise EnqueueError(
-            f"keep_result must be at most {DURATION_MAX_SECONDS:.0f} seconds (100 years), "
-            f"got {value!r}"
+            f"keep_result must be a duration from 0 to {DURATION_MAX_SECONDS:.0f} seconds "
+            f"(100 years), got {value!r}"
         )
     return seconds
 

@@ -114,7 +114,7 @@ def assert_enqueued(
     """Fail unless a live job of ``task`` whose arguments include ``args`` is enqueued.
 
     Only the arguments given are compared (a subset match), after a JSON round trip, as
-    they are stored: a tuple matches the list it became. Returns the matching jobs, so a
+    they are stored: an expected tuple matches a stored list. Returns the matching jobs, so a
     test can also check how many. The failure message lists what *was* enqueued.
 
     :param task: the task, or its name (the session must then have a registry:

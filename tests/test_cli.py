@@ -512,3 +512,100 @@ def test_an_unreachable_database_is_one_line(db: sa.Engine) -> None:
         assert result.returncode == 1, result.stderr
         assert result.stderr.startswith("sqla-jobs: error: cannot connect to the database: ")
         assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_hostile_arguments_are_one_clear_line(db: sa.Engine) -> None:
+    """Values past what a timedelta, a wait, a port, a thread count or Python's json
+    recursion holds were tracebacks; each is a usage error that names the limit."""
+    huge = str(10**30)
+    cases: list[tuple[tuple[str, ...], str]] = [
+        (("stats", JOBS, "--window", "9" * 40 + "d"), "too long: at most 100 years"),
+        (("jobs", "purge", JOBS, "--older-than", "9" * 40 + "w", "--all"), "at most 100 years"),
+        (("stats", JOBS, "--watch", "inf"), "must be at most 86400 seconds"),
+        (("stats", JOBS, "--watch", "1e300"), "must be at most 86400 seconds"),
+        (("stats", JOBS, "--watch", "nan"), "must be > 0"),
+        (("web", JOBS, "--port", huge), "must be at most 65,535"),
+        (("jobs", "list", JOBS, "--meta", "a=" + "[" * 5000), "nested too deeply"),
+        (("jobs", "list", JOBS, "--meta", "a=NaN"), "--meta a is not JSON-serialisable"),
+        (("jobs", "list", JOBS, "--meta", 'a="\\u0000"'), "NUL"),
+        (("jobs", "list", JOBS, "--limit", huge), "must be at most"),
+        (("jobs", "show", JOBS, huge), "not a job id"),
+        (("worker", JOBS, "--processes", huge), "must be at most 1,024"),
+        (("worker", JOBS, "--concurrency", huge), "concurrency must be at most 10,000"),
+        (("worker", JOBS, "--claim-limit", huge), "claim_limit must be at most 10,000"),
+        (("worker", JOBS, "--lease", "1e30"), "lease must be at most 86,400 seconds"),
+        (("worker", JOBS, "--lease", "1" + "0" * 400), "lease must be a finite number"),
+        (("worker", JOBS, "--grace-period", huge), "grace_period must be at most 86,400"),
+        (("worker", JOBS, "--poll-interval", "1e20"), "poll_interval must be at most"),
+    ]
+    results = in_parallel(*(argv for argv, _ in cases))
+    for (argv, message), result in zip(cases, results, strict=True):
+        assert result.returncode == 2, (argv[:4], result.stderr[-300:])
+        assert "Traceback" not in result.stderr, argv[:4]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("sqla-jobs") and "error: " in last, (argv[:4], last)
+        assert message in last, (argv[:4], last)
+
+
+def test_bytes_that_are_not_utf8_are_one_line_and_hide_the_url() -> None:
+    """What the shell passes as bytes reaches Python as surrogates, which psycopg could
+    not encode (a traceback deep in the connect). The error says where, not what: the
+    argument may be a URL with its password."""
+    url = b"postgresql://app:s3cret\xff@localhost/app"
+    for argv in (
+        [b"stats", JOBS.encode(), b"--database-url", url],
+        [b"worker", JOBS.encode(), b"--until-empty", b"--name", b"w\xff"],
+        [b"jobs", b"list", JOBS.encode(), b"--queue", b"q\xff"],
+    ):
+        result = subprocess.run(
+            [os.fsencode(sys.executable), b"-m", b"sqla_jobs.cli", *argv],
+            cwd=ROOT,
+            env=environment(),
+            capture_output=True,
+            timeout=60,
+        )
+        stderr = result.stderr.decode()
+        assert result.returncode == 2, (argv, stderr)
+        assert "Traceback" not in stderr and "s3cret" not in stderr, stderr
+        assert stderr.strip().splitlines()[-1].startswith("sqla-jobs: error: argument "), stderr
+        assert "is not valid UTF-8 (byte 0xff at character " in stderr, stderr
+    env = {**environment(), "DATABASE_URL": os.fsdecode(url)}
+    result = subprocess.run(
+        command("stats", JOBS), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "sqla-jobs: error: DATABASE_URL is not valid UTF-8 (byte 0xff at character 24)\n"
+    )
+
+
+@pytest.fixture
+def role_without_rights(db: sa.Engine, database_url: str) -> Any:
+    """A login role that may read the tables but not write them (nor the schedules)."""
+    role = f"sqla_jobs_reader_{os.getpid()}"
+    try:
+        with db.begin() as conn:
+            conn.exec_driver_sql(f'DROP ROLE IF EXISTS "{role}"')
+            conn.exec_driver_sql(f"CREATE ROLE \"{role}\" LOGIN PASSWORD 'pw'")
+            conn.exec_driver_sql(f'GRANT USAGE ON SCHEMA "{app.SCHEMA}" TO "{role}"')
+            conn.exec_driver_sql(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{app.SCHEMA}" TO "{role}"')
+    except sa.exc.DBAPIError as exc:
+        pytest.skip(f"cannot create a role here: {exc.orig}")
+    url = sa.make_url(database_url).set(username=role, password="pw")
+    yield url.render_as_string(hide_password=False)
+    with db.begin() as conn:
+        conn.exec_driver_sql(f'REVOKE ALL ON ALL TABLES IN SCHEMA "{app.SCHEMA}" FROM "{role}"')
+        conn.exec_driver_sql(f'REVOKE ALL ON SCHEMA "{app.SCHEMA}" FROM "{role}"')
+        conn.exec_driver_sql(f'DROP ROLE IF EXISTS "{role}"')
+
+
+@pytest.mark.parametrize("mode", [(), ("--asyncio",)], ids=["threads", "asyncio"])
+def test_a_worker_without_rights_on_its_tables_says_so_in_one_line(
+    role_without_rights: str, mode: tuple[str, ...]
+) -> None:
+    """It died with 60 lines and the SQL statement of the schedule sync at its start."""
+    result = cli("--database-url", role_without_rights, "worker", JOBS, "--until-empty", *mode)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("sqla-jobs: error: permission denied for table "), result.stderr
+    assert "the database role lacks a privilege on the jobs tables" in result.stderr

@@ -498,7 +498,8 @@ def test_cli_and_web_show_parents_children_and_result(Session: Any, db: sa.Engin
     assert f"  children      {b.id}" in parent.stdout
     assert '  result        {"ok": 1}' in parent.stdout
     assert f"  parents       {a.id}" in child.stdout and "  waiting for   1" in child.stdout
-    page = TestClient(create_app(app.jobs, db)).get(f"/jobs/{b.id}").text
+    client = TestClient(create_app(app.jobs, db), base_url="http://localhost")
+    page = client.get(f"/jobs/{b.id}").text
     assert "waiting for" in page and f"{a.id}" in page
 
 

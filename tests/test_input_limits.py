@@ -11,7 +11,7 @@ import hashlib
 import json
 import secrets
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import sqlalchemy as sa
@@ -24,6 +24,11 @@ from . import app
 from .helpers import count, rows
 
 UTC = timezone.utc
+
+
+class Point(NamedTuple):
+    x: int
+    y: int
 
 
 @pytest.fixture
@@ -121,7 +126,60 @@ REFUSED: list[tuple[str, Any, str]] = [
         lambda s, t: s.enqueue_many(t, [{}], run_at=datetime.max.replace(tzinfo=UTC)),
         "run_at",
     ),
+    # numbers past their column: max_attempts is an int (the unique job was INSERTed at
+    # once, and its DataError aborted the caller's transaction), keep_result an interval
+    # added to now()
+    (
+        "max-attempts-int",
+        lambda s, t: s.enqueue(t, max_attempts=2**31),
+        r"max_attempts .*<= 2147483647",
+    ),
+    (
+        "max-attempts-unique",
+        lambda s, t: s.enqueue(t, 1, max_attempts=2**31, unique=True),
+        "max_attempts",
+    ),
+    ("max-attempts-many", lambda s, t: s.enqueue_many(t, [{}], max_attempts=2**40), "max_attempts"),
+    (
+        "max-attempts-options",
+        lambda s, t: s.enqueue(t.with_options(max_attempts=2**31), 1),
+        "max_attempts",
+    ),
+    (
+        "keep-result-huge",
+        lambda s, t: s.enqueue(t, keep_result=1e300),
+        r"keep_result .*100 years",
+    ),
+    ("keep-result-max", lambda s, t: s.enqueue(t, keep_result=timedelta.max), "keep_result"),
+    ("keep-result-nan", lambda s, t: s.enqueue(t, keep_result=float("nan")), "keep_result"),
+    # values that would come back changed: floats as ints, -0.0 as 0.0, tuples as lists
+    ("float-1e16", lambda s, t: s.enqueue(t, 1e16), r"'payload' is the float 1e\+16, .* as an int"),
+    ("float-1e308", lambda s, t: s.enqueue(t, [1.5, 1e308]), r"\(at payload\[1\]\) is the float"),
+    ("float-negative", lambda s, t: s.enqueue(t, {"x": -2.5e20}), r"payload\['x'\]"),
+    ("negative-zero", lambda s, t: s.enqueue(t, -0.0), r"is -0.0, .* 0.0"),
+    ("negative-zero-many", lambda s, t: s.enqueue_many(t, [{"payload": [-0.0]}]), "-0.0"),
+    ("float-many", lambda s, t: s.enqueue_many(t, [{"payload": 1}, {"payload": 3e17}]), "float"),
+    ("tuple", lambda s, t: s.enqueue(t, (1, 2)), r"'payload' is a tuple, .* get a list"),
+    ("tuple-nested", lambda s, t: s.enqueue(t, {"a": [(1,)]}), r"\(at payload\['a'\]\[0\]\)"),
+    ("tuple-kwargs", lambda s, t: s.enqueue(t, extra=("x",)), r"argument 'extra'.*tuple"),
+    ("tuple-many", lambda s, t: s.enqueue_many(t, [{"payload": ()}]), "tuple"),
+    ("namedtuple", lambda s, t: s.enqueue(t, Point(1, 2)), r"is a Point, which JSON stores"),
+    # nesting past what Python's json takes back (from the flush, and in the worker)
+    ("nested-501", lambda s, t: s.enqueue(t, _nested(501)), r"nested more than 500 levels"),
+    ("nested-970", lambda s, t: s.enqueue(t, _nested(970)), "nested"),
+    ("nested-2000", lambda s, t: s.enqueue(t, _nested(2000)), "nested too deeply"),
+    ("nested-unique", lambda s, t: s.enqueue(t, _nested(970), unique=True), "nested"),
+    ("nested-many", lambda s, t: s.enqueue_many(t, [{"payload": _nested(700)}]), "nested"),
+    ("nested-meta", lambda s, t: s.enqueue(t, meta={"k": _nested(700)}), "meta.*nested"),
 ]
+
+
+def _nested(depth: int) -> Any:
+    """A value that makes arguments ``depth`` levels deep (lists and dicts in turn)."""
+    value: Any = 1
+    for i in range(depth - 1):
+        value = [value] if i % 2 else {"k": value}
+    return value
 
 
 @pytest.mark.parametrize(("call", "message"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
@@ -179,6 +237,10 @@ def test_what_looks_suspicious_but_is_fine_is_stored_as_given(
         "é ü 😀 \u2028",  # non-ASCII, no surrogate
         ["\x01\x1f tab\t newline\n"],  # control characters other than NUL are stored fine
         {"a\\u0000": "\\u0000"},
+        "[1e+16, -0.0]",  # what a float that changes looks like in JSON, inside a string
+        [1e15, 9007199254740993.0, 123.0, -1.5e-300, 5e-324, 0.0, -1.0],  # floats kept as floats
+        [[["lists", "of"], "lists"], {"k": [1, 2.5, None, True]}],
+        10**4000,  # a long int, within what Python writes and numeric holds
     ]
     with Session.begin() as session:
         for payload in payloads:
@@ -186,6 +248,7 @@ def test_what_looks_suspicious_but_is_fine_is_stored_as_given(
         session.enqueue_many(store, [{"payload": p} for p in payloads])
     stored = [r.args["payload"] for r in rows(db)]
     assert stored == payloads + payloads
+    assert [type(p) for p in stored[7][:3]] == [float, float, float]
 
 
 def test_limits_are_inclusive(Session: Any, db: sa.Engine, store: Any) -> None:
@@ -352,3 +415,227 @@ def test_admin_queue_names_are_checked(db: sa.Engine, jobs: Jobs) -> None:
         admin.pause_queue(conn, jobs, "q" * 128)
     with db.connect() as conn:
         assert admin.paused_queues(conn, jobs) == {"q" * 128}
+
+
+def test_a_star_args_parameter_takes_its_own_tuple(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    """The tuple of ``*items`` is the call's, not a value: it is stored as a list and the
+    handler gets its positional arguments back. A tuple among them is refused."""
+
+    @jobs.task(name="spread")
+    def spread(first: int, *items: Any) -> None: ...
+
+    with Session.begin() as session:
+        session.enqueue(spread, 1, 2, [3])
+        with pytest.raises(EnqueueError, match=r"argument 'items' \(at items\[0\]\) is a tuple"):
+            session.enqueue(spread, 1, (2,))
+    [row] = rows(db)
+    assert spread.call_args(row.args) == ((1, 2, [3]), {})
+
+
+def test_the_deepest_arguments_allowed_are_stored_and_read_back_as_given(
+    Session: Any, db: sa.Engine, store: Any, jobs: Jobs
+) -> None:
+    """At the nesting limit, from a caller already deep in its stack: the check encodes
+    at the call, the flush (ORM or INSERT) again deeper, and both succeed."""
+    from sqla_jobs.limits import JSON_MAX_DEPTH
+
+    value = _nested(JSON_MAX_DEPTH)
+
+    def deep(frames: int) -> None:
+        if frames:
+            return deep(frames - 1)
+        with Session.begin() as session:
+            session.enqueue(store, value)
+            session.enqueue(store, value, unique=True)
+            session.enqueue_many(store, [{"payload": value}] * 3)
+        with db.begin() as conn:
+            jobs.enqueue(conn, store, value)
+        return None
+
+    deep(200)
+    assert [r.args["payload"] for r in rows(db)] == [value] * 6
+
+
+def test_an_int_no_worker_reads_back_is_refused_once_python_writes_it(
+    Session: Any, db: sa.Engine, store: Any
+) -> None:
+    """Python writes no int of more than 4,300 digits; once a program lifts that limit
+    (``sys.set_int_max_str_digits(0)``), an int past PostgreSQL's numeric (131,072 digits)
+    failed at the flush, and one past 4,300 digits made a row no worker (with the default
+    limit) could read back: both are refused at the call, the session usable."""
+    import sys
+
+    if not hasattr(sys, "set_int_max_str_digits"):
+        pytest.skip("this Python has no int digits limit to lift")
+    huge = 10**131_072
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        with Session() as session:
+            session.add(app.Link(code="kept", url="u"))
+            for call in (
+                lambda: session.enqueue(store, huge),
+                lambda: session.enqueue(store, 10**4300),
+                lambda: session.enqueue(store, {"n": [huge]}),
+                lambda: session.enqueue_many(store, [{"payload": 1}, {"payload": -huge}]),
+            ):
+                with pytest.raises(EnqueueError, match=r"more than 4,300 digits"):
+                    call()
+            session.enqueue(store, 10**4300 - 1)  # 4,300 nines: a worker reads it back
+            session.commit()
+    finally:
+        sys.set_int_max_str_digits(before)
+    assert [r.code for r in rows(db, app.Link)] == ["kept"]
+    assert count(db) == 1
+
+
+def test_arguments_past_what_jsonb_holds_are_refused(
+    Session: Any, db: sa.Engine, store: Any
+) -> None:
+    """An array of more than 2**24 elements (PostgreSQL: "invalid memory alloc request
+    size"), of more than 256 MB, a string of more than 256 MB: checked only for JSON text
+    past 32 MiB, which nothing shorter can reach."""
+    from sqla_jobs import limits
+
+    assert limits.jsonb_problem([0] * limits.JSONB_MAX_ELEMENTS) is None
+    assert "elements" in (limits.jsonb_problem([0] * (limits.JSONB_MAX_ELEMENTS + 1)) or "")
+    assert "contents" in (limits.jsonb_problem([["x" * 1000] * 100_000] * 3) or "")
+    with Session() as session:
+        session.add(app.Link(code="kept", url="u"))
+        with pytest.raises(EnqueueError, match=r"argument 'payload' holds an array of 16,777,217"):
+            session.enqueue(store, [0] * (limits.JSONB_MAX_ELEMENTS + 1))
+        session.commit()
+    assert [r.code for r in rows(db, app.Link)] == ["kept"]
+    assert count(db) == 0
+
+
+def test_durations_past_a_timestamp_are_refused_at_declaration(jobs: Jobs) -> None:
+    with pytest.raises(ValueError, match=r"keep_dead must be a timedelta from 0 to 100 years"):
+        Jobs(app.Job, keep_dead=timedelta.max)
+    with pytest.raises(ValueError, match="keep_done"):
+        Jobs(app.Job, keep_done=timedelta(days=-1))
+    with pytest.raises(ValueError, match="keep_result"):
+        jobs.task(name="kept_forever", keep_result=timedelta.max)(lambda: None)
+    with pytest.raises(EnqueueError, match="max_attempts"):
+        jobs.task(name="retried_forever", max_attempts=2**31)(lambda: None)
+    with pytest.raises(EnqueueError, match="max_attempts"):
+        Jobs(app.Job, max_attempts=2**31)
+
+
+# -- a database that is not UTF-8 -------------------------------------------------------
+
+
+@pytest.fixture
+def latin1(database_url: str) -> Any:
+    """An engine on a LATIN1 database of the test server, with the test app's tables."""
+    import os
+
+    from sqla_jobs import create_engine
+
+    name = f"sqla_jobs_latin1_{os.getpid()}"
+    server = create_engine(database_url, isolation_level="AUTOCOMMIT")
+    try:
+        with server.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+            conn.exec_driver_sql(
+                f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+                "TEMPLATE template0"
+            )
+    except sa.exc.DBAPIError as exc:
+        server.dispose()
+        pytest.skip(f"cannot create a LATIN1 database here: {exc.orig}")
+    url = sa.make_url(database_url).set(database=name)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{app.SCHEMA}"'))
+        app.Base.metadata.create_all(conn)
+    yield engine
+    engine.dispose()
+    with server.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+    server.dispose()
+
+
+def test_a_latin1_database_refuses_at_enqueue_what_it_cannot_store(
+    latin1: sa.Engine, jobs: Jobs
+) -> None:
+    """LATIN1 is a legal encoding; "€" and emoji are not in it, and failed at the flush
+    or COMMIT (the caller's transaction lost) through every entry point. Over a
+    connection whose client encoding is LATIN1 too (the default), psycopg cannot read
+    JSON that holds any non-ASCII text back (it reads JSON as UTF-8): refused as well."""
+    from sqla_jobs import create_engine
+
+    @jobs.task(queue="latin", name="latin.store")
+    def store(payload: Any = None) -> None: ...
+
+    euro = r"holds '€' \(U\+20AC\), which the database's encoding LATIN1 cannot store"
+    client = r"holds 'é' \(U\+00E9\), which JSON cannot carry over a connection whose client "
+    client += r"encoding is LATIN1 .*connect with client_encoding=utf8"
+    refused: list[tuple[str, Any, str]] = [
+        ("enqueue", lambda s: s.enqueue(store, "5 €"), rf"argument 'payload' {euro}"),
+        ("nested", lambda s: s.enqueue(store, {"a": ["x", "€"]}), r"\(at payload\['a'\]\[1\]\)"),
+        ("key", lambda s: s.enqueue(store, {"€": 1}), r"dict key '€'"),
+        ("emoji", lambda s: s.enqueue(store, "😀"), r"U\+1F600"),
+        ("unique", lambda s: s.enqueue(store, "€", unique=True), euro),
+        ("queue", lambda s: s.enqueue(store, 1, queue="€"), rf"queue '€' {euro}"),
+        ("meta", lambda s: s.enqueue(store, 1, meta={"tag": "€"}), r"meta \(at meta\['tag'\]\)"),
+        ("many", lambda s: s.enqueue_many(store, [{"payload": "€"}]), euro),
+        (
+            "many-copy",  # 1,200 rows: written at the call, by COPY; the bad ones in block 5
+            lambda s: s.enqueue_many(store, [{"payload": "é"}] * 1_000 + [{"payload": "€"}] * 200),
+            euro,
+        ),
+        ("core", lambda s: jobs.enqueue(s.connection(), store, "€"), euro),
+        (
+            "core-many",
+            lambda s: jobs.enqueue_many(
+                s.connection(), store, [{"payload": "é"}] * 599 + [{"payload": "€"}]
+            ),
+            euro,
+        ),
+    ]
+    utf8 = create_engine(latin1.url, connect_args={"client_encoding": "utf8"})
+    Session = sa.orm.sessionmaker(utf8, class_=JobSession, jobs=jobs)
+    for label, call, message in refused:
+        with Session() as session:
+            session.add(app.Link(code=label, url="u"))
+            with pytest.raises(EnqueueError, match=message):
+                call(session)
+            session.commit()
+    # What LATIN1 holds is stored as given, by every path.
+    with Session.begin() as session:
+        session.enqueue(store, "é à ß ÿ")
+        session.enqueue(store, {"clé": "é"}, unique=True)
+        session.enqueue_many(store, [{"payload": "é"}] * 1_000)
+        jobs.enqueue(session.connection(), store, "é", queue="file d'été")
+    with utf8.connect() as conn:
+        links = conn.execute(sa.select(app.Link.code)).scalars().all()
+        payloads = conn.execute(sa.select(app.Job.args["payload"])).scalars().all()
+        queues = conn.execute(sa.select(app.Job.queue).distinct()).scalars().all()
+    assert sorted(links) == sorted(label for label, _, _ in refused)
+    expected = ["é à ß ÿ", {"clé": "é"}, "é", *["é"] * 1_000]
+    assert sorted(payloads, key=str) == sorted(expected, key=str)
+    assert sorted(queues) == ["file d'été", "latin"]
+    utf8.dispose()
+    # A LATIN1 connection: text columns take LATIN1, JSON only ASCII.
+    Latin = sa.orm.sessionmaker(latin1, class_=JobSession, jobs=jobs)
+    with Latin() as session:
+        session.add(app.Link(code="latin", url="u"))
+        for call in (
+            lambda: session.enqueue(store, "é"),
+            lambda: session.enqueue_many(store, [{"payload": "é"}] * 300),
+            lambda: jobs.enqueue(session.connection(), store, {"k": ["é"]}),
+        ):
+            with pytest.raises(EnqueueError, match=client):
+                call()
+        with pytest.raises(EnqueueError, match=rf"queue '€' {euro}"):
+            session.enqueue(store, 1, queue="€")
+        session.enqueue(store, "plain", queue="été")
+        session.commit()
+    with latin1.connect() as conn:
+        assert (
+            conn.execute(
+                sa.select(app.Job.queue).where(app.Job.args["payload"].astext == "plain")
+            ).scalar_one()
+            == "été"
+        )

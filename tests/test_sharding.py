@@ -788,7 +788,7 @@ def test_dashboard_over_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None
         jobs.enqueue_many(conn, send, [{"to": "only-in-b"}] * 3)
     dashboard = create_app(jobs, engines={**shards, "down": DEAD_URL})
     outer = Starlette(routes=[Mount("/ops", dashboard)])
-    with TestClient(outer) as client:
+    with TestClient(outer, base_url="http://localhost") as client:
         page = client.get("/ops/")
         assert page.status_code == 200
         text = page.text

@@ -106,8 +106,8 @@ def test_failure_messages_list_what_was_enqueued(
             with pytest.raises(AssertionError, match=r"code='b'.*scheduled, not flushed yet"):
                 assert_enqueued(session, notify_owner, code="c")
 
-        session.enqueue(notify_owner, code="a", tags=("x",))
-        # A tuple is stored as a JSON list, and matches as one.
+        session.enqueue(notify_owner, code="a", tags=["x"])
+        # An expected tuple is compared as the JSON list it would be.
         assert_enqueued(session, notify_owner, code="a", tags=["x"])
         assert_enqueued(session, notify_owner, code="a", tags=("x",))
         with pytest.raises(AssertionError) as failure:

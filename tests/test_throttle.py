@@ -323,7 +323,7 @@ def test_limits_are_listed(db: sa.Engine) -> None:
 
     from sqla_jobs.web import create_app
 
-    page = TestClient(create_app(app.limited_jobs, db)).get("/")
+    page = TestClient(create_app(app.limited_jobs, db), base_url="http://localhost").get("/")
     assert page.status_code == 200
     assert '<span class="muted small" title="limits">concurrency 3</span>' in page.text
     result = subprocess.run(

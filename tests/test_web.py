@@ -4,6 +4,8 @@ escaping, bad input, a database that is down, and mounting under a path."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import socket
@@ -31,6 +33,8 @@ from . import app
 from .helpers import running, wait_for
 
 TABLE = job_table(app.Job)
+#: A host the dashboard answers for by default (the test client's own is "testserver").
+BASE = "http://localhost"
 COMPANIONS = companion_tables(TABLE)
 
 
@@ -62,7 +66,9 @@ def registry(jobs: Jobs) -> Jobs:
 @pytest.fixture
 def make_client(db: sa.Engine, registry: Jobs) -> Callable[..., TestClient]:
     def make(**options: Any) -> TestClient:
-        return TestClient(create_app(registry, db, **options), follow_redirects=False)
+        return TestClient(
+            create_app(registry, db, **options), base_url=BASE, follow_redirects=False
+        )
 
     return make
 
@@ -345,7 +351,7 @@ def test_retry_cancel_and_delete_one_job_as_it_was_seen(client: TestClient, db: 
         f"/jobs/{dead}/retry", data={"csrf_token": token(client), "attempts": 5, "status": "dead"}
     )
     assert done.status_code == 303
-    assert done.headers["location"] == f"/jobs/{dead}?done=retry"
+    assert done.headers["location"].startswith(f"/jobs/{dead}?done=retry&sig=")
     row = job(db, dead)
     assert (row.status, row.attempts, row.max_attempts) == ("ready", 5, 6)
     assert "Retried: the job is ready again" in client.get(done.headers["location"]).text
@@ -485,7 +491,7 @@ def test_a_database_that_is_down_gives_a_clear_page(registry: Jobs) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     down = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/x")
-    c = TestClient(create_app(registry, down))
+    c = TestClient(create_app(registry, down), base_url=BASE)
     for url in ("/", "/jobs", "/jobs/1", "/workers", "/schedules"):
         response = c.get(url)
         assert response.status_code == 503, url
@@ -495,7 +501,7 @@ def test_a_database_that_is_down_gives_a_clear_page(registry: Jobs) -> None:
 
 def test_mounted_under_a_path_of_a_starlette_app(db: sa.Engine, registry: Jobs) -> None:
     host = Starlette(routes=[Mount("/admin/queue", create_app(registry, db, read_only=False))])
-    c = TestClient(host, follow_redirects=False)
+    c = TestClient(host, base_url=BASE, follow_redirects=False)
     job_id = insert(db, status="dead", attempts=1)
     page = c.get("/admin/queue/jobs")
     assert page.status_code == 200
@@ -507,7 +513,7 @@ def test_mounted_under_a_path_of_a_starlette_app(db: sa.Engine, registry: Jobs) 
         data={"csrf_token": c.cookies["sqla_jobs_csrf"], "attempts": 1, "status": "dead"},
     )
     assert response.status_code == 303
-    assert response.headers["location"] == f"/admin/queue/jobs/{job_id}?done=retry"
+    assert response.headers["location"].startswith(f"/admin/queue/jobs/{job_id}?done=retry&")
     assert c.get("/admin/queue/static/htmx.min.js").status_code == 200
 
 
@@ -551,6 +557,258 @@ def test_sqla_jobs_web_serves_the_dashboard_on_127_0_0_1(db: sa.Engine) -> None:
                 time.sleep(0.1)
         assert response.status_code == 200
         assert "read-only" in response.text
+        # Its default hosts: the address it listens on, and the loopback names.
+        for host, status in (("localhost", 200), ("attacker.example", 400)):
+            answer = httpx.get(f"http://127.0.0.1:{port}/jobs", headers={"host": host}, timeout=5)
+            assert answer.status_code == status, host
     finally:
         proc.terminate()
         proc.communicate(timeout=10)  # waits, and closes the pipes (no ResourceWarning)
+
+
+# -- hostile input ----------------------------------------------------------------------------
+
+
+def test_a_hostile_search_is_parsed_in_linear_time(client: TestClient, db: sa.Engine) -> None:
+    """``a=a=a=...a= ;`` made the old pattern backtrack exponentially (78 characters: 11 s
+    of CPU, holding the GIL of the application the dashboard is mounted in)."""
+    size = admin.SEARCH_MAX_CHARS
+    hostile = [
+        ("a=" * size)[: size - 2] + " ;",
+        ("a=1 " * size)[: size - 1] + ";",
+        ("a=" + "=" * size)[:size],
+        ("a" * (size - 1)) + "=",
+        (" a=b," * size)[:size],
+        "{" * size,
+        '{"a":' * (size // 5),
+    ]
+    for text in hostile:
+        assert len(text) <= size
+        started = time.perf_counter()
+        with contextlib.suppress(ValueError):
+            admin.parse_search(text)
+        took = time.perf_counter() - started
+        assert took < 0.1, (text[:20], took)
+    # Through the page: answered (a text search, or a 400 naming the problem), never a 500.
+    for text in hostile:
+        assert client.get("/jobs", params={"q": text}).status_code in (200, 400)
+    too_long = client.get("/jobs", params={"q": "x" * (size + 1)})
+    assert too_long.status_code == 400 and "at most 10,000" in too_long.text
+
+
+@pytest.mark.parametrize(
+    ("q", "message"),
+    [
+        ('{"n": NaN}', "nan is not a number"),
+        ('{"n": Infinity}', "inf is not a number"),
+        ('{"n": -Infinity}', "-inf is not a number"),
+        ('{"n": 1e999}', "inf is not a number"),
+        ("n=NaN", "nan is not a number"),
+        ("n=1e999", "inf is not a number"),
+        ('{"note": "a\\u0000b"}', "NUL"),
+        ('{"note\\u0000": 1}', "NUL"),
+        ('{"note": "\\ud800"}', "U+D800"),
+        ('note="\\udfff"', "U+DFFF"),
+        ('{"n": ' + "[" * 40 + "1" + "]" * 40 + "}", "nested more than 32"),
+        ('{"n": ' + "[" * 3000 + "1" + "]" * 3000 + "}", "nested more than 32"),
+        ("n=" + "[" * 3000, "nested more than 32"),
+        ("#99999999999999999999", "not a job id"),
+    ],
+)
+def test_searches_postgresql_cannot_take_are_a_400_naming_the_problem(
+    client: TestClient, db: sa.Engine, q: str, message: str
+) -> None:
+    insert(db, args={"n": 1, "note": "x"})
+    response = client.get("/jobs", params={"q": q})
+    assert response.status_code == 400, response.text[-500:]
+    assert message in response.text
+    assert "Traceback" not in response.text
+
+
+def test_numbers_and_selections_from_the_client_are_checked(
+    client: TestClient, db: sa.Engine
+) -> None:
+    dead = insert(db, status="dead", attempts=1)
+    before = _state(db)
+    for selection in (
+        f"¹:{1}:dead",  # str.isdigit() says yes, int() says no
+        f"{dead}:¹:dead",
+        f"\u0661{dead}:1:dead",  # an Arabic-Indic digit, which int() reads
+        "99999999999999999999:1:dead",  # past a bigint
+        f"{dead}:99999999999:dead",  # past the int of attempts
+        f"{dead}:1:sleeping",
+        f"{dead}: 1:dead",
+        f"{dead}:1_0:dead",
+        "",
+    ):
+        response = post(client, "/jobs/act", action="retry", job=selection)
+        assert response.status_code == 400, selection
+        assert "not a job selection" in response.text, selection
+    for url in (f"/jobs/{dead}/retry", f"/jobs/{dead}/cancel"):
+        for attempts in ("¹", "99999999999", "1" * 30, "-1", " 1"):
+            response = post(client, url, attempts=attempts, status="dead")
+            assert response.status_code == 400, (url, attempts)
+    for page in ("/jobs?before=¹", "/jobs?before=99999999999999999999", "/jobs?before=1_0"):
+        assert client.get(page).status_code == 400, page
+    for page in ("/jobs/\u0661", "/jobs/99999999999999999999", f"/jobs/%20{dead}"):
+        assert client.get(page).status_code == 404, page
+    assert _state(db) == before
+
+
+def test_dns_rebinding_is_refused_by_the_host_check(
+    make_client: Callable[..., TestClient], db: sa.Engine, registry: Jobs
+) -> None:
+    """A page on attacker.example that rebinds its name to 127.0.0.1 is same-origin with
+    the dashboard as far as the browser knows: it sends ``Host: attacker.example`` (and a
+    matching ``Origin``). The host check refuses it before any page or token is read."""
+    job_id = insert(db, status="dead", attempts=5, args={"secret": "s3cr3t"})
+    c = make_client(read_only=False)
+    for host in ("localhost", "LOCALHOST:8080", "127.0.0.1", "127.0.0.1:8080", "[::1]:8080"):
+        page = c.get(f"/jobs/{job_id}", headers={"host": host})
+        assert page.status_code == 200, host
+    rebinding = {"host": "attacker.example:8080", "origin": "http://attacker.example:8080"}
+    for host in ("attacker.example", "attacker.example:8080", "localhost.attacker.example", ""):
+        page = c.get(f"/jobs/{job_id}", headers={**rebinding, "host": host})
+        assert page.status_code == 400, host
+        assert "s3cr3t" not in page.text and "csrf" not in page.text.lower()
+        assert "set-cookie" not in page.headers
+    before = _state(db)
+    acted = c.post(
+        f"/jobs/{job_id}/retry",
+        data={"csrf_token": token(c), "attempts": 5, "status": "dead"},
+        headers=rebinding,
+    )
+    assert acted.status_code == 400
+    assert _state(db) == before
+    # Its own names, given; a wildcard for subdomains; any, when asked for.
+    named = make_client(allowed_hosts=["Jobs.Example.com", "*.ops.example.com", "::1"])
+    for host, status in [
+        ("jobs.example.com", 200),
+        ("jobs.example.com:443", 200),
+        ("eu.ops.example.com", 200),
+        ("[::1]", 200),
+        ("ops.example.com", 400),
+        ("localhost", 400),
+        ("jobs.example.com.attacker.example", 400),
+        ("jobs.example.com:x", 400),
+    ]:
+        assert named.get("/", headers={"host": host}).status_code == status, host
+    assert make_client(allowed_hosts=["*"]).get("/", headers={"host": "any"}).status_code == 200
+    # Over shards: the page of every shard and each shard's own dashboard.
+    sharded = TestClient(create_app(registry, engines={"eu": db}), base_url=BASE)
+    for url in ("/", "/shards/eu/jobs"):
+        assert sharded.get(url).status_code == 200, url
+        assert sharded.get(url, headers={"host": "attacker.example"}).status_code == 400, url
+    for bad in (["http://jobs.example.com"], ["jobs.example.com:8080"], [], "localhost", ["a*"]):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            create_app(registry, db, allowed_hosts=bad)
+
+
+def test_the_csrf_token_is_signed_and_origin_null_is_refused(
+    make_client: Callable[..., TestClient], db: sa.Engine
+) -> None:
+    job_id = insert(db, status="dead", attempts=5)
+    form = {"attempts": 5, "status": "dead"}
+    c = make_client(read_only=False)
+    before = _state(db)
+    # A cookie planted by a sibling subdomain: well formed, equal in cookie and form,
+    # not signed by this dashboard.
+    elsewhere = make_client(read_only=False)  # another dashboard: another secret
+    elsewhere.get("/")
+    for planted in ("x" * 43, "A" * 32 + "." + "B" * 32, token(elsewhere)):
+        c.cookies.clear()
+        c.cookies.set("sqla_jobs_csrf", planted)
+        refused = c.post(f"/jobs/{job_id}/retry", data={"csrf_token": planted, **form})
+        assert refused.status_code == 403 and "CSRF" in refused.text, planted
+    # A page gives a new, signed token in place of a planted one.
+    c.cookies.clear()
+    c.cookies.set("sqla_jobs_csrf", planted)
+    good = c.get("/").cookies["sqla_jobs_csrf"]
+    assert good != planted
+    c.cookies.clear()
+    c.cookies.set("sqla_jobs_csrf", good)
+    null = c.post(
+        f"/jobs/{job_id}/retry", data={"csrf_token": good, **form}, headers={"origin": "null"}
+    )
+    assert null.status_code == 403 and "Cross-site" in null.text
+    assert _state(db) == before
+    assert c.post(f"/jobs/{job_id}/retry", data={"csrf_token": good, **form}).status_code == 303
+    # Two processes serving one dashboard share a secret, and each other's tokens.
+    one = make_client(read_only=False, secret="k" * 32)
+    other = make_client(read_only=False, secret="k" * 32)
+    one.get("/")
+    other.cookies.set("sqla_jobs_csrf", token(one))
+    shared = other.post(
+        f"/jobs/{job_id}/cancel",
+        data={"csrf_token": token(one), "attempts": 6, "status": "ready"},
+    )
+    assert shared.status_code == 303
+    with pytest.raises(ValueError, match="16 bytes"):
+        make_client(secret="short")
+
+
+def test_notices_come_from_the_action_not_from_the_url(client: TestClient, db: sa.Engine) -> None:
+    dead = insert(db, status="dead", attempts=1)
+    forged = {
+        "/?done=pause&name=billing: call +1-555-0100 to restore it": "call +1-555",
+        "/?done=pause&name=x&sig=AAAA": "Paused queue",
+        f"/jobs/{dead}?skipped=your account is locked, call +1-555-0100": "call +1-555",
+        f"/jobs/{dead}?done=retry": "Retried",
+        "/schedules?ran=1&name=phish": "phish",
+    }
+    for url, text in forged.items():
+        page = client.get(url)
+        assert page.status_code == 200, url
+        assert text not in page.text, url
+    paused = post(client, "/queues/pause", name="a")
+    assert "Paused queue a" in client.get(paused.headers["location"]).text
+    # The signature covers the text: changing the name in a real notice's URL hides it.
+    location = paused.headers["location"].replace("name=a", "name=b")
+    assert "Paused queue" not in client.get(location).text
+
+
+def test_a_long_result_and_error_are_cut_on_the_page_and_downloaded_whole(
+    client: TestClient, db: sa.Engine
+) -> None:
+    from sqla_jobs.web.app import ARGS_SHOWN
+
+    size = 3 * ARGS_SHOWN
+    job_id = insert(
+        db,
+        status="dead",
+        args={"blob": "a" * size},
+        result={"big": "r" * size},
+        last_error="Traceback\n" + "e" * size + "\nValueError: the end",
+    )
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200
+    assert len(page.text) < 4 * ARGS_SHOWN  # each of the three values is cut
+    assert "ValueError: the end" in page.text  # an error keeps its end
+    for field in ("args", "result", "last_error"):
+        assert f'href="/jobs/{job_id}/value/{field}"' in page.text, field
+    args = client.get(f"/jobs/{job_id}/value/args")
+    assert args.status_code == 200
+    assert args.headers["content-type"] == "application/json"
+    assert "attachment" in args.headers["content-disposition"]
+    assert json.loads(args.text) == {"blob": "a" * size}
+    assert json.loads(client.get(f"/jobs/{job_id}/value/result").text) == {"big": "r" * size}
+    error = client.get(f"/jobs/{job_id}/value/last_error")
+    assert error.text == "Traceback\n" + "e" * size + "\nValueError: the end"
+    assert error.headers["content-type"].startswith("text/plain")
+    assert client.get(f"/jobs/{job_id}/value/password").status_code == 404
+    assert client.get("/jobs/987654/value/args").status_code == 404
+
+
+def test_sqla_jobs_web_refuses_a_bad_allowed_host_in_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "web", "tests.app:jobs", "--allowed-host", "x/"],
+        env={**os.environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "sqla-jobs: error: allowed_hosts: 'x/' is not a host name, an "
+        "address, '*.domain' or '*' (give no scheme, port or path)"
+    ]

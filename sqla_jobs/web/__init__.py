@@ -27,9 +27,11 @@ moved on since is left alone, and the result page says so.
     anyone who can reach the page retry, cancel and delete jobs: only behind your own
     authentication. Reading is not guarded by ``authorize``: job arguments and errors may
     hold personal data, so mount the dashboard where only operators can reach it.
-    Actions are POSTs with a CSRF token (a double-submit cookie, plus the browser's
-    ``Origin`` and ``Sec-Fetch-Site``), and pages are served with a Content-Security-Policy
-    that allows no inline script.
+    Actions are POSTs with a CSRF token (a double-submit cookie signed with the app's
+    ``secret``, plus the browser's ``Origin`` and ``Sec-Fetch-Site``), and pages are
+    served with a Content-Security-Policy that allows no inline script. It answers only
+    for the ``Host`` names of ``allowed_hosts=`` (the loopback names by default): give
+    the names it is reached by when you mount it.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,7 +21,7 @@ import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,8 +43,20 @@ CSRF_HEADER = "x-csrf-token"
 PAGE_SIZE = 50
 #: Largest request body an action reads (a selection of a few thousand jobs fits).
 MAX_FORM_BYTES = 1 << 20
-#: Characters of a job's arguments its page shows (arguments may be megabytes).
+#: Characters of a job's arguments, result or last error its page shows (each may be
+#: megabytes); the whole value is a download away.
 ARGS_SHOWN = 200_000
+#: The hosts a dashboard answers for unless told otherwise: a browser tricked into
+#: sending a request for another name (DNS rebinding) gets a refusal, not the page.
+DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+#: The columns a job's page offers to download whole, and how each is served.
+DOWNLOADS = {
+    "args": "application/json",
+    "result": "application/json",
+    "meta": "application/json",
+    "progress": "application/json",
+    "last_error": "text/plain; charset=utf-8",
+}
 
 Authorize = Callable[[Request], bool]
 
@@ -129,9 +144,12 @@ class Dashboard:
         title: str,
         refresh: float,
         shard: str | None = None,
+        secret: bytes | None = None,
     ) -> None:
         #: The shard this dashboard shows, when it is one of several (see .shards).
         self.shard = shard
+        #: Signs CSRF tokens and notices: random for each dashboard unless given.
+        self.signer = Signer(secret if secret is not None else secrets.token_bytes(32))
         self.jobs = jobs
         self.engine = engine
         self.authorize = authorize
@@ -156,6 +174,7 @@ class Dashboard:
             Route("/jobs/act", self.act, methods=["POST"], name="act"),
             Route("/jobs/act-all", self.act_all, methods=["POST"], name="act_all"),
             Route("/jobs/{job_id}", self.job, name="job"),
+            Route("/jobs/{job_id}/value/{field}", self.download, name="download"),
             Route("/jobs/{job_id}/{action}", self.job_action, methods=["POST"], name="job_action"),
             Route("/queues/{action}", self.queue_action, methods=["POST"], name="queue_action"),
             Route("/schedules", self.schedules, name="schedules"),
@@ -181,7 +200,7 @@ class Dashboard:
     def render(
         self, request: Request, template: str, status_code: int = 200, **context: Any
     ) -> HTMLResponse:
-        token = _valid_token(request.cookies.get(CSRF_COOKIE)) or secrets.token_urlsafe(32)
+        token = self.signer.valid_token(request.cookies.get(CSRF_COOKIE)) or self.signer.token()
 
         def href(name: str, **params: Any) -> str:
             return self.path(request, name, **params)
@@ -317,7 +336,8 @@ class Dashboard:
                 "failed": sum(m.failed for m in throughput.total),
                 "dead": sum(m.dead for m in throughput.total),
             }
-            notice = _NOTICES.get(request.query_params.get("done", ""))
+            said = self.signer.verified(request.query_params, ("done", "name"))
+            notice = _NOTICES.get(said.get("done", ""))
             return self.render(
                 request,
                 "_overview_live.html" if live else "overview.html",
@@ -330,7 +350,7 @@ class Dashboard:
                 alive=sum(w.alive for w in workers),
                 refresh=self.refresh,
                 now=datetime.now(timezone.utc),
-                notice=notice.format(name=request.query_params.get("name", "")) if notice else None,
+                notice=notice.format(name=said.get("name", "")) if notice else None,
             )
 
         response = await self._page(request, page)
@@ -405,8 +425,11 @@ class Dashboard:
                     f"There is no job with id {job_id}. Finished jobs are deleted unless "
                     "kept (Jobs(keep_done=...)), and dead ones once pruned.",
                 )
-            notice, kind = _job_notice(request.query_params, job)
+            notice, kind = _job_notice(
+                self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
+            )
             args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
+            error = job.last_error or ""
             return self.render(
                 request,
                 "job.html",
@@ -419,6 +442,9 @@ class Dashboard:
                 args_truncated=len(args_text) > ARGS_SHOWN,
                 args_limit=ARGS_SHOWN,
                 args_size=len(args_text),
+                # The end of a long error: the exception is on its last line.
+                error_text=error[-ARGS_SHOWN:],
+                error_size=len(error),
                 applies={
                     "retry": admin.RETRYABLE,
                     "cancel": admin.CANCELLABLE,
@@ -426,6 +452,36 @@ class Dashboard:
                 },
                 notice=notice,
                 notice_kind=kind,
+            )
+
+        return await self._page(request, page)
+
+    async def download(self, request: Request) -> Response:
+        """One column of a job, whole, as a file: what its page cuts short."""
+
+        def page() -> Response:
+            job_id = _job_id(request.path_params["job_id"])
+            field = request.path_params["field"]
+            if field not in DOWNLOADS:
+                raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
+            with self.engine.connect() as conn:
+                job = admin.get_job(conn, self.jobs, job_id)
+            if job is None:
+                raise PageError(404, f"No job {job_id}", f"There is no job with id {job_id}.")
+            value = getattr(job, field)
+            if field == "last_error":
+                body, suffix = value or "", "txt"
+            else:
+                body = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+                suffix = "json"
+            filename = f"job-{job_id}-{field}.{suffix}"
+            return Response(
+                body,
+                media_type=DOWNLOADS[field],
+                headers={
+                    "content-disposition": f'attachment; filename="{filename}"',
+                    "cache-control": "no-store",
+                },
             )
 
         return await self._page(request, page)
@@ -498,9 +554,9 @@ class Dashboard:
                 else:
                     rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
             notice, kind = None, "ok"
-            ran = request.query_params.get("ran")
-            if ran:
-                notice = f"Enqueued job #{ran} for schedule {request.query_params.get('name', '')}."
+            said = self.signer.verified(request.query_params, ("ran", "name"))
+            if said.get("ran"):
+                notice = f"Enqueued job #{said['ran']} for schedule {said.get('name', '')}."
             return self.render(
                 request,
                 "schedules.html",
@@ -556,8 +612,8 @@ class Dashboard:
         for k, v in pairs:
             form.setdefault(k, []).append(v)
         token = request.headers.get(CSRF_HEADER) or (form.get(CSRF_FIELD) or [""])[0]
-        cookie = request.cookies.get(CSRF_COOKIE) or ""
-        if not token or not cookie or not hmac.compare_digest(token, cookie):
+        cookie = self.signer.valid_token(request.cookies.get(CSRF_COOKIE))
+        if not token or not cookie or not hmac.compare_digest(token.encode(), cookie.encode()):
             return self.error_page(
                 request,
                 PageError(
@@ -593,11 +649,10 @@ class Dashboard:
             action = request.path_params["action"]
             if action not in admin.ACTIONS:
                 raise PageError(404, "Not found", f"No action {action!r}.")
-            seen = admin.SeenJob(
-                job_id,
-                _required_int(_one(form, "attempts"), "attempts"),
-                _one(form, "status") or "",
-            )
+            attempts = _required_int(_one(form, "attempts"), "attempts")
+            if attempts > _INT_MAX:
+                raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
+            seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
             report = self._act(action, [seen])
             if action == "purge" and report.acted:
                 url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
@@ -605,7 +660,7 @@ class Dashboard:
             params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
             if report.rearmed:
                 params["rearmed"] = str(len(report.rearmed))
-            url = self.path(request, "job", job_id=job_id) + "?" + urlencode(params)
+            url = self.path(request, "job", job_id=job_id) + "?" + self.signer.query(params)
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -737,7 +792,11 @@ class Dashboard:
                         admin.resume_queue(conn, self.jobs, name)
             except ValueError as exc:
                 raise PageError(400, "Bad queue name", str(exc)) from None
-            url = self.path(request, "overview") + "?" + urlencode({"done": action, "name": name})
+            url = (
+                self.path(request, "overview")
+                + "?"
+                + self.signer.query({"done": action, "name": name})
+            )
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -760,7 +819,11 @@ class Dashboard:
                 raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
             except ValueError as exc:  # EnqueueError included
                 raise PageError(400, "Cannot run it", str(exc)) from None
-            url = self.path(request, "schedules") + "?" + urlencode({"ran": job_id, "name": name})
+            url = (
+                self.path(request, "schedules")
+                + "?"
+                + self.signer.query({"ran": job_id, "name": name})
+            )
             return RedirectResponse(url, status_code=303)
 
         return await self._page(request, page)
@@ -823,19 +886,32 @@ def _one(form: dict[str, list[str]], name: str) -> str | None:
     return values[0] if values else None
 
 
+#: A number the dashboard takes from a URL or a form: ASCII digits, at most a bigint's
+#: 19. (``int()`` also reads "¹", "١٢", " 12" and "1_000", and thousands of digits.)
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_BIGINT_MAX = 2**63 - 1
+
+
+def _number(value: str) -> int | None:
+    """``value`` as a whole number from 0 to a bigint's largest, or None."""
+    if _DIGITS.fullmatch(value) is None:
+        return None
+    number = int(value)
+    return number if number <= _BIGINT_MAX else None
+
+
 def _int_param(value: str | None, name: str, *, required: bool = False) -> int | None:
     if value is None or value == "":
         if required:
             raise PageError(400, "Bad request", f"{name} is missing")
         return None
-    try:
-        number = int(value)
-    except ValueError:
+    number = _number(value)
+    if number is None:
         raise PageError(
-            400, "Bad request", f"{name} must be a whole number, got {value!r}"
-        ) from None
-    if not 0 <= number <= 2**63 - 1:
-        raise PageError(400, "Bad request", f"{name} is out of range: {value!r}")
+            400,
+            "Bad request",
+            f"{name} must be a whole number from 0 to {_BIGINT_MAX}, got {value[:40]!r}",
+        )
     return number
 
 
@@ -846,26 +922,25 @@ def _required_int(value: str | None, name: str) -> int:
 
 
 def _job_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise PageError(404, "Not found", f"{text!r} is not a job id.") from None
-    if not 1 <= value <= 2**63 - 1:
-        raise PageError(404, "Not found", f"{text!r} is not a job id.")
+    value = _number(text)
+    if not value:
+        raise PageError(404, "Not found", f"{text[:40]!r} is not a job id.")
     return value
 
 
 def _seen(value: str) -> admin.SeenJob:
+    """One selected job, ``id:attempts:status``, as a job list draws it."""
     parts = value.split(":")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise PageError(400, "Bad selection", f"not a job selection: {value!r}")
-    return admin.SeenJob(int(parts[0]), int(parts[1]), parts[2])
+    if len(parts) == 3:
+        job_id, attempts = _number(parts[0]), _number(parts[1])
+        if job_id and attempts is not None and attempts <= _INT_MAX and parts[2] in STATUSES:
+            return admin.SeenJob(job_id, attempts, parts[2])
+    raise PageError(
+        400, "Bad selection", f"not a job selection (id:attempts:status): {value[:60]!r}"
+    )
 
 
-def _valid_token(value: str | None) -> str | None:
-    if value and 20 <= len(value) <= 100 and value.replace("-", "").replace("_", "").isalnum():
-        return value
-    return None
+_INT_MAX = 2**31 - 1
 
 
 def _cookie_path(request: Request) -> str:
@@ -880,7 +955,10 @@ def _same_origin(request: Request) -> bool:
     if site is not None and site not in ("same-origin", "none"):
         return False
     origin = request.headers.get("origin")
-    if origin and origin != "null":
+    if origin == "null":
+        # A sandboxed frame, a data: URL, a redirect across sites: nothing of ours.
+        return False
+    if origin:
         host = request.headers.get("host", "")
         return urlsplit(origin).netloc == host
     return True
@@ -900,7 +978,11 @@ def _back(request: Request) -> str | None:
     return parts.path + (f"?{parts.query}" if parts.query else "")
 
 
-def _job_notice(params: Any, job: admin.JobInfo | None = None) -> tuple[str | None, str]:
+def _job_notice(
+    params: Mapping[str, str], job: admin.JobInfo | None = None
+) -> tuple[str | None, str]:
+    """The notice of a job's page after an action: from the signed query string the
+    action redirected to (see :meth:`Signer.verified`), never from text in the URL."""
     done = params.get("done")
     if done == "retry":
         if job is not None and job.status == "scheduled" and job.waiting:
@@ -1035,8 +1117,8 @@ def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
         ("locked_until", t(job.locked_until)),
         ("unique_key", job.unique_key or "-"),
         # Tags and correlation ids given at enqueue, and the handler's last progress note.
-        ("meta", _compact_json(job.meta)),
-        ("progress", _compact_json(job.progress)),
+        ("meta", _shown(_compact_json(job.meta))),
+        ("progress", _shown(_compact_json(job.progress))),
         # Workflows and results, only for jobs that have them.
         *(
             [("parents", ", ".join(map(str, job.parents))), ("waiting for", str(job.waiting or 0))]
@@ -1044,12 +1126,148 @@ def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
             else []
         ),
         *([("children", ", ".join(map(str, job.children)))] if job.children else []),
-        *([("result", _compact_json(job.result))] if job.result is not None else []),
+        *([("result", _shown(_compact_json(job.result)))] if job.result is not None else []),
     ]
+
+
+def _shown(text: str) -> str:
+    """A value as a job's page shows it: cut at :data:`ARGS_SHOWN` characters (rows
+    written by other producers are bounded by nothing); the page links to all of it."""
+    if len(text) <= ARGS_SHOWN:
+        return text
+    return f"{text[:ARGS_SHOWN]}… ({len(text):,} characters: download it for the rest)"
 
 
 def _compact_json(value: Any) -> str:
     return "-" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+class Signer:
+    """Signs what the dashboard hands the browser and must get back unchanged: the CSRF
+    token, and the notice an action's redirect carries.
+
+    An unsigned double-submit token is any text the cookie and the form agree on, so a
+    cookie planted by a sibling subdomain (or by a man-in-the-middle on plain http) is a
+    bypass; a token is valid here only with the HMAC of this dashboard's secret. A notice
+    ("Paused queue emails") is shown only when the server wrote it after acting, never
+    because a link says so.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def sign(self, purpose: str, text: str) -> str:
+        mac = hmac.new(self._secret, f"{purpose}\x00{text}".encode(), hashlib.sha256)
+        return base64.urlsafe_b64encode(mac.digest()[:24]).decode().rstrip("=")
+
+    def verify(self, purpose: str, text: str, signature: str) -> bool:
+        return hmac.compare_digest(self.sign(purpose, text), signature)
+
+    def token(self) -> str:
+        """A new CSRF token: a random nonce and its signature."""
+        nonce = secrets.token_urlsafe(24)
+        return f"{nonce}.{self.sign('csrf', nonce)}"
+
+    def valid_token(self, value: str | None) -> str | None:
+        """``value`` if it is a token this dashboard signed, else None."""
+        if not value or len(value) > 100 or not value.isascii():
+            return None
+        nonce, dot, signature = value.partition(".")
+        if not dot or not nonce or not self.verify("csrf", nonce, signature):
+            return None
+        return value
+
+    def query(self, params: Mapping[str, object]) -> str:
+        """``params`` as a query string, signed (see :meth:`verified`)."""
+        text = urlencode(sorted((k, str(v)) for k, v in params.items()))
+        return f"{text}&sig={self.sign('notice', text)}"
+
+    def verified(self, query: Any, names: Iterable[str]) -> dict[str, str]:
+        """The ``names`` of a query string that :meth:`query` signed; empty unless the
+        signature holds."""
+        found = {n: query[n] for n in names if n in query}
+        signature = query.get("sig")
+        if not found or not isinstance(signature, str):
+            return {}
+        text = urlencode(sorted(found.items()))
+        return found if self.verify("notice", text, signature) else {}
+
+
+def check_allowed_hosts(hosts: Iterable[str]) -> tuple[str, ...]:
+    """``allowed_hosts`` as the host check compares them (lower case, an IPv6 address in
+    brackets); ``ValueError`` names a pattern that cannot match a ``Host`` header."""
+    if isinstance(hosts, str):
+        raise ValueError(f"allowed_hosts must be a list of host names, got the string {hosts!r}")
+    checked: list[str] = []
+    for host in hosts:
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"allowed_hosts: {host!r} is not a host name")
+        name = host.strip().lower()
+        if ":" in name and not name.startswith("["):
+            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
+        wildcard = name.startswith("*.") and "*" not in name[2:]
+        if name != "*" and not wildcard and not _HOST_NAME.fullmatch(name):
+            raise ValueError(
+                f"allowed_hosts: {host!r} is not a host name, an address, '*.domain' or "
+                "'*' (give no scheme, port or path)"
+            )
+        checked.append(name)
+    if not checked:
+        raise ValueError("allowed_hosts names no host (give ['*'] to answer for any)")
+    return tuple(checked)
+
+
+#: A host name or IPv4 address, or an IPv6 address in brackets, without a port.
+_HOST_NAME = re.compile(r"[a-z0-9_.-]+|\[[0-9a-f:.]+\]")
+
+
+def _host_of(header: str) -> str | None:
+    """The host of a ``Host`` header, lower case and without its port; None if malformed."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        end = header.find("]")
+        if end < 0:
+            return None
+        host, rest = header[: end + 1], header[end + 1 :]
+    else:
+        host, colon, port = header.partition(":")
+        host, rest = host.rstrip("."), colon + port  # "localhost." is localhost
+    if rest and not (rest[0] == ":" and rest[1:].isascii() and rest[1:].isdigit()):
+        return None
+    return host if host and _HOST_NAME.fullmatch(host) else None
+
+
+class _TrustedHosts:
+    """Answers only requests whose ``Host`` is one of ``hosts`` (see
+    :func:`check_allowed_hosts`). A page that rebinds its own name to 127.0.0.1 (DNS
+    rebinding) makes the browser send its own name as ``Host``: refused, so it can read
+    neither the jobs nor a CSRF token. Written here rather than taken from Starlette's
+    ``TrustedHostMiddleware``, whose releases before 1.0 split ``[::1]:8080`` at its
+    first colon."""
+
+    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.any = "*" in hosts
+        self.names = frozenset(h for h in hosts if not h.startswith("*"))
+        self.suffixes = tuple(h[1:] for h in hosts if h.startswith("*."))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.any or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        host = _host_of(header.decode("latin-1"))
+        if host is not None and (host in self.names or host.endswith(self.suffixes)):
+            await self.app(scope, receive, send)
+            return
+        shown = header.decode("latin-1")[:100]
+        response = PlainTextResponse(
+            f"This dashboard does not answer for the host {shown!r}. Its allowed hosts are "
+            "set by create_app(..., allowed_hosts=[...]) or sqla-jobs web --allowed-host.",
+            status_code=400,
+            headers={k.decode(): v.decode() for k, v in SECURITY_HEADERS},
+        )
+        await response(scope, receive, send)
 
 
 class _SecurityHeaders:
@@ -1081,6 +1299,8 @@ def create_app(
     read_only: bool | None = None,
     title: str = "sqla-jobs",
     refresh: float = 5.0,
+    allowed_hosts: Iterable[str] = DEFAULT_ALLOWED_HOSTS,
+    secret: str | bytes | None = None,
 ) -> ASGIApp:
     """The dashboard of one jobs table, as an ASGI application to mount anywhere.
 
@@ -1097,7 +1317,20 @@ def create_app(
         warning saying so.
     :param title: the name in the page header.
     :param refresh: seconds between the overview's live refreshes.
+    :param allowed_hosts: the ``Host`` names it answers for (``localhost``,
+        ``127.0.0.1`` and ``[::1]`` by default); any other gets a 400. Give the names it
+        is reached by (``["jobs.example.com"]``, ``"*.example.com"`` for every subdomain,
+        ``["*"]`` for any): a page that rebinds its own name to this server (DNS
+        rebinding) is refused instead of reading the jobs.
+    :param secret: the key that signs its CSRF tokens and notices; random for each app
+        by default. Give every process that serves one dashboard (several workers
+        behind one address) the same one, or a form drawn by one is refused by another.
     """
+    hosts = check_allowed_hosts(allowed_hosts)
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+        raise ValueError("secret must be at least 16 bytes (e.g. secrets.token_hex(32))")
     if read_only and authorize is not None:
         raise ValueError("read_only=True and authorize= contradict each other: give one")
     if authorize is not None and not callable(authorize):
@@ -1110,9 +1343,16 @@ def create_app(
             raise ValueError("give engine= or engines= (shards), not both")
         from .shards import sharded_app
 
-        return sharded_app(
-            jobs, engines, authorize=authorize, read_only=read_only, title=title, refresh=refresh
+        sharded = sharded_app(
+            jobs,
+            engines,
+            authorize=authorize,
+            read_only=read_only,
+            title=title,
+            refresh=refresh,
+            secret=secret,
         )
+        return _TrustedHosts(sharded, hosts)
     if engine is None:
         raise TypeError("create_app needs an engine (or engines=, one per shard)")
     if isinstance(engine, str):
@@ -1134,5 +1374,6 @@ def create_app(
         read_only=effective_read_only,
         title=title,
         refresh=refresh,
+        secret=secret,
     )
-    return dashboard.app
+    return _TrustedHosts(dashboard.app, hosts)

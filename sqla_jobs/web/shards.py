@@ -45,6 +45,7 @@ def sharded_app(
     read_only: bool | None,
     title: str,
     refresh: float,
+    secret: bytes | None = None,
 ) -> ASGIApp:
     """See :func:`sqla_jobs.web.create_app` (``engines=``)."""
     from ..db import create_engine
@@ -73,6 +74,7 @@ def sharded_app(
             title=f"{title} · {name}",
             refresh=refresh,
             shard=name,
+            secret=secret,
         )
     return _ShardsPage(jobs, dashboards, title).app
 

@@ -114,25 +114,23 @@ class WorkerSettings:
             for queue in names:
                 check_queue_name(queue)
             object.__setattr__(self, "queues", names)
-        _int(self, "concurrency", 1)
-        _int(self, "claim_limit", 1)
-        _int(self, "completion_batch", 1)
-        _seconds(self, "lease", positive=True)
-        _seconds(self, "poll_interval", positive=True)
-        _seconds(self, "grace_period", positive=False)
-        _seconds(self, "completion_interval", positive=False)
-        _seconds(self, "prune_interval", positive=True)
-        _seconds(self, "presence_interval", positive=True)
+        for name in ("concurrency", "claim_limit", "completion_batch"):
+            _int(self, name, 1, MAXIMA[name])
+        for name in ("grace_period", "completion_interval"):
+            _seconds(self, name, positive=False)
+        for name in ("lease", "poll_interval", "prune_interval", "presence_interval"):
+            _seconds(self, name, positive=True)
         _seconds(self, "stuck_after", positive=True)
         if self.rescue_interval is not None:
             _seconds(self, "rescue_interval", positive=True)
         for flag in ("listen", "prefetch", "log_jobs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.name is not None and (
-            not isinstance(self.name, str) or not self.name or "\x00" in self.name
-        ):
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        if self.name is not None:
+            if not isinstance(self.name, str) or not self.name:
+                raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+            # It is written in locked_by and is the key of the worker's row.
+            check_name(self.name, "name", NAME_MAX_BYTES)
 
     @property
     def rescue_every(self) -> float:
@@ -209,21 +207,51 @@ def check_queue_name(queue: object) -> str:
     return queue
 
 
-def _int(settings: WorkerSettings, name: str, minimum: int) -> None:
+#: The largest value each setting takes. Past these a worker fails far from its settings:
+#: ``concurrency`` starts a thread per slot until the OS refuses, and a duration past what a
+#: ``timedelta`` (or the platform's wait) holds fails the loop that waits on it. Each is far
+#: past any use: ten thousand handlers in one process, a day for a lease or a grace
+#: period (a heartbeat renews a lease; a longer handler needs no longer one).
+MAXIMA: dict[str, float] = {
+    "concurrency": 10_000,
+    "claim_limit": 10_000,
+    "completion_batch": 100_000,
+    "lease": 86_400.0,
+    "poll_interval": 3_600.0,
+    "grace_period": 86_400.0,
+    "completion_interval": 60.0,
+    "rescue_interval": 86_400.0,
+    "prune_interval": 7 * 86_400.0,
+    "presence_interval": 3_600.0,
+    "stuck_after": 86_400.0,
+}
+#: Bytes of UTF-8 a worker's name may take.
+NAME_MAX_BYTES = 200
+
+
+def _int(settings: WorkerSettings, name: str, minimum: int, maximum: float) -> None:
     value = getattr(settings, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum:,.0f}, got {value}")
 
 
 def _seconds(settings: WorkerSettings, name: str, *, positive: bool) -> None:
     value = getattr(settings, name)
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value > 0 if positive else value >= 0)
-    )
+    try:
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and (value > 0 if positive else value >= 0)
+        )
+    except OverflowError:  # an int past what a float holds
+        ok = False
     if not ok:
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    maximum = MAXIMA[name]
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum:,.0f} seconds, got {value!r}")
     object.__setattr__(settings, name, float(value))

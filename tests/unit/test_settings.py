@@ -50,6 +50,42 @@ def test_every_field_is_checked(field: str, value: Any, message: str) -> None:
         WorkerSettings(**{field: value})
 
 
+def test_every_number_has_an_upper_bound() -> None:
+    """Unbounded, ``concurrency=10**30`` started threads until the OS refused, and a lease
+    or grace period of 10**30 seconds failed the loop that waited on it."""
+    from sqla_jobs.worker.settings import MAXIMA
+
+    hints = typing.get_type_hints(WorkerSettings)
+    numbers = {
+        f.name
+        for f in dataclasses.fields(WorkerSettings)
+        if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],))
+    }
+    assert set(MAXIMA) == numbers, "a numeric setting without a maximum"
+    for name, maximum in MAXIMA.items():
+        assert getattr(WorkerSettings(**{name: maximum}), name) == maximum
+        if isinstance(maximum, int):
+            too_big: tuple[float, ...] = (maximum + 1, 10**30)
+        else:
+            too_big = (maximum * 2, 1e30, 10**30, 10**400, float("inf"))
+        for value in too_big:
+            with pytest.raises(ValueError, match=rf"{name} must be"):
+                WorkerSettings(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("w\udcff", "surrogate"),  # a byte that is not UTF-8, as the command line gives it
+        ("w\x00", "NUL"),
+        ("w" * 201, "201 bytes in UTF-8; at most 200"),
+    ],
+)
+def test_a_worker_name_is_text_postgresql_stores(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerSettings(name=name)
+
+
 def test_defaults_and_derived_values() -> None:
     settings = WorkerSettings(queues=["a", "b"], lease=4)
     assert settings.queues == ("a", "b") and settings.lease == 4.0
