@@ -4,19 +4,23 @@ The docs are built once per run, from scratch, with warnings as errors (a broken
 cross-reference or directive fails here, as in ``.ci/run``). Then the built pages are
 read: every name of ``sqla_jobs.__all__`` and of each public module's ``__all__`` has an
 entry in the reference, every ``WorkerSettings`` field a row, every subcommand of the
-parser a section. The pages' Python examples run as tests in ``test_docs_examples.py``.
+parser a section. The Python files the pages include (``docs/examples``) run here too,
+each on a database of its own, so an example cannot rot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .test_recipes import scratch  # noqa: F401  (the fixture: a database of its own)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -130,3 +134,29 @@ def test_the_pages_need_no_network(built: Path) -> None:
         text = page.read_text()
         remote = re.findall(r'<(?:script|link|img)\b[^>]*(?:src|href)="(?:https?:)?//', text)
         assert not remote, page
+
+
+# -- the pages' examples -------------------------------------------------------------------
+
+EXAMPLES = sorted((DOCS / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_example_runs(example: Path, scratch: str) -> None:  # noqa: F811
+    """Each file the pages include runs as a reader would run it, on an empty database."""
+    result = subprocess.run(
+        [sys.executable, str(example)],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": scratch, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_example_is_on_a_page() -> None:
+    """An example no page shows would be tested and never read."""
+    pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+    shown = set(re.findall(r"literalinclude\}\s+\S*examples/(\S+\.py)", pages))
+    assert shown == {p.name for p in EXAMPLES}
