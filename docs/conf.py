@@ -29,6 +29,7 @@ extensions = [
     "settings_table",
     "cli_reference",
     "docstring_sections",
+    "bench_results",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
