@@ -12,7 +12,8 @@ not a copy kept by hand. Options:
     columns left out, by header, comma separated (the pass/fail columns a run prints for
     its own tracking, say).
 
-A missing file is not an error: the page says which command writes it.
+A missing file is not an error: the page says so, and the text around the directive
+says which command writes it.
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ from typing import Any
 
 from docutils import nodes
 from docutils.parsers.rst import directives
-from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
+from tables import table
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def _cell(text: str) -> str:
-    # The cells are Markdown from the benchmark's output; ``code`` becomes a literal.
-    return text.replace("**", "").replace("`", "``").replace("|", "\\|") or "\\"
+def markdown_cell(text: str) -> list[nodes.Node]:
+    """A cell of the benchmark's Markdown: ``code`` spans as literals, bold as plain text."""
+    found: list[nodes.Node] = []
+    for k, part in enumerate(text.replace("**", "").split("`")):
+        if part:
+            found.append(nodes.literal(text=part) if k % 2 else nodes.Text(part))
+    return found
 
 
 def _csv(value: str | None) -> list[str]:
@@ -41,7 +46,7 @@ def _csv(value: str | None) -> list[str]:
 
 class BenchResults(SphinxDirective):
     required_arguments = 1
-    option_spec = {  # noqa: RUF012  (docutils' own shape)
+    option_spec = {
         "table": directives.unchanged,
         "exclude-columns": directives.unchanged,
     }
@@ -51,41 +56,45 @@ class BenchResults(SphinxDirective):
         path = RESULTS / f"{name}.json"
         self.env.note_dependency(str(path))
         if not path.is_file():
-            lines = [
-                ".. note::",
-                "",
-                f"   No recorded run yet: ``benchmarks/results/{name}.json`` is written by",
-                "   running the benchmark (see above).",
-            ]
-        else:
-            lines = self._tables(json.loads(path.read_text()))
-        container = nodes.container(classes=["bench-results"])
-        self.state.nested_parse(StringList(lines, source=str(path)), 0, container)
-        return [container]
+            note = nodes.note()
+            note += nodes.paragraph(
+                text=f"No recorded run yet: benchmarks/results/{name}.json is written by "
+                "running the benchmark (see above)."
+            )
+            return [note]
+        return self._tables(json.loads(path.read_text()))
 
-    def _tables(self, result: dict[str, Any]) -> list[str]:
+    def _tables(self, result: dict[str, Any]) -> list[nodes.Node]:
         wanted = _csv(self.options.get("table"))
         dropped = set(_csv(self.options.get("exclude-columns")))
-        lines = [
-            f"Recorded {result['measured_at']}: ``{result['command']}``, "
-            f"{result['database']}, {result['machine']}.",
-            "",
+        about = nodes.paragraph()
+        about += nodes.Text(f"Recorded {result['measured_at']}: ")
+        about += nodes.literal(text=result["command"])
+        about += nodes.Text(f", {result['database']}, {result['machine']}.")
+        if result.get("source"):
+            about += nodes.Text(f" ({result['source']}.)")
+        found: list[nodes.Node] = [about]
+        shown = [
+            t
+            for t in result["tables"]
+            if not wanted or any(t["title"].startswith(w) for w in wanted)
         ]
-        context = result["tables"][0]["context"] if result["tables"] else []
-        for item in context:
-            lines += [f"- {_cell(item)}"]
-        lines += [""]
-        for table in result["tables"]:
-            if wanted and not any(table["title"].startswith(w) for w in wanted):
-                continue
-            keep = [i for i, h in enumerate(table["header"]) if h not in dropped]
-            lines += [".. list-table:: " + _cell(table["title"]), "   :header-rows: 1", ""]
-            for row in [table["header"], *table["rows"]]:
-                cells = [row[i] if i < len(row) else "" for i in keep]
-                lines += [f"   * - {_cell(cells[0])}"]
-                lines += [f"     - {_cell(c)}" for c in cells[1:]]
-            lines += [""]
-        return lines
+        context = shown[0]["context"] if shown else []
+        if context:
+            items = nodes.bullet_list()
+            for line in context:
+                item = nodes.list_item()
+                paragraph = nodes.paragraph()
+                paragraph += markdown_cell(line)
+                item += paragraph
+                items += item
+            found.append(items)
+        for t in shown:
+            keep = [i for i, h in enumerate(t["header"]) if h not in dropped]
+            header = [t["header"][i] for i in keep]
+            rows = [[row[i] if i < len(row) else "" for i in keep] for row in t["rows"]]
+            found.append(table(header, rows, markdown_cell, title=t["title"]))
+        return found
 
 
 def setup(app: Sphinx) -> dict[str, Any]:

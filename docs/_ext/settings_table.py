@@ -11,9 +11,9 @@ import dataclasses
 from typing import Any
 
 from docutils import nodes
-from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
+from tables import literal_cell, table, text_cell
 
 
 def _flag(f: dataclasses.Field[Any]) -> str:
@@ -21,47 +21,27 @@ def _flag(f: dataclasses.Field[Any]) -> str:
 
 
 def _default(f: dataclasses.Field[Any]) -> str:
-    if f.default is dataclasses.MISSING:
-        return "(required)"
-    return f"``{f.default!r}``"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "\\<")
+    return "(required)" if f.default is dataclasses.MISSING else repr(f.default)
 
 
 class WorkerSettingsTable(SphinxDirective):
-    """A list-table of every field, rendered from the field metadata."""
+    """A table of every field, built from the field metadata."""
 
     has_content = False
 
     def run(self) -> list[nodes.Node]:
         from sqla_jobs import WorkerSettings
 
-        lines = [
-            ".. list-table::",
-            "   :header-rows: 1",
-            "   :widths: 18 12 18 52",
-            "",
-            "   * - field",
-            "     - default",
-            "     - ``sqla-jobs worker`` flag",
-            "     - what it does",
-        ]
+        rows = []
         for f in dataclasses.fields(WorkerSettings):
             help_text = f.metadata.get("help", "")
             off = f.metadata.get("off")
             if off:
                 help_text += f". The flag: {off}"
-            lines += [
-                f"   * - ``{f.name}``",
-                f"     - {_default(f)}",
-                f"     - ``{_flag(f)}``",
-                f"     - {_cell(help_text)}",
-            ]
-        container = nodes.container()
-        self.state.nested_parse(StringList(lines, source="worker-settings"), 0, container)
-        return container.children
+            rows.append([f.name, _default(f), _flag(f), help_text])
+        header = ["field", "default", "sqla-jobs worker flag", "what it does"]
+        cells = [literal_cell, literal_cell, literal_cell, text_cell]
+        return [table(header, rows, cells)]
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
