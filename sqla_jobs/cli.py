@@ -1850,7 +1850,9 @@ def _add_stats(sub: Any) -> None:
         "the registry keeps finished jobs (Jobs(keep_done=...)): by default they are "
         "deleted, so there is nothing to count. Counting reads the whole jobs table.",
     )
-    stats.add_argument("--json", action="store_true", help="one JSON object (keys: docs/reference/json-output.md)")
+    stats.add_argument(
+        "--json", action="store_true", help="one JSON object (keys: docs/reference/json-output.md)"
+    )
     stats.add_argument(
         "--watch",
         nargs="?",
