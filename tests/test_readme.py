@@ -103,3 +103,19 @@ def test_the_readme_example_is_the_tested_one() -> None:
 
 def test_the_readme_fits_on_a_few_screens() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_readme_links_resolve() -> None:
+    """Each link into the repository names a file that is there, and a heading of it."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert len(local) > 20, local
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.MULTILINE)
+            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+            assert anchor in slugs, link
