@@ -95,7 +95,7 @@ def recorded(script: str, argv: list[str] | None = None) -> Iterator[None]:
     argv = sys.argv[1:] if argv is None else argv
     tee = _Tee(sys.stdout)
     before = sys.stdout
-    sys.stdout = tee  # type: ignore[assignment]
+    sys.stdout = tee
     try:
         yield
     except SystemExit as exc:
