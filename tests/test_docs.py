@@ -5,17 +5,20 @@ cross-reference or directive fails here, as in ``.ci/run``). Then the built page
 read: every name of ``sqla_jobs.__all__`` and of each public module's ``__all__`` has an
 entry in the reference, every ``WorkerSettings`` field a row, every subcommand of the
 parser a section. The Python files the pages include (``docs/examples``) run here too,
-each on a database of its own, so an example cannot rot.
+each on a database of its own, so an example cannot rot, and every other Python block of
+the pages must at least parse.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -160,3 +163,22 @@ def test_every_example_is_on_a_page() -> None:
     pages = "\n".join(p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts)
     shown = set(re.findall(r"literalinclude\}\s+\S*examples/(\S+\.py)", pages))
     assert shown == {p.name for p in EXAMPLES}
+
+
+def test_every_python_block_of_the_pages_is_python() -> None:
+    """The fragments the pages show (``...`` for what is left out) at least parse, so a
+    renamed keyword or a broken edit shows here; whole examples run above."""
+    failures = []
+    blocks = 0
+    for page in sorted(DOCS.rglob("*.md")):
+        if "_build" in page.parts:
+            continue
+        for found in re.finditer(r"^( *)```python\n(.*?)^\1```", page.read_text(), re.M | re.S):
+            blocks += 1
+            code = textwrap.dedent(found.group(2))
+            try:
+                compile(code, str(page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            except SyntaxError as exc:
+                failures.append(f"{page.relative_to(ROOT)}: {exc}")
+    assert blocks > 30, blocks
+    assert not failures, failures
