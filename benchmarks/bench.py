@@ -1084,4 +1084,7 @@ def run_all(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import results  # beside this file: what the run printed, kept for the docs
+
+    with results.recorded(__file__):
+        sys.exit(main())

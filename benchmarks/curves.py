@@ -836,4 +836,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import results  # beside this file: what the run printed, kept for the docs
+
+    with results.recorded(__file__):
+        sys.exit(main())

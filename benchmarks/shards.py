@@ -213,4 +213,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import results  # beside this file: what the run printed, kept for the docs
+
+    with results.recorded(__file__):
+        main()

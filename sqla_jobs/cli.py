@@ -25,7 +25,7 @@ Errors are one line on stderr (``sqla-jobs: error: ...``) and a non-zero exit co
 bad usage (a bad URL, a path that does not import, a selection that is not allowed, a
 destructive command with no terminal to confirm on and no ``--yes``), 1 for a failure at
 run time (no database, a missing table, an unknown job id). Machine-readable output is
-``--json``; its keys are documented in the README ("Operating it").
+``--json``; its keys are documented in ``docs/reference/json-output.md``.
 """
 
 from __future__ import annotations
@@ -1850,7 +1850,9 @@ def _add_stats(sub: Any) -> None:
         "the registry keeps finished jobs (Jobs(keep_done=...)): by default they are "
         "deleted, so there is nothing to count. Counting reads the whole jobs table.",
     )
-    stats.add_argument("--json", action="store_true", help="one JSON object (see the README)")
+    stats.add_argument(
+        "--json", action="store_true", help="one JSON object (keys: docs/reference/json-output.md)"
+    )
     stats.add_argument(
         "--watch",
         nargs="?",

@@ -16,9 +16,9 @@ What is exported (``sqla_jobs`` is the default ``namespace``):
                                                 ``started``, ``succeeded``, ``failed``,
                                                 ``retried``, ``dead``, ``snoozed``,
                                                 ``cancelled``
-``sqla_jobs_job_run_seconds{queue, task,        histogram: how long handlers ran
-outcome}``                                      (``succeeded``, ``failed``, ``snoozed``,
-                                                ``cancelled``)
+``sqla_jobs_job_run_seconds{queue, task,``      histogram: how long handlers ran, by
+  ``outcome}``                                  ``outcome`` (``succeeded``, ``failed``,
+                                                ``snoozed``, ``cancelled``)
 ``sqla_jobs_job_wait_seconds{queue, task}``     histogram: queue wait, from when a job was
                                                 due (``run_at``) to its start
 ``sqla_jobs_queue_ready_jobs{queue}``           gauge: jobs ready now (with ``engine``)

@@ -1,4 +1,4 @@
-"""The README's examples say what the code does."""
+"""The README's and the docs pages' examples say what the code does."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from . import app
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_block(after: str) -> str:
-    """The first fenced code block after the line that starts with ``after``."""
-    text = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def readme_block(after: str, page: Path = ROOT / "README.md") -> str:
+    """The first fenced code block of ``page`` after the line that starts with ``after``."""
+    text = page.read_text()
     start = text.index(after)
     found = re.search(r"```\w*\n(.*?)```", text[start:], re.DOTALL)
     assert found is not None, after
@@ -35,7 +38,7 @@ def shape(value: Any) -> Any:
 
 
 def test_stats_json_example_matches_the_command(db: sa.Engine) -> None:
-    example = json.loads(readme_block("`stats --json`:"))
+    example = json.loads(readme_block("`stats --json`:", DOCS / "reference" / "json-output.md"))
     with db.begin() as conn:  # what the example shows: a queue with a lag and a dead job
         t = app.Job.__table__
         conn.execute(
@@ -68,15 +71,18 @@ def test_stats_json_example_matches_the_command(db: sa.Engine) -> None:
 
 
 def test_the_companion_tables_are_all_named() -> None:
-    """Every companion table the model declares is in the README's two lists of them."""
-    text = (ROOT / "README.md").read_text()
+    """Every companion table the model declares is in the docs' two lists of them."""
     companions = sorted(
         t.name.removeprefix("jobs")
         for t in app.Base.metadata.tables.values()
         if t.name.startswith("jobs_")
     )
     assert len(companions) == 6, companions
-    for heading in ("Six small companion tables sit beside it", "The six small companion tables"):
+    for page, heading in (
+        ("concepts.md", "Six small companion tables sit beside it"),
+        ("migrations/autogenerate.md", "The six small companion tables"),
+    ):
+        text = (DOCS / page).read_text()
         start = text.index(heading)
         passage = text[start : text.index("\n\n", start)]
         for suffix in companions:
@@ -87,3 +93,29 @@ def test_no_docstring_example_uses_a_deprecated_name() -> None:
     import sqla_jobs.testing
 
     assert "summary.done" not in (sqla_jobs.testing.__doc__ or "")
+
+
+def test_the_readme_example_is_the_tested_one() -> None:
+    """The README's example is docs/examples/first_job.py, which tests/test_docs.py runs."""
+    example = (DOCS / "examples" / "first_job.py").read_text()
+    assert readme_block("## A first job") == example
+
+
+def test_the_readme_fits_on_a_few_screens() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_readme_links_resolve() -> None:
+    """Each link into the repository names a file that is there, and a heading of it."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert len(local) > 20, local
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), link
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.MULTILINE)
+            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+            assert anchor in slugs, link
