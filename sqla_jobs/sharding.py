@@ -62,7 +62,7 @@ from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
-from .errors import EnqueueError, WorkerError
+from .errors import EnqueueError, WorkerError, describe, unreachable
 from .model import JobMixin
 from .queries import insert_rows
 from .session import (
@@ -75,7 +75,6 @@ from .session import (
     refuse_unique,
 )
 from .tasks import ConfiguredTask, Jobs, Task
-from .worker.core import describe, unreachable
 from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
 from .worker.threaded import Worker

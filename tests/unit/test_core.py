@@ -13,10 +13,15 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Backoff, Jobs, PermanentError, Snooze, WorkerError, WorkerSettings
+from sqla_jobs.errors import describe
 from sqla_jobs.worker import core as core_mod
+from sqla_jobs.worker import fetch as fetch_mod
 from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.core import WorkerCore, describe, retry_pause
+from sqla_jobs.worker.core import WorkerCore
+from sqla_jobs.worker.duties import heartbeat as heartbeat_mod
+from sqla_jobs.worker.duties import maintenance as maintenance_mod
 from sqla_jobs.worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_of
+from sqla_jobs.worker.outage import retry_pause
 
 from .. import app
 
@@ -96,7 +101,7 @@ def run_steps(steps: s.Steps, answer: Any) -> tuple[list[s.Step], Any]:
 
 def test_claims_rotate_over_unpaused_queues_and_never_exceed_free_slots() -> None:
     core, driver, _ = make(queues=("a", "b", "c"), concurrency=5, claim_limit=3)
-    core._paused = frozenset({"b"})
+    core.maintenance.paused = frozenset({"b"})
     asked: list[tuple[str, int]] = []
     ids = iter(range(1, 100))
 
@@ -106,25 +111,25 @@ def test_claims_rotate_over_unpaused_queues_and_never_exceed_free_slots() -> Non
         asked.append((params["queue_name"], params["limit"]))
         return [row(next(ids)) for _ in range(params["limit"])]
 
-    _, total = run_steps(core._claim(), answer)
+    _, total = run_steps(core.fetcher.claim(), answer)
     assert asked == [("a", 3), ("c", 2)]  # b is paused; 5 slots in all
-    assert total == 5 and core.free == 0 and core.more
+    assert total == 5 and core.free == 0 and core.fetcher.more
     assert len(driver.dispatched) == 5
     # No free slot: no statement at all, and the worker notes it is saturated.
-    seen, total = run_steps(core._claim(), answer)
+    seen, total = run_steps(core.fetcher.claim(), answer)
     assert seen == [] and total == 0
     # The next round starts from the next queue.
     core.finished(driver.dispatched[0], Outcome(OutcomeKind.SUCCEEDED, driver.dispatched[0]))
     assert driver.wakes == 1  # a finishing job wakes a saturated fetch loop
     asked.clear()
-    run_steps(core._claim(), answer)
+    run_steps(core.fetcher.claim(), answer)
     assert asked == [("c", 1)]
 
 
 def test_a_queue_that_gives_less_than_asked_means_no_more_for_now() -> None:
     core, _, _ = make(queues=("a",), concurrency=10)
-    run_steps(core._claim(), lambda step: [row(1)])
-    assert not core.more
+    run_steps(core.fetcher.claim(), lambda step: [row(1)])
+    assert not core.fetcher.more
 
 
 # -- the running set, keyed by claim --------------------------------------------------------
@@ -134,7 +139,7 @@ def test_a_late_first_attempt_does_not_touch_the_retrys_claim() -> None:
     core, driver, _ = make(concurrency=2)
     (first,) = core.claimed([row(7, "slow", attempts=1)])
     first.started = time.monotonic() - 1  # past its 0.5 s timeout
-    core.enforce_timeouts()
+    core.heartbeat.enforce_timeouts()
     assert [o.kind for o in driver.recorded] == [OutcomeKind.FAILED]
     assert driver.interrupted == [first]
     (retry,) = core.claimed([row(7, "slow", attempts=2)])
@@ -142,7 +147,7 @@ def test_a_late_first_attempt_does_not_touch_the_retrys_claim() -> None:
     core.finished(first, Outcome(OutcomeKind.SUCCEEDED, first))
     assert core.running == 1
     assert len(driver.recorded) == 1  # nothing more recorded for the first attempt
-    seen, _ = run_steps(core.beat(), lambda step: {(7, 2)})
+    seen, _ = run_steps(core.heartbeat.beat(), lambda step: {(7, 2)})
     assert seen[0].args[1] == [retry]
 
 
@@ -153,7 +158,7 @@ def test_timeouts_fire_failed_then_dead_not_cancelled() -> None:
         jobs.events.connect(name, lambda e: events.append(e.name))
     (job,) = core.claimed([row(1, "slow", attempts=3)])
     job.started = time.monotonic() - 1
-    core.enforce_timeouts()
+    core.heartbeat.enforce_timeouts()
     assert events == ["failed", "dead"]
     assert job.is_cancelled and job.settled
 
@@ -162,7 +167,7 @@ def test_heartbeat_stops_lost_claims_but_not_settling_ones() -> None:
     core, driver, _ = make()
     lost, committing, kept = core.claimed([row(1), row(2), row(3)])
     assert core.settle(committing)  # a transactional run is committing its completion
-    _, _ = run_steps(core.beat(), lambda step: {(3, 1)})
+    _, _ = run_steps(core.heartbeat.beat(), lambda step: {(3, 1)})
     assert driver.interrupted == [lost]
     assert lost.is_cancelled and not committing.is_cancelled and not kept.is_cancelled
 
@@ -174,8 +179,8 @@ def test_a_failed_beat_is_logged_and_retried_at_the_next_tick(caplog: Any) -> No
     def fail(step: s.Step) -> Any:
         raise sa.exc.OperationalError("UPDATE jobs SET ...", {}, psycopg.OperationalError("gone"))
 
-    run_steps(core.beat(), fail)
-    assert core._last_beat == 0.0
+    run_steps(core.heartbeat.beat(), fail)
+    assert core.heartbeat.last_beat == 0.0
     assert "heartbeat failed: OperationalError: gone" in caplog.text
     assert "UPDATE" not in caplog.text
 
@@ -212,9 +217,9 @@ def test_the_completer_batches_within_its_interval_and_ends_after_the_last() -> 
         writes.append(len(step.args[1]))
         return None
 
-    assert run_steps(core.complete_once(), answer)[1] is True
-    assert run_steps(core.complete_once(), answer)[1] is True
-    assert run_steps(core.complete_once(), answer)[1] is False
+    assert run_steps(core.completer.run_once(), answer)[1] is True
+    assert run_steps(core.completer.run_once(), answer)[1] is True
+    assert run_steps(core.completer.run_once(), answer)[1] is False
     assert writes == [3, 2] and core.unwritten == 0
 
 
@@ -303,7 +308,7 @@ def test_until_empty_writes_outcomes_and_looks_again_before_stopping() -> None:
     core, _, _ = make(queues=("a",))
     core.until_empty = True
     seen, _ = run_steps(
-        core.fetch(),
+        core.fetcher.fetch(),
         lambda step: [] if isinstance(step, s.Io) and step.on is s.Conn.CLAIM else _refresh(step),
     )
     kinds = [type(st).__name__ for st in seen]
@@ -333,7 +338,7 @@ def test_notifications_wake_for_own_queues_and_poke_for_cancellations() -> None:
                 return []
         return None
 
-    steps, more = run_steps(core.listen_once(), answer)
+    steps, more = run_steps(core.listener.run_once(), answer)
     assert isinstance(steps[0], s.Listen) and more is False
     assert driver.wakes == 2  # once on LISTEN, once for queue a; none for b
     assert driver.pokes == 1 and not core.listening.is_set()
@@ -343,8 +348,8 @@ def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_err
     from sqla_jobs.worker import db
 
     core, _, _ = make(presence_interval=2.0)
-    core.count({"a": [3, 1, 0]})
-    steps = core.presence_once()
+    core.presence.count({"a": [3, 1, 0]})
+    steps = core.presence.run_once()
     step = next(steps)
     assert isinstance(step, s.Io) and step.fn is db.worker_seen and step.on is s.Conn.TX
     _, seen, tally, tidy = step.args
@@ -357,8 +362,8 @@ def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_err
         steps.send(None)
     assert ended.value.value is True
     # The counts that could not be written go with the next report, added to new ones.
-    core.count({"a": [1, 0, 0], "b": [0, 2, 1]})
-    step = next(core.presence_once())
+    core.presence.count({"a": [1, 0, 0], "b": [0, 2, 1]})
+    step = next(core.presence.run_once())
     assert step.args[2] == {"a": [4, 1, 0], "b": [0, 2, 1]} and not step.args[3]
 
 
@@ -368,10 +373,10 @@ def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties
     core, _, _ = make()
     core.stopping = True
     with pytest.raises(StopIteration) as ended:
-        next(core.presence_once())
+        next(core.presence.run_once())
     assert ended.value.value is False
-    core.count({"a": [2, 0, 0]})
-    step = next(core.leave())
+    core.presence.count({"a": [2, 0, 0]})
+    step = next(core.presence.leave())
     assert step.fn is db.worker_gone and step.args[1:] == (core.name, {"a": [2, 0, 0]})
 
 
@@ -382,11 +387,13 @@ def test_a_dry_queue_is_claimed_again_once_a_refresh_promotes_jobs_into_it() -> 
     from sqla_jobs.worker.db import Refresh
 
     core, _, _ = make(queues=("a", "b"))
-    run_steps(core._claim(), lambda step: [])  # both come back empty: both dry
-    assert core._claim_order() == []
+    run_steps(core.fetcher.claim(), lambda step: [])  # both come back empty: both dry
+    assert core.fetcher.claim_order() == []
     woken = Refresh(None, frozenset(), frozenset({"a"}))
-    run_steps(core._maintain(), lambda step: woken if step.fn.__name__ == "refresh" else 0)
-    assert core._claim_order() == ["a"]
+    run_steps(
+        core.maintenance.run_once(), lambda step: woken if step.fn.__name__ == "refresh" else 0
+    )
+    assert core.fetcher.claim_order() == ["a"]
 
 
 def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> None:
@@ -397,11 +404,11 @@ def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> N
     def claim(step: s.Step) -> Any:
         queue = step.args[1]["queue_name"]
         if queue == "a":  # the listener hears of "a" while its claim is out
-            core._notified["a"] = time.monotonic()
+            core.fetcher.notified["a"] = time.monotonic()
         return []
 
-    run_steps(core._claim(), claim)
-    assert core._claim_order() == ["a"]  # "b" is dry, "a" is not
+    run_steps(core.fetcher.claim(), claim)
+    assert core.fetcher.claim_order() == ["a"]  # "b" is dry, "a" is not
 
 
 # -- claiming ahead (settings.prefetch) ---------------------------------------------------
@@ -410,8 +417,8 @@ def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> N
 def _finishing(core: WorkerCore, per_second: float, rtt: float) -> None:
     """As if handlers had finished at ``per_second`` for the last second, and claims took
     ``rtt`` seconds."""
-    core._rtt = rtt
-    core._rate_mark = (time.monotonic() - 1.0, core.processed - round(per_second))
+    core.fetcher.rtt = rtt
+    core.fetcher.rate_mark = (time.monotonic() - 1.0, core.processed - round(per_second))
 
 
 _ids = itertools.count(1)
@@ -427,7 +434,7 @@ def _claims(core: WorkerCore) -> list[int]:
         return [row(next(_ids)) for _ in range(step.args[1]["limit"])]
 
     claimed_before = core.running
-    run_steps(core._claim(), answer)
+    run_steps(core.fetcher.claim(), answer)
     assert core.running - claimed_before == sum(asked)
     return asked
 
@@ -439,7 +446,7 @@ def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
     _finishing(core, 1000, 0.01)
     asked = _claims(core)
     assert asked == [10]
-    assert core.more
+    assert core.fetcher.more
     asked = _claims(core)
     assert asked == [10]  # ten more than the slots, waiting for them
     assert core.running == 20 and core.busy == 10 and core.free == -10
@@ -513,8 +520,8 @@ def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
     _finishing(core, 1000, 0.01)  # ten may be claimed ahead
     core.claimed([row(next(_ids), queue="busy") for _ in range(14)])
     assert core.free == -4  # no slot free, room for 6 with the claim-ahead: worth a claim
-    core._turn = 1  # the limited queue's turn to go first
-    run_steps(core._claim(), answer)
+    core.fetcher.turn = 1  # the limited queue's turn to go first
+    run_steps(core.fetcher.claim(), answer)
     assert asked and asked[0] == ("lim", 6)
 
 
@@ -535,6 +542,12 @@ class FakeClock:
         self.now += seconds
 
 
+def _use_clock(monkeypatch: pytest.MonkeyPatch, clock: Any) -> None:
+    """The core and its duties read ``time.monotonic`` from their own modules."""
+    for module in (core_mod, fetch_mod, heartbeat_mod, maintenance_mod):
+        monkeypatch.setattr(module, "time", clock)
+
+
 def _poll_idle(
     monkeypatch: pytest.MonkeyPatch, queues: tuple[str, ...], limited: tuple[str, ...] = ()
 ) -> tuple[dict[str, list[float]], float]:
@@ -543,7 +556,7 @@ def _poll_idle(
     from sqla_jobs.worker.db import LimitedClaim, Refresh
 
     clock = FakeClock()
-    monkeypatch.setattr(core_mod, "time", clock)
+    _use_clock(monkeypatch, clock)
     jobs = Jobs(app.Job)
     for queue in limited:
         jobs.queue(queue, concurrency=2)
@@ -571,7 +584,7 @@ def _poll_idle(
         clock.advance(0.003 if name == "claim" else 0.006)
         return LimitedClaim([], False, None) if name == "claim_limited" else []
 
-    run_steps(core.fetch(), answer)
+    run_steps(core.fetcher.fetch(), answer)
     return claims, poll
 
 
@@ -704,7 +717,7 @@ def test_a_failure_around_a_claim_already_decided_records_nothing_more() -> None
     (job,) = core.claimed([row(1, "slow")])
     core.start(job)
     job.started -= 1  # past its 0.5 s timeout: failed and settled by the heartbeat
-    core.enforce_timeouts()
+    core.heartbeat.enforce_timeouts()
     outcome = core.crashed(job, RuntimeError("late"))
     assert outcome is not None and outcome.kind is OutcomeKind.SETTLED
 
@@ -764,7 +777,7 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
     what it claimed before: its own clock says the lease may have passed. It beats first;
     what the beat kept starts, what it lost ends unstarted."""
     clock = FakeClock()
-    monkeypatch.setattr(core_mod, "time", clock)
+    _use_clock(monkeypatch, clock)
     core, driver, jobs = make(concurrency=4, lease=10.0)
     cancelled: list[int] = []
     jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
@@ -776,7 +789,7 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
     assert kept.confirming and not kept.started and driver.pokes == 2 and core._poked
     assert core.free == 1 and driver.dispatched == []  # they keep their slots meanwhile
     # The heartbeat beats (the pause is over): job 1 is still this worker's, job 2 is not.
-    seen, _ = run_steps(core.beat(), lambda step: {(1, 1), (3, 1)})
+    seen, _ = run_steps(core.heartbeat.beat(), lambda step: {(1, 1), (3, 1)})
     assert {j.id for j in seen[0].args[1]} == {1, 2, 3}
     assert driver.dispatched == [kept, lost] and not kept.confirming
     run = core.start(kept)
@@ -789,7 +802,7 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
     (ahead,) = core.claimed([row(4)])
     for _ in range(4):
         clock.advance(3.4)  # the heartbeat's every third of a lease
-        run_steps(core.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
+        run_steps(core.heartbeat.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
     last = core.start(ahead)
     assert isinstance(last, core_mod.Run)
     for started in (last, run, first):  # as the drivers do: current_job is reset
@@ -800,7 +813,7 @@ def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(core_mod, "time", clock)
+    _use_clock(monkeypatch, clock)
     core, driver, _ = make(concurrency=2, lease=10.0, grace_period=0)
     (job,) = core.claimed([row(1)])
     clock.advance(6)
@@ -815,5 +828,5 @@ def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
 
     run_steps(core.shutdown(), answer)
     assert handed == [1] and core.free == 2
-    run_steps(core.beat(), lambda step: {(1, 1)})  # a late beat changes nothing
+    run_steps(core.heartbeat.beat(), lambda step: {(1, 1)})  # a late beat changes nothing
     assert driver.dispatched == [] and core.start(job) is None
