@@ -33,6 +33,7 @@ from . import steps as s
 from .core import Run
 from .driver import DriverBase, Events, pool_size, run_session
 from .job import ClaimedJob, Outcome
+from .signals import signalled
 
 __all__ = ["AsyncWorker"]
 
@@ -128,8 +129,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             await self._write_conn.close()
 
     def _on_signal(self, sig: int) -> None:
-        self.core.signalled(signal.Signals(sig).name)
-        self.stop()
+        signalled([self.core], self.stop, sig)
 
     # -- carrying out steps ----------------------------------------------------------------
 

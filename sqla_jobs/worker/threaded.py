@@ -17,11 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue as queue_mod
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,6 +31,7 @@ from . import steps as s
 from .core import Run
 from .driver import DriverBase, Events, pool_size, run_session
 from .job import ClaimedJob, Outcome, OutcomeKind
+from .signals import stopped_by_signals
 
 __all__ = ["Worker"]
 
@@ -297,22 +296,8 @@ class Worker(DriverBase[sa.Engine]):
         assert run.outcome is not None
         return run.outcome
 
-    @contextlib.contextmanager
-    def _signals(self, install: bool) -> Iterator[None]:
-        if not install or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            self.core.signalled(signal.Signals(signum).name)
-            self.stop()
-
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def _signals(self, install: bool) -> contextlib.AbstractContextManager[None]:
+        return stopped_by_signals(install, lambda: [self.core], self.stop)
 
 
 def _thread(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:
