@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import periodic
+from .._settle import format_error, worker_name
 from ..errors import ResultError, WorkerError, describe, unreachable
 from ..queries import interval
 from . import db, supervise
@@ -36,7 +37,6 @@ from .job import (
     Outcome,
     OutcomeKind,
     decode_rows,
-    format_error,
     job_log,
     keeps,
     outcome_name,
@@ -46,7 +46,6 @@ from .job import (
     retry_delay,
     set_current,
     unknown_task,
-    worker_name,
 )
 from .outage import (
     MAX_DUTY_FAILURES,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
+from .._settle import settle_children
 from ..queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -229,43 +230,6 @@ def _count(
             counts[2] += dead
             if dead and row[2]:
                 ended.append(row[0])
-
-
-def settle_children(
-    conn: sa.Connection | Session, queries: Queries, succeeded: list[int], ended: list[int]
-) -> None:
-    """What waits on these parents: children of ``succeeded`` ones are released (ready
-    once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
-    are cancelled down the chain, except those that run anyway, which are released.
-    Statements of their own, run after the parents' own in the same transaction.
-
-    Each release first locks the children it settles, in a statement of its own: the
-    release that reads the parents' rows (a group callback's results) then sees every
-    sibling parent whose completion committed while it waited for a child, which a
-    statement that had waited for the lock itself would not (see ``_lock_children`` in
-    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
-    REPEATABLE READ a sibling completing concurrently makes the lock fail with a
-    serialization error (the transaction is retried) instead of reading a stale result.
-    """
-    if ended:
-        reason = (
-            "cancelled: a job it waited for (after=) ended dead or cancelled "
-            f"(job {', '.join(map(str, ended[:10]))})"
-        )
-        rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
-        cancelled = [r[0] for r in rows]
-        _release(conn, queries, ended + cancelled)
-    if succeeded:
-        _release(conn, queries, succeeded)
-
-
-def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
-    """Lock the children still waiting on these parents, then release them (nothing more
-    when none waits)."""
-    children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
-    if children:
-        release = {"parent_ids": parent_ids, "child_ids": children}
-        conn.execute(queries.release, release).all()
 
 
 def beat(
