@@ -22,7 +22,7 @@ from sqla_jobs import (
     create_engine,
     current_job,
 )
-from sqla_jobs.worker.db import prune
+from sqla_jobs.worker.statements import prune
 
 from . import app
 from .helpers import rows, running, wait_for
@@ -694,8 +694,8 @@ def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
     """One completer batch: a plain job, a plain job that got a child while it ran, a
     result-keeping job, a lost claim. The new parent is completed with the flow job, in
     one statement, and its child released; the lost claim changes nothing."""
-    from sqla_jobs.worker.db import write_outcomes
     from sqla_jobs.worker.job import Outcome, OutcomeKind
+    from sqla_jobs.worker.statements import write_outcomes
 
     @jobs.task(queue="own")
     def plain() -> None: ...

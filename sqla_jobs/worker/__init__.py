@@ -19,7 +19,7 @@ How it is built
   of side duties. Its loops yield steps for a driver to carry out.
 * :mod:`.hearing`: whether the listener hears the notifications it should (it does not
   behind a pooler in transaction mode), judged from the claims the core makes anyway.
-* :mod:`.db`: the statement I/O, as functions of a plain ``Connection``.
+* :mod:`.statements`: the statement I/O, as functions of a plain ``Connection``.
 * :mod:`.threaded` (:class:`Worker`) and :mod:`.aio` (:class:`AsyncWorker`): the two
   drivers. Each keeps only how it waits, how it runs a handler and how it stops.
 * :mod:`.job`: a claimed job, how a run ends (:class:`Outcome`), :func:`current_job`.

@@ -10,7 +10,7 @@ timeout means, what to hand back at shutdown: all of it lives here, and the two 
 cannot drift apart. A driver keeps only how it waits, how it runs a handler, and how it
 stops.
 
-The statement functions the steps name are in :mod:`.db`; they take a plain
+The statement functions the steps name are in :mod:`.statements`; they take a plain
 ``Connection``, and the asyncio driver runs them through ``AsyncConnection.run_sync``
 (SQLAlchemy's own bridge, and the same greenlet switch that ``AsyncConnection.execute``
 makes anyway).
@@ -28,7 +28,7 @@ from .. import periodic
 from .._settle import format_error, worker_name
 from ..errors import ResultError, WorkerError, describe, unreachable
 from ..queries import interval
-from . import db, supervise
+from . import statements, supervise
 from .duties import Completer, Heartbeat, Listener, Maintenance, Presence
 from .fetch import Fetcher
 from .hearing import ListenWatch
@@ -501,7 +501,7 @@ class WorkerCore:
         job = run.job
         try:
             value = yield CallHandler()
-            done = yield OnSession(db.complete_in, (self.queries, job, value))
+            done = yield OnSession(statements.complete_in, (self.queries, job, value))
         except BaseException as exc:  # the handler's own, or a database error
             yield Rollback()
             return run.end(exc)
@@ -669,7 +669,7 @@ class WorkerCore:
 
     def _hand_back(self, claims: list[ClaimedJob], what: str) -> Steps:
         try:
-            count = yield Io(db.hand_back, (self.queries, claims), Conn.TX)
+            count = yield Io(statements.hand_back, (self.queries, claims), Conn.TX)
         except Exception as exc:
             if not is_database_error(exc):
                 raise

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import describe
 from ..queries import ClaimParams, claim_params, limited_claim_params
-from . import db
+from . import statements
 from .outage import is_database_error, retry_pause
 from .steps import Conn, Io, Pause, Sleep, Step, Steps, WaitWritten
 
@@ -167,7 +167,7 @@ class Fetcher:
             if limited:
                 rows = yield from self.claim_limited(queue, params)
             else:
-                rows = yield Io(db.claim, (core.queries, params), Conn.CLAIM)
+                rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
                 took = time.monotonic() - began
                 self.rtt = took if not self.rtt else 0.8 * self.rtt + 0.2 * took
                 if watch.active:
@@ -250,7 +250,9 @@ class Fetcher:
             key_rate=limits.key_rate,
             key_period=limits.key_rate_period,
         )
-        found: db.LimitedClaim = yield Io(db.claim_limited, (core.queries, limited), Conn.CLAIM)
+        found: statements.LimitedClaim = yield Io(
+            statements.claim_limited, (core.queries, limited), Conn.CLAIM
+        )
         # Under the lock: the completer (another thread in the threaded worker) ends
         # waits in freed().
         with core._lock:

@@ -21,6 +21,7 @@ exists can run. The extras (asyncio, metrics) are imported only when a plan uses
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
+from ..db import create_async_engine
 from ..health import serve_health
 from ..sharding import ShardedWorker
 from .driver import pool_size
@@ -206,10 +208,7 @@ class LaunchPlan:
         """The asyncio worker on the application's ``AsyncEngine``, or on one made from the
         URL ``bind`` on this loop. (The metrics' engine is made from the URL either way: an
         ``AsyncEngine`` cannot serve the exporter's thread.)"""
-        import asyncio  # the extra: SQLAlchemy's asyncio support (greenlet)
-
-        from ..db import create_async_engine
-        from .aio import AsyncWorker
+        from .aio import AsyncWorker  # the extra: SQLAlchemy's asyncio support (greenlet)
 
         async def main() -> None:
             engine = (
@@ -233,8 +232,7 @@ class LaunchPlan:
     def _run_async_sharded(
         self, shards: Mapping[str, Any], schema_drift: Sequence[str] | None
     ) -> None:
-        import asyncio  # the extra: SQLAlchemy's asyncio support (greenlet)
-
+        # Defined only with the extra: SQLAlchemy's asyncio support (greenlet).
         from ..sharding import AsyncShardedWorker
 
         async def main() -> None:

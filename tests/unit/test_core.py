@@ -139,7 +139,7 @@ def test_shutdown_hands_back_unstarted_claims_then_late_ones() -> None:
 
 
 def _refresh(step: s.Step) -> Any:
-    from sqla_jobs.worker.db import Refresh
+    from sqla_jobs.worker.statements import Refresh
 
     if isinstance(step, s.Io) and step.fn.__name__ == "refresh":
         return Refresh(None, frozenset())

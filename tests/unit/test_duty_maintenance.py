@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqla_jobs.worker import db
+from sqla_jobs.worker import statements
 from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.db import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
+from sqla_jobs.worker.statements import Refresh
 
 from .test_core import make, row, run_steps
 
@@ -22,9 +22,9 @@ def _answer(refresh: Refresh, deleted: list[int | None] | None = None) -> Any:
 
     def answer(step: s.Step) -> Any:
         assert isinstance(step, s.Io) and step.on is s.Conn.TX
-        if step.fn is db.refresh:
+        if step.fn is statements.refresh:
             return refresh
-        assert step.fn is db.prune_batch
+        assert step.fn is statements.prune_batch
         return next(batches)
 
     return answer
@@ -39,7 +39,7 @@ def test_the_refresh_runs_once_per_poll_interval_and_rescues_only_when_its_time_
     )
     (refresh, *prunes) = steps
     assert isinstance(refresh, s.Io) and refresh.args == (core.jobs, True)  # rescue at once
-    assert [p.fn for p in prunes if isinstance(p, s.Io)] == [db.prune_batch]  # lock held
+    assert [p.fn for p in prunes if isinstance(p, s.Io)] == [statements.prune_batch]  # lock held
     assert maintenance.paused == {"a"} and "b" not in core.fetcher.dry  # woken: not dry
     assert run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset())))[0] == []
     # Forced (Worker.maintain()): a refresh, without a rescue (not due) or retention.
@@ -70,15 +70,15 @@ def test_retention_deletes_in_batches_until_one_is_short_and_stops_when_another_
     None
 ):
     core, _, _ = make()
-    full = db.PRUNE_BATCH
+    full = statements.PRUNE_BATCH
     # Dead ones: two full batches and a short one; then done ones: another worker prunes.
     steps, total = run_steps(
         core.maintenance.prune(), _answer(Refresh(None, frozenset()), [full, full, 3, None])
     )
     assert total == 2 * full + 3 and len(steps) == 4
-    statements = [st.args[1] for st in steps if isinstance(st, s.Io)]
-    assert statements[:3] == [core.jobs.queries.prune_dead] * 3
+    deleting = [st.args[1] for st in steps if isinstance(st, s.Io)]
+    assert deleting[:3] == [core.jobs.queries.prune_dead] * 3
     _, total = run_steps(
         core.maintenance.prune(max_batches=2), _answer(Refresh(None, frozenset()), [full] * 10)
     )
-    assert total == 2 * full * len(db.prune_work(core.jobs))
+    assert total == 2 * full * len(statements.prune_work(core.jobs))

@@ -15,13 +15,13 @@ from .test_core import make, row
 
 
 def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_error() -> None:
-    from sqla_jobs.worker import db
+    from sqla_jobs.worker import statements
 
     core, _, _ = make(presence_interval=2.0)
     core.presence.count({"a": [3, 1, 0]})
     steps = core.presence.run_once()
     step = next(steps)
-    assert isinstance(step, s.Io) and step.fn is db.worker_seen and step.on is s.Conn.TX
+    assert isinstance(step, s.Io) and step.fn is statements.worker_seen and step.on is s.Conn.TX
     _, seen, tally, tidy = step.args
     assert (seen["name"], seen["queues"], seen["running"]) == (core.name, ["a"], 0)
     assert tally == {"a": [3, 1, 0]} and tidy
@@ -38,7 +38,7 @@ def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_err
 
 
 def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties() -> None:
-    from sqla_jobs.worker import db
+    from sqla_jobs.worker import statements
 
     core, _, _ = make()
     core.stopping = True
@@ -47,7 +47,7 @@ def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties
     assert ended.value.value is False
     core.presence.count({"a": [2, 0, 0]})
     step = next(core.presence.leave())
-    assert step.fn is db.worker_gone and step.args[1:] == (core.name, {"a": [2, 0, 0]})
+    assert step.fn is statements.worker_gone and step.args[1:] == (core.name, {"a": [2, 0, 0]})
 
 
 def test_the_presence_row_says_who_runs_what_and_lives_for_three_intervals() -> None:

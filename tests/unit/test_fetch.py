@@ -12,8 +12,8 @@ import pytest
 from sqla_jobs import Jobs, WorkerSettings
 from sqla_jobs.worker import steps as s
 from sqla_jobs.worker.core import WorkerCore
-from sqla_jobs.worker.db import LimitedClaim, Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
+from sqla_jobs.worker.statements import LimitedClaim, Refresh
 
 from .. import app
 from .test_core import FakeClock, FakeDriver, _ids, _refresh, _use_clock, make, row, run_steps

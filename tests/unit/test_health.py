@@ -14,8 +14,8 @@ import sqlalchemy as sa
 
 from sqla_jobs.worker import steps as s
 from sqla_jobs.worker.core import Run
-from sqla_jobs.worker.db import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
+from sqla_jobs.worker.statements import Refresh
 
 from .test_core import make, row, run_steps
 

@@ -12,7 +12,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import db, hearing
+from sqla_jobs.worker import hearing
+from sqla_jobs.worker import statements as db
 from sqla_jobs.worker import steps as s
 from sqla_jobs.worker.hearing import ListenWatch
 from sqla_jobs.worker.outage import lost_prepared_statement, retry_pause

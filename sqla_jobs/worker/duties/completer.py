@@ -16,7 +16,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from ...errors import describe
-from .. import db
+from .. import statements
 from ..outage import is_database_error, retry_pause
 from ..steps import END, Conn, Io, Pause, Step, Steps, TakeOutcomes
 
@@ -93,7 +93,7 @@ class Completer:
         failures = 0
         while True:
             try:
-                written = yield Io(db.write_outcomes, (core.queries, batch), Conn.WRITE)
+                written = yield Io(statements.write_outcomes, (core.queries, batch), Conn.WRITE)
                 core.presence.count(written)
                 core.fetcher.freed(batch)
                 break

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import describe, unreachable
-from .. import db
+from .. import statements
 from ..job import ClaimedJob, job_log, timed_out
 from ..outage import is_database_error, lost_prepared_statement
 from ..steps import Conn, Io, Steps, Tick
@@ -82,7 +82,7 @@ class Heartbeat:
             return
         notes = [j.unwritten_progress() for j in running]
         try:
-            kept = yield Io(db.beat, (core.queries, running, core.lease, notes), Conn.TX)
+            kept = yield Io(statements.beat, (core.queries, running, core.lease, notes), Conn.TX)
         except Exception as exc:
             self.last_beat = 0.0  # whatever failed, try again at the next tick
             if not is_database_error(exc):

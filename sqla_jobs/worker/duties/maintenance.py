@@ -15,14 +15,14 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .. import db
+from .. import statements
 from ..job import OutcomeKind
 from ..steps import Conn, Io, Step, Steps
 
 if TYPE_CHECKING:
     from ..core import WorkerCore
-    from ..db import Refresh
     from ..job import Outcome
+    from ..statements import Refresh
 
 __all__ = ["Maintenance"]
 
@@ -60,7 +60,7 @@ class Maintenance:
         if now < self.next_refresh and not due:
             return
         rescue = now >= self.next_rescue
-        result: Refresh = yield Io(db.refresh, (core.jobs, rescue), Conn.TX)
+        result: Refresh = yield Io(statements.refresh, (core.jobs, rescue), Conn.TX)
         now = time.monotonic()
         settings = core.settings
         if rescue:
@@ -82,13 +82,13 @@ class Maintenance:
         worker holds the pruner lock. Returns how many rows were deleted."""
         jobs = self.core.jobs
         total = 0
-        for statement, age in db.prune_work(jobs):
+        for statement, age in statements.prune_work(jobs):
             for _ in range(max_batches):
-                deleted = yield Io(db.prune_batch, (jobs, statement, age), Conn.TX)
+                deleted = yield Io(statements.prune_batch, (jobs, statement, age), Conn.TX)
                 if deleted is None:
                     return total
                 total += deleted
-                if deleted < db.PRUNE_BATCH:
+                if deleted < statements.PRUNE_BATCH:
                     break
         return total
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 from ...errors import describe
 from ...queries import WorkerSeenParams, interval
-from .. import db
+from .. import statements
 from ..outage import is_database_error
 from ..steps import Conn, Io, Pause, Steps
 
 if TYPE_CHECKING:
     from ..core import WorkerCore
-    from ..db import Tally
+    from ..statements import Tally
 
 __all__ = ["PRESENCE_MISSES", "TIDY_EVERY", "Presence"]
 
@@ -97,7 +97,7 @@ class Presence:
         tidy = self.rounds % TIDY_EVERY == 1
         tally = self.take_tally()
         try:
-            yield Io(db.worker_seen, (core.queries, self.row(), tally, tidy), Conn.TX)
+            yield Io(statements.worker_seen, (core.queries, self.row(), tally, tidy), Conn.TX)
         except Exception as exc:
             self.count(tally)
             if not is_database_error(exc):
@@ -121,7 +121,7 @@ class Presence:
         core = self.core
         tally = self.take_tally()
         try:
-            yield Io(db.worker_gone, (core.queries, core.name, tally), Conn.TX)
+            yield Io(statements.worker_gone, (core.queries, core.name, tally), Conn.TX)
         except Exception as exc:
             if not is_database_error(exc):
                 raise

@@ -28,12 +28,12 @@ from ..queries import (
     heartbeat_params,
     throughput_params,
 )
+from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from ..tasks import Jobs
-    from .job import ClaimedJob, Outcome
 
 __all__ = [
     "HeldConnection",
@@ -128,8 +128,6 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     the autocommit completion leaves it running (it has children now), and it is completed
     with the flow jobs, kept ``done`` until retention like any parent.
     """
-    from .job import outcome_statements
-
     batch = list(batch)
     queue_of = {o.job.id: o.job.queue for o in batch}
     tally: Tally = {}
@@ -259,8 +257,6 @@ def complete_in(
     task's), with its children released in it too. False if the claim is no longer this
     worker's. A result-keeping job keeps ``value`` (the handler's return; a value that is
     not JSON raises :class:`~sqla_jobs.ResultError`, which fails the run)."""
-    from .job import keeps, result_json
-
     keep = keeps(job)
     if keep is not None:
         params = dict(batch_params([job]))
