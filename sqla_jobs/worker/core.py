@@ -1,5 +1,14 @@
 """Every decision a worker makes, once, for both the threaded and the asyncio worker.
 
+:class:`WorkerCore` holds the state the duties share (the running set and its lock, the
+slots, the unwritten outcomes, the health marks), the start and the end of each run of a
+handler (:class:`Run`), the stop policy, and ``run()``: the whole run, the fetch loop
+beside the side duties. The duties themselves are small classes over that state, one per
+concern: :class:`~.fetch.Fetcher` (what to claim, and when), and in :mod:`.duties` the
+completer, the heartbeat, presence, the listener and the maintenance. Supervision is in
+:mod:`.supervise`, health as data in :mod:`.vitals`, the retry policy for database errors
+in :mod:`.outage`.
+
 The core does no I/O and never waits. Its loops (the fetch loop and the side duties) are
 generators that *yield steps*: "run this statement function on the claim connection",
 "sleep until woken or 0.4 s", "give me the next batch of outcomes". A driver
