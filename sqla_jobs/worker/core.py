@@ -176,6 +176,10 @@ class WorkerCore:
         self.maintenance.reset()
         self.fetcher.reset()
 
+    def reached(self) -> None:
+        """For health: a statement went through, the database answers."""
+        self._unreachable_since = None
+
     def note_unreachable(self, exc: BaseException) -> None:
         """For health: since when the database cannot be reached (a failure of another kind
         means it answers)."""

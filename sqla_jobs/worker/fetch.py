@@ -90,7 +90,7 @@ class Fetcher:
                         return
                 if failures:
                     failures = 0
-                    core._unreachable_since = None
+                    core.reached()
             except Exception as exc:
                 if not is_database_error(exc):
                     raise

@@ -60,7 +60,7 @@ class Completer:
         with core._lock:
             core._unwritten -= len(batch)
             core._outcomes_since = time.monotonic() if core._unwritten else None
-        core._unreachable_since = None
+        core.reached()
         core.driver.written()
         return True
 
