@@ -29,7 +29,7 @@ from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin, Jobs, create_engine
 from sqla_jobs.db import database_url
-from sqla_jobs.worker.db import settle_children
+from sqla_jobs.worker.statements import settle_children
 
 SCHEMA = "sqla_jobs_bench_completion"
 

@@ -55,7 +55,7 @@ from bench import (
 import sqla_jobs.bulk
 from sqla_jobs import JobSession, Worker, WorkerSettings, create_engine
 from sqla_jobs.queries import claim_params
-from sqla_jobs.worker import db as worker_db
+from sqla_jobs.worker import statements as worker_db
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SETTINGS = WorkerSettings(
@@ -767,7 +767,8 @@ def row_churn(env: Env, args: argparse.Namespace) -> None:
 
 def row_claim(env: Env, args: argparse.Namespace) -> None:
     """What one claim statement costs as it takes more rows: the worker's own claim
-    (``worker.db.claim``, autocommit) from a queue of some 70,000 ready jobs, timed alone."""
+    (``worker.statements.claim``, autocommit) from a queue of some 70,000 ready jobs,
+    timed alone."""
     app = env.app
     sizes = (1, 25, 50, 100, 200, 400)
     samples = 10 if args.quick else 30

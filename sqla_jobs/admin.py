@@ -1216,7 +1216,7 @@ def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -
     if rows:
         # Workflows: what waits on a cancelled job is cancelled too (or released, for
         # jobs that run anyway), in this transaction. One index probe when nothing waits.
-        from .worker.db import settle_children
+        from ._settle import settle_children
 
         settle_children(bind, _queries(jobs), [], [r.id for r in rows])
     if any(r.was == JobStatus.RUNNING for r in rows):

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ._settle import cap_error, format_error, settle_children, worker_name
 from .errors import EnqueueError
 from .model import JobStatus
 from .queries import (
@@ -67,7 +68,6 @@ log = logging.getLogger("sqla_jobs.claiming")
 
 T = TypeVar("T")
 
-_MAX_ERROR_CHARS = 65536
 #: Attributes a settling statement may change, expired on the object after it.
 _SETTLED = ["status", "run_at", "max_attempts", "locked_until", "last_error", "finished_at"]
 _NAMES: list[str] = []
@@ -77,8 +77,6 @@ def _default_name() -> str:
     """The claimer's name in ``locked_by`` when none is given: ``session:`` and the
     host, pid and a random suffix, made once per process."""
     if not _NAMES:
-        from .worker.job import worker_name
-
         _NAMES.append(f"session:{worker_name()}")
     return _NAMES[0]
 
@@ -177,8 +175,6 @@ def complete(session: Session, job: Any, *, jobs: Jobs | None = None) -> bool:
     if done is None:
         return False
     if done.has_children:  # workflows: its children are released in this transaction
-        from .worker.db import settle_children
-
         settle_children(session, registry.queries, [job.id], [])
     if registry.keep_done is None:
         session.expunge(job)
@@ -248,8 +244,6 @@ def _fail(
     params = fail_params(job, error, delay, permanent=permanent)
     row = session.execute(registry.queries.fail, dict(params)).first()
     if row is not None and row.status == JobStatus.DEAD and row.has_children:
-        from .worker.db import settle_children
-
         settle_children(session, registry.queries, [], [job.id])
     session.expire(job, _SETTLED)
     return None if row is None else JobStatus(row.status)
@@ -278,13 +272,8 @@ def _delay(policy: Callable[[int], float], job: Any) -> float:
 
 def _error_text(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
-        from .worker.job import format_error
-
         return format_error(error)
-    text = str(error)
-    if len(text) > _MAX_ERROR_CHARS:
-        text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
-    return text
+    return cap_error(str(error))
 
 
 class ClaimMixin:

@@ -49,11 +49,11 @@ import sqlalchemy as sa
 
 from . import __version__, admin, logs
 from .db import create_engine, normalize_url, url_connect_args
-from .errors import WorkerError
+from .errors import WorkerError, describe
 from .limits import BIGINT_MAX, DURATION_MAX_SECONDS
 from .model import STATUSES, job_table
 from .tasks import Jobs, json_problem
-from .worker.core import describe
+from .worker.launch import EndpointError, LaunchError, LaunchPlan
 from .worker.settings import WorkerSettings
 
 __all__ = ["main"]
@@ -1189,79 +1189,70 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """Parse, plan, run: the flags and the engines make a
+    :class:`~sqla_jobs.worker.launch.LaunchPlan`, which knows what runs where."""
     if args.asyncio:
         _need_asyncio()
     jobs = load_registry(args.registry)
     shards = shards_from(args)
+    engine: Any = None
+    bind: Any = None
     if shards is not None:
-        return _sharded_worker(args, jobs, shards)
-    if args.one_process:
-        raise CommandError("--one-process is for --shard: one worker serves one database")
-    loaded = app_engine(args)
-    # Without --engine, the asyncio worker makes its AsyncEngine from the URL on its own
-    # event loop; this engine then only checks the table.
-    engine: Any = (
-        _one_engine(args, loaded, asyncio=args.asyncio) if loaded is not None else engine_from(args)
-    )
-    _need_psycopg(engine)
+        for name, each in shards.items():
+            if _is_engine(each):
+                _need_psycopg(_of_kind(f"{args.engine}[{name!r}]", each, asyncio=args.asyncio))
+    else:
+        if args.one_process:
+            raise CommandError("--one-process is for --shard: one worker serves one database")
+        loaded = app_engine(args)
+        # Without --engine, the asyncio worker makes its AsyncEngine from the URL on its
+        # own event loop; this engine then only checks the table.
+        engine = (
+            _one_engine(args, loaded, asyncio=args.asyncio)
+            if loaded is not None
+            else engine_from(args)
+        )
+        _need_psycopg(engine)
+        bind = _url(args) if args.asyncio and loaded is None else engine
     settings = _worker_settings(args)
     metrics_at = getattr(args, "metrics_port", None)
-    health_at = getattr(args, "health_port", None)
     if metrics_at is not None:
         _need_metrics()
-    if args.processes > 1:
-        if args.until_empty:
-            raise CommandError(
-                "--until-empty and --processes do not mix: a supervisor "
-                "restarts the workers that stop"
-            )
-        # Fail here, once, rather than in every child as it restarts.
+    try:
+        plan = LaunchPlan(
+            jobs,
+            args.registry,
+            settings,
+            bind=bind,
+            shards=shards,
+            processes=args.processes,
+            asyncio=args.asyncio,
+            until_empty=args.until_empty,
+            one_process=args.one_process,
+            metrics_at=metrics_at,
+            health_at=getattr(args, "health_port", None),
+            verbose=args.verbose,
+            database_url=getattr(args, "database_url", None),
+            log_argv=_log_argv(args),
+            engine_path=getattr(args, "engine", None),
+        )
+    except LaunchError as exc:
+        raise CommandError(str(exc)) from None
+    # Fail here, once, rather than in every child as it restarts. (A supervisor of shards
+    # leaves it to its children: a shard that is down only keeps its own workers waiting.)
+    if shards is None:
         _check_table(engine, jobs)
         _check_schema(engine, jobs, args)
-        from .worker.supervisor import supervise
-
-        child = ["-v"] * args.verbose
-        url = getattr(args, "database_url", None)
-        if url:
-            child += ["--database-url", url]
-        child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args)]
-        child += _engine_argv(args)
-        if args.asyncio:
-            child.append("--asyncio")
-
-        def ports(index: int) -> list[str]:
-            # Each child serves its own endpoints, on the given port plus its index.
-            extra: list[str] = []
-            for flag, at in (("--metrics-port", metrics_at), ("--health-port", health_at)):
-                if at is not None:
-                    host, port = at
-                    extra += [flag, f"{host}:{port + index if port else 0}"]
-            return extra
-
-        return supervise(
-            child, args.processes, grace_period=settings.grace_period, child_args=ports
-        )
-    _check_table(engine, jobs)
-    _check_schema(engine, jobs, args)
+    elif plan.in_process:
+        _check_shard_schemas(jobs, shards, args)
     try:
-        if args.asyncio:
-            _run_async_worker(jobs, engine if loaded is not None else _url(args), settings, args)
-        else:
-            from .worker import Worker
-
-            worker = Worker(jobs, engine, settings)
-            with _endpoints(args, jobs, worker, engine):
-                if args.until_empty:
-                    worker.run_until_empty()
-                else:
-                    worker.run()
-    except WorkerError as exc:
+        return plan.run(schema_drift=getattr(args, "schema_drift", None))
+    except (WorkerError, EndpointError) as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
     except sa.exc.DBAPIError as exc:
         # What the start does before the loops that survive errors (the schedule sync, a
         # role without rights on the tables): one line, as every other command.
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
-    return EXIT_OK
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -1277,220 +1268,6 @@ def _need_psycopg(engine: Any) -> None:
             f"the worker needs psycopg 3, and this engine uses {sync.dialect.driver}: "
             "postgresql+psycopg://"
         )
-
-
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """``--engine``, handed on to the children of a supervisor (each loads its own)."""
-    path = getattr(args, "engine", None)
-    return ["--engine", path] if path else []
-
-
-def _sharded_worker(args: argparse.Namespace, jobs: Jobs, shards: dict[str, Any]) -> int:
-    """``worker --shard A=URL --shard B=URL``, or ``--engine`` naming a mapping of shard
-    names to engines: one worker per shard.
-
-    By default a supervisor runs ``--processes`` worker processes per shard, each serving
-    its own shard (a child is ``worker --one-process --shard NAME=URL``, or ``--engine
-    MODULE:ATTR`` with the shard's name), and restarts one that dies: a shard that is down
-    only keeps its own workers waiting. Child ``i`` serves shard ``i mod len(shards)``, and
-    its ``--metrics-port``/``--health-port`` on the port given plus ``i``, as with
-    ``--processes`` alone; its metrics are labelled with its shard.
-
-    ``--one-process`` (and ``--until-empty``) run every shard's worker in this process: a
-    :class:`ShardedWorker` (threads) or, with ``--asyncio``, an :class:`AsyncShardedWorker`
-    (one event loop); the ports then serve every shard at once."""
-    for name, bind in shards.items():
-        if _is_engine(bind):
-            _need_psycopg(_of_kind(f"{args.engine}[{name!r}]", bind, asyncio=args.asyncio))
-    settings = _worker_settings(args)
-    metrics_at = getattr(args, "metrics_port", None)
-    health_at = getattr(args, "health_port", None)
-    if metrics_at is not None:
-        _need_metrics()
-    in_process = args.until_empty or args.one_process
-    if in_process:
-        if args.processes > 1:
-            flag = "--until-empty" if args.until_empty else "--one-process"
-            raise CommandError(f"{flag} and --processes do not mix: one process serves all")
-        _check_shard_schemas(jobs, shards, args)
-        try:
-            if args.asyncio:
-                _run_async_sharded(jobs, shards, settings, args)
-            else:
-                from .sharding import ShardedWorker
-
-                worker = ShardedWorker(jobs, shards, settings)
-                with _endpoints(args, jobs, worker, shards=shards):
-                    if args.until_empty:
-                        worker.run_until_empty()
-                    else:
-                        worker.run()
-        except WorkerError as exc:
-            raise CommandError(str(exc), EXIT_FAILURE) from None
-        except sa.exc.DBAPIError as exc:
-            raise CommandError(_describe(exc), EXIT_FAILURE) from None
-        return EXIT_OK
-    from .worker.supervisor import supervise
-
-    names = list(shards)
-    child = ["-v"] * args.verbose
-    # The settings carry --name: each child's worker is named NAME@shard.
-    child += ["worker", args.registry, *settings.to_argv(), *_log_argv(args), "--one-process"]
-    if args.asyncio:
-        child.append("--asyncio")
-
-    def shard_of(index: int) -> list[str]:
-        name = names[index % len(names)]
-        bind = shards[name]
-        own = (
-            [*_engine_argv(args), "--engine-shard", name]
-            if _is_engine(bind)
-            else ["--shard", f"{name}={bind}"]
-        )
-        for flag, at in (("--metrics-port", metrics_at), ("--health-port", health_at)):
-            if at is not None:
-                host, port = at
-                own += [flag, f"{host}:{port + index if port else 0}"]
-        return own
-
-    return supervise(
-        child,
-        args.processes * len(names),
-        grace_period=settings.grace_period,
-        child_args=shard_of,
-    )
-
-
-def _run_async_sharded(
-    jobs: Jobs, shards: dict[str, Any], settings: WorkerSettings, args: argparse.Namespace
-) -> None:
-    import asyncio
-
-    from .sharding import AsyncShardedWorker
-
-    async def main() -> None:
-        # Made from the URLs: each shard's engine is made, and disposed of, by its worker;
-        # the application's own engines are disposed of here (their connections belong
-        # to this loop).
-        worker = AsyncShardedWorker(jobs, shards, settings)
-        try:
-            with _endpoints(args, jobs, worker, shards=shards):
-                if args.until_empty:
-                    await worker.run_until_empty()
-                else:
-                    await worker.run()
-        finally:
-            for bind in shards.values():
-                if _is_engine(bind):
-                    await bind.dispose()
-
-    asyncio.run(main())
-
-
-def _run_async_worker(
-    jobs: Jobs, bind: Any, settings: WorkerSettings, args: argparse.Namespace
-) -> None:
-    """The asyncio worker on the application's ``AsyncEngine``, or on one made from the
-    URL ``bind`` on this loop. (The metrics' engine is made from the URL either way: an
-    ``AsyncEngine`` cannot serve the exporter's thread.)"""
-    import asyncio
-
-    from .db import create_async_engine
-    from .worker.aio import AsyncWorker
-
-    async def main() -> None:
-        engine = (
-            bind
-            if _is_engine(bind)
-            else create_async_engine(bind, pool_size=min(settings.concurrency, 32) + 4)
-        )
-        try:
-            worker = AsyncWorker(jobs, engine, settings)
-            with _endpoints(args, jobs, worker, bind if isinstance(bind, str) else engine.url):
-                if args.until_empty:
-                    await worker.run_until_empty()
-                else:
-                    await worker.run()
-        finally:
-            await engine.dispose()
-
-    asyncio.run(main())
-
-
-@contextlib.contextmanager
-def _endpoints(
-    args: argparse.Namespace,
-    jobs: Jobs,
-    worker: Any,
-    engine: sa.Engine | sa.URL | str | None = None,
-    *,
-    shards: dict[str, Any] | None = None,
-) -> Iterator[None]:
-    """Serve ``--metrics-port`` and ``--health-port`` while the worker runs.
-
-    For a sharded worker (``shards``): the health of every shard; the queue gauges of
-    every shard, labelled ``shard``, and when the process serves one shard (a child of
-    the supervisor), every series labelled with it, so that processes of different shards
-    scraped together stay apart."""
-    closers: list[Callable[[], None]] = []
-    try:
-        metrics_at: tuple[str, int] | None = getattr(args, "metrics_port", None)
-        if metrics_at is not None:
-            from prometheus_client import start_http_server
-
-            from .metrics import JobMetrics
-
-            # The application may have made its own (to count in its web processes too):
-            # then that one, and its CollectorRegistry, are served.
-            metrics = JobMetrics.attached(jobs)
-            if metrics is None:
-                where: dict[str, Any] = {"engine": engine}
-                # The gauges are read from the exporter's thread: an application's
-                # AsyncEngine is read through an engine made from its URL.
-                binds = {
-                    n: getattr(b, "url", b) if hasattr(b, "sync_engine") else b
-                    for n, b in (shards or {}).items()
-                }
-                if len(binds) == 1:
-                    [(name, bind)] = binds.items()
-                    where = {"engine": bind, "labels": {"shard": name}}
-                elif binds:
-                    where = {"engines": binds}
-                metrics = JobMetrics(jobs, **where)
-                closers.append(metrics.close)
-            for each in [worker] if shards is None else worker.workers.values():
-                metrics.track(each)
-            host, port = metrics_at
-            registry = metrics.registry
-            server, _ = _listening(
-                "--metrics-port", metrics_at, lambda: start_http_server(port, host, registry)
-            )
-            closers += [server.shutdown, server.server_close]
-        health_at: tuple[str, int] | None = getattr(args, "health_port", None)
-        if health_at is not None:
-            from .health import serve_health
-
-            at = health_at
-            drift = getattr(args, "schema_drift", None)  # from the check at start
-            health = _listening(
-                "--health-port", at, lambda: serve_health(worker, at[1], at[0], schema=drift)
-            )
-            closers.append(health.close)
-        yield
-    finally:
-        for close in reversed(closers):
-            with contextlib.suppress(Exception):
-                close()
-
-
-T = typing.TypeVar("T")
-
-
-def _listening(flag: str, at: tuple[str, int], start: Callable[[], T]) -> T:
-    try:
-        return start()
-    except OSError as exc:
-        raise CommandError(f"{flag} {at[0]}:{at[1]}: {exc.strerror or exc}", EXIT_FAILURE) from None
 
 
 def _need_asyncio() -> None:

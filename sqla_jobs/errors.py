@@ -1,6 +1,11 @@
-"""Exceptions: those raised to the caller, and those a handler raises to steer its job."""
+"""Exceptions: those raised to the caller, and those a handler raises to steer its job;
+and how any error is told in one line (:func:`describe`, :func:`unreachable`), which the
+worker, the CLI, the dashboard, metrics and tracing share."""
 
 from __future__ import annotations
+
+import psycopg
+import sqlalchemy as sa
 
 __all__ = [
     "EnqueueError",
@@ -11,6 +16,8 @@ __all__ = [
     "Snooze",
     "UnknownTaskError",
     "WorkerError",
+    "describe",
+    "unreachable",
 ]
 
 
@@ -69,3 +76,26 @@ class JobFailedError(JobsError):
         self.job_id = job_id
         self.status = status
         self.last_error = last_error
+
+
+def describe(exc: BaseException) -> str:
+    """One line about an error, without the SQL statement SQLAlchemy puts in its message."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def unreachable(exc: BaseException) -> bool:
+    """The server could not be reached (or dropped the connection), as opposed to an error
+    it answered with (a missing table, a constraint)."""
+    return isinstance(
+        exc,
+        (
+            sa.exc.OperationalError,
+            sa.exc.InterfaceError,
+            sa.exc.TimeoutError,
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+        ),
+    )

@@ -403,7 +403,7 @@ def result(
             time.sleep(_pause(pause, deadline, job_id, timeout))
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        from .worker.db import listen_sql, unlisten_sql
+        from .worker.statements import listen_sql, unlisten_sql
 
         conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = conn.connection.driver_connection
@@ -465,7 +465,7 @@ async def result_async(
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        from .worker.db import listen_sql, unlisten_sql
+        from .worker.statements import listen_sql, unlisten_sql
 
         await conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = (await conn.get_raw_connection()).driver_connection

@@ -80,8 +80,8 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "sqla_jobs.metrics needs prometheus-client: pip install 'sqla-jobs[metrics]'"
     ) from exc
 
+from .errors import describe
 from .events import EVENTS, JobEvent
-from .worker.core import describe
 
 if TYPE_CHECKING:
     from .tasks import Jobs

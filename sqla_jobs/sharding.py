@@ -50,10 +50,9 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import sqlalchemy as sa
@@ -62,7 +61,7 @@ from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
-from .errors import EnqueueError, WorkerError
+from .errors import EnqueueError, WorkerError, describe, unreachable
 from .model import JobMixin
 from .queries import insert_rows
 from .session import (
@@ -75,14 +74,15 @@ from .session import (
     refuse_unique,
 )
 from .tasks import ConfiguredTask, Jobs, Task
-from .worker.core import describe, unreachable
 from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
+from .worker.signals import signalled, stopped_by_signals
 from .worker.threaded import Worker
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from .worker.core import WorkerCore
     from .worker.settings import WorkerOptions
 
 __all__ = [
@@ -512,6 +512,10 @@ class _Shards(Generic[W]):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} shards={list(self.workers)}>"
 
+    def _cores(self) -> list[WorkerCore]:
+        """Every shard's worker core (a stop signal is told to each)."""
+        return [w.core for w in self.workers.values()]
+
     @property
     def processed(self) -> int:
         """Jobs finished by the workers of every shard."""
@@ -691,23 +695,8 @@ class ShardedWorker(_Shards[Worker]):
         self._down.clear()  # nothing is restarting any more
         self._raise_errors()
 
-    @contextlib.contextmanager
-    def _signals(self, install: bool) -> Iterator[None]:
-        if not install or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            for worker in self.workers.values():
-                worker.core.signalled(signal.Signals(signum).name)
-            self.stop()
-
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def _signals(self, install: bool) -> contextlib.AbstractContextManager[None]:
+        return stopped_by_signals(install, self._cores, self.stop)
 
 
 try:
@@ -789,9 +778,7 @@ else:
             return counts
 
         def _on_signal(self, sig: int) -> None:
-            for worker in self.workers.values():
-                worker.core.signalled(signal.Signals(sig).name)
-            self.stop()
+            signalled(self._cores(), self.stop, sig)
 
         async def _all(
             self,

@@ -32,13 +32,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from . import admin
+from ._settle import settle_children
 from .db import require_postgresql
 from .model import LIVE_STATUSES, JobStatus
 from .queries import claim_params, interval
 from .session import insert_pending, pending_jobs, session_registry
 from .tasks import Jobs, Task
 from .worker import Worker
-from .worker.db import settle_children
 from .worker.job import ClaimedJob, Outcome, OutcomeKind, decode_rows, outcome_statements
 
 __all__ = [

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "sqla_jobs.tracing needs opentelemetry-api: pip install 'sqla-jobs[tracing]'"
     ) from exc
 
-from .worker.core import describe
+from .errors import describe
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator

@@ -22,7 +22,7 @@ from sqla_jobs import (
     create_engine,
     current_job,
 )
-from sqla_jobs.worker.db import prune
+from sqla_jobs.worker.statements import prune
 
 from . import app
 from .helpers import rows, running, wait_for
@@ -234,7 +234,7 @@ def test_sibling_parents_completing_concurrently_release_once(
     """Two members of a group completed at the same moment on two connections: exactly
     one of the two releases takes the callback's count to 0, and the callback gets both
     results, in order, whatever the interleaving."""
-    from sqla_jobs.worker.db import settle_children
+    from sqla_jobs._settle import settle_children
 
     @jobs.task(queue="p", keep_result=True)
     def member(n: int) -> int:
@@ -301,7 +301,7 @@ def test_callback_gets_a_sibling_result_committed_while_its_release_waited(
     member's release starts (its snapshot taken) and waits for that lock; the first
     commits. The second release frees the callback, and must read the first member's
     result as committed, not as its snapshot had it (null)."""
-    from sqla_jobs.worker.db import settle_children
+    from sqla_jobs._settle import settle_children
 
     @jobs.task(queue="p", keep_result=True)
     def member(n: int) -> int:
@@ -694,8 +694,8 @@ def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
     """One completer batch: a plain job, a plain job that got a child while it ran, a
     result-keeping job, a lost claim. The new parent is completed with the flow job, in
     one statement, and its child released; the lost claim changes nothing."""
-    from sqla_jobs.worker.db import write_outcomes
     from sqla_jobs.worker.job import Outcome, OutcomeKind
+    from sqla_jobs.worker.statements import write_outcomes
 
     @jobs.task(queue="own")
     def plain() -> None: ...
@@ -851,7 +851,7 @@ def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
 ) -> None:
     """R runs after A and Q whatever their outcome. A died and counted R down; retried,
     A is waited for again: R is not freed by Q alone (it was, counted twice)."""
-    from sqla_jobs.worker.db import settle_children
+    from sqla_jobs._settle import settle_children
 
     @jobs.task(queue="flow")
     def step() -> None: ...
@@ -915,8 +915,8 @@ def test_bringing_a_child_back_does_not_miss_a_parent_completing_meanwhile(
     """C waits for A and P. A is cancelled (C with it); P runs. The retry of A brings C
     back, counting the parents still to run, while P's completion commits on another
     connection: C must end up waiting for A alone, never for a P that is done."""
+    from sqla_jobs._settle import settle_children
     from sqla_jobs.queries import batch_params
-    from sqla_jobs.worker.db import settle_children
 
     @jobs.task(queue="flow")
     def step() -> None: ...

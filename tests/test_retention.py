@@ -14,7 +14,7 @@ from sqla_jobs import (
     Worker,
 )
 from sqla_jobs.queries import interval
-from sqla_jobs.worker.db import prune
+from sqla_jobs.worker.statements import prune
 
 from . import app
 from .helpers import count, rows

@@ -21,7 +21,7 @@ from sqla_jobs import EnqueueError, Jobs, JobSession
 from sqla_jobs.model import companion_tables
 from sqla_jobs.queries import claim_params, interval, limited_claim_params
 from sqla_jobs.throttle import parse_rate
-from sqla_jobs.worker import db as worker_db
+from sqla_jobs.worker import statements as worker_db
 
 from . import app
 from .helpers import count, rows, wait_for

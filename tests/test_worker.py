@@ -391,7 +391,7 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
     # wait to start, as they would if the stop came between their claim and their start.
     if driver == "threads":
         worker = Worker(jobs, db, settings)
-        assert worker._drive(worker.core._claim()) == 2
+        assert worker._drive(worker.core.fetcher.claim()) == 2
         assert count(db, status="running") == 2
         worker._drive(worker.core.shutdown())
         worker._claim_conn.close()
@@ -402,7 +402,7 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
         async def main() -> None:
             engine = create_async_engine(database_url)
             worker = AsyncWorker(jobs, engine, settings)
-            assert await worker._drive(worker.core._claim()) == 2
+            assert await worker._drive(worker.core.fetcher.claim()) == 2
             assert count(db, status="running") == 2
             await worker._drive(worker.core.shutdown())
             await worker._claim_conn.close()

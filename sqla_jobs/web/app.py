@@ -27,9 +27,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import admin
+from ..errors import describe
 from ..model import STATUSES, JobStatus
 from ..tasks import Jobs
-from ..worker.core import describe
 
 __all__ = ["Dashboard", "create_app"]
 

@@ -28,11 +28,13 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
-from . import db
+from ..db import create_async_engine
+from . import statements
 from . import steps as s
 from .core import Run
-from .driver import DriverBase, Events, pool_size, run_session
+from .driver import DriverBase, Wakeups, pool_size, run_session
 from .job import ClaimedJob, Outcome
+from .signals import signalled
 
 __all__ = ["AsyncWorker"]
 
@@ -47,13 +49,11 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     keyword arguments override.
     """
 
-    _events: Events[asyncio.Event]
+    _wakeups: Wakeups[asyncio.Event]
 
     def _make_engine(self, bind: AsyncEngine | str) -> AsyncEngine:
         if isinstance(bind, AsyncEngine):
             return bind
-        from ..db import create_async_engine
-
         return create_async_engine(bind, pool_size=pool_size(self.settings.concurrency))
 
     def _prepare(self) -> None:
@@ -61,7 +61,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         # be on a loop of its own: they are made again at the start of every run.
         self._claim_conn = _HeldConnection(self.engine)
         self._write_conn = _HeldConnection(self.engine)
-        self._events = Events(asyncio.Event)
+        self._wakeups = Wakeups(asyncio.Event)
         #: Outcomes for the completer: a deque, and an event set only while the completer
         #: waits on an empty one (an asyncio.Queue made a future per outcome).
         self._outbox: collections.deque[Outcome | None] = collections.deque()
@@ -83,8 +83,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 loop.call_soon_threadsafe(self._wake_stopping)
 
     def _wake_stopping(self) -> None:
-        self._events.stopping.set()
-        self._events.wake.set()
+        self._wakeups.stopping.set()
+        self._wakeups.wake.set()
 
     async def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully.
@@ -128,8 +128,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             await self._write_conn.close()
 
     def _on_signal(self, sig: int) -> None:
-        self.core.signalled(signal.Signals(sig).name)
-        self.stop()
+        signalled([self.core], self.stop, sig)
 
     # -- carrying out steps ----------------------------------------------------------------
 
@@ -146,7 +145,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         return stepper.value
 
     async def _do(self, step: s.Step, handler: Callable[[], Any] | None, session: Any) -> Any:
-        events = self._events
+        events = self._wakeups
         match step:
             case s.Io(fn, args, s.Conn.CLAIM):
                 return await self._claim_conn.run(fn, *args)
@@ -182,7 +181,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 pooled.detach()
                 await raw.rollback()  # type: ignore[union-attr]
                 await raw.set_autocommit(True)  # type: ignore[union-attr]
-                await raw.execute(db.listen_sql(channel))  # type: ignore[union-attr]
+                await raw.execute(statements.listen_sql(channel))  # type: ignore[union-attr]
             case s.Notifications(timeout):
                 notes = self._listen_conn.notifies(timeout=timeout, stop_after=1)
                 return [n.payload async for n in notes]
@@ -303,7 +302,7 @@ async def _wait(event: asyncio.Event, seconds: float) -> bool:
 
 
 class _HeldConnection:
-    """The asyncio twin of :class:`.db.HeldConnection`: one autocommit connection kept
+    """The asyncio twin of :class:`.statements.HeldConnection`: one autocommit connection kept
     between statements, running the same statement functions through ``run_sync``."""
 
     def __init__(self, engine: AsyncEngine) -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .job import ClaimedJob, Outcome
     from .settings import WorkerOptions, WorkerSettings
 
-__all__ = ["DriverBase", "Events", "run_session"]
+__all__ = ["DriverBase", "Wakeups", "run_session"]
 
 E = TypeVar("E")
 S = TypeVar("S", bound="Session | AsyncSession")
@@ -47,8 +47,9 @@ class _Event(Protocol):
 EventT = TypeVar("EventT", bound=_Event)
 
 
-class Events(Generic[EventT]):
-    """The events the steps wait on: ``threading.Event`` or ``asyncio.Event``."""
+class Wakeups(Generic[EventT]):
+    """The events the steps wait on: ``threading.Event`` or ``asyncio.Event``. (Not the
+    registry's job events, :class:`sqla_jobs.events.Events`: these only wake a loop.)"""
 
     def __init__(self, make: Callable[[], EventT]) -> None:
         #: The fetch loop's wake-up: a NOTIFY, a freed slot, a stop.
@@ -69,7 +70,7 @@ class DriverBase(Generic[E]):
         fields (``Worker(jobs, engine, concurrency=16)``), which are described there.
     """
 
-    _events: Events[Any]
+    _wakeups: Wakeups[Any]
     _outbox: Any
 
     def __init__(
@@ -142,13 +143,13 @@ class DriverBase(Generic[E]):
         self._outbox.put_nowait(outcome)
 
     def wake(self) -> None:
-        self._events.wake.set()
+        self._wakeups.wake.set()
 
     def poke(self) -> None:
-        self._events.poke.set()
+        self._wakeups.poke.set()
 
     def written(self) -> None:
-        self._events.written.set()
+        self._wakeups.written.set()
 
 
 def pool_size(concurrency: int) -> int:

@@ -13,11 +13,7 @@ import contextvars
 import enum
 import json
 import logging
-import os
-import socket
 import threading
-import traceback
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .._settle import format_error
 from ..errors import PermanentError, ResultError, Snooze
 from ..limits import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
 from ..queries import Queries, batch_params, fail_params, snooze_params
@@ -37,7 +34,6 @@ __all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Outcome", "OutcomeKind", "current_jo
 
 log = logging.getLogger("sqla_jobs.worker")
 
-_MAX_ERROR_CHARS = 65536
 
 #: Payload of a NOTIFY that asks workers to heartbeat now: a running job was cancelled.
 CANCEL_PAYLOAD = "!cancel"
@@ -276,14 +272,6 @@ def outcome_name(outcome: Outcome) -> str:
     if kind is OutcomeKind.SNOOZED:
         return "snoozed"
     return "cancelled"
-
-
-def format_error(exc: BaseException) -> str:
-    """The exception and its traceback, as kept in ``last_error`` (capped at 64 KiB)."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    if len(text) > _MAX_ERROR_CHARS:
-        text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
-    return text
 
 
 def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
@@ -571,8 +559,3 @@ def outcome_statements(
 
 def _job_id(outcome: Outcome) -> int:
     return outcome.job.id
-
-
-def worker_name() -> str:
-    """Unique per worker: host, pid and a random suffix (several workers per process)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"

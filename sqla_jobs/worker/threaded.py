@@ -17,22 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue as queue_mod
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from ..db import create_engine
 from ..session import insert_pending
-from . import db
+from . import statements
 from . import steps as s
 from .core import Run
-from .driver import DriverBase, Events, pool_size, run_session
+from .driver import DriverBase, Wakeups, pool_size, run_session
 from .job import ClaimedJob, Outcome, OutcomeKind
+from .signals import stopped_by_signals
 
 __all__ = ["Worker"]
 
@@ -46,19 +46,17 @@ class Worker(DriverBase[sa.Engine]):
     heartbeat, maintenance, transactional tasks) and one dedicated LISTEN connection.
     """
 
-    _events: Events[threading.Event]
+    _wakeups: Wakeups[threading.Event]
 
     def _make_engine(self, bind: sa.Engine | str) -> sa.Engine:
         if isinstance(bind, sa.Engine):
             return bind
-        from ..db import create_engine
-
         return create_engine(bind, pool_size=pool_size(self.settings.concurrency))
 
     def _prepare(self) -> None:
-        self._claim_conn = db.HeldConnection(self.engine)
-        self._write_conn = db.HeldConnection(self.engine)
-        self._events = Events(threading.Event)
+        self._claim_conn = statements.HeldConnection(self.engine)
+        self._write_conn = statements.HeldConnection(self.engine)
+        self._wakeups = Wakeups(threading.Event)
         self._inbox: queue_mod.SimpleQueue[ClaimedJob | None] = queue_mod.SimpleQueue()
         self._outbox: queue_mod.SimpleQueue[Outcome | None] = queue_mod.SimpleQueue()
         self._executors: list[threading.Thread] = []
@@ -73,8 +71,8 @@ class Worker(DriverBase[sa.Engine]):
     def stop(self) -> None:
         """Ask the worker to stop: no new claims, then a graceful shutdown. Thread-safe."""
         self.core.stopping = True
-        self._events.stopping.set()
-        self._events.wake.set()
+        self._wakeups.stopping.set()
+        self._wakeups.wake.set()
 
     def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully.
@@ -127,7 +125,7 @@ class Worker(DriverBase[sa.Engine]):
         return stepper.value
 
     def _do(self, step: s.Step, handler: Callable[[], Any] | None, session: Any) -> Any:
-        events = self._events
+        events = self._wakeups
         match step:
             case s.Io(fn, args, s.Conn.CLAIM):
                 return self._claim_conn.run(fn, *args)
@@ -162,7 +160,7 @@ class Worker(DriverBase[sa.Engine]):
                 pooled.detach()
                 raw.rollback()  # type: ignore[union-attr]
                 raw.autocommit = True  # type: ignore[union-attr]
-                raw.execute(db.listen_sql(channel))  # type: ignore[union-attr]
+                raw.execute(statements.listen_sql(channel))  # type: ignore[union-attr]
             case s.Notifications(timeout):
                 notes = self._listen_conn.notifies(timeout=timeout, stop_after=1)
                 return [n.payload for n in notes]
@@ -297,22 +295,8 @@ class Worker(DriverBase[sa.Engine]):
         assert run.outcome is not None
         return run.outcome
 
-    @contextlib.contextmanager
-    def _signals(self, install: bool) -> Iterator[None]:
-        if not install or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: FrameType | None) -> None:
-            self.core.signalled(signal.Signals(signum).name)
-            self.stop()
-
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
+    def _signals(self, install: bool) -> contextlib.AbstractContextManager[None]:
+        return stopped_by_signals(install, lambda: [self.core], self.stop)
 
 
 def _thread(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:

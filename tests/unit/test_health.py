@@ -14,8 +14,8 @@ import sqlalchemy as sa
 
 from sqla_jobs.worker import steps as s
 from sqla_jobs.worker.core import Run
-from sqla_jobs.worker.db import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
+from sqla_jobs.worker.statements import Refresh
 
 from .test_core import make, row, run_steps
 
@@ -84,19 +84,19 @@ def test_outcomes_that_wait_for_a_write_make_the_worker_unhealthy_unless_the_dat
         raise KeyboardInterrupt  # stop at the pause before the next try
 
     with pytest.raises(KeyboardInterrupt):
-        run_steps(core.complete_once(), unreachable)
+        run_steps(core.completer.run_once(), unreachable)
     outage = core.health(now=t + 3)
     assert outage.healthy and outage.database.startswith("unreachable for ")
 
     # Written at last: nothing waits any more.
-    core._unwritten_batch = []
+    core.completer.batch = []
 
     def written(step: s.Step) -> Any:
         if isinstance(step, s.TakeOutcomes):
             return [driver.recorded[0]] if step.timeout is None else []
         return None
 
-    _, more = run_steps(core.complete_once(), written)
+    _, more = run_steps(core.completer.run_once(), written)
     assert more is True and core.unwritten == 0
     back = core.health(now=t + 100)
     assert back.healthy and back.database == "ok"
@@ -172,23 +172,23 @@ def test_a_progress_note_makes_the_heartbeat_beat_within_a_second_and_no_sooner(
         written.append(step.args[3])
         return {(1, 1), (2, 1)}
 
-    core._last_beat = time.monotonic()
-    run_steps(core.heartbeat_once(), answer)
+    core.heartbeat.last_beat = time.monotonic()
+    run_steps(core.heartbeat.run_once(), answer)
     assert written == []  # nothing waits
 
     first.set_progress(0.5, note="half way")
-    run_steps(core.heartbeat_once(), answer)
+    run_steps(core.heartbeat.run_once(), answer)
     assert written == []  # a beat went out less than a second ago
 
-    core._last_beat = time.monotonic() - 1.01
-    run_steps(core.heartbeat_once(), answer)
+    core.heartbeat.last_beat = time.monotonic() - 1.01
+    run_steps(core.heartbeat.run_once(), answer)
     (notes,) = written
     assert notes[1] is None and notes[0] is not None
     assert first.progress is not None and first.progress["note"] == "half way"
     assert first.unwritten_progress() is None  # written: not sent again
 
-    core._last_beat = time.monotonic() - 1.01
-    run_steps(core.heartbeat_once(), answer)
+    core.heartbeat.last_beat = time.monotonic() - 1.01
+    run_steps(core.heartbeat.run_once(), answer)
     assert len(written) == 1
     assert second.progress is None
 
@@ -219,10 +219,10 @@ def test_a_refused_heartbeat_drops_its_progress_notes_but_an_outage_keeps_them()
         return answer
 
     outage = sa.exc.OperationalError("UPDATE ...", {}, psycopg.OperationalError("gone"))
-    run_steps(core.beat(), refuse(outage))
+    run_steps(core.heartbeat.beat(), refuse(outage))
     assert job.unwritten_progress() is not None  # sent again with the next beat
     bad = sa.exc.DataError("UPDATE ...", {}, psycopg.DataError("invalid input syntax"))
-    run_steps(core.beat(), refuse(bad))
+    run_steps(core.heartbeat.beat(), refuse(bad))
     assert job.unwritten_progress() is None  # the next beat keeps the leases without it
 
 
@@ -244,7 +244,7 @@ def test_the_fetch_loop_reports_a_database_it_cannot_reach() -> None:
             assert core.health().database.startswith("unreachable for ")
         return None
 
-    run_steps(core.fetch(), answer)
+    run_steps(core.fetcher.fetch(), answer)
     assert calls >= 2 and core.health().database == "ok"
 
 

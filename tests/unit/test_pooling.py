@@ -12,10 +12,11 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import db, hearing
+from sqla_jobs.worker import hearing
+from sqla_jobs.worker import statements as db
 from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.core import lost_prepared_statement, retry_pause
 from sqla_jobs.worker.hearing import ListenWatch
+from sqla_jobs.worker.outage import lost_prepared_statement, retry_pause
 
 from .test_core import make, row, run_steps
 
@@ -71,15 +72,15 @@ def test_jobs_that_were_there_before_the_listen_or_in_a_full_claim_are_no_sign()
 
 def listener(core: Any) -> Any:
     """The listener generator, past its LISTEN, waiting for notifications."""
-    steps = core.listen_once()
+    steps = core.listener.run_once()
     assert isinstance(next(steps), s.Listen)
     assert isinstance(steps.send(None), s.Notifications)
     return steps
 
 
 def claim(core: Any, rows: list[Any]) -> None:
-    core._dry.clear()  # as the poll interval would
-    run_steps(core._claim(), lambda step: rows)
+    core.fetcher.dry.clear()  # as the poll interval would
+    run_steps(core.fetcher.claim(), lambda step: rows)
 
 
 def test_a_worker_whose_listen_hears_nothing_says_so_once_and_stops_listening(
@@ -171,11 +172,11 @@ def test_lost_prepared_statements_are_one_error_line_naming_the_fix(caplog: Any)
         return None  # retention: another worker holds the pruner lock
 
     with caplog.at_level(logging.DEBUG, "sqla_jobs.worker"):
-        run_steps(core.fetch(), answer)
+        run_steps(core.fetcher.fetch(), answer)
         # The other duties' database errors too: the completer's, the heartbeat's.
         core.supervise("completer", 1, LOST[1])
         core.claimed([row(1)])
-        run_steps(core.beat(), lambda step: (_ for _ in ()).throw(LOST[2]))
+        run_steps(core.heartbeat.beat(), lambda step: (_ for _ in ()).throw(LOST[2]))
     assert pauses == [0.0] + [0.05] * 8
     errors_logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(errors_logged) == 1, [r.getMessage() for r in errors_logged]

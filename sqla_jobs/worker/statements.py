@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
+from .._settle import settle_children
 from ..queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -27,12 +28,12 @@ from ..queries import (
     heartbeat_params,
     throughput_params,
 )
+from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from ..tasks import Jobs
-    from .job import ClaimedJob, Outcome
 
 __all__ = [
     "HeldConnection",
@@ -127,8 +128,6 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     the autocommit completion leaves it running (it has children now), and it is completed
     with the flow jobs, kept ``done`` until retention like any parent.
     """
-    from .job import outcome_statements
-
     batch = list(batch)
     queue_of = {o.job.id: o.job.queue for o in batch}
     tally: Tally = {}
@@ -231,43 +230,6 @@ def _count(
                 ended.append(row[0])
 
 
-def settle_children(
-    conn: sa.Connection | Session, queries: Queries, succeeded: list[int], ended: list[int]
-) -> None:
-    """What waits on these parents: children of ``succeeded`` ones are released (ready
-    once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
-    are cancelled down the chain, except those that run anyway, which are released.
-    Statements of their own, run after the parents' own in the same transaction.
-
-    Each release first locks the children it settles, in a statement of its own: the
-    release that reads the parents' rows (a group callback's results) then sees every
-    sibling parent whose completion committed while it waited for a child, which a
-    statement that had waited for the lock itself would not (see ``_lock_children`` in
-    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
-    REPEATABLE READ a sibling completing concurrently makes the lock fail with a
-    serialization error (the transaction is retried) instead of reading a stale result.
-    """
-    if ended:
-        reason = (
-            "cancelled: a job it waited for (after=) ended dead or cancelled "
-            f"(job {', '.join(map(str, ended[:10]))})"
-        )
-        rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
-        cancelled = [r[0] for r in rows]
-        _release(conn, queries, ended + cancelled)
-    if succeeded:
-        _release(conn, queries, succeeded)
-
-
-def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
-    """Lock the children still waiting on these parents, then release them (nothing more
-    when none waits)."""
-    children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
-    if children:
-        release = {"parent_ids": parent_ids, "child_ids": children}
-        conn.execute(queries.release, release).all()
-
-
 def beat(
     conn: sa.Connection,
     queries: Queries,
@@ -295,8 +257,6 @@ def complete_in(
     task's), with its children released in it too. False if the claim is no longer this
     worker's. A result-keeping job keeps ``value`` (the handler's return; a value that is
     not JSON raises :class:`~sqla_jobs.ResultError`, which fails the run)."""
-    from .job import keeps, result_json
-
     keep = keeps(job)
     if keep is not None:
         params = dict(batch_params([job]))

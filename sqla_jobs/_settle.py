@@ -1,0 +1,81 @@
+"""Statement I/O shared by the worker and the caller-side claims (:mod:`sqla_jobs.claiming`):
+settling what waits on finished parents, the text kept in ``last_error``, and the name a
+claimer goes by.
+
+Internal (the underscore): it sits below both users, so that the session API does not
+import the worker to settle a job it claimed itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+import uuid
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from .queries import Queries
+
+__all__ = ["cap_error", "format_error", "settle_children", "worker_name"]
+
+#: ``last_error`` keeps at most this much of a traceback.
+_MAX_ERROR_CHARS = 64 * 1024
+
+
+def worker_name() -> str:
+    """Unique per worker: host, pid and a random suffix (several workers per process)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def format_error(exc: BaseException) -> str:
+    """The exception and its traceback, as kept in ``last_error`` (capped at 64 KiB)."""
+    return cap_error("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def cap_error(text: str) -> str:
+    """``text`` as kept in ``last_error``: at most 64 KiB, the cut said."""
+    if len(text) > _MAX_ERROR_CHARS:
+        text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
+    return text
+
+
+def settle_children(
+    conn: sa.Connection | Session, queries: Queries, succeeded: list[int], ended: list[int]
+) -> None:
+    """What waits on these parents: children of ``succeeded`` ones are released (ready
+    once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
+    are cancelled down the chain, except those that run anyway, which are released.
+    Statements of their own, run after the parents' own in the same transaction.
+
+    Each release first locks the children it settles, in a statement of its own: the
+    release that reads the parents' rows (a group callback's results) then sees every
+    sibling parent whose completion committed while it waited for a child, which a
+    statement that had waited for the lock itself would not (see ``_lock_children`` in
+    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
+    REPEATABLE READ a sibling completing concurrently makes the lock fail with a
+    serialization error (the transaction is retried) instead of reading a stale result.
+    """
+    if ended:
+        reason = (
+            "cancelled: a job it waited for (after=) ended dead or cancelled "
+            f"(job {', '.join(map(str, ended[:10]))})"
+        )
+        rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
+        cancelled = [r[0] for r in rows]
+        _release(conn, queries, ended + cancelled)
+    if succeeded:
+        _release(conn, queries, succeeded)
+
+
+def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
+    """Lock the children still waiting on these parents, then release them (nothing more
+    when none waits)."""
+    children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
+    if children:
+        release = {"parent_ids": parent_ids, "child_ids": children}
+        conn.execute(queries.release, release).all()

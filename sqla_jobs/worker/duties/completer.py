@@ -1,0 +1,124 @@
+"""The completer: writes the outcomes of finished runs, many per statement.
+
+Outcomes queue up in the driver (``Driver.record``); the completer takes the first one,
+waits up to ``completion_interval`` for others (up to ``completion_batch``), and writes
+them in one statement guarded by (id, attempts). Database errors are retried for as long
+as the worker runs (a short outage costs latency, not outcomes); once the worker stops,
+a few more tries, then the jobs are left to run again when their leases pass. The
+completer outlives the stop: it ends once the run has ended and every outcome is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from ...errors import describe
+from .. import statements
+from ..outage import is_database_error, retry_pause
+from ..steps import END, Conn, Io, Pause, Step, Steps, TakeOutcomes
+
+if TYPE_CHECKING:
+    from ..core import WorkerCore
+    from ..job import Outcome
+
+__all__ = ["Completer"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class Completer:
+    """Batches of outcomes, written."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        #: A batch whose write failed with a bug (not the database): written next time.
+        self.batch: list[Outcome] = []
+        self.ended = False
+
+    def reset(self) -> None:
+        """A new run: its outcomes have not ended (a batch left by a bug stays)."""
+        self.ended = False
+
+    def run_once(self) -> Steps:
+        """Write one batch of outcomes, retrying through database errors. Returns False
+        once the worker stopped and every outcome is written."""
+        core = self.core
+        batch = self.batch or (yield from self.take_batch())
+        self.batch = []
+        if not batch:
+            return False
+        try:
+            yield from self.write(batch)
+        except Exception:
+            # A bug, not the database: the supervisor logs it and runs this again after a
+            # pause, with the same batch, or stops the worker if it keeps failing.
+            self.batch = batch
+            raise
+        with core._lock:
+            core._unwritten -= len(batch)
+            core._outcomes_since = time.monotonic() if core._unwritten else None
+        core.reached()
+        core.driver.written()
+        return True
+
+    def take_batch(self) -> Generator[Step, Any, list[Outcome]]:
+        """The next batch: wait for a first outcome, then up to ``completion_interval``
+        more for others, up to ``completion_batch``. Empty once the run has ended."""
+        s = self.core.settings
+        batch: list[Outcome] = []
+        deadline: float | None = None
+        if self.ended:
+            return batch
+        while len(batch) < s.completion_batch:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            taken = yield TakeOutcomes(s.completion_batch - len(batch), timeout)
+            if END in taken:
+                self.ended = True
+                taken = [o for o in taken if o is not END]
+            batch.extend(taken)
+            if self.ended or (deadline is not None and not taken):
+                break
+            if deadline is None:
+                deadline = time.monotonic() + s.completion_interval
+        return batch
+
+    def write(self, batch: list[Outcome]) -> Steps:
+        """Write ``batch``, retrying through database errors; then count it for the
+        presence report, free the limited queues it frees, and wake the fetch loop for
+        the retries it scheduled."""
+        core = self.core
+        failures = 0
+        while True:
+            try:
+                written = yield Io(statements.write_outcomes, (core.queries, batch), Conn.WRITE)
+                core.presence.count(written)
+                core.fetcher.freed(batch)
+                break
+            except Exception as exc:
+                if not is_database_error(exc):
+                    raise
+                failures += 1
+                core.note_unreachable(exc)
+                if core.stopping and failures > 5:
+                    log.error(
+                        "worker %s: could not record %d outcomes (%s); their jobs will run "
+                        "again once their leases pass",
+                        core.name,
+                        len(batch),
+                        describe(exc),
+                    )
+                    return
+                pause = retry_pause(failures, exc)
+                core.db_warning(
+                    exc,
+                    "worker %s: writing %d outcomes failed, retrying in %.2fs: %s",
+                    core.name,
+                    len(batch),
+                    pause,
+                    describe(exc),
+                )
+                yield Pause(pause, stoppable=False)
+        core.maintenance.note_due(batch)

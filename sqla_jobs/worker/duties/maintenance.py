@@ -1,0 +1,121 @@
+"""The shared upkeep: refresh (paused queues, woken queues, the next due time), the
+rescue of expired leases, and retention.
+
+Any worker may run it; the statements make it safe to run from many at once (retention
+runs in the one worker that holds the pruner lock). It has no loop of its own: the fetch
+loop runs it when due (every poll interval, or once a known due time has passed), and a
+driver can force it (``Worker.maintain()``). Its schedule also tells the idle fetch loop
+how long it may sleep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from .. import statements
+from ..job import OutcomeKind
+from ..steps import Conn, Io, Step, Steps
+
+if TYPE_CHECKING:
+    from ..core import WorkerCore
+    from ..job import Outcome
+    from ..statements import Refresh
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class Maintenance:
+    """When the upkeep is due, and carrying it out."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh schedule for a new run: everything is due at once."""
+        #: The earliest known time a scheduled job (a retry, a snooze) falls due.
+        self.next_due: float | None = None
+        self.next_refresh = 0.0
+        self.next_rescue = 0.0
+        self.next_prune = 0.0
+        #: The paused queues, as of the last refresh.
+        self.paused: frozenset[str] = frozenset()
+
+    def now(self) -> Steps:
+        """Run the maintenance now, whatever its schedule says."""
+        self.next_refresh = 0.0
+        yield from self.run_once()
+
+    def run_once(self) -> Steps:
+        """The shared maintenance, when due: every poll interval, or once a known due time
+        has passed. Retention runs every ``prune_interval`` in one elected worker."""
+        core = self.core
+        now = time.monotonic()
+        due = self.next_due is not None and now >= self.next_due
+        if now < self.next_refresh and not due:
+            return
+        rescue = now >= self.next_rescue
+        result: Refresh = yield Io(statements.refresh, (core.jobs, rescue), Conn.TX)
+        now = time.monotonic()
+        settings = core.settings
+        if rescue:
+            self.next_rescue = now + settings.rescue_every
+        self.paused = result.paused
+        dry = core.fetcher.dry
+        for queue in result.woken:
+            dry.pop(queue, None)
+        self.next_refresh = now + settings.poll_interval
+        self.next_due = None if result.due_in is None else now + max(0.0, result.due_in)
+        if now >= self.next_prune:
+            self.next_prune = now + settings.prune_interval
+            pruned = yield from self.prune()
+            if pruned:
+                log.info("worker %s: pruned %d finished jobs", core.name, pruned)
+
+    def prune(self, *, max_batches: int = 20) -> Generator[Step, Any, int]:
+        """Retention, in batches of their own short transactions; stops at once if another
+        worker holds the pruner lock. Returns how many rows were deleted."""
+        jobs = self.core.jobs
+        total = 0
+        for statement, age in statements.prune_work(jobs):
+            for _ in range(max_batches):
+                deleted = yield Io(statements.prune_batch, (jobs, statement, age), Conn.TX)
+                if deleted is None:
+                    return total
+                total += deleted
+                if deleted < statements.PRUNE_BATCH:
+                    break
+        return total
+
+    def sleep_for(self) -> float:
+        """How long the idle fetch loop may sleep as far as upkeep goes: to the next
+        refresh or due time, at most a poll interval."""
+        now = time.monotonic()
+        sleep = min(self.core.settings.poll_interval, max(0.0, self.next_refresh - now))
+        if self.next_due is not None:
+            sleep = min(sleep, max(0.0, self.next_due - now) + 0.001)
+        return sleep
+
+    def due_soon(self, within: float) -> bool:
+        """A scheduled job falls due within ``within`` seconds (``run_until_empty`` waits)."""
+        if within <= 0 or self.next_due is None:
+            return False
+        return self.next_due - time.monotonic() <= within
+
+    def note_due(self, batch: Iterable[Outcome]) -> None:
+        """Retries and snoozes were scheduled: make sure the fetch loop wakes for them."""
+        sooner = False
+        for o in batch:
+            if o.kind is not OutcomeKind.SUCCEEDED:
+                due = time.monotonic() + o.delay
+                if self.next_due is None or due < self.next_due:
+                    self.next_due = due
+                    sooner = True
+        if sooner:
+            # Its sleep was timed before this due time was known.
+            self.core.driver.wake()

@@ -1,0 +1,310 @@
+"""The fetch loop: what to claim, from which queue, and how much.
+
+Claims go out queue by queue in a rotating order (:meth:`Fetcher.claim_order`), so that
+no queue always goes first. A queue whose last claim came back short is *dry* and skipped
+until a NOTIFY names it or the next poll round; a limited queue (:mod:`sqla_jobs.throttle`)
+is never dry, but *held* until its slot or its rate window frees. Each claim asks for the
+free slots plus a claim-ahead estimated from how fast handlers finish and how long a claim
+takes (:meth:`Fetcher.estimate_ahead`). Between rounds the loop sleeps until woken, or
+until the maintenance (:mod:`.duties.maintenance`) is due.
+
+Like the rest of the core, this does no I/O: it yields steps for a driver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import describe
+from ..queries import ClaimParams, claim_params, limited_claim_params
+from . import statements
+from .outage import is_database_error, retry_pause
+from .steps import Conn, Io, Pause, Sleep, Step, Steps, WaitWritten
+
+if TYPE_CHECKING:
+    from .core import WorkerCore
+    from .job import Outcome
+
+__all__ = ["LIMIT_RECHECK", "Fetcher"]
+
+#: Seconds a worker waits before it claims again from a queue whose concurrency (or key)
+#: limit was full, unless one of its own completions frees a slot first. Other workers'
+#: completions are not announced; this bounds how late it notices them, at a cost of a
+#: few cheap claims a second per worker.
+LIMIT_RECHECK = 0.2
+
+
+class Fetcher:
+    """The fetch loop over a worker's shared state (slots, the running set, the lock)."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh state for a new run."""
+        #: Set by a claim that got as many jobs as asked: there may be more right now.
+        self.more = False
+        #: Limited queues not to claim from until a monotonic time: their limits held
+        #: ready jobs back at the last claim.
+        self.held: dict[str, float] = {}
+        #: Those of them held by their rate (a completion does not end that wait).
+        self.rate_held: set[str] = set()
+        self.turn = 0
+        self.dry: dict[str, float] = {}
+        #: When a NOTIFY last named each queue (monotonic): a claim that began before it
+        #: may have missed its jobs, so it does not make the queue dry. Written by the
+        #: listener, read by the fetch loop, both under the core's lock.
+        self.notified: dict[str, float] = {}
+        #: For the claim-ahead: handlers finished per second and a claim's round trip,
+        #: both smoothed, and since when the rate is counted.
+        self.rate = 0.0
+        self.rtt = 0.0
+        self.rate_mark = (time.monotonic(), self.core.processed)
+
+    def fetch(self, *, wait_scheduled: float = 0.0, deadline: float | None = None) -> Steps:
+        """Claim, run maintenance, sleep; until stopped (or, ``until_empty``, until no job is
+        ready or running here and none falls due within ``wait_scheduled`` seconds)."""
+        core = self.core
+        maintenance = core.maintenance
+        failures = 0
+        while not core.stopping:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            try:
+                yield from maintenance.run_once()
+                yield from self.claim()
+                if core.until_empty and not self.more and core.idle:
+                    # Outcomes may still be in flight (a retry not yet scheduled): write
+                    # them, refresh, and look once more before calling it empty.
+                    yield WaitWritten()
+                    maintenance.next_refresh = 0.0
+                    self.dry.clear()  # "empty" means every queue looked at now
+                    yield from maintenance.run_once()
+                    # A limited queue that held ready jobs back is not empty: wait for
+                    # its slot or its rate window (the sleep below ends when it is due).
+                    claimed = yield from self.claim()
+                    if not claimed and not self.held and not maintenance.due_soon(wait_scheduled):
+                        return
+                if failures:
+                    failures = 0
+                    core.reached()
+            except Exception as exc:
+                if not is_database_error(exc):
+                    raise
+                failures += 1
+                core.note_unreachable(exc)
+                pause = retry_pause(failures, exc)
+                core.db_warning(
+                    exc,
+                    "worker %s: database error, retrying in %.2fs: %s",
+                    core.name,
+                    pause,
+                    describe(exc),
+                )
+                yield Pause(pause)
+                continue
+            if not self.more:
+                yield Sleep(self.sleep_for())
+
+    def claim_order(self) -> list[str]:
+        """The queues to claim from this round: unpaused ones, starting from a rotating one
+        so that no queue always goes first.
+
+        A queue whose last claim came back short is dry: it is skipped until a NOTIFY names
+        it or the next poll round (:meth:`dry_until`). A worker serving 1,000 queues with
+        jobs in three of them would otherwise send a thousand claims per round, nearly all
+        empty, while the busy queues wait (``benchmarks/curves.py --rows queues``).
+        Limited queues are never dry: their own wait (``held``, until a slot or the rate
+        window frees) decides when they are claimed again."""
+        core = self.core
+        dry, now, paused = self.dry, time.monotonic(), core.maintenance.paused
+        queues = [q for q in core.queues if q not in paused and not dry.get(q, 0.0) > now]
+        if self.held:
+            with core._lock:
+                queues = [q for q in queues if self.held.get(q, 0.0) <= now]
+        if not queues:
+            return []
+        start = self.turn % len(queues)
+        self.turn = start + 1
+        return queues[start:] + queues[:start]
+
+    def claim(self) -> Generator[Step, Any, int]:
+        """Claim up to the free slots (and the claim-ahead), queue by queue; dispatch each
+        claim at once.
+
+        Sets ``more`` when a queue gave as many jobs as asked (there may be more right
+        now), and marks the worker saturated when too little room is left for a claim
+        worth sending (a finishing job must then wake the loop). Otherwise the queues are
+        drained for the moment.
+        """
+        core = self.core
+        self.more = False
+        self.estimate_ahead()
+        with core._lock:
+            # Under the lock with the flag: a job finishing in between sees it and wakes us.
+            room = core._free + core._ahead
+            if room < core._wake_at:
+                core._saturated = True
+                return 0
+        total = 0
+        watch = core.listen_watch
+        for queue in self.claim_order():
+            limited = queue in core.limits
+            # Limited queues share the room: their claims, like any, are 'running' rows
+            # while they wait, so their limits hold (and kept to the free slots, they
+            # would starve beside a busy queue that keeps those below zero).
+            want = min(room - total, core.settings.claim_limit)
+            if want <= 0:
+                break
+            # One statement in autocommit: it has committed when it returns. Only now may
+            # the jobs start: a completion written before the claim is visible would find
+            # the row still 'ready' and match nothing.
+            params = claim_params(queue, want, core.lease, core.name)
+            began = time.monotonic()
+            if limited:
+                rows = yield from self.claim_limited(queue, params)
+            else:
+                rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
+                took = time.monotonic() - began
+                self.rtt = took if not self.rtt else 0.8 * self.rtt + 0.2 * took
+                if watch.active:
+                    watch.claimed(queue, began, len(rows), want, began + took)
+            if len(rows) == want:
+                self.more = True
+                self.dry.pop(queue, None)
+            elif not limited:
+                # Not when a NOTIFY for it arrived while this claim was on its way: the
+                # claim's snapshot may predate the jobs it announced.
+                with core._lock:
+                    if self.notified.get(queue, 0.0) < began:
+                        self.dry[queue] = self.dry_until(began)
+            if rows:
+                claimed = core.claimed(rows, began)
+                if claimed:
+                    core.driver.dispatch(claimed)
+                total += len(rows)
+        return total
+
+    def dry_until(self, began: float) -> float:
+        """Until when a queue whose claim (sent at ``began``) came back short is skipped:
+        the next poll round, which is due within a poll interval of ``began``.
+
+        Timed from the round, not from the claim: the idle loop wakes for the round at
+        the maintenance's ``next_refresh``, and a mark set a few milliseconds later than
+        that (from the end of the claim, or its start) was still "dry" when the loop woke,
+        so each queue but the first of a round was claimed only every other poll interval.
+        When the round is already overdue (its claims took longer than a poll interval:
+        thousands of queues), a poll interval from ``began`` still bounds the wait."""
+        round_due = self.core.maintenance.next_refresh
+        return round_due if round_due > began else began + self.core.settings.poll_interval
+
+    def estimate_ahead(self) -> None:
+        """How far past the free slots to claim: twice the jobs that finish during one
+        claim's round trip (both smoothed), at most a claim's worth.
+
+        A claim claims only what its worker can run, so with handlers faster than a round
+        trip the slots run dry while the next claim travels: one worker drained at a
+        fraction of what the database allows, and only more processes (more claims in
+        flight) made up for it. Claimed ahead, the next claim's jobs arrive as the last
+        ones end. Slow handlers finish few jobs per round trip, which makes the claim-ahead
+        zero, so slow jobs do not queue here behind each other while another worker is
+        idle (only what was claimed ahead when quick jobs turned slow can, once). A
+        claimed-ahead job waits in this worker, with its lease renewed, for a round trip
+        or two; a stop hands it back at once, unstarted.
+        """
+        core = self.core
+        s = core.settings
+        if not s.prefetch:
+            return
+        now = time.monotonic()
+        since, processed = self.rate_mark
+        elapsed = now - since
+        if elapsed < 0.01:  # too short a time to tell a rate; keep the last estimate
+            return
+        rate = (core.processed - processed) / elapsed
+        self.rate = 0.5 * (self.rate + rate) if self.rate else rate
+        self.rate_mark = (now, core.processed)
+        ahead = min(s.claim_limit, s.concurrency, int(2 * self.rate * self.rtt))
+        with core._lock:
+            core._ahead = ahead
+            # Wait for room for half a claim rather than send a claim per finished job.
+            core._wake_at = max(1, ahead // 2)
+
+    def claim_limited(self, queue: str, params: ClaimParams) -> Generator[Step, Any, list[Any]]:
+        """Claim from a limited queue. When its limits held ready jobs back, skip it until
+        its rate has room again, or for a moment (``LIMIT_RECHECK``) when a concurrency
+        limit is full: a slot frees when any worker's completion is written, which no
+        NOTIFY announces (this worker's own completions end the wait at once)."""
+        core = self.core
+        limits = core.limits[queue]
+        limited = limited_claim_params(
+            params,
+            concurrency=limits.concurrency,
+            rate=limits.rate,
+            period=limits.rate_period,
+            key_limit=limits.key_concurrency,
+            keyed=limits.keyed,
+            key_rate=limits.key_rate,
+            key_period=limits.key_rate_period,
+        )
+        found: statements.LimitedClaim = yield Io(
+            statements.claim_limited, (core.queries, limited), Conn.CLAIM
+        )
+        # Under the lock: the completer (another thread in the threaded worker) ends
+        # waits in freed().
+        with core._lock:
+            self.rate_held.discard(queue)
+            if len(found.rows) < params["limit"] and found.held:
+                wait = LIMIT_RECHECK
+                if found.rate_free_in is not None:
+                    wait = found.rate_free_in
+                    self.rate_held.add(queue)
+                elif found.key_free_in is not None:
+                    # Held by a key's rate: nothing frees it before then. Unless a
+                    # concurrency limit may be holding jobs too, whose slot a completion
+                    # can free: then look again within LIMIT_RECHECK, as for those.
+                    if limits.concurrency is None and limits.key_concurrency is None:
+                        wait = found.key_free_in
+                        self.rate_held.add(queue)
+                    else:
+                        wait = min(found.key_free_in, LIMIT_RECHECK)
+                wait = max(0.0, min(wait, core.settings.poll_interval))
+                self.held[queue] = time.monotonic() + wait
+            else:
+                self.held.pop(queue, None)
+        return found.rows
+
+    def sleep_for(self) -> float:
+        """How long the idle fetch loop may sleep: to the next refresh or due time, or to
+        when a held limited queue may be claimed again."""
+        core = self.core
+        sleep = core.maintenance.sleep_for()
+        if self.held:
+            now = time.monotonic()
+            with core._lock:
+                held = min(self.held.values(), default=now)
+            sleep = min(sleep, max(0.0, held - now) + 0.001)
+        return sleep
+
+    def heard(self, queue: str, now: float) -> None:
+        """A NOTIFY named ``queue`` (called by the listener, under the core's lock): it is
+        not dry, and a claim that began before ``now`` does not make it so."""
+        self.notified[queue] = now
+        self.dry.pop(queue, None)
+
+    def freed(self, batch: Iterable[Outcome]) -> None:
+        """Written outcomes freed slots of limited queues: claim from them again now."""
+        core = self.core
+        if not core.limits:
+            return
+        freed = {o.job.queue for o in batch} & core.limits.keys()
+        woken = False
+        with core._lock:
+            for queue in freed - self.rate_held:
+                if self.held.pop(queue, None) is not None:
+                    woken = True
+        if woken:
+            core.driver.wake()

@@ -1,0 +1,80 @@
+"""Database errors a worker waits out, and how long it waits: shared by the fetch loop and
+every duty.
+
+A worker never dies of the database: a server restart, a dropped connection, a missing
+table or a pooler that loses prepared statements are all retried, each with the pause
+:func:`retry_pause` decides. What differs is how loudly: weather is a WARNING, a pooler
+that loses prepared statements is a misconfiguration, said once (:data:`POOLING_ADVICE`).
+"""
+
+from __future__ import annotations
+
+import psycopg
+import psycopg.errors
+import sqlalchemy as sa
+
+from ..errors import unreachable
+
+__all__ = [
+    "MAX_DUTY_FAILURES",
+    "POOLING_ADVICE",
+    "is_database_error",
+    "lost_prepared_statement",
+    "retry_pause",
+]
+
+#: Consecutive unexpected (non-database) errors after which a duty stops the worker.
+MAX_DUTY_FAILURES = 5
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """Errors the database, the driver or the pool raise, which a worker waits out: never
+    fatal. Everything SQLAlchemy raises (a pool ``TimeoutError`` included, though it is no
+    ``DBAPIError``), and psycopg's own errors from the LISTEN connection, which is used
+    without SQLAlchemy."""
+    return isinstance(exc, (sa.exc.SQLAlchemyError, psycopg.Error))
+
+
+def lost_prepared_statement(exc: BaseException) -> bool:
+    """A statement psycopg had prepared was not there on the server connection it went to
+    (or another one was, under its name): the worker's connections go through a pooler in
+    transaction mode (PgBouncer before 1.21, or without ``max_prepared_statements``), which
+    lends each transaction whichever server connection is free. Not the database's fault,
+    nor a passing one: a misconfiguration, said once (:data:`POOLING_ADVICE`)."""
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    if isinstance(
+        orig, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)
+    ):
+        return True
+    # "bind message supplies 2 parameters, but prepared statement "_pg3_2" requires 6"
+    return isinstance(orig, psycopg.errors.ProtocolViolation) and "prepared statement" in str(orig)
+
+
+#: The one line a worker logs at its first lost prepared statement.
+POOLING_ADVICE = (
+    "worker %s: %s: its connections go through a pooler in transaction mode (PgBouncer) "
+    "that does not keep psycopg's prepared statements, so statements fail, or run another "
+    "statement's plan. Fix it: set max_prepared_statements in pgbouncer.ini (PgBouncer 1.21 "
+    "or later), or turn preparing off for the worker's engine, "
+    "connect_args={'prepare_threshold': None} (sqla-jobs worker --engine MODULE:ATTR, or "
+    "?prepare_threshold=None in the URL); see the README's PgBouncer section. Until then "
+    "such failures are retried at once and logged at DEBUG"
+)
+
+
+def retry_pause(failures: int, exc: BaseException) -> float:
+    """Seconds to wait after ``failures`` consecutive database errors.
+
+    The first failure of a held connection that the server dropped (a restart, a
+    terminated backend) is retried at once on a fresh one. Failures to reach the server
+    back off to at most half a second, so a worker is back within about a second of the server
+    accepting connections again; other errors (a missing table) back off to 30 s. A
+    prepared statement lost by a pooler is retried at once, then every 50 ms: the next
+    try usually finds a server connection that works, and backing off only loses time.
+    """
+    if failures <= 1 and getattr(exc, "connection_invalidated", False):
+        return 0.0
+    if lost_prepared_statement(exc):
+        return 0.0 if failures <= 1 else 0.05
+    cap = 0.5 if unreachable(exc) else 30.0
+    return min(cap, 0.05 * 2.0 ** max(failures - 1, 0))

@@ -1,0 +1,129 @@
+"""The heartbeat duty (worker/duties/heartbeat.py), without a database: timeouts, leases
+kept or lost, failed beats, and claims held back from starting until a beat."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs.worker import core as core_mod
+from sqla_jobs.worker import steps as s
+from sqla_jobs.worker.job import Outcome, OutcomeKind
+
+from .test_core import FakeClock, _use_clock, make, row, run_steps
+
+
+def test_a_late_first_attempt_does_not_touch_the_retrys_claim() -> None:
+    core, driver, _ = make(concurrency=2)
+    (first,) = core.claimed([row(7, "slow", attempts=1)])
+    first.started = time.monotonic() - 1  # past its 0.5 s timeout
+    core.heartbeat.enforce_timeouts()
+    assert [o.kind for o in driver.recorded] == [OutcomeKind.FAILED]
+    assert driver.interrupted == [first]
+    (retry,) = core.claimed([row(7, "slow", attempts=2)])
+    # The first attempt's thread returns late: the retry's claim stays running, heartbeated.
+    core.finished(first, Outcome(OutcomeKind.SUCCEEDED, first))
+    assert core.running == 1
+    assert len(driver.recorded) == 1  # nothing more recorded for the first attempt
+    seen, _ = run_steps(core.heartbeat.beat(), lambda step: {(7, 2)})
+    assert seen[0].args[1] == [retry]
+
+
+def test_timeouts_fire_failed_then_dead_not_cancelled() -> None:
+    core, _, jobs = make()
+    events: list[str] = []
+    for name in ("failed", "dead", "retried", "cancelled"):
+        jobs.events.connect(name, lambda e: events.append(e.name))
+    (job,) = core.claimed([row(1, "slow", attempts=3)])
+    job.started = time.monotonic() - 1
+    core.heartbeat.enforce_timeouts()
+    assert events == ["failed", "dead"]
+    assert job.is_cancelled and job.settled
+
+
+def test_heartbeat_stops_lost_claims_but_not_settling_ones() -> None:
+    core, driver, _ = make()
+    lost, committing, kept = core.claimed([row(1), row(2), row(3)])
+    assert core.settle(committing)  # a transactional run is committing its completion
+    _, _ = run_steps(core.heartbeat.beat(), lambda step: {(3, 1)})
+    assert driver.interrupted == [lost]
+    assert lost.is_cancelled and not committing.is_cancelled and not kept.is_cancelled
+
+
+def test_a_failed_beat_is_logged_and_retried_at_the_next_tick(caplog: Any) -> None:
+    core, _, _ = make()
+    core.claimed([row(1)])
+
+    def fail(step: s.Step) -> Any:
+        raise sa.exc.OperationalError("UPDATE jobs SET ...", {}, psycopg.OperationalError("gone"))
+
+    run_steps(core.heartbeat.beat(), fail)
+    assert core.heartbeat.last_beat == 0.0
+    assert "heartbeat failed: OperationalError: gone" in caplog.text
+    assert "UPDATE" not in caplog.text
+
+
+def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker resumed after a pause past its lease (SIGSTOP, a frozen VM) must not start
+    what it claimed before: its own clock says the lease may have passed. It beats first;
+    what the beat kept starts, what it lost ends unstarted."""
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    core, driver, jobs = make(concurrency=4, lease=10.0)
+    cancelled: list[int] = []
+    jobs.events.connect("cancelled", lambda e: cancelled.append(e.job.id))
+    kept, lost, fresh = core.claimed([row(1), row(2), row(3)])
+    first = core.start(fresh)
+    assert isinstance(first, core_mod.Run)  # just claimed: starts
+    clock.advance(5.1)  # half the lease and then some, with nothing renewed: paused
+    assert core.start(kept) is None and core.start(lost) is None
+    assert kept.confirming and not kept.started and driver.pokes == 2 and core._poked
+    assert core.free == 1 and driver.dispatched == []  # they keep their slots meanwhile
+    # The heartbeat beats (the pause is over): job 1 is still this worker's, job 2 is not.
+    seen, _ = run_steps(core.heartbeat.beat(), lambda step: {(1, 1), (3, 1)})
+    assert {j.id for j in seen[0].args[1]} == {1, 2, 3}
+    assert driver.dispatched == [kept, lost] and not kept.confirming
+    run = core.start(kept)
+    assert isinstance(run, core_mod.Run) and kept.started
+    ended = core.start(lost)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SETTLED
+    core.finished(lost, ended)
+    assert cancelled == [2] and driver.recorded == [] and core.free == 2
+    # A claimed-ahead job waiting for a slot stays startable while the heartbeat renews it.
+    (ahead,) = core.claimed([row(4)])
+    for _ in range(4):
+        clock.advance(3.4)  # the heartbeat's every third of a lease
+        run_steps(core.heartbeat.beat(), lambda step: {(1, 1), (3, 1), (4, 1)})
+    last = core.start(ahead)
+    assert isinstance(last, core_mod.Run)
+    for started in (last, run, first):  # as the drivers do: current_job is reset
+        started.end(None)
+
+
+def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    core, driver, _ = make(concurrency=2, lease=10.0, grace_period=0)
+    (job,) = core.claimed([row(1)])
+    clock.advance(6)
+    assert core.start(job) is None
+    handed: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Io):
+            handed.extend(j.id for j in step.args[1])
+            return 1
+        return True  # idle
+
+    run_steps(core.shutdown(), answer)
+    assert handed == [1] and core.free == 2
+    run_steps(core.heartbeat.beat(), lambda step: {(1, 1)})  # a late beat changes nothing
+    assert driver.dispatched == [] and core.start(job) is None

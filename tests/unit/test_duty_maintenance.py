@@ -1,0 +1,84 @@
+"""The maintenance duty (worker/duties/maintenance.py), without a database: when the
+upkeep is due, what a refresh changes, retention in batches, and the due times that
+wake the fetch loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqla_jobs.worker import statements
+from sqla_jobs.worker import steps as s
+from sqla_jobs.worker.job import Outcome, OutcomeKind
+from sqla_jobs.worker.statements import Refresh
+
+from .test_core import make, row, run_steps
+
+
+def _answer(refresh: Refresh, deleted: list[int | None] | None = None) -> Any:
+    """Answer a refresh with ``refresh`` and each prune batch with the next of ``deleted``
+    (None: another worker holds the pruner lock)."""
+    batches = iter(deleted if deleted is not None else [None])
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io) and step.on is s.Conn.TX
+        if step.fn is statements.refresh:
+            return refresh
+        assert step.fn is statements.prune_batch
+        return next(batches)
+
+    return answer
+
+
+def test_the_refresh_runs_once_per_poll_interval_and_rescues_only_when_its_time_comes() -> None:
+    core, _, _ = make(queues=("a", "b"), poll_interval=60)
+    maintenance = core.maintenance
+    core.fetcher.dry["b"] = time.monotonic() + 60
+    steps, _ = run_steps(
+        maintenance.run_once(), _answer(Refresh(None, frozenset({"a"}), frozenset({"b"})))
+    )
+    (refresh, *prunes) = steps
+    assert isinstance(refresh, s.Io) and refresh.args == (core.jobs, True)  # rescue at once
+    assert [p.fn for p in prunes if isinstance(p, s.Io)] == [statements.prune_batch]  # lock held
+    assert maintenance.paused == {"a"} and "b" not in core.fetcher.dry  # woken: not dry
+    assert run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset())))[0] == []
+    # Forced (Worker.maintain()): a refresh, without a rescue (not due) or retention.
+    steps, _ = run_steps(maintenance.now(), _answer(Refresh(None, frozenset())))
+    assert [st.args for st in steps if isinstance(st, s.Io)] == [(core.jobs, False)]
+
+
+def test_a_known_due_time_makes_the_refresh_due_and_bounds_the_idle_sleep() -> None:
+    core, driver, _ = make(queues=("a",), poll_interval=60)
+    maintenance = core.maintenance
+    run_steps(maintenance.run_once(), _answer(Refresh(0.5, frozenset())))
+    assert 0.4 < maintenance.sleep_for() <= 0.502
+    assert maintenance.due_soon(1.0) and not maintenance.due_soon(0.1)
+    # A retry written for sooner than that wakes the fetch loop; a later one does not.
+    (job,) = core.claimed([row(1)])
+    maintenance.note_due([Outcome(OutcomeKind.FAILED, job, delay=0.1)])
+    maintenance.note_due([Outcome(OutcomeKind.FAILED, job, delay=5.0)])
+    maintenance.note_due([Outcome(OutcomeKind.SUCCEEDED, job)])
+    assert driver.wakes == 1 and maintenance.sleep_for() <= 0.102
+    maintenance.next_due = time.monotonic() - 1  # passed: due now, poll interval or not
+    assert [
+        type(st) for st in run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset())))[0]
+    ] == [s.Io]
+    assert maintenance.next_due is None
+
+
+def test_retention_deletes_in_batches_until_one_is_short_and_stops_when_another_worker_prunes() -> (
+    None
+):
+    core, _, _ = make()
+    full = statements.PRUNE_BATCH
+    # Dead ones: two full batches and a short one; then done ones: another worker prunes.
+    steps, total = run_steps(
+        core.maintenance.prune(), _answer(Refresh(None, frozenset()), [full, full, 3, None])
+    )
+    assert total == 2 * full + 3 and len(steps) == 4
+    deleting = [st.args[1] for st in steps if isinstance(st, s.Io)]
+    assert deleting[:3] == [core.jobs.queries.prune_dead] * 3
+    _, total = run_steps(
+        core.maintenance.prune(max_batches=2), _answer(Refresh(None, frozenset()), [full] * 10)
+    )
+    assert total == 2 * full * len(statements.prune_work(core.jobs))
