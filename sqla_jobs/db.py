@@ -9,7 +9,7 @@ A URL's query string reaches the driver as strings. That suits libpq's own param
 Python arguments: ``?prepare_threshold=None`` would hand psycopg the string ``"None"``,
 and every statement would then fail with a ``TypeError``. :func:`create_engine` and
 :func:`create_async_engine` convert ``prepare_threshold`` (what a PgBouncer before 1.21
-in transaction mode needs: see the README's "PgBouncer") and refuse psycopg's other
+in transaction mode needs: see "PgBouncer" in docs/operating/deploy.md) and refuse psycopg's other
 Python arguments with a clear error.
 """
 

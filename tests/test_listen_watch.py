@@ -75,7 +75,7 @@ def test_a_worker_tells_whether_its_listen_hears(
         assert len(lines) == 1
         text = lines[0].getMessage()
         assert "jobs came into q 3 times" in text
-        assert "--no-listen" in text and "README's PgBouncer section" in text
+        assert "--no-listen" in text and "docs' PgBouncer section" in text
         assert worker.core.listen_watch.verdict is False
         assert max(waits) < poll + 0.5, waits
     else:

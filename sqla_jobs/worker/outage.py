@@ -57,8 +57,8 @@ POOLING_ADVICE = (
     "statement's plan. Fix it: set max_prepared_statements in pgbouncer.ini (PgBouncer 1.21 "
     "or later), or turn preparing off for the worker's engine, "
     "connect_args={'prepare_threshold': None} (sqla-jobs worker --engine MODULE:ATTR, or "
-    "?prepare_threshold=None in the URL); see the README's PgBouncer section. Until then "
-    "such failures are retried at once and logged at DEBUG"
+    "?prepare_threshold=None in the URL); see the docs' PgBouncer section "
+    "(docs/operating/deploy.md). Until then such failures are retried at once and logged at DEBUG"
 )
 
 

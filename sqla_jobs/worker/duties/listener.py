@@ -77,7 +77,7 @@ class Listener:
             "(PgBouncer) or a proxy that does not pass notifications. It stops listening and "
             "polls every %gs. Run it with --no-listen (listen=False), or give it a direct "
             "connection (or a PgBouncer pool in session mode) to pick jobs up within "
-            "milliseconds; see the README's PgBouncer section",
+            "milliseconds; see the docs' PgBouncer section (docs/operating/deploy.md)",
             self.core.name,
             ", ".join(watch.missed_queues),
             watch.misses,
