@@ -1600,7 +1600,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .web import create_app
-        from .web.app import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
+        from .web._base import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"

@@ -12,30 +12,48 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import jinja2
 import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
-from .. import admin
+from .. import _present, admin
+from .._present import ago, clock
 from ..model import STATUSES, JobStatus
 from ..tasks import Jobs
 from ..worker.core import describe
+from ._base import (
+    DEFAULT_ALLOWED_HOSTS,
+    HERE,
+    SECURITY_HEADERS,
+    Authorize,
+    SecurityHeaders,
+    TrustedHosts,
+    check_allowed_hosts,
+    engine_of,
+    read_only_of,
+    templates,
+)
+from .shards import shard_engines, shards_page
 
-__all__ = ["Dashboard", "create_app"]
+# DEFAULT_ALLOWED_HOSTS, SECURITY_HEADERS and check_allowed_hosts stay importable from
+# here, where they were defined before web/_base.py.
+__all__ = [
+    "DEFAULT_ALLOWED_HOSTS",
+    "SECURITY_HEADERS",
+    "Dashboard",
+    "check_allowed_hosts",
+    "create_app",
+]
 
 log = logging.getLogger("sqla_jobs.web")
-
-HERE = Path(__file__).resolve().parent
 CSRF_COOKIE = "sqla_jobs_csrf"
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
@@ -46,9 +64,6 @@ MAX_FORM_BYTES = 1 << 20
 #: Characters of a job's arguments, result or last error its page shows (each may be
 #: megabytes); the whole value is a download away.
 ARGS_SHOWN = 200_000
-#: The hosts a dashboard answers for unless told otherwise: a browser tricked into
-#: sending a request for another name (DNS rebinding) gets a refusal, not the page.
-DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 #: The columns a job's page offers to download whole, and how each is served.
 DOWNLOADS = {
     "args": "application/json",
@@ -57,21 +72,6 @@ DOWNLOADS = {
     "progress": "application/json",
     "last_error": "text/plain; charset=utf-8",
 }
-
-Authorize = Callable[[Request], bool]
-
-#: Security headers on every response. No inline script or style may run: a job's
-#: arguments are escaped already, and this is the second line.
-SECURITY_HEADERS = [
-    (
-        b"content-security-policy",
-        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'",
-    ),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"same-origin"),
-    (b"x-frame-options", b"SAMEORIGIN"),
-]
 
 
 class PageError(Exception):
@@ -157,15 +157,7 @@ class Dashboard:
         self.title = title
         self.refresh = refresh
         self.table = admin.source_table(jobs)
-        env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(HERE / "templates"),
-            autoescape=jinja2.select_autoescape(["html"], default=True),
-            undefined=jinja2.StrictUndefined,
-            trim_blocks=True,
-            lstrip_blocks=True,
-        )
-        env.filters.update(thousands=_thousands, duration=_duration, clock=_clock, ago=_ago)
-        env.filters["urlencode"] = lambda value: urlencode({"": value})[1:]
+        env = templates()
         self.env = env
         routes = [
             Route("/", self.overview, name="overview"),
@@ -185,7 +177,7 @@ class Dashboard:
         self.starlette = Starlette(routes=routes)
         self.starlette.add_exception_handler(404, self._not_found)
         self.starlette.add_exception_handler(405, self._not_allowed)
-        self.app: ASGIApp = _SecurityHeaders(self.starlette)
+        self.app: ASGIApp = SecurityHeaders(self.starlette)
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -720,7 +712,7 @@ class Dashboard:
                 raise PageError(400, "Not possible", str(exc)) from None
             count = done.count if isinstance(done, admin.ActionReport) else int(done)
             past = _VERBS[action][1]
-            summary = f"{past.capitalize()} {_plural(count)}."
+            summary = f"{past.capitalize()} {_jobs(count)}."
             if isinstance(done, admin.ActionReport) and done.rearmed:
                 summary += _came_back(len(done.rearmed))
             if count != confirmed:
@@ -733,7 +725,7 @@ class Dashboard:
                 "result.html",
                 section="jobs",
                 page_title="Done",
-                heading=f"{past.capitalize()} {_plural(count)}",
+                heading=f"{past.capitalize()} {_jobs(count)}",
                 summary=summary,
                 action=action,
                 past=past,
@@ -753,19 +745,17 @@ class Dashboard:
         rearmed: int = 0,
     ) -> Response:
         verb, past = _VERBS[action]
-        summary = f"{past.capitalize()} {_plural(len(acted))}."
+        summary = f"{past.capitalize()} {_jobs(len(acted))}."
         if rearmed:
             summary += _came_back(rearmed)
         if skipped:
-            summary += (
-                f" {_plural(len(skipped))} left alone: they changed, or {verb} does not apply."
-            )
+            summary += f" {_jobs(len(skipped))} left alone: they changed, or {verb} does not apply."
         return self.render(
             request,
             "result.html",
             section="jobs",
             page_title="Done",
-            heading=f"{past.capitalize()} {_plural(len(acted))}",
+            heading=f"{past.capitalize()} {_jobs(len(acted))}",
             summary=summary,
             action=action,
             past=past,
@@ -868,8 +858,8 @@ _NOTICES = {
 }
 
 
-def _plural(n: int) -> str:
-    return f"{n:,} job" + ("" if n == 1 else "s")
+def _jobs(n: int) -> str:
+    return _present.plural(n, grouped=True)
 
 
 def _bulk_text(f: Filters) -> str:
@@ -1006,57 +996,20 @@ def _came_back(n: int, one: bool = False) -> str:
     """A retry's jobs that came back waiting: children cancelled when the retried ended."""
     who, whom = ("it", "it") if one else ("they", "them")
     verb = "waits" if n == 1 else "wait"
-    return f" {_plural(n)} {who} had cancelled by ending {verb} for {whom} again."
-
-
-def _thousands(value: Any) -> str:
-    return f"{int(value):,}" if value is not None else "-"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = abs(float(seconds))
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    total = int(seconds)
-    if total < 3600:
-        return f"{total // 60}m {total % 60:02d}s"
-    if total < 86400:
-        return f"{total // 3600}h {total % 3600 // 60:02d}m"
-    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
-
-
-def _clock(value: datetime | None, *, seconds: bool = False, date: bool = False) -> str:
-    if value is None:
-        return "-"
-    value = value.astimezone(timezone.utc)
-    fmt = ("%Y-%m-%d " if date else "") + ("%H:%M:%S" if seconds else "%H:%M")
-    return value.strftime(fmt)
-
-
-def _ago(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    delta = (datetime.now(timezone.utc) - value).total_seconds()
-    if abs(delta) < 1:
-        return "just now"
-    return f"{_duration(delta)} ago" if delta > 0 else f"in {_duration(delta)}"
+    return f" {_jobs(n)} {who} had cancelled by ending {verb} for {whom} again."
 
 
 def _when(job: admin.JobSummary) -> str:
     status = job.status
     if status == JobStatus.SCHEDULED:
-        return f"runs {_ago(job.run_at)}"
+        return f"runs {ago(job.run_at)}"
     if status == JobStatus.READY:
-        return f"due {_ago(job.run_at)}"
+        return f"due {ago(job.run_at)}"
     if status == JobStatus.RUNNING:
-        return f"lease until {_clock(job.locked_until, seconds=True)}"
+        return f"lease until {clock(job.locked_until, seconds=True)}"
     if job.finished_at is not None:
-        return f"finished {_ago(job.finished_at)}"
-    return f"created {_ago(job.created_at)}"
+        return f"finished {ago(job.finished_at)}"
+    return f"created {ago(job.created_at)}"
 
 
 def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
@@ -1065,30 +1018,28 @@ def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
     attempt = f"attempt {job.attempts + 1} of {job.max_attempts}"
     if status == JobStatus.SCHEDULED:
         kind = "retry" if job.attempts else "first run"
-        when = _clock(job.run_at, seconds=True, date=True)
-        return (
-            f"Waits until {when} UTC ({_ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
-        )
+        when = clock(job.run_at, seconds=True, date=True)
+        return f"Waits until {when} UTC ({ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
     if status == JobStatus.READY:
         if paused:
             return (
-                f"Ready since {_ago(job.run_at)}, but its queue {job.queue} is paused: no "
+                f"Ready since {ago(job.run_at)}, but its queue {job.queue} is paused: no "
                 "worker claims it until the queue is resumed."
             )
         return (
-            f"Ready since {_ago(job.run_at)}: the next free worker of queue {job.queue} "
+            f"Ready since {ago(job.run_at)}: the next free worker of queue {job.queue} "
             f"claims it ({attempt})."
         )
     if status == JobStatus.RUNNING:
         if job.locked_until is not None and job.locked_until < now:
             return (
                 f"Running on {job.locked_by}, but its lease expired "
-                f"{_ago(job.locked_until)}: the worker died or hangs, and the job will be "
+                f"{ago(job.locked_until)}: the worker died or hangs, and the job will be "
                 "rescued (ready again, or dead if it has no attempt left)."
             )
         return (
             f"Running on {job.locked_by} (attempt {job.attempts} of {job.max_attempts}); "
-            f"the lease runs until {_clock(job.locked_until, seconds=True)} UTC and is "
+            f"the lease runs until {clock(job.locked_until, seconds=True)} UTC and is "
             "renewed while the worker lives."
         )
     if status == JobStatus.DEAD:
@@ -1101,33 +1052,16 @@ def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
 
 def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
     def t(value: datetime | None) -> str:
-        return f"{_clock(value, seconds=True, date=True)} UTC ({_ago(value)})" if value else "-"
+        return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
 
-    return [
-        ("id", str(job.id)),
-        ("queue", job.queue),
-        ("task", job.task),
-        ("status", job.status),
-        ("priority", str(job.priority)),
-        ("attempts", f"{job.attempts} of {job.max_attempts}"),
-        ("run_at", t(job.run_at)),
-        ("created_at", t(job.created_at)),
-        ("finished_at", t(job.finished_at)),
-        ("locked_by", job.locked_by or "-"),
-        ("locked_until", t(job.locked_until)),
-        ("unique_key", job.unique_key or "-"),
-        # Tags and correlation ids given at enqueue, and the handler's last progress note.
-        ("meta", _shown(_compact_json(job.meta))),
-        ("progress", _shown(_compact_json(job.progress))),
-        # Workflows and results, only for jobs that have them.
-        *(
-            [("parents", ", ".join(map(str, job.parents))), ("waiting for", str(job.waiting or 0))]
-            if job.parents is not None
-            else []
-        ),
-        *([("children", ", ".join(map(str, job.children)))] if job.children else []),
-        *([("result", _shown(_compact_json(job.result)))] if job.result is not None else []),
-    ]
+    # Tags and correlation ids given at enqueue, the handler's last progress note, and
+    # workflows and results (only for jobs that have them), each cut to what a page shows.
+    return _present.job_fields(
+        job,
+        when=t,
+        value=lambda _name, value: _shown(_present.compact_json(value)),
+        order=_present.PAGE_JOB_FIELDS,
+    )
 
 
 def _shown(text: str) -> str:
@@ -1136,10 +1070,6 @@ def _shown(text: str) -> str:
     if len(text) <= ARGS_SHOWN:
         return text
     return f"{text[:ARGS_SHOWN]}… ({len(text):,} characters: download it for the rest)"
-
-
-def _compact_json(value: Any) -> str:
-    return "-" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 class Signer:
@@ -1193,103 +1123,6 @@ class Signer:
         return found if self.verify("notice", text, signature) else {}
 
 
-def check_allowed_hosts(hosts: Iterable[str]) -> tuple[str, ...]:
-    """``allowed_hosts`` as the host check compares them (lower case, an IPv6 address in
-    brackets); ``ValueError`` names a pattern that cannot match a ``Host`` header."""
-    if isinstance(hosts, str):
-        raise ValueError(f"allowed_hosts must be a list of host names, got the string {hosts!r}")
-    checked: list[str] = []
-    for host in hosts:
-        if not isinstance(host, str) or not host.strip():
-            raise ValueError(f"allowed_hosts: {host!r} is not a host name")
-        name = host.strip().lower()
-        if ":" in name and not name.startswith("["):
-            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
-        wildcard = name.startswith("*.") and "*" not in name[2:]
-        if name != "*" and not wildcard and not _HOST_NAME.fullmatch(name):
-            raise ValueError(
-                f"allowed_hosts: {host!r} is not a host name, an address, '*.domain' or "
-                "'*' (give no scheme, port or path)"
-            )
-        checked.append(name)
-    if not checked:
-        raise ValueError("allowed_hosts names no host (give ['*'] to answer for any)")
-    return tuple(checked)
-
-
-#: A host name or IPv4 address, or an IPv6 address in brackets, without a port.
-_HOST_NAME = re.compile(r"[a-z0-9_.-]+|\[[0-9a-f:.]+\]")
-
-
-def _host_of(header: str) -> str | None:
-    """The host of a ``Host`` header, lower case and without its port; None if malformed."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        end = header.find("]")
-        if end < 0:
-            return None
-        host, rest = header[: end + 1], header[end + 1 :]
-    else:
-        host, colon, port = header.partition(":")
-        host, rest = host.rstrip("."), colon + port  # "localhost." is localhost
-    if rest and not (rest[0] == ":" and rest[1:].isascii() and rest[1:].isdigit()):
-        return None
-    return host if host and _HOST_NAME.fullmatch(host) else None
-
-
-class _TrustedHosts:
-    """Answers only requests whose ``Host`` is one of ``hosts`` (see
-    :func:`check_allowed_hosts`). A page that rebinds its own name to 127.0.0.1 (DNS
-    rebinding) makes the browser send its own name as ``Host``: refused, so it can read
-    neither the jobs nor a CSRF token. Written here rather than taken from Starlette's
-    ``TrustedHostMiddleware``, whose releases before 1.0 split ``[::1]:8080`` at its
-    first colon."""
-
-    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
-        self.app = app
-        self.any = "*" in hosts
-        self.names = frozenset(h for h in hosts if not h.startswith("*"))
-        self.suffixes = tuple(h[1:] for h in hosts if h.startswith("*."))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.any or scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        header = next((v for k, v in scope["headers"] if k == b"host"), b"")
-        host = _host_of(header.decode("latin-1"))
-        if host is not None and (host in self.names or host.endswith(self.suffixes)):
-            await self.app(scope, receive, send)
-            return
-        shown = header.decode("latin-1")[:100]
-        response = PlainTextResponse(
-            f"This dashboard does not answer for the host {shown!r}. Its allowed hosts are "
-            "set by create_app(..., allowed_hosts=[...]) or sqla-jobs web --allowed-host.",
-            status_code=400,
-            headers={k.decode(): v.decode() for k, v in SECURITY_HEADERS},
-        )
-        await response(scope, receive, send)
-
-
-class _SecurityHeaders:
-    """Adds :data:`SECURITY_HEADERS` to every response of the wrapped app."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + SECURITY_HEADERS
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
-
-
 def create_app(
     jobs: Jobs | type[Any],
     engine: sa.Engine | str | None = None,
@@ -1341,39 +1174,31 @@ def create_app(
     if engines is not None:
         if engine is not None:
             raise ValueError("give engine= or engines= (shards), not both")
-        from .shards import sharded_app
-
-        sharded = sharded_app(
-            jobs,
-            engines,
-            authorize=authorize,
-            read_only=read_only,
-            title=title,
-            refresh=refresh,
-            secret=secret,
-        )
-        return _TrustedHosts(sharded, hosts)
+        checked = shard_engines(engines)
+        effective = read_only_of(read_only, authorize)
+        dashboards = {
+            name: Dashboard(
+                jobs,
+                shard,
+                authorize=authorize,
+                read_only=effective,
+                title=f"{title} · {name}",
+                refresh=refresh,
+                shard=name,
+                secret=secret,
+            )
+            for name, shard in checked.items()
+        }
+        return TrustedHosts(shards_page(jobs, dashboards, title), hosts)
     if engine is None:
         raise TypeError("create_app needs an engine (or engines=, one per shard)")
-    if isinstance(engine, str):
-        from ..db import create_engine
-
-        engine = create_engine(engine)
-    if not isinstance(engine, sa.Engine):
-        raise TypeError(f"engine must be a SQLAlchemy Engine or a URL, got {engine!r}")
-    effective_read_only = read_only if read_only is not None else authorize is None
-    if not effective_read_only and authorize is None:
-        log.warning(
-            "sqla_jobs.web: actions are enabled for anyone who can reach this dashboard "
-            "(read_only=False without authorize=); put it behind your authentication"
-        )
     dashboard = Dashboard(
         jobs,
-        engine,
+        engine_of("engine", engine),
         authorize=authorize,
-        read_only=effective_read_only,
+        read_only=read_only_of(read_only, authorize),
         title=title,
         refresh=refresh,
         secret=secret,
     )
-    return _TrustedHosts(dashboard.app, hosts)
+    return TrustedHosts(dashboard.app, hosts)
