@@ -21,6 +21,7 @@ from typing import Any
 __all__ = [
     "JOB_FIELDS",
     "PAGE_JOB_FIELDS",
+    "QUEUE_KEYS",
     "ago",
     "clock",
     "compact_json",
@@ -29,6 +30,7 @@ __all__ = [
     "last_line",
     "plural",
     "progress_text",
+    "queue_json",
     "stamp",
     "thousands",
 ]
@@ -193,3 +195,26 @@ def job_fields(
     if job.result is not None:
         fields.append(("result", value("result", job.result)))
     return fields
+
+
+#: A queue's state as ``sqla-jobs stats --json`` writes it, key by key, in this order
+#: (the README documents these keys; the pause time and limits are the dashboard's).
+QUEUE_KEYS: tuple[str, ...] = (
+    "queue",
+    "paused",
+    "scheduled",
+    "ready",
+    "running",
+    "lease_expired",
+    "done",
+    "dead",
+    "cancelled",
+    "lag_seconds",
+    "done_recent",
+    "dead_recent",
+)
+
+
+def queue_json(state: Any) -> dict[str, Any]:
+    """A :class:`sqla_jobs.admin.QueueState` as ``stats --json`` writes it."""
+    return {key: getattr(state, key) for key in QUEUE_KEYS}

@@ -40,16 +40,18 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from . import _present
 from . import queries as _q
 from .limits import QUEUE_MAX_BYTES, check_name, text_problem
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
@@ -69,10 +71,10 @@ __all__ = [
     "JobInfo",
     "JobPage",
     "JobSummary",
+    "JobView",
     "Minute",
     "QueueInfo",
-    "QueueStats",
-    "QueueSummary",
+    "QueueState",
     "SeenJob",
     "Throughput",
     "WorkerInfo",
@@ -90,6 +92,7 @@ __all__ = [
     "pause_queue",
     "paused_queues",
     "purge_jobs",
+    "queue_states",
     "resume_queue",
     "retry_jobs",
     "retry_report",
@@ -125,24 +128,42 @@ Action: TypeAlias = Literal["retry", "cancel", "purge"]
 
 DEFAULT_WINDOW = 300.0
 
+#: The 0.2 names of :class:`QueueState`, deprecated (see :func:`__getattr__`).
+_RENAMED = {"QueueStats": "QueueState", "QueueSummary": "QueueState"}
+
+
+def __getattr__(name: str) -> Any:
+    """``admin.QueueStats`` and ``admin.QueueSummary``: :class:`QueueState`, with a
+    DeprecationWarning (the CLI's and the dashboard's two views of a queue are one now)."""
+    if name in _RENAMED:
+        _deprecated(f"admin.{name}", f"admin.{_RENAMED[name]}")
+        return QueueState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # -- results ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class QueueStats:
-    """What one queue holds right now.
+class QueueState:
+    """What one queue holds right now: the one read model of a queue's counts, for the
+    ``sqla-jobs stats`` command, the dashboard, the metrics an application exports, and
+    each shard (summed by :func:`sqla_jobs.sharding.total`).
 
-    ``lag_seconds`` is how long the oldest ready job has been due (``now() - run_at``):
-    the delay a job enqueued now would see if the queue kept its pace. ``None`` when
-    nothing is ready.
+    ``lease_expired`` counts running jobs whose lease has passed: their worker died or
+    hangs, and they will be rescued. ``lag_seconds`` is how long the oldest ready job has
+    been due (``now() - run_at``): the delay a job enqueued now would see if the queue
+    kept its pace; ``None`` when nothing is ready.
 
-    ``done_recent`` counts jobs finished in the last ``window`` seconds. It is only known
-    when finished jobs are kept (``Jobs(keep_done=...)``): by default they are deleted the
-    moment they complete, so no row is left to count, and ``None`` says "unknown" rather
-    than a misleading zero. It is also ``None`` when only the model was given, since the
-    retention setting lives on the registry. Dead jobs are always kept (until pruned), so
-    ``dead_recent`` is always counted.
+    ``done`` and ``cancelled`` (the totals of the kept history) and ``done_recent`` and
+    ``dead_recent`` (finished in the last ``window`` seconds) are ``None`` when they were
+    not counted (:func:`queue_states` with ``finished=False``, as the dashboard asks: the
+    totals are the one part of the read whose cost grows with the kept history).
+    ``done_recent`` is also ``None`` when finished jobs are not kept
+    (``Jobs(keep_done=...)``): by default they are deleted the moment they complete, so no
+    row is left to count, and ``None`` says "unknown" rather than a misleading zero; and
+    when only the model was given, since the retention setting lives on the registry.
+    Dead jobs are always kept (until pruned), so ``dead_recent`` is known when counted.
     """
 
     queue: str
@@ -151,20 +172,35 @@ class QueueStats:
     ready: int
     running: int
     lease_expired: int
-    done: int
+    done: int | None
     dead: int
-    cancelled: int
+    cancelled: int | None
     lag_seconds: float | None
     done_recent: int | None
-    dead_recent: int
+    dead_recent: int | None
+    #: When the pause state last changed (``None``: never paused or resumed).
+    paused_since: datetime | None = None
+    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
+    limits: str = ""
+
+    @property
+    def expired(self) -> int:
+        """Deprecated: the 0.2 name of :attr:`lease_expired` on ``QueueSummary``."""
+        _deprecated("QueueState.expired", "QueueState.lease_expired")
+        return self.lease_expired
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-able: datetimes become ISO 8601 strings in UTC."""
+        return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
-class JobInfo:
-    """One job row, as operators look at it."""
+class JobView:
+    """One job row, as operators look at it: every column (:func:`list_jobs`,
+    :func:`get_job`). A list that shows many jobs reads their :class:`JobSummary`
+    instead (:func:`browse_jobs`): the same job, with its arguments and last error cut
+    short in the statement itself, since each may be megabytes.
+    """
 
     id: int
     queue: str
@@ -194,12 +230,25 @@ class JobInfo:
     children: list[int] | None = None
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
+    def from_row(cls, row: Mapping[str, Any]) -> JobView:
         return cls(**{name: row[name] for name in _JOB_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: datetimes become ISO 8601 strings in UTC."""
         return {k: _json_value(v) for k, v in asdict(self).items()}
+
+    def summary(self) -> JobSummary:
+        """This job as a list shows it."""
+        return JobSummary.of(asdict(self), json.dumps(self.args), self.last_error)
+
+    @property
+    def seen(self) -> SeenJob:
+        """The moment of its life it was read at (the guard of an action on it)."""
+        return SeenJob(self.id, self.attempts, self.status)
+
+
+#: The 0.2 name of :class:`JobView`.
+JobInfo = JobView
 
 
 @dataclass(frozen=True)
@@ -217,8 +266,8 @@ class QueueInfo:
         return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
-#: The columns a JobInfo is read from (``children`` is looked up by get_job).
-_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobInfo.__dataclass_fields__ if f != "children")
+#: The columns a JobView is read from (``children`` is looked up by get_job).
+_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobView.__dataclass_fields__ if f != "children")
 
 
 def _json_value(value: Any) -> Any:
@@ -236,13 +285,16 @@ def _utc(value: datetime) -> datetime:
 # -- looking ------------------------------------------------------------------------------
 
 
-def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> list[QueueStats]:
-    """Per-queue counts, lag and pause state, sorted by queue name.
+def queue_states(
+    bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW, finished: bool = True
+) -> list[QueueState]:
+    """Per-queue counts, lag, limits and pause state, sorted by queue name.
 
     One statement of per-status aggregates, each read where its rows are cheapest: ready,
     scheduled, running and dead jobs (and the oldest ready ``run_at``) through the partial
-    index of their status, as :func:`overview` does; ``done_recent`` and ``dead_recent``
-    through ``<table>_finished``, over the last ``window`` seconds only; and the done and
+    index of their status (``_claim`` index-only for ready jobs, ``_scheduled``,
+    ``_running``, ``_dead`` index-only); ``done_recent`` and ``dead_recent`` through
+    ``<table>_finished``, over the last ``window`` seconds only; and the done and
     cancelled totals from the rows of those two statuses, which no index has by queue
     (one on the success path would cost every job, so those two totals are the one part
     that grows with the kept history). The whole is full-joined with ``<table>_queues`` so
@@ -250,6 +302,10 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     are listed too, so an idle queue reads as zeros rather than being absent.
 
     :param window: seconds that ``done_recent`` and ``dead_recent`` look back.
+    :param finished: count the finished jobs too (``done``, ``cancelled``,
+        ``done_recent``, ``dead_recent``); ``False`` leaves them ``None`` and reads no
+        finished row at all, so the table's history costs nothing (the dashboard's
+        overview, refreshed every few seconds).
     """
     table = _table(jobs)
     queues_table = _queues_table(table)
@@ -276,7 +332,7 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     def status(s: JobStatus) -> sa.ColumnElement[bool]:
         return c.status == _lit(s)
 
-    counts = sa.union_all(
+    branches = [
         branch("ready", status(JobStatus.READY), oldest=sa.func.min(c.run_at)),
         branch("scheduled", status(JobStatus.SCHEDULED)),
         branch(
@@ -285,22 +341,27 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
             expired=sa.func.count().filter(c.locked_until < sa.func.now()),
         ),
         branch("dead", status(JobStatus.DEAD)),
-        # The range on finished_at keeps these two on <table>_finished's recent end.
-        branch("done_recent", status(JobStatus.DONE), c.finished_at >= since),
-        branch("dead_recent", status(JobStatus.DEAD), c.finished_at >= since),
-        # One pass over the rows of both statuses, not one each.
-        sa.select(
-            c.queue,
-            sa.cast(c.status, sa.Text).label("kind"),
-            sa.func.count(),
-            zero,
-            none_time,
-        )
-        .where(c.status.in_([_lit(JobStatus.DONE), _lit(JobStatus.CANCELLED)]))
-        .group_by(c.queue, c.status),
-    ).subquery("counts")
+    ]
+    kinds: tuple[str, ...] = tuple(s.value for s in _UNFINISHED)
+    if finished:
+        kinds = (*STATUSES, *_RECENT)
+        branches += [
+            # The range on finished_at keeps these two on <table>_finished's recent end.
+            branch("done_recent", status(JobStatus.DONE), c.finished_at >= since),
+            branch("dead_recent", status(JobStatus.DEAD), c.finished_at >= since),
+            # One pass over the rows of both statuses, not one each.
+            sa.select(
+                c.queue,
+                sa.cast(c.status, sa.Text).label("kind"),
+                sa.func.count(),
+                zero,
+                none_time,
+            )
+            .where(c.status.in_([_lit(JobStatus.DONE), _lit(JobStatus.CANCELLED)]))
+            .group_by(c.queue, c.status),
+        ]
+    counts = sa.union_all(*branches).subquery("counts")
     k = counts.c
-    kinds = (*STATUSES, "done_recent", "dead_recent")
 
     def total(value: Any) -> Any:
         # sum(bigint) is numeric, which the driver hands back as a Decimal.
@@ -322,37 +383,67 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
         sa.select(
             sa.func.coalesce(p.queue, q.name).label("queue"),
             sa.func.coalesce(q.paused, sa.false()).label("paused"),
+            q.updated_at,
             *(sa.func.coalesce(p[name], 0).label(name) for name in (*kinds, "lease_expired")),
             lag.label("lag_seconds"),
         )
         .select_from(per_queue.join(queues_table, p.queue == q.name, full=True))
         .order_by("queue")
     )
-    rows = {r.queue: r for r in _execute(bind, stmt, {"window": timedelta(seconds=window)})}
+    params = {"window": timedelta(seconds=window)} if finished else {}
+    rows = {r.queue: r._mapping for r in _execute(bind, stmt, params)}
     done_known = isinstance(jobs, Jobs) and jobs.keep_done is not None
-    result = [
-        QueueStats(
-            queue=r.queue,
-            paused=bool(r.paused),
-            scheduled=r.scheduled,
-            ready=r.ready,
-            running=r.running,
-            lease_expired=r.lease_expired,
-            done=r.done,
-            dead=r.dead,
-            cancelled=r.cancelled,
+
+    def state(name: str, r: Mapping[str, Any]) -> QueueState:
+        def n(kind: str) -> int | None:
+            return int(r.get(kind) or 0) if kind in kinds else None
+
+        lag_seconds = r.get("lag_seconds")
+        return QueueState(
+            queue=name,
+            paused=bool(r.get("paused")),
+            scheduled=int(r.get("scheduled") or 0),
+            ready=int(r.get("ready") or 0),
+            running=int(r.get("running") or 0),
+            lease_expired=int(r.get("lease_expired") or 0),
+            done=n("done"),
+            dead=int(r.get("dead") or 0),
+            cancelled=n("cancelled"),
             # A ready job from a clock ahead of the database would show a negative lag.
-            lag_seconds=None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)),
-            done_recent=r.done_recent if done_known else None,
-            dead_recent=r.dead_recent,
+            lag_seconds=None if lag_seconds is None else max(0.0, float(lag_seconds)),
+            done_recent=n("done_recent") if done_known else None,
+            dead_recent=n("dead_recent"),
+            paused_since=r.get("updated_at"),
+            limits=jobs.limits(name).describe() if isinstance(jobs, Jobs) else "",
         )
-        for r in rows.values()
-    ]
-    for name in _registry_queues(jobs) - rows.keys():
-        result.append(
-            QueueStats(name, False, 0, 0, 0, 0, 0, 0, 0, None, 0 if done_known else None, 0)
-        )
-    return sorted(result, key=lambda s: s.queue)
+
+    names = rows.keys() | _registry_queues(jobs)
+    return [state(name, rows.get(name, {})) for name in sorted(names)]
+
+
+_RECENT = ("done_recent", "dead_recent")
+#: What ``finished=False`` counts: what no history makes more costly to read.
+_UNFINISHED = (JobStatus.SCHEDULED, JobStatus.READY, JobStatus.RUNNING, JobStatus.DEAD)
+
+
+def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> list[QueueState]:
+    """Deprecated: :func:`queue_states`, which it is."""
+    _deprecated("admin.stats", "admin.queue_states")
+    return queue_states(bind, jobs, window=window)
+
+
+def overview(bind: Bind, jobs: JobSource) -> list[QueueState]:
+    """Deprecated: :func:`queue_states` with ``finished=False``, which it is."""
+    _deprecated("admin.overview", "admin.queue_states(..., finished=False)")
+    return queue_states(bind, jobs, finished=False)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated and goes in the next release: use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def list_jobs(
@@ -364,30 +455,65 @@ def list_jobs(
     status: OneOrMany = None,
     task: OneOrMany = None,
     meta: Mapping[str, Any] | None = None,
+    worker: str | None = None,
     limit: int | None = 50,
-) -> list[JobInfo]:
+) -> list[JobView]:
     """Jobs matching every given filter, newest (highest id) first, at most ``limit``.
 
     :param meta: jobs whose ``meta`` has each of these keys with this value, or with a
         list that contains it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}``
         too). Read through the ``<table>_meta`` GIN index.
+    :param worker: jobs locked by this worker (``locked_by``).
     """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
     table = _table(jobs)
-    ids = _ids(ids)  # once: it may be an iterator
+    where = _job_filters(table, ids, queue, task, status, meta, worker, None)
+    columns = [table.c[name] for name in _JOB_FIELDS]
+    return _read_jobs(bind, table, columns, where, limit, JobView.from_row)
+
+
+def _job_filters(
+    table: sa.Table,
+    ids: Iterable[int] | None,
+    queue: OneOrMany,
+    task: OneOrMany,
+    status: OneOrMany,
+    meta: Mapping[str, Any] | None,
+    worker: str | None,
+    before_id: int | None,
+) -> list[sa.ColumnElement[bool]]:
+    """The WHERE of a job list: every given filter (``ValueError`` for a bad one)."""
+    c = table.c
     statuses = _statuses(status, STATUSES, "list")
-    where = _filters(table, ids=ids, queue=queue, task=task, statuses=statuses)
+    where = _filters(table, ids=_ids(ids), queue=queue, task=task, statuses=statuses)
     if meta is not None:
         where += meta_filter(table, meta)
-    stmt = (
-        sa.select(*(table.c[name] for name in _JOB_FIELDS))
-        .where(*where)
-        .order_by(table.c.id.desc())
-    )
+    if worker is not None:
+        where.append(c.locked_by == worker)
+    if before_id is not None:
+        if not isinstance(before_id, int) or isinstance(before_id, bool):
+            raise ValueError(f"before_id must be an integer, got {before_id!r}")
+        where.append(c.id < before_id)
+    return where
+
+
+_V = TypeVar("_V")
+
+
+def _read_jobs(
+    bind: Bind,
+    table: sa.Table,
+    columns: list[Any],
+    where: list[sa.ColumnElement[bool]],
+    limit: int | None,
+    make: Callable[[Mapping[str, Any]], _V],
+) -> list[_V]:
+    """``columns`` of the jobs matching ``where``, newest first, each made into a view."""
+    stmt = sa.select(*columns).where(*where).order_by(table.c.id.desc())
     if limit is not None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
         stmt = stmt.limit(limit)
-    return [JobInfo.from_row(r._mapping) for r in _execute(bind, stmt)]
+    return [make(r._mapping) for r in _execute(bind, stmt)]
 
 
 def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnElement[bool]]:
@@ -409,7 +535,7 @@ def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnEleme
     return where
 
 
-def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
+def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobView | None:
     """One job by id, or ``None`` if there is no such row (finished jobs may be deleted)."""
     found = list_jobs(bind, jobs, ids=[job_id], limit=1)
     if not found:
@@ -434,123 +560,6 @@ def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
 # Each reads through an index whatever the size of the table: the partial indexes of the
 # statuses it counts or lists, the primary key for keyset pages (newest first, no OFFSET),
 # and the small companion tables.
-
-
-@dataclass(frozen=True)
-class QueueSummary:
-    """What :func:`overview` says about one queue.
-
-    ``expired`` counts running jobs whose lease has passed (their worker died; they will
-    be rescued). ``lag_seconds`` is how long the oldest ready job has been due, ``None``
-    when nothing is ready. ``paused_since`` is when the pause state last changed.
-    """
-
-    queue: str
-    paused: bool
-    paused_since: datetime | None
-    scheduled: int
-    ready: int
-    running: int
-    expired: int
-    dead: int
-    lag_seconds: float | None
-    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
-    limits: str = ""
-
-
-def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
-    """Per queue: scheduled, ready, running and dead jobs, the lag, and the pause state.
-
-    One statement, not one per queue: four aggregates, each over the partial index of its
-    status (``_claim`` index-only for ready jobs and their oldest ``run_at``,
-    ``_scheduled``, ``_running``, ``_dead`` index-only), full-joined with
-    ``<table>_queues``. Done and cancelled jobs are not read at all, so the table's
-    history costs nothing.
-    """
-    table = _table(jobs)
-    c = table.c
-    q = _queues_table(table).c
-
-    def branch(status: JobStatus, oldest: Any, expired: Any) -> sa.Select[Any]:
-        return (
-            sa.select(
-                c.queue,
-                sa.literal(status.value).label("status"),
-                sa.func.count().label("n"),
-                expired.label("expired"),
-                oldest.label("oldest"),
-            )
-            .where(c.status == _lit(status))
-            .group_by(c.queue)
-        )
-
-    none_time = sa.null().cast(sa.DateTime(timezone=True))
-    zero = sa.literal(0, sa.BigInteger)
-    counts = sa.union_all(
-        branch(JobStatus.READY, sa.func.min(c.run_at), zero),
-        branch(JobStatus.SCHEDULED, none_time, zero),
-        branch(
-            JobStatus.RUNNING,
-            none_time,
-            sa.func.count().filter(c.locked_until < sa.func.now()),
-        ),
-        branch(JobStatus.DEAD, none_time, zero),
-    ).subquery("counts")
-    k = counts.c
-
-    def n(status: JobStatus) -> Any:
-        return sa.func.coalesce(sa.func.sum(k.n).filter(k.status == status.value), 0)
-
-    per_queue = (
-        sa.select(
-            k.queue,
-            n(JobStatus.SCHEDULED).label("scheduled"),
-            n(JobStatus.READY).label("ready"),
-            n(JobStatus.RUNNING).label("running"),
-            sa.func.coalesce(sa.func.sum(k.expired), 0).label("expired"),
-            n(JobStatus.DEAD).label("dead"),
-            sa.func.min(k.oldest).label("oldest"),
-        )
-        .group_by(k.queue)
-        .subquery("per_queue")
-    )
-    p = per_queue.c
-    lag = sa.cast(sa.extract("epoch", sa.func.now() - p.oldest), sa.Float)
-    stmt = (
-        sa.select(
-            sa.func.coalesce(p.queue, q.name).label("queue"),
-            sa.func.coalesce(q.paused, sa.false()).label("paused"),
-            q.updated_at,
-            *(sa.func.coalesce(p[x], 0).label(x) for x in ("scheduled", "ready", "running")),
-            sa.func.coalesce(p.expired, 0).label("expired"),
-            sa.func.coalesce(p.dead, 0).label("dead"),
-            lag.label("lag_seconds"),
-        )
-        .select_from(per_queue.join(_queues_table(table), p.queue == q.name, full=True))
-        .order_by("queue")
-    )
-    found = {
-        r.queue: QueueSummary(
-            r.queue,
-            bool(r.paused),
-            r.updated_at,
-            int(r.scheduled),
-            int(r.ready),
-            int(r.running),
-            int(r.expired),
-            int(r.dead),
-            None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)),
-        )
-        for r in _execute(bind, stmt)
-    }
-    for name in _registry_queues(jobs) - found.keys():
-        found[name] = QueueSummary(name, False, None, 0, 0, 0, 0, 0, None)
-    if isinstance(jobs, Jobs):
-        for name, summary in found.items():
-            limits = jobs.limits(name).describe()
-            if limits:
-                found[name] = replace(summary, limits=limits)
-    return [found[name] for name in sorted(found)]
 
 
 @dataclass(frozen=True)
@@ -665,6 +674,25 @@ class JobSummary:
     @property
     def seen(self) -> SeenJob:
         return SeenJob(self.id, self.attempts, self.status)
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any], args_text: str | None, error: str | None) -> JobSummary:
+        """A summary from a job's columns, its arguments as JSON text (the first
+        characters are enough) and its last error (its end is enough)."""
+        preview = args_text or ""
+        if len(preview) > _PREVIEW:
+            preview = preview[:_PREVIEW] + "…"
+        return cls(
+            **{name: fields[name] for name in _SUMMARY_FIELDS},
+            args_preview=preview,
+            error=_present.last_line(error),
+        )
+
+
+#: The columns a JobSummary has as they are.
+_SUMMARY_FIELDS: tuple[str, ...] = tuple(
+    f for f in JobSummary.__dataclass_fields__ if f not in ("args_preview", "error")
+)
 
 
 @dataclass(frozen=True)
@@ -790,17 +818,19 @@ def browse_jobs(
     bind: Bind,
     jobs: JobSource,
     *,
+    ids: Iterable[int] | None = None,
     queue: OneOrMany = None,
     task: OneOrMany = None,
     status: OneOrMany = None,
+    meta: Mapping[str, Any] | None = None,
     worker: str | None = None,
     search: str | None = None,
     before_id: int | None = None,
     limit: int = 50,
 ) -> JobPage:
-    """A page of jobs, newest first, by keyset: ``before_id`` is the ``older`` of the
-    previous page. Filters as :func:`list_jobs`, plus ``worker`` (``locked_by``) and a
-    ``search`` (see :func:`parse_search`).
+    """A page of job summaries, newest first, by keyset: ``before_id`` is the ``older`` of
+    the previous page. Filters as :func:`list_jobs`, plus a ``search`` (see
+    :func:`parse_search`).
 
     A search on the arguments looks at :data:`SEARCH_WINDOW` jobs (matching the filters)
     per page at most, so a search that matches little never reads the whole table.
@@ -809,35 +839,16 @@ def browse_jobs(
     c = table.c
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
-    statuses = _statuses(status, STATUSES, "list")
-    where = _filters(table, ids=None, queue=queue, task=task, statuses=statuses)
-    if worker is not None:
-        where.append(c.locked_by == worker)
-    if before_id is not None:
-        if not isinstance(before_id, int) or isinstance(before_id, bool):
-            raise ValueError(f"before_id must be an integer, got {before_id!r}")
-        where.append(c.id < before_id)
+    where = _job_filters(table, ids, queue, task, status, meta, worker, before_id)
     parsed = parse_search(search)
-    columns = (
-        c.id,
-        c.queue,
-        c.task,
-        c.status,
-        c.priority,
-        c.attempts,
-        c.max_attempts,
-        c.run_at,
-        c.created_at,
-        c.finished_at,
-        c.locked_by,
-        c.locked_until,
-        sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_preview"),
-        sa.func.right(c.last_error, 400).label("error"),
-    )
+    columns = [
+        *(c[name] for name in _SUMMARY_FIELDS),
+        sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_text"),
+        sa.func.right(c.last_error, 400).label("error_text"),
+    ]
 
     def summaries(extra: list[sa.ColumnElement[bool]], n: int) -> list[JobSummary]:
-        stmt = sa.select(*columns).where(*where, *extra).order_by(c.id.desc()).limit(n)
-        return [_summary(r) for r in _execute(bind, stmt)]
+        return _read_jobs(bind, table, columns, [*where, *extra], n, _summary)
 
     if parsed is None or parsed[0] == "id":
         extra = [] if parsed is None else [c.id == parsed[1]]
@@ -853,52 +864,30 @@ def browse_jobs(
     window = (
         sa.select(c.id, hit.label("hit")).where(*where).order_by(c.id.desc()).limit(SEARCH_WINDOW)
     )
-    ids: list[int] = []
+    ids_found: list[int] = []
     scanned = 0
     last: int | None = None
     for row in _execute(bind, window):
         scanned += 1
         last = row.id
         if row.hit:
-            ids.append(row.id)
-            if len(ids) > limit:
+            ids_found.append(row.id)
+            if len(ids_found) > limit:
                 break
     searched_to = None
-    if len(ids) > limit:
-        older = ids[limit - 1]
-        ids = ids[:limit]
+    if len(ids_found) > limit:
+        older = ids_found[limit - 1]
+        ids_found = ids_found[:limit]
     elif scanned == SEARCH_WINDOW:
         older = searched_to = last
     else:
         older = None
-    found = summaries([c.id.in_(ids)], limit) if ids else []
+    found = summaries([c.id.in_(ids_found)], limit) if ids_found else []
     return JobPage(found, older, searched_to, search)
 
 
-def _summary(row: Any) -> JobSummary:
-    preview = row.args_preview or ""
-    if len(preview) > _PREVIEW:
-        preview = preview[:_PREVIEW] + "…"
-    error = None
-    if row.error:
-        lines = [ln.strip() for ln in row.error.strip().splitlines() if ln.strip()]
-        error = lines[-1] if lines else None
-    return JobSummary(
-        row.id,
-        row.queue,
-        row.task,
-        row.status,
-        row.priority,
-        row.attempts,
-        row.max_attempts,
-        row.run_at,
-        row.created_at,
-        row.finished_at,
-        row.locked_by,
-        row.locked_until,
-        preview,
-        error,
-    )
+def _summary(row: Mapping[str, Any]) -> JobSummary:
+    return JobSummary.of(row, row["args_text"], row["error_text"])
 
 
 def max_job_id(bind: Bind, jobs: JobSource) -> int:

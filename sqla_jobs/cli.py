@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import __version__, admin, logs
+from . import __version__, _present, admin, logs, sharding
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError
 from .limits import BIGINT_MAX, DURATION_MAX_SECONDS
@@ -699,106 +699,120 @@ def _schema_gate(found: dict[str, list[Any] | None], args: argparse.Namespace) -
 # -- stats --------------------------------------------------------------------------------
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def _databases(args: argparse.Namespace) -> tuple[Jobs | type[Any], dict[str, sa.Engine]]:
+    """The target, and the databases an operating command reads, by shard name: the
+    shards (``--shard``, or an ``--engine`` mapping), or the one database as the shard of
+    one, named ``""``. A single database (a shard of one included) is checked for its
+    table first, and its failures are the command's (one line, exit code 1); over two or
+    more, a shard that fails is reported and the others still answer."""
     shards = shards_from(args)
-    if shards is not None:
-        return _sharded_stats(args, shards)
-    target, engine = _prepare(args)
-    table = admin.source_table(target)
+    if shards is None:
+        target, engine = _prepare(args)
+        return target, {"": engine}
+    target = load_target(args.target)
+    engines = _shard_engines(shards)
+    if len(engines) == 1:
+        _check_table(next(iter(engines.values())), target)
+    return target, engines
+
+
+def _read_all(
+    engines: Mapping[str, sa.Engine], read: Callable[[sa.Connection], _T]
+) -> list[sharding.ShardResult[_T]]:
+    """``read`` on each database (see :func:`_databases`); what ``admin`` refuses
+    (``ValueError``) is a usage error."""
+    with _database_errors():
+        if len(engines) == 1:
+            [(name, engine)] = engines.items()
+            with engine.connect() as conn:
+                return [sharding.ShardResult(name, read(conn))]
+        results = sharding.across(engines, read)
+    for r in results:
+        if r.error is not None:
+            print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+    return results
+
+
+def _dispose(engines: Mapping[str, sa.Engine]) -> None:
+    for engine in engines.values():
+        engine.dispose()
+
+
+def _shard_column(
+    headers: list[str], rows: list[list[str]], right: set[int], shards: list[str] | None
+) -> tuple[list[str], list[list[str]], set[int]]:
+    """A SHARD column first, when the rows come from two or more shards (``shards``)."""
+    if shards is None:
+        return headers, rows, right
+    rows = [[name, *row] for name, row in zip(shards, rows, strict=True)]
+    return ["SHARD", *headers], rows, {i + 1 for i in right}
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per queue (and per shard, then summed as shard ``*``, over two or more)."""
+    target, engines = _databases(args)
+    table = admin.source_table(target).fullname
+    many = len(engines) > 1
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    failed = False
     try:
         while True:
             try:
-                with _database_errors(), engine.connect() as conn:
-                    queues = admin.stats(conn, target, window=args.window)
+                results = _read_all(
+                    engines, lambda conn: admin.queue_states(conn, target, window=args.window)
+                )
             except CommandError as exc:
                 if args.watch is None or exc.code != EXIT_FAILURE:
                     raise
                 # A database restart should not end a watch: say so, and try again.
                 print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
             else:
+                failed = any(r.error is not None for r in results)
+                totals = sharding.total(results)
                 now = datetime.now(timezone.utc)
                 if args.json:
-                    _print_json(
-                        {
-                            "time": now.isoformat(),
-                            "table": table.fullname,
-                            "window_seconds": args.window,
-                            "queues": [q.to_dict() for q in queues],
-                        }
-                    )
+                    out: dict[str, Any] = {
+                        "time": now.isoformat(),
+                        "table": table,
+                        "window_seconds": args.window,
+                    }
+                    if many:
+                        out["shards"] = [
+                            {"shard": r.shard, "error": r.error}
+                            | {"queues": [_present.queue_json(q) for q in r.value or ()]}
+                            for r in results
+                        ]
+                    out["queues"] = [_present.queue_json(q) for q in totals]
+                    _print_json(out)
                 else:
                     if clear:
                         print("\x1b[H\x1b[2J", end="")
                     elif args.watch is not None:
                         print()
-                    _print_stats(table.fullname, queues, args.window, now, args.watch)
-            if args.watch is None:
-                return EXIT_OK
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        # Ctrl-C is how a watch ends; it is not a failure.
-        return EXIT_OK
-
-
-def _sharded_stats(args: argparse.Namespace, shards: dict[str, str]) -> int:
-    """``stats --shard ...``: one row per shard and queue, then the sums (SHARD ``*``)."""
-    from . import sharding
-
-    target = load_target(args.target)
-    table = admin.source_table(target)
-    engines = _shard_engines(shards)
-    failed = False
-    try:
-        while True:
-            results = sharding.stats(engines, target, window=args.window)
-            totals = sharding.total(results)
-            failed = any(r.error is not None for r in results)
-            for r in results:
-                if r.error is not None:
-                    print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
-            now = datetime.now(timezone.utc)
-            if args.json:
-                _print_json(
-                    {
-                        "time": now.isoformat(),
-                        "table": table.fullname,
-                        "window_seconds": args.window,
-                        "shards": [
-                            {"shard": r.shard, "error": r.error}
-                            | {"queues": [q.to_dict() for q in r.value or ()]}
-                            for r in results
-                        ],
-                        "queues": [q.to_dict() for q in totals],
-                    }
-                )
-            else:
-                if args.watch is not None:
-                    print()
-                rows = [(r.shard, q) for r in results for q in r.value or ()]
-                rows += [("*", q) for q in totals]
-                _print_stats(
-                    table.fullname,
-                    [q for _, q in rows],
-                    args.window,
-                    now,
-                    args.watch,
-                    shard_names=[name for name, _ in rows],
-                )
+                    rows = [(r.shard, q) for r in results for q in r.value or ()] if many else []
+                    rows += [("*" if many else "", q) for q in totals]
+                    _print_stats(
+                        table,
+                        [q for _, q in rows],
+                        args.window,
+                        now,
+                        args.watch,
+                        shard_names=[name for name, _ in rows] if many else None,
+                    )
             if args.watch is None:
                 break
             time.sleep(args.watch)
     except KeyboardInterrupt:
+        # Ctrl-C is how a watch ends; it is not a failure.
         return EXIT_OK
     finally:
-        for engine in engines.values():
-            engine.dispose()
+        _dispose(engines)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
 def _print_stats(
     table: str,
-    queues: list[admin.QueueStats],
+    queues: list[admin.QueueState],
     window: float,
     now: datetime,
     watch: float | None,
@@ -837,11 +851,7 @@ def _print_stats(
         ]
         for q in queues
     ]
-    right = set(range(2, len(headers)))
-    if shard_names is not None:
-        headers.insert(0, "SHARD")
-        rows = [[name, *row] for name, row in zip(shard_names, rows, strict=True)]
-        right = {i + 1 for i in right}
+    headers, rows, right = _shard_column(headers, rows, set(range(2, len(headers))), shard_names)
     suffix = f", every {_span(watch)} (Ctrl-C to stop)" if watch is not None else ""
     print(f"{table} at {_when(now)}{suffix}")
     if not rows:
@@ -860,78 +870,34 @@ def _span(value: float | None) -> str:
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
-    shards = shards_from(args)
-    if shards is not None:
-        return _sharded_jobs_list(args, shards)
-    target, engine = _prepare(args)
-    with _database_errors(), engine.connect() as conn:
-        found = admin.list_jobs(
-            conn,
-            target,
-            queue=args.queue,
-            status=args.status,
-            task=args.task,
-            meta=dict(args.meta) if args.meta else None,
-            limit=args.limit,
-        )
-    if args.json:
-        _print_json([j.to_dict() for j in found])
-        return EXIT_OK
-    if not found:
-        print("no matching jobs")
-        return EXIT_OK
-    rows = [
-        [
-            str(j.id),
-            j.status,
-            j.queue,
-            j.task,
-            f"{j.attempts}/{j.max_attempts}",
-            _when(j.run_at),
-            _error_summary(j.last_error),
-        ]
-        for j in found
-    ]
-    _print_table(
-        ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"], rows, right={0, 4}
-    )
-    if len(found) == args.limit:
-        print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
-    return EXIT_OK
-
-
-def _sharded_jobs_list(args: argparse.Namespace, shards: dict[str, str]) -> int:
-    """``jobs list --shard ...``: the newest jobs of every shard, with a SHARD column."""
-    from . import sharding
-
-    target = load_target(args.target)
-    engines = _shard_engines(shards)
+    """The newest jobs (of every shard, with a SHARD column, over two or more)."""
+    target, engines = _databases(args)
+    many = len(engines) > 1
     try:
-        with _database_errors():
-            found, failed = sharding.list_jobs(
-                engines,
+        results = _read_all(
+            engines,
+            lambda conn: admin.list_jobs(
+                conn,
                 target,
                 queue=args.queue,
                 status=args.status,
                 task=args.task,
                 meta=dict(args.meta) if args.meta else None,
                 limit=args.limit,
-            )
+            ),
+        )
     finally:
-        for engine in engines.values():
-            engine.dispose()
-    for r in failed:
-        print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+        _dispose(engines)
+    found, failed = sharding.newest(results, args.limit)
     code = EXIT_FAILURE if failed else EXIT_OK
     if args.json:
-        _print_json([{"shard": shard} | j.to_dict() for shard, j in found])
+        _print_json([({"shard": shard} if many else {}) | j.to_dict() for shard, j in found])
         return code
     if not found:
         print("no matching jobs")
         return code
     rows = [
         [
-            shard,
             str(j.id),
             j.status,
             j.queue,
@@ -940,13 +906,17 @@ def _sharded_jobs_list(args: argparse.Namespace, shards: dict[str, str]) -> int:
             _when(j.run_at),
             _error_summary(j.last_error),
         ]
-        for shard, j in found
+        for _, j in found
     ]
-    _print_table(
-        ["SHARD", "ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"],
+    headers, rows, right = _shard_column(
+        ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"],
         rows,
-        right={1, 5},
+        {0, 4},
+        [shard for shard, _ in found] if many else None,
     )
+    _print_table(headers, rows, right=right)
+    if len(found) == args.limit:
+        print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
     return code
 
 

@@ -311,7 +311,7 @@ class Dashboard:
 
         def page() -> Response:
             with self.engine.connect() as conn:
-                queues = admin.overview(conn, self.jobs)
+                queues = admin.queue_states(conn, self.jobs, finished=False)
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
             lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
@@ -319,7 +319,7 @@ class Dashboard:
                 "ready": sum(q.ready for q in queues),
                 "scheduled": sum(q.scheduled for q in queues),
                 "running": sum(q.running for q in queues),
-                "expired": sum(q.expired for q in queues),
+                "lease_expired": sum(q.lease_expired for q in queues),
                 "dead": sum(q.dead for q in queues),
                 "lag": max(lags) if lags else None,
             }
@@ -969,7 +969,7 @@ def _back(request: Request) -> str | None:
 
 
 def _job_notice(
-    params: Mapping[str, str], job: admin.JobInfo | None = None
+    params: Mapping[str, str], job: admin.JobView | None = None
 ) -> tuple[str | None, str]:
     """The notice of a job's page after an action: from the signed query string the
     action redirected to (see :meth:`Signer.verified`), never from text in the URL."""
@@ -1012,7 +1012,7 @@ def _when(job: admin.JobSummary) -> str:
     return f"created {ago(job.created_at)}"
 
 
-def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
+def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
     """One sentence: what happens to this job next, and when."""
     status = job.status
     attempt = f"attempt {job.attempts + 1} of {job.max_attempts}"
@@ -1050,7 +1050,7 @@ def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
     return "Done: kept for the record until retention prunes it."
 
 
-def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
+def _fields(job: admin.JobView) -> list[tuple[str, str]]:
     def t(value: datetime | None) -> str:
         return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
 

@@ -69,8 +69,8 @@ class _ShardsPage:
         return await run_in_threadpool(self._render, request)
 
     def _render(self, request: Request) -> Response:
-        def read(conn: sa.Connection) -> tuple[list[admin.QueueSummary], int]:
-            queues = admin.overview(conn, self.jobs)
+        def read(conn: sa.Connection) -> tuple[list[admin.QueueState], int]:
+            queues = admin.queue_states(conn, self.jobs, finished=False)
             alive = sum(w.alive for w in admin.list_workers(conn, self.jobs))
             return queues, alive
 
@@ -88,7 +88,7 @@ class _ShardsPage:
                     "alive": alive,
                 }
             )
-        every: list[admin.QueueSummary] = [q for s in shards for q in s["queues"]]
+        every: list[admin.QueueState] = [q for s in shards for q in s["queues"]]
         lags = [q.lag_seconds for q in every if q.lag_seconds is not None]
         totals = {
             key: sum(getattr(q, key) for q in every)
