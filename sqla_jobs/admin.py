@@ -42,7 +42,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar
 
@@ -67,6 +67,8 @@ __all__ = [
     "PURGEABLE",
     "PURGEABLE_BY_DEFAULT",
     "RETRYABLE",
+    "Action",
+    "ActionName",
     "ActionReport",
     "JobInfo",
     "JobPage",
@@ -76,6 +78,7 @@ __all__ = [
     "QueueInfo",
     "QueueState",
     "SeenJob",
+    "Selection",
     "Throughput",
     "WorkerInfo",
     "act",
@@ -91,6 +94,7 @@ __all__ = [
     "parse_search",
     "pause_queue",
     "paused_queues",
+    "preview",
     "purge_jobs",
     "queue_states",
     "resume_queue",
@@ -118,13 +122,8 @@ CANCELLABLE: tuple[str, ...] = LIVE_STATUSES
 PURGEABLE_BY_DEFAULT: tuple[str, ...] = FINISHED_STATUSES
 PURGEABLE: tuple[str, ...] = (*FINISHED_STATUSES, JobStatus.SCHEDULED, JobStatus.READY)
 
-#: The actions :func:`act` takes, and the statuses each applies to by default.
-ACTIONS: dict[str, tuple[str, ...]] = {
-    "retry": RETRYABLE,
-    "cancel": CANCELLABLE,
-    "purge": PURGEABLE_BY_DEFAULT,
-}
-Action: TypeAlias = Literal["retry", "cancel", "purge"]
+#: The names of the actions (see :data:`ACTIONS`).
+ActionName: TypeAlias = Literal["retry", "cancel", "purge"]
 
 DEFAULT_WINDOW = 300.0
 
@@ -935,8 +934,11 @@ class SeenJob(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Selection:
-    """The jobs an action is asked to act on, as its caller gave them."""
+class Selection:
+    """The jobs an action is asked to act on, as its caller gave them: those that match
+    *all* the given selectors (see the module's "Selecting jobs"). ``seen`` guards the
+    selection (see :class:`SeenJob`); ``up_to_id`` leaves out the jobs enqueued after it
+    was counted; ``older_than`` (purge only) keeps the jobs younger than that."""
 
     ids: Iterable[int] | None = None
     queue: OneOrMany = None
@@ -945,6 +947,7 @@ class _Selection:
     all_jobs: bool = False
     seen: Iterable[SeenJob] | None = None
     up_to_id: int | None = None
+    older_than: float | timedelta | None = None
 
     def where(
         self,
@@ -953,18 +956,26 @@ class _Selection:
         default: tuple[str, ...],
         action: str,
         *,
-        extra: bool = False,
         status_from_seen: bool = False,
     ) -> tuple[list[int] | None, tuple[str, ...], list[sa.ColumnElement[bool]], Any]:
         """The ids, the statuses, the WHERE of the action (``ValueError`` for a selection it
         refuses), and the seen jobs it is guarded by."""
+        if self.older_than is not None and action != "purge":
+            raise ValueError(f"older_than selects jobs to purge, not to {action}")
         ids, guard = _seen(self.ids, self.seen)
         status = self.status
         if status_from_seen and guard is not None and status is None:
             status = sorted({s.status for s in guard} & set(allowed)) or None
         statuses = _statuses(status, allowed, action) or default
         where = _selection(
-            table, ids, self.queue, self.task, status, statuses, self.all_jobs, extra=extra
+            table,
+            ids,
+            self.queue,
+            self.task,
+            status,
+            statuses,
+            self.all_jobs,
+            extra=self.older_than is not None,
         )
         where += _guards(table, guard, self.up_to_id)
         return ids, statuses, where, guard
@@ -1008,10 +1019,9 @@ def retry_jobs(
     :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
         counted the selection.
     """
-    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    if dry_run:
-        return _retry_count(bind, jobs, selection)
-    return len(_retry(bind, jobs, selection).acted)
+    return _run(
+        "retry", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id), dry_run
+    )
 
 
 def retry_report(
@@ -1030,9 +1040,8 @@ def retry_report(
     children it left alone and why (``skipped``: a job they wait for is still dead or
     cancelled), and the jobs that came back waiting because a job they wait for was
     retried (``rearmed``)."""
-    retried = _retry(bind, jobs, _Selection(ids, queue, task, status, all_jobs, seen, up_to_id))
-    return ActionReport(
-        "retry", tuple(retried.acted), tuple(retried.blocked), tuple(retried.rearmed)
+    return _act_on(
+        "retry", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
     )
 
 
@@ -1044,7 +1053,7 @@ class _Retried:
 
 
 def _retry_where(
-    table: sa.Table, selection: _Selection
+    table: sa.Table, selection: Selection
 ) -> tuple[list[sa.ColumnElement[bool]], sa.ColumnElement[bool]]:
     """The WHERE of a retry, and what holds a selected job back: a child cancelled because
     a job it waits for ended, which is still dead or cancelled."""
@@ -1074,13 +1083,13 @@ def _retry_where(
     return where, sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
 
 
-def _retry_count(bind: Bind, jobs: JobSource, selection: _Selection) -> int:
+def _retry_count(bind: Bind, jobs: JobSource, selection: Selection) -> int:
     table = _table(jobs)
     where, held = _retry_where(table, selection)
     return _count(bind, table, [*where, ~held])
 
 
-def _retry(bind: Bind, jobs: JobSource, selection: _Selection) -> _Retried:
+def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     table = _table(jobs)
     queries = _queries(jobs)
     where, held = _retry_where(table, selection)
@@ -1178,11 +1187,12 @@ def cancel_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    return len(_cancel(bind, jobs, selection, dry_run))
+    return _run(
+        "cancel", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id), dry_run
+    )
 
 
-def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -> list[int]:
+def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
     _, _, where, _ = selection.where(table, CANCELLABLE, CANCELLABLE, "cancel")
     if dry_run:
@@ -1240,31 +1250,18 @@ def purge_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return len(
-        _purge(
-            bind,
-            jobs,
-            _Selection(ids, queue, task, status, all_jobs, seen, up_to_id),
-            older_than,
-            dry_run,
-        )
-    )
+    selection = Selection(ids, queue, task, status, all_jobs, seen, up_to_id, older_than)
+    return _run("purge", bind, jobs, selection, dry_run)
 
 
-def _purge(
-    bind: Bind,
-    jobs: JobSource,
-    selection: _Selection,
-    older_than: float | timedelta | None,
-    dry_run: bool,
-) -> list[int]:
+def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
+    older_than = selection.older_than
     _, statuses, where, _ = selection.where(
         table,
         PURGEABLE,
         PURGEABLE_BY_DEFAULT,
         "purge",
-        extra=older_than is not None,
         # A job seen scheduled or ready and deleted by id is a deliberate choice.
         status_from_seen=True,
     )
@@ -1287,8 +1284,8 @@ def _purge(
 
 @dataclass(frozen=True)
 class ActionReport:
-    """What :func:`act` (or :func:`retry_report`) did: the jobs it acted on, and those it
-    left alone with why."""
+    """What :func:`act` did (or :func:`preview` would do): the jobs it acted on, and those
+    it left alone with why."""
 
     action: str
     acted: tuple[int, ...]
@@ -1297,34 +1294,192 @@ class ActionReport:
     #: Retry: jobs that came back waiting, not ready, because a job they wait for was
     #: retried (children it had cancelled by ending, and theirs), selected or not.
     rearmed: tuple[int, ...] = ()
+    #: :func:`preview`: how many jobs the action would act on (``acted`` is empty).
+    counted: int | None = None
+    #: :func:`preview`: the selected ids that name no job (nothing is counted then).
+    missing: tuple[int, ...] = ()
 
     @property
     def count(self) -> int:
-        return len(self.acted)
+        return len(self.acted) if self.counted is None else self.counted
 
 
-def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) -> ActionReport:
-    """Retry, cancel or purge the jobs an operator selected, as they saw them, and report
-    job by job.
+@dataclass(frozen=True)
+class Action:
+    """One thing an operator does to jobs, and every word the tools say about it.
 
-    Each job is acted on only if it still has the attempts and status it was seen with
-    and the action applies to that status; the others are skipped with the reason (it
-    no longer exists, it moved on, it is not something this action applies to, a live
-    job holds its unique key). The rows are locked first, so the report is exact: no
-    job changes between the check and the action. Runs in the caller's transaction.
+    :data:`ACTIONS` is the one table of them: :func:`act` and :func:`preview` take its
+    names, and the ``sqla-jobs jobs`` subcommands and the dashboard's buttons, confirm
+    pages and notices are drawn from it.
     """
-    if action not in ACTIONS:
-        raise ValueError(f"unknown action {action!r}; actions are {', '.join(ACTIONS)}")
+
+    name: str
+    #: The statuses it acts on unless told otherwise, and those it may be told to.
+    statuses: tuple[str, ...]
+    allowed: tuple[str, ...]
+    #: The command's words: ``purge``, ``purged`` (``sqla-jobs jobs purge``, its output).
+    verb: str
+    past: str
+    #: The page's words, for people rather than scripts: ``delete``, ``deleted``.
+    label: str
+    label_past: str
+    #: The button on one job's page.
+    button: str
+    #: Whether it cannot be undone (the rows are deleted): a page asks first.
+    destroys: bool
+    #: One line on what it does (``--help``), the whole of it (the subcommand's
+    #: description), what happens to each job (a confirm page), and what ``--status``
+    #: may name.
+    summary: str
+    description: str
+    explanation: str
+    accepted: str
+    _run: Callable[[Bind, JobSource, Selection], ActionReport] = field(repr=False)
+    _count: Callable[[Bind, JobSource, Selection], int] = field(repr=False)
+
+    def run(self, bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+        """Act on the selection (in the caller's transaction)."""
+        return self._run(bind, jobs, selection)
+
+    def count(self, bind: Bind, jobs: JobSource, selection: Selection) -> int:
+        """How many jobs :meth:`run` would act on now."""
+        return self._count(bind, jobs, selection)
+
+
+def _run_retry(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    retried = _retry(bind, jobs, selection)
+    return ActionReport(
+        "retry", tuple(retried.acted), tuple(retried.blocked), tuple(retried.rearmed)
+    )
+
+
+def _run_cancel(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ActionReport("cancel", tuple(_cancel(bind, jobs, selection, False)), ())
+
+
+def _run_purge(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ActionReport("purge", tuple(_purge(bind, jobs, selection, False)), ())
+
+
+#: The actions, by name.
+ACTIONS: dict[str, Action] = {
+    a.name: a
+    for a in (
+        Action(
+            "retry",
+            RETRYABLE,
+            RETRYABLE,
+            verb="retry",
+            past="retried",
+            label="retry",
+            label_past="retried",
+            button="Retry now",
+            destroys=False,
+            summary="put dead or cancelled jobs back to ready",
+            description="Put dead or cancelled jobs back to ready, due now, with one more "
+            "attempt (attempts is kept, max_attempts raised to at least attempts + 1; "
+            "last_error is kept until the next attempt). Idle workers are woken. Jobs a "
+            "retried job had cancelled by ending (after=, groups) come back with it, waiting "
+            "for it again; such a job is skipped while a job it waits for is still dead or "
+            "cancelled.",
+            explanation="Each goes back to ready, due now, with one more attempt; idle "
+            "workers are woken.",
+            accepted="dead, cancelled",
+            _run=_run_retry,
+            _count=lambda bind, jobs, selection: _retry_count(bind, jobs, selection),
+        ),
+        Action(
+            "cancel",
+            CANCELLABLE,
+            CANCELLABLE,
+            verb="cancel",
+            past="cancelled",
+            label="cancel",
+            label_past="cancelled",
+            button="Cancel",
+            destroys=False,
+            summary="cancel scheduled, ready or running jobs",
+            description="Cancel scheduled, ready or running jobs. A running job's worker can "
+            "no longer complete or retry it; its heartbeat notices and tells the handler.",
+            explanation="Each is cancelled; a running one's worker is told to stop it (a "
+            "handler is not interrupted, it checks between steps).",
+            accepted="scheduled, ready, running",
+            _run=_run_cancel,
+            _count=lambda bind, jobs, selection: len(_cancel(bind, jobs, selection, True)),
+        ),
+        Action(
+            "purge",
+            PURGEABLE_BY_DEFAULT,
+            PURGEABLE,
+            verb="purge",
+            past="purged",
+            label="delete",
+            label_past="deleted",
+            button="Delete",
+            destroys=True,
+            summary="delete finished jobs",
+            description="Delete done, dead or cancelled jobs. Scheduled or ready jobs are "
+            "deleted only when --status names them; running jobs never (cancel them first).",
+            explanation="Each is deleted for good.",
+            accepted="done, dead, cancelled, or (deleting unrun work) scheduled, ready",
+            _run=_run_purge,
+            _count=lambda bind, jobs, selection: len(_purge(bind, jobs, selection, True)),
+        ),
+    )
+}
+
+
+def _action(name: str) -> Action:
+    """The action of this name (``ValueError`` for another)."""
+    found = ACTIONS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown action {name!r}; actions are {', '.join(ACTIONS)}")
+    return found
+
+
+def _run(name: str, bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> int:
+    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on."""
+    spec = ACTIONS[name]
+    if dry_run:
+        return spec.count(bind, jobs, selection)
+    return spec.run(bind, jobs, selection).count
+
+
+def _act_on(name: str, bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ACTIONS[name].run(bind, jobs, selection)
+
+
+def act(
+    bind: Bind, jobs: JobSource, action: str, selection: Selection | Iterable[SeenJob]
+) -> ActionReport:
+    """Retry, cancel or purge the selected jobs, and report job by job: the one path of
+    the dashboard's buttons and of ``sqla-jobs jobs retry|cancel|purge``.
+
+    Given the jobs an operator selected, as they saw them (:class:`SeenJob`), each job is
+    acted on only if it still has the attempts and status it was seen with and the
+    action applies to that status; the others are skipped with the reason (it no longer
+    exists, it moved on, it is not something this action applies to, a live job holds
+    its unique key). The rows are locked first, so the report is exact: no job changes
+    between the check and the action.
+
+    Given a :class:`Selection`, it acts on every job that matches it, as
+    :func:`retry_report`, :func:`cancel_jobs` and :func:`purge_jobs` do (a retry's
+    report says which jobs came back, and which it held back and why).
+
+    Runs in the caller's transaction.
+    """
+    spec = _action(action)
+    if isinstance(selection, Selection):
+        return spec.run(bind, jobs, selection)
     table = _table(jobs)
-    wanted = list(dict.fromkeys(_check_seen(seen)))
+    wanted = list(dict.fromkeys(_check_seen(selection)))
     if not wanted:
         raise ValueError("select at least one job")
     c = table.c
     lock = sa.select(c.id, c.attempts, c.status).where(c.id.in_([s.id for s in wanted]))
     # A row about to be deleted needs the full lock; the others the one the claim respects.
-    lock = lock.with_for_update(key_share=action != "purge")
+    lock = lock.with_for_update(key_share=not spec.destroys)
     now = {r.id: (r.attempts, r.status) for r in _execute(bind, lock)}
-    allowed = PURGEABLE if action == "purge" else ACTIONS[action]
     skipped: dict[int, str] = {}
     eligible: list[SeenJob] = []
     for s in wanted:
@@ -1333,32 +1488,62 @@ def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) ->
             skipped[s.id] = "it no longer exists"
         elif current != (s.attempts, s.status):
             skipped[s.id] = f"it changed: now {current[1]}, attempt {current[0]}"
-        elif s.status not in allowed:
-            skipped[s.id] = f"{action} applies to {', '.join(allowed)} jobs, not {s.status} ones"
+        elif s.status not in spec.allowed:
+            skipped[s.id] = (
+                f"{spec.name} applies to {', '.join(spec.allowed)} jobs, not {s.status} ones"
+            )
         else:
             eligible.append(s)
-    acted: list[int] = []
-    rearmed: list[int] = []
+    acted: tuple[int, ...] = ()
+    rearmed: tuple[int, ...] = ()
     if eligible:
-        if action == "retry":
-            retried = _retry(bind, jobs, _Selection(seen=eligible))
-            acted, rearmed = retried.acted, retried.rearmed
-            skipped.update(retried.blocked)
-        elif action == "cancel":
-            acted = _cancel(bind, jobs, _Selection(seen=eligible), False)
-        else:
-            acted = _purge(bind, jobs, _Selection(seen=eligible), None, False)
+        done = spec.run(bind, jobs, Selection(seen=eligible))
+        acted, rearmed = done.acted, done.rearmed
+        skipped.update(done.skipped)
     back = set(rearmed)
     for s in eligible:
         if s.id not in acted and s.id not in skipped and s.id not in back:
             skipped[s.id] = "a live job holds its unique key"
-    done = set(acted)
+    done_ids = set(acted)
     return ActionReport(
-        action,
-        tuple(s.id for s in wanted if s.id in done),
+        spec.name,
+        tuple(s.id for s in wanted if s.id in done_ids),
         tuple((s.id, skipped[s.id]) for s in wanted if s.id in skipped),
-        tuple(rearmed),
+        rearmed,
     )
+
+
+def preview(bind: Bind, jobs: JobSource, action: str, selection: Selection) -> ActionReport:
+    """What :func:`act` would do with this selection, changing nothing: how many jobs
+    (``count``), the selected ids that name no job (``missing``; then nothing is
+    counted), and the selected ids it would leave alone and why (``skipped``: a status,
+    queue or task outside the selection). ``ValueError`` for a selection the action
+    refuses."""
+    spec = _action(action)
+    ids = _ids(selection.ids)
+    skipped: list[tuple[int, str]] = []
+    if ids is not None:
+        found = {j.id: j for j in list_jobs(bind, jobs, ids=ids, limit=None)}
+        missing = tuple(i for i in ids if i not in found)
+        if missing:
+            return ActionReport(spec.name, (), (), counted=0, missing=missing)
+        statuses = tuple(_names(selection.status, "status") or spec.statuses)
+        queues = _names(selection.queue, "queue")
+        tasks = _names(selection.task, "task")
+        for i in dict.fromkeys(ids):
+            job = found[i]
+            why = None
+            if job.status not in statuses:
+                why = f"it is {job.status}; {spec.name} applies to {' or '.join(statuses)} jobs"
+            elif queues and job.queue not in queues:
+                why = f"it is in queue {job.queue!r}, not in a selected one"
+            elif tasks and job.task not in tasks:
+                why = f"its task is {job.task!r}, not a selected one"
+            if why is not None:
+                skipped.append((i, why))
+        selection = replace(selection, ids=ids)
+    counted = spec.count(bind, jobs, selection)
+    return ActionReport(spec.name, (), tuple(skipped), counted=counted)
 
 
 def _check_seen(seen: Iterable[SeenJob]) -> list[SeenJob]:

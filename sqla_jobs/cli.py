@@ -960,120 +960,68 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: action name -> (admin function, past tense, the statuses it acts on by default)
-_ACTIONS: dict[str, tuple[Callable[..., int], str, tuple[str, ...]]] = {
-    "retry": (admin.retry_jobs, "retried", admin.RETRYABLE),
-    "cancel": (admin.cancel_jobs, "cancelled", admin.CANCELLABLE),
-    "purge": (admin.purge_jobs, "purged", admin.PURGEABLE_BY_DEFAULT),
-}
-
-
-#: What --status may name, per action, for the help.
-_ACCEPTED = {
-    "retry": "dead, cancelled",
-    "cancel": "scheduled, ready, running",
-    "purge": "done, dead, cancelled, or (deleting unrun work) scheduled, ready",
-}
-
-
 def cmd_jobs_action(args: argparse.Namespace) -> int:
-    action: str = args.action
-    func, done_word, default_statuses = _ACTIONS[action]
+    """``jobs retry|cancel|purge``: count (:func:`sqla_jobs.admin.preview`), confirm, act
+    (:func:`sqla_jobs.admin.act`), as the dashboard does."""
+    action = admin.ACTIONS[args.action]
     ids: list[int] | None = list(dict.fromkeys(args.ids)) or None
     older_than = getattr(args, "older_than", None)
     selected = args.queue or args.task or args.status or older_than is not None
     if ids is None and not (selected or args.all):
         raise CommandError(
             f"which jobs? give job IDs, or select with --queue/--task/--status "
-            f"(--all to {action} every {' or '.join(default_statuses)} job)"
+            f"(--all to {action.name} every {' or '.join(action.statuses)} job)"
         )
-    options: dict[str, Any] = {"queue": args.queue, "task": args.task, "status": args.status}
-    if older_than is not None:
-        options["older_than"] = older_than
-    options["all_jobs"] = args.all
+    selection = admin.Selection(
+        ids=ids,
+        queue=args.queue,
+        task=args.task,
+        status=args.status,
+        all_jobs=args.all,
+        older_than=older_than,
+    )
     target, engine = _prepare(args)
-
-    code = EXIT_OK
+    retry = action.name == "retry"
     with _database_errors():
         with engine.connect() as conn:
-            if ids is not None:
-                code = _check_ids(conn, target, ids, action, args, default_statuses)
-            try:
-                count = func(conn, target, ids, dry_run=True, **options)
-            except ValueError as exc:
-                raise CommandError(str(exc)) from None
+            preview = admin.preview(conn, target, action.name, selection)
+        if preview.missing:
+            listed = ", ".join(map(str, preview.missing))
+            which = (
+                f"job with id {listed}" if len(preview.missing) == 1 else f"jobs with ids {listed}"
+            )
+            raise CommandError(f"no {which} (nothing was {action.past})", EXIT_FAILURE)
+        # Ids the action leaves alone are warned about, and the exit code says so.
+        code = _warn_skipped(preview)
         if args.dry_run:
-            _report(args, action, f"would be {done_word}", count, dry_run=True)
+            _report(args, action.name, f"would be {action.past}", preview.count, dry_run=True)
             return code
-        if count == 0:
-            rearmed = None
-            if action == "retry":
-                code = max(code, _why_not_retried(engine, target, ids, options))
-                rearmed = 0
-            _report(args, action, done_word, 0, dry_run=False, rearmed=rearmed)
+        if preview.count == 0:
+            if retry:
+                # Say why a selected job is held back (a job it waits for is still dead or
+                # cancelled): found by a retry that is rolled back.
+                with engine.connect() as conn:
+                    code = max(code, _warn_skipped(admin.act(conn, target, "retry", selection)))
+                    conn.rollback()
+            rearmed = 0 if retry else None
+            _report(args, action.name, action.past, 0, dry_run=False, rearmed=rearmed)
             return code
-        _confirm(args, action, count)
+        _confirm(args, action.name, preview.count)
         with engine.begin() as conn:
-            if action == "retry":
-                # Retried parents bring back the jobs they had cancelled; say which came
-                # back, and why a selected one did not.
-                report = admin.retry_report(conn, target, ids, **options)
-                count = report.count
-            else:
-                count = func(conn, target, ids, **options)
-    if action != "retry":
-        _report(args, action, done_word, count, dry_run=False)
-        return code
-    for job_id, why in report.skipped:
-        print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
-        code = EXIT_FAILURE
-    _report(args, action, done_word, count, dry_run=False, rearmed=len(report.rearmed))
+            report = admin.act(conn, target, action.name, selection)
+    # Retried parents bring back the jobs they had cancelled; say which came back, and why
+    # a selected one did not.
+    code = max(code, _warn_skipped(report))
+    rearmed = len(report.rearmed) if retry else None
+    _report(args, action.name, action.past, report.count, dry_run=False, rearmed=rearmed)
     return code
 
 
-def _why_not_retried(
-    engine: sa.Engine, target: Jobs | type[Any], ids: list[int] | None, options: dict[str, Any]
-) -> int:
-    """Nothing to retry: warn about the selected jobs a retry holds back (children of a job
-    still dead or cancelled), found by a retry that is rolled back."""
-    with engine.connect() as conn:
-        report = admin.retry_report(conn, target, ids, **options)
-        conn.rollback()
+def _warn_skipped(report: admin.ActionReport) -> int:
+    """A warning for each job the action leaves alone; exit code 1 if any."""
     for job_id, why in report.skipped:
         print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
     return EXIT_FAILURE if report.skipped else EXIT_OK
-
-
-def _check_ids(
-    conn: sa.Connection,
-    target: Jobs | type[Any],
-    ids: list[int],
-    action: str,
-    args: argparse.Namespace,
-    default_statuses: tuple[str, ...],
-) -> int:
-    """Unknown ids are an error (nothing is done); ids the action skips are warned about."""
-    found = {j.id: j for j in admin.list_jobs(conn, target, ids=ids, limit=None)}
-    missing = [i for i in ids if i not in found]
-    if missing:
-        listed = ", ".join(map(str, missing))
-        which = f"job with id {listed}" if len(missing) == 1 else f"jobs with ids {listed}"
-        raise CommandError(f"no {which} (nothing was {_ACTIONS[action][1]})", EXIT_FAILURE)
-    statuses = args.status or default_statuses
-    code = EXIT_OK
-    for i in ids:
-        job = found[i]
-        reason = None
-        if job.status not in statuses:
-            reason = f"it is {job.status}; {action} applies to {' or '.join(statuses)} jobs"
-        elif args.queue and job.queue not in args.queue:
-            reason = f"it is in queue {job.queue!r}, not in --queue"
-        elif args.task and job.task not in args.task:
-            reason = f"its task is {job.task!r}, not in --task"
-        if reason:
-            print(f"sqla-jobs: warning: skipping job {i}: {reason}", file=sys.stderr)
-            code = EXIT_FAILURE
-    return code
 
 
 def _confirm(args: argparse.Namespace, action: str, count: int) -> None:
@@ -1909,34 +1857,17 @@ def _add_jobs(sub: Any) -> None:
         " Shows how many jobs would be affected and asks first, unless --yes; with no"
         " terminal to ask on and no --yes it refuses (exit 2)."
     )
-    descriptions = {
-        "retry": (
-            "put dead or cancelled jobs back to ready",
-            "Put dead or cancelled jobs back to ready, due now, with one more attempt "
-            "(attempts is kept, max_attempts raised to at least attempts + 1; last_error is "
-            "kept until the next attempt). Idle workers are woken. Jobs a retried job had "
-            "cancelled by ending (after=, groups) come back with it, waiting for it again; "
-            "such a job is skipped while a job it waits for is still dead or cancelled.",
-        ),
-        "cancel": (
-            "cancel scheduled, ready or running jobs",
-            "Cancel scheduled, ready or running jobs. A running job's worker can no longer "
-            "complete or retry it; its heartbeat notices and tells the handler.",
-        ),
-        "purge": (
-            "delete finished jobs",
-            "Delete done, dead or cancelled jobs. Scheduled or ready jobs are deleted only "
-            "when --status names them; running jobs never (cancel them first).",
-        ),
-    }
-    for action, (short, long) in descriptions.items():
+    for action in admin.ACTIONS.values():
         p = jobs_sub.add_parser(
-            action, parents=[_common()], help=short, description=long + common_help
+            action.name,
+            parents=[_common()],
+            help=action.summary,
+            description=action.description + common_help,
         )
         p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="job ids")
-        default = " or ".join(_ACTIONS[action][2])
-        _filter_options(p, _ACCEPTED[action], default)
-        if action == "purge":
+        default = " or ".join(action.statuses)
+        _filter_options(p, action.accepted, default)
+        if action.name == "purge":
             p.add_argument(
                 "--older-than",
                 type=_duration,
@@ -1952,7 +1883,7 @@ def _add_jobs(sub: Any) -> None:
         p.add_argument(
             "--json", action="store_true", help='print {"action", "dry_run", "count"} as JSON'
         )
-        p.set_defaults(func=cmd_jobs_action, action=action)
+        p.set_defaults(func=cmd_jobs_action, action=action.name)
 
 
 def _add_queues(sub: Any) -> None:

@@ -121,6 +121,12 @@ class Filters:
             ("q", self.q),
         ]
 
+    def selection(self, up_to_id: int) -> admin.Selection:
+        """Every job these filters match (a bulk action), up to ``up_to_id``."""
+        return admin.Selection(
+            queue=self.queue, task=self.task, status=self.status, all_jobs=True, up_to_id=up_to_id
+        )
+
     def describe(self) -> str:
         parts = [f"{k} {v}" for k, v in self.items() if v and k != "q"]
         if self.q:
@@ -213,6 +219,7 @@ class Dashboard:
             "notice": None,
             "notice_kind": "ok",
             "home": self._home(request),
+            "actions": admin.ACTIONS.values(),
         }
         base.update(context)
         html = self.env.get_template(template).render(base)
@@ -437,11 +444,6 @@ class Dashboard:
                 # The end of a long error: the exception is on its last line.
                 error_text=error[-ARGS_SHOWN:],
                 error_size=len(error),
-                applies={
-                    "retry": admin.RETRYABLE,
-                    "cancel": admin.CANCELLABLE,
-                    "purge": _PURGE_ONE,
-                },
                 notice=notice,
                 notice_kind=kind,
             )
@@ -491,8 +493,9 @@ class Dashboard:
                     "Bulk actions take queue, task and status filters; select jobs instead.",
                 )
             up_to_id, count = self._count(action, f)
-            verb = _VERBS[action][0]
-            statuses = f.status or " or ".join(admin.ACTIONS[action])
+            spec = admin.ACTIONS[action]
+            verb = spec.label
+            statuses = f.status or " or ".join(spec.statuses)
             hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
             hidden += [(k, v) for k, v in f.items() if v]
             return self.render(
@@ -506,7 +509,8 @@ class Dashboard:
                 up_to_id=up_to_id,
                 statuses=statuses,
                 filters_text=_bulk_text(f),
-                explanation=_EXPLAIN[action],
+                explanation=spec.explanation,
+                destroys=spec.destroys,
                 hidden=hidden,
                 back=self._jobs_url(request, f),
             )
@@ -514,23 +518,13 @@ class Dashboard:
         return await self._page(request, page)
 
     def _count(self, action: str, f: Filters) -> tuple[int, int]:
-        func = _FUNCS[action]
         try:
             with self.engine.connect() as conn:
                 up_to_id = admin.max_job_id(conn, self.jobs)
-                count = func(
-                    conn,
-                    self.jobs,
-                    queue=f.queue,
-                    task=f.task,
-                    status=f.status,
-                    all_jobs=True,
-                    dry_run=True,
-                    up_to_id=up_to_id,
-                )
+                report = admin.preview(conn, self.jobs, action, f.selection(up_to_id))
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
-        return up_to_id, count
+        return up_to_id, report.count
 
     async def schedules(self, request: Request) -> Response:
         def page() -> Response:
@@ -646,7 +640,7 @@ class Dashboard:
                 raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
             seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
             report = self._act(action, [seen])
-            if action == "purge" and report.acted:
+            if admin.ACTIONS[action].destroys and report.acted:
                 url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
                 return RedirectResponse(url, status_code=303)
             params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
@@ -657,10 +651,12 @@ class Dashboard:
 
         return await self._page(request, page)
 
-    def _act(self, action: str, seen: list[admin.SeenJob]) -> admin.ActionReport:
+    def _act(
+        self, action: str, selection: admin.Selection | list[admin.SeenJob]
+    ) -> admin.ActionReport:
         try:
             with self.engine.begin() as conn:
-                return admin.act(conn, self.jobs, action, seen)  # type: ignore[arg-type]
+                return admin.act(conn, self.jobs, action, selection)
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
 
@@ -696,24 +692,11 @@ class Dashboard:
             up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
             confirmed = _required_int(_one(form, "count"), "count")
             # A retry also says what came back with the retried jobs.
-            func: Callable[..., Any] = admin.retry_report if action == "retry" else _FUNCS[action]
-            try:
-                with self.engine.begin() as conn:
-                    done = func(
-                        conn,
-                        self.jobs,
-                        queue=f.queue,
-                        task=f.task,
-                        status=f.status,
-                        all_jobs=True,
-                        up_to_id=up_to_id,
-                    )
-            except ValueError as exc:
-                raise PageError(400, "Not possible", str(exc)) from None
-            count = done.count if isinstance(done, admin.ActionReport) else int(done)
-            past = _VERBS[action][1]
+            done = self._act(action, f.selection(up_to_id))
+            count = done.count
+            past = admin.ACTIONS[action].label_past
             summary = f"{past.capitalize()} {_jobs(count)}."
-            if isinstance(done, admin.ActionReport) and done.rearmed:
+            if done.rearmed:
                 summary += _came_back(len(done.rearmed))
             if count != confirmed:
                 summary += (
@@ -729,6 +712,7 @@ class Dashboard:
                 summary=summary,
                 action=action,
                 past=past,
+                destroys=admin.ACTIONS[action].destroys,
                 acted=[],
                 skipped=[],
                 back=self._jobs_url(request, f),
@@ -744,7 +728,8 @@ class Dashboard:
         skipped: list[tuple[int, str]],
         rearmed: int = 0,
     ) -> Response:
-        verb, past = _VERBS[action]
+        spec = admin.ACTIONS[action]
+        verb, past = spec.label, spec.label_past
         summary = f"{past.capitalize()} {_jobs(len(acted))}."
         if rearmed:
             summary += _came_back(rearmed)
@@ -759,6 +744,7 @@ class Dashboard:
             summary=summary,
             action=action,
             past=past,
+            destroys=spec.destroys,
             acted=acted,
             skipped=skipped,
             back=_back(request) or self.path(request, "jobs"),
@@ -834,24 +820,6 @@ class Dashboard:
 
 # -- small pieces ------------------------------------------------------------------------------
 
-_FUNCS: dict[str, Callable[..., int]] = {
-    "retry": admin.retry_jobs,
-    "cancel": admin.cancel_jobs,
-    "purge": admin.purge_jobs,
-}
-_VERBS = {
-    "retry": ("retry", "retried"),
-    "cancel": ("cancel", "cancelled"),
-    "purge": ("delete", "deleted"),
-}
-_EXPLAIN = {
-    "retry": "Each goes back to ready, due now, with one more attempt; idle workers are woken.",
-    "cancel": "Each is cancelled; a running one's worker is told to stop it (a handler is "
-    "not interrupted, it checks between steps).",
-    "purge": "Each is deleted for good.",
-}
-#: What a single job's Delete button applies to: anything but a running job.
-_PURGE_ONE = (*admin.PURGEABLE,)
 _NOTICES = {
     "pause": "Paused queue {name}: workers stop claiming from it within a poll interval.",
     "resume": "Resumed queue {name}.",
@@ -983,9 +951,8 @@ def _job_notice(
         if rearmed.isdigit() and len(rearmed) < 10 and int(rearmed):
             text += _came_back(int(rearmed), one=True)
         return text, "ok"
-    if done in _VERBS:
-        messages = {"cancel": "Cancelled."}
-        return messages.get(done, f"{_VERBS[done][1].capitalize()}."), "ok"
+    if done in admin.ACTIONS:
+        return f"{admin.ACTIONS[done].label_past.capitalize()}.", "ok"
     skipped = params.get("skipped")
     if skipped:
         return f"Nothing was done: {skipped[:200]}.", "warn"
