@@ -484,56 +484,6 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
         print(line(r))
 
 
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 60:
-        return f"{value:.1f}s"
-    total = int(value)
-    if total < 3600:
-        return f"{total // 60}m{total % 60:02d}s"
-    if total < 86400:
-        return f"{total // 3600}h{total % 3600 // 60:02d}m"
-    return f"{total // 86400}d{total % 86400 // 3600:02d}h"
-
-
-def _plural(n: int, word: str = "job") -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _flow_fields(job: Any) -> list[tuple[str, str]]:
-    """Results and workflows, on a job's view: only for jobs that have them."""
-    fields = []
-    if job.parents is not None:
-        fields.append(("parents", ", ".join(map(str, job.parents))))
-        fields.append(("waiting for", str(job.waiting or 0)))
-    if job.children:
-        fields.append(("children", ", ".join(map(str, job.children))))
-    if job.result is not None:
-        fields.append(("result", json.dumps(job.result, sort_keys=True, ensure_ascii=False)))
-    return fields
-
-
-def _progress(progress: dict[str, Any] | None) -> str:
-    """``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
-    if not progress:
-        return "-"
-    parts = []
-    if progress.get("value") is not None:
-        parts.append(json.dumps(progress["value"], sort_keys=True))
-    if progress.get("note"):
-        parts.append(json.dumps(progress["note"], ensure_ascii=False))
-    if progress.get("at"):
-        parts.append(f"(at {progress['at']})")
-    return " ".join(parts) or json.dumps(progress, sort_keys=True)
-
-
 def _meta_pair(text: str) -> tuple[str, Any]:
     """``key=value``: the value as JSON if it reads as JSON (``42``, ``true``,
     ``"42"``), else as a string."""
@@ -554,11 +504,14 @@ def _meta_pair(text: str) -> tuple[str, Any]:
 
 def _error_summary(text: str | None, width: int = 60) -> str:
     """The last line of a traceback is the exception itself: the part worth a column."""
-    if not text:
-        return ""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else ""
+    last = _present.last_line(text) or ""
     return last if len(last) <= width else last[: width - 1] + "…"
+
+
+#: How a column writes a moment, a duration and a count of jobs (see sqla_jobs._present).
+_when = _present.stamp
+_seconds = _present.duration
+_plural = _present.plural
 
 
 # -- check --------------------------------------------------------------------------------
@@ -920,6 +873,15 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     return code
 
 
+def _show_value(name: str, value: Any) -> str:
+    """A JSON field of ``jobs show``: the handler's progress note in words."""
+    if name == "progress":
+        return _present.progress_text(value)
+    if name == "result":
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return "-" if value is None else json.dumps(value, sort_keys=True)
+
+
 def cmd_jobs_show(args: argparse.Namespace) -> int:
     target, engine = _prepare(args)
     with _database_errors(), engine.connect() as conn:
@@ -931,23 +893,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(job.to_dict())
         return EXIT_OK
-    fields = [
-        ("task", job.task),
-        ("status", job.status),
-        ("queue", job.queue),
-        ("priority", str(job.priority)),
-        ("attempts", f"{job.attempts} of {job.max_attempts}"),
-        ("run_at", _when(job.run_at)),
-        ("created_at", _when(job.created_at)),
-        ("finished_at", _when(job.finished_at)),
-        ("locked_by", job.locked_by or "-"),
-        ("locked_until", _when(job.locked_until)),
-        ("unique_key", job.unique_key or "-"),
-        ("args", json.dumps(job.args, sort_keys=True)),
-        ("meta", "-" if job.meta is None else json.dumps(job.meta, sort_keys=True)),
-        ("progress", _progress(job.progress)),
-        *_flow_fields(job),
-    ]
+    fields = _present.job_fields(job, when=_when, value=_show_value)
     print(f"job {job.id}")
     for name, value in fields:
         print(f"  {name:<13} {value}")
