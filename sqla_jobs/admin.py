@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -59,6 +59,9 @@ from .queries import Queries
 from .queries import status_literal as _lit
 from .tasks import CHILDREN_KEY, Jobs, json_problem
 from .worker.job import CANCEL_PAYLOAD
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "ACTIONS",
@@ -79,6 +82,7 @@ __all__ = [
     "QueueState",
     "SeenJob",
     "Selection",
+    "Selectors",
     "Throughput",
     "WorkerInfo",
     "act",
@@ -981,18 +985,27 @@ class Selection:
         return ids, statuses, where, guard
 
 
+class Selectors(TypedDict, total=False):
+    """The keyword selectors of :func:`retry_jobs`, :func:`retry_report`,
+    :func:`cancel_jobs` and :func:`purge_jobs`, declared once: ``queue``, ``task`` and
+    ``status`` (one value or several), ``all_jobs``, ``seen`` and ``up_to_id``, as in
+    :class:`Selection`."""
+
+    queue: OneOrMany
+    task: OneOrMany
+    status: OneOrMany
+    all_jobs: bool
+    seen: Iterable[SeenJob] | None
+    up_to_id: int | None
+
+
 def retry_jobs(
     bind: Bind,
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Put dead or cancelled jobs back to ``ready`` now; return how many.
 
@@ -1019,30 +1032,20 @@ def retry_jobs(
     :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
         counted the selection.
     """
-    return _run(
-        "retry", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id), dry_run
-    )
+    return _run("retry", bind, jobs, Selection(ids, **selectors), dry_run)
 
 
 def retry_report(
     bind: Bind,
     jobs: JobSource,
     ids: Iterable[int] | None = None,
-    *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> ActionReport:
     """:func:`retry_jobs`, saying what it did: the jobs retried (``acted``), the cancelled
     children it left alone and why (``skipped``: a job they wait for is still dead or
     cancelled), and the jobs that came back waiting because a job they wait for was
     retried (``rearmed``)."""
-    return _act_on(
-        "retry", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    )
+    return _act_on("retry", bind, jobs, Selection(ids, **selectors))
 
 
 @dataclass(frozen=True)
@@ -1167,13 +1170,8 @@ def cancel_jobs(
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Cancel scheduled, ready and running jobs; return how many.
 
@@ -1187,9 +1185,7 @@ def cancel_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return _run(
-        "cancel", bind, jobs, Selection(ids, queue, task, status, all_jobs, seen, up_to_id), dry_run
-    )
+    return _run("cancel", bind, jobs, Selection(ids, **selectors), dry_run)
 
 
 def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
@@ -1230,14 +1226,9 @@ def purge_jobs(
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
     older_than: float | timedelta | None = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Delete finished jobs (done, dead, cancelled); return how many.
 
@@ -1250,8 +1241,7 @@ def purge_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    selection = Selection(ids, queue, task, status, all_jobs, seen, up_to_id, older_than)
-    return _run("purge", bind, jobs, selection, dry_run)
+    return _run("purge", bind, jobs, Selection(ids, older_than=older_than, **selectors), dry_run)
 
 
 def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:

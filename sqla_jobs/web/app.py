@@ -415,15 +415,8 @@ class Dashboard:
         def page() -> Response:
             job_id = _job_id(request.path_params["job_id"])
             with self.engine.connect() as conn:
-                job = admin.get_job(conn, self.jobs, job_id)
-                paused = job is not None and job.queue in admin.paused_queues(conn, self.jobs)
-            if job is None:
-                raise PageError(
-                    404,
-                    f"No job {job_id}",
-                    f"There is no job with id {job_id}. Finished jobs are deleted unless "
-                    "kept (Jobs(keep_done=...)), and dead ones once pruned.",
-                )
+                job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
+                paused = job.queue in admin.paused_queues(conn, self.jobs)
             notice, kind = _job_notice(
                 self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
             )
@@ -459,9 +452,7 @@ class Dashboard:
             if field not in DOWNLOADS:
                 raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
             with self.engine.connect() as conn:
-                job = admin.get_job(conn, self.jobs, job_id)
-            if job is None:
-                raise PageError(404, f"No job {job_id}", f"There is no job with id {job_id}.")
+                job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
             value = getattr(job, field)
             if field == "last_error":
                 body, suffix = value or "", "txt"
@@ -884,6 +875,18 @@ def _job_id(text: str) -> int:
     if not value:
         raise PageError(404, "Not found", f"{text[:40]!r} is not a job id.")
     return value
+
+
+def _found(job: admin.JobView | None, job_id: int) -> admin.JobView:
+    """The job a page is about, or the page that says there is none."""
+    if job is None:
+        raise PageError(
+            404,
+            f"No job {job_id}",
+            f"There is no job with id {job_id}. Finished jobs are deleted unless kept "
+            "(Jobs(keep_done=...)), and dead ones once pruned.",
+        )
+    return job
 
 
 def _seen(value: str) -> admin.SeenJob:
