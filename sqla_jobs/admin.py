@@ -8,7 +8,7 @@ wakes workers after a retry is sent when the caller commits, like every NOTIFY::
     from sqla_jobs import admin
 
     with engine.begin() as conn:
-        for q in admin.stats(conn, jobs):
+        for q in admin.queue_states(conn, jobs):
             print(q.queue, q.ready, q.lag_seconds)
         admin.retry_jobs(conn, jobs, queue="webhooks", status="dead")
 
@@ -22,6 +22,23 @@ Selecting jobs
 several). With no selector at all they refuse (``ValueError``) unless ``all_jobs=True``:
 "every dead job of every queue" should be something one says, not something one gets
 by forgetting an argument. Each takes ``dry_run=True`` to count without changing anything.
+
+One read model, one table of actions
+------------------------------------
+The ``sqla-jobs`` command and the dashboard render what this module reads; neither keeps
+a vocabulary of its own:
+
+- a queue is a :class:`QueueState` (:func:`queue_states`), every count under one name;
+- a job is a :class:`JobView` (:func:`list_jobs`, :func:`get_job`), and a list of many
+  reads its :class:`JobSummary` (:func:`browse_jobs`), through the same filters;
+- an action is an :class:`Action` of :data:`ACTIONS`: its statuses, its words, what it
+  runs. :func:`preview` counts a :class:`Selection`, and :func:`act` acts on one, or on
+  the jobs an operator saw (:class:`SeenJob`), reporting job by job.
+
+Each read takes one connection; over several databases, :mod:`sqla_jobs.sharding` runs
+it on each shard (:func:`~sqla_jobs.sharding.across`) and sums the queues
+(:func:`~sqla_jobs.sharding.total`), and a single database is the shard of one. See
+``docs/design/operators.md``.
 
 What each action may touch
 --------------------------
