@@ -90,6 +90,7 @@ __all__ = [
     "Action",
     "ActionName",
     "ActionReport",
+    "JobFilters",
     "JobInfo",
     "JobPage",
     "JobSummary",
@@ -466,42 +467,47 @@ def _deprecated(old: str, new: str) -> None:
     )
 
 
-def list_jobs(
-    bind: Bind,
-    jobs: JobSource,
-    *,
-    ids: Iterable[int] | None = None,
-    queue: OneOrMany = None,
-    status: OneOrMany = None,
-    task: OneOrMany = None,
-    meta: Mapping[str, Any] | None = None,
-    worker: str | None = None,
-    limit: int | None = 50,
-) -> list[JobView]:
-    """Jobs matching every given filter, newest (highest id) first, at most ``limit``.
+class JobFilters(TypedDict, total=False):
+    """The filters of :func:`list_jobs` and :func:`browse_jobs`, declared once; a job is
+    listed when it matches every one given.
 
-    :param meta: jobs whose ``meta`` has each of these keys with this value, or with a
-        list that contains it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}``
-        too). Read through the ``<table>_meta`` GIN index.
-    :param worker: jobs locked by this worker (``locked_by``).
+    ``ids``, ``queue``, ``task`` and ``status`` take one value or several. ``meta``: jobs
+    whose ``meta`` has each of these keys with this value, or with a list that contains
+    it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}`` too), read through the
+    ``<table>_meta`` GIN index. ``worker``: jobs locked by this worker (``locked_by``).
     """
+
+    ids: Iterable[int] | None
+    queue: OneOrMany
+    task: OneOrMany
+    status: OneOrMany
+    meta: Mapping[str, Any] | None
+    worker: str | None
+
+
+def list_jobs(
+    bind: Bind, jobs: JobSource, *, limit: int | None = 50, **filters: Unpack[JobFilters]
+) -> list[JobView]:
+    """Jobs matching every given filter (:class:`JobFilters`), newest (highest id) first,
+    at most ``limit``."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     table = _table(jobs)
-    where = _job_filters(table, ids, queue, task, status, meta, worker, None)
+    where = _job_filters(table, None, **filters)
     columns = [table.c[name] for name in _JOB_FIELDS]
     return _read_jobs(bind, table, columns, where, limit, JobView.from_row)
 
 
 def _job_filters(
     table: sa.Table,
-    ids: Iterable[int] | None,
-    queue: OneOrMany,
-    task: OneOrMany,
-    status: OneOrMany,
-    meta: Mapping[str, Any] | None,
-    worker: str | None,
     before_id: int | None,
+    *,
+    ids: Iterable[int] | None = None,
+    queue: OneOrMany = None,
+    task: OneOrMany = None,
+    status: OneOrMany = None,
+    meta: Mapping[str, Any] | None = None,
+    worker: str | None = None,
 ) -> list[sa.ColumnElement[bool]]:
     """The WHERE of a job list: every given filter (``ValueError`` for a bad one)."""
     c = table.c
@@ -838,19 +844,14 @@ def browse_jobs(
     bind: Bind,
     jobs: JobSource,
     *,
-    ids: Iterable[int] | None = None,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    meta: Mapping[str, Any] | None = None,
-    worker: str | None = None,
     search: str | None = None,
     before_id: int | None = None,
     limit: int = 50,
+    **filters: Unpack[JobFilters],
 ) -> JobPage:
     """A page of job summaries, newest first, by keyset: ``before_id`` is the ``older`` of
-    the previous page. Filters as :func:`list_jobs`, plus a ``search`` (see
-    :func:`parse_search`).
+    the previous page. Filters as :func:`list_jobs` (:class:`JobFilters`), plus a
+    ``search`` (see :func:`parse_search`).
 
     A search on the arguments looks at :data:`SEARCH_WINDOW` jobs (matching the filters)
     per page at most, so a search that matches little never reads the whole table.
@@ -859,7 +860,7 @@ def browse_jobs(
     c = table.c
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
-    where = _job_filters(table, ids, queue, task, status, meta, worker, before_id)
+    where = _job_filters(table, before_id, **filters)
     parsed = parse_search(search)
     columns = [
         *(c[name] for name in _SUMMARY_FIELDS),

@@ -50,6 +50,7 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -879,7 +880,12 @@ def queue_states(
 def stats(
     engines: Mapping[str, sa.Engine], jobs: admin.JobSource, *, window: float = admin.DEFAULT_WINDOW
 ) -> list[ShardResult[list[admin.QueueState]]]:
-    """:func:`queue_states`, by its 0.2 name (as :func:`sqla_jobs.admin.stats`)."""
+    """Deprecated: :func:`queue_states`, by its 0.2 name (as :func:`sqla_jobs.admin.stats`)."""
+    warnings.warn(
+        "sharding.stats is deprecated and goes in the next release: use sharding.queue_states",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return queue_states(engines, jobs, window=window)
 
 
@@ -929,7 +935,7 @@ def list_jobs(
     jobs: admin.JobSource,
     *,
     limit: int = 50,
-    **filters: Any,
+    **filters: Unpack[admin.JobFilters],
 ) -> tuple[list[tuple[str, admin.JobView]], list[ShardResult[Any]]]:
     """:func:`sqla_jobs.admin.list_jobs` over every shard: the newest ``limit`` jobs, each
     with its shard's name, and the shards that could not answer. Over two shards or more

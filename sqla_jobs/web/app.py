@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -132,6 +133,39 @@ class Filters:
         if self.q:
             parts.append(f"matching {self.q!r}")
         return ", ".join(parts)
+
+
+#: A posted form: each name with its values.
+Form = dict[str, list[str]]
+
+
+def _reads(
+    method: Callable[[Dashboard, Request], Response],
+) -> Callable[[Dashboard, Request], Awaitable[Response]]:
+    """A page: ``method`` runs in a thread (its statements block), and what goes wrong
+    becomes an error page (:meth:`Dashboard._guarded`)."""
+
+    @functools.wraps(method)
+    async def handler(self: Dashboard, request: Request) -> Response:
+        return await self._page(request, lambda: method(self, request))
+
+    return handler
+
+
+def _acts(
+    method: Callable[[Dashboard, Request, Form], Response],
+) -> Callable[[Dashboard, Request], Awaitable[Response]]:
+    """An action: the request may act and its form is checked first (:meth:`Dashboard._form`),
+    then ``method`` runs as a page, given the form."""
+
+    @functools.wraps(method)
+    async def handler(self: Dashboard, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+        return await self._page(request, lambda: method(self, request, form))
+
+    return handler
 
 
 class Dashboard:
@@ -356,157 +390,148 @@ class Dashboard:
         response.headers["vary"] = "HX-Request"
         return response
 
-    async def job_list(self, request: Request) -> Response:
-        def page() -> Response:
-            f = Filters.of(request.query_params)
-            before = _int_param(request.query_params.get("before"), "before")
-            try:
-                with self.engine.connect() as conn:
-                    found = admin.browse_jobs(
-                        conn,
-                        self.jobs,
-                        queue=f.queue,
-                        task=f.task,
-                        status=f.status,
-                        worker=f.worker,
-                        search=f.q,
-                        before_id=before,
-                        limit=PAGE_SIZE,
-                    )
-            except ValueError as exc:
-                raise PageError(400, "Bad filter", str(exc)) from None
-            if before is not None and not found.jobs and found.older is None:
-                raise PageError(
-                    404,
-                    "Past the end",
-                    f"No job older than #{before} matches: this is past the end of the list.",
-                )
-            bulk_allowed, bulk_reason = True, ""
-            if f.q:
-                bulk_allowed, bulk_reason = (
-                    False,
-                    "To act on a search, select its jobs (bulk actions take queue, task and "
-                    "status filters).",
-                )
-            elif f.worker:
-                bulk_allowed, bulk_reason = False, "Select jobs to act on them."
-            return self.render(
-                request,
-                "jobs.html",
-                section="jobs",
-                page_title="Jobs",
-                f=f,
-                page=found,
-                before=before,
-                query=f.query(),
-                filters_text=f.describe(),
-                statuses=STATUSES,
-                queue_names=self._queue_names(),
-                task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
-                window=admin.SEARCH_WINDOW,
-                when=_when,
-                bulk_allowed=bulk_allowed,
-                bulk_reason=bulk_reason,
-            )
-
-        return await self._page(request, page)
-
-    async def job(self, request: Request) -> Response:
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
+    @_reads
+    def job_list(self, request: Request) -> Response:
+        f = Filters.of(request.query_params)
+        before = _int_param(request.query_params.get("before"), "before")
+        try:
             with self.engine.connect() as conn:
-                job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
-                paused = job.queue in admin.paused_queues(conn, self.jobs)
-            notice, kind = _job_notice(
-                self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
+                found = admin.browse_jobs(
+                    conn,
+                    self.jobs,
+                    queue=f.queue,
+                    task=f.task,
+                    status=f.status,
+                    worker=f.worker,
+                    search=f.q,
+                    before_id=before,
+                    limit=PAGE_SIZE,
+                )
+        except ValueError as exc:
+            raise PageError(400, "Bad filter", str(exc)) from None
+        if before is not None and not found.jobs and found.older is None:
+            raise PageError(
+                404,
+                "Past the end",
+                f"No job older than #{before} matches: this is past the end of the list.",
             )
-            args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
-            error = job.last_error or ""
-            return self.render(
-                request,
-                "job.html",
-                section="jobs",
-                page_title=f"Job {job.id}",
-                job=job,
-                next_step=_next_step(job, paused, datetime.now(timezone.utc)),
-                fields=_fields(job),
-                args_text=args_text[:ARGS_SHOWN],
-                args_truncated=len(args_text) > ARGS_SHOWN,
-                args_limit=ARGS_SHOWN,
-                args_size=len(args_text),
-                # The end of a long error: the exception is on its last line.
-                error_text=error[-ARGS_SHOWN:],
-                error_size=len(error),
-                notice=notice,
-                notice_kind=kind,
+        bulk_allowed, bulk_reason = True, ""
+        if f.q:
+            bulk_allowed, bulk_reason = (
+                False,
+                "To act on a search, select its jobs (bulk actions take queue, task and "
+                "status filters).",
             )
+        elif f.worker:
+            bulk_allowed, bulk_reason = False, "Select jobs to act on them."
+        return self.render(
+            request,
+            "jobs.html",
+            section="jobs",
+            page_title="Jobs",
+            f=f,
+            page=found,
+            before=before,
+            query=f.query(),
+            filters_text=f.describe(),
+            statuses=STATUSES,
+            queue_names=self._queue_names(),
+            task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
+            window=admin.SEARCH_WINDOW,
+            when=_when,
+            bulk_allowed=bulk_allowed,
+            bulk_reason=bulk_reason,
+        )
 
-        return await self._page(request, page)
+    @_reads
+    def job(self, request: Request) -> Response:
+        job_id = _job_id(request.path_params["job_id"])
+        with self.engine.connect() as conn:
+            job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
+            paused = job.queue in admin.paused_queues(conn, self.jobs)
+        notice, kind = _job_notice(
+            self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
+        )
+        args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
+        error = job.last_error or ""
+        return self.render(
+            request,
+            "job.html",
+            section="jobs",
+            page_title=f"Job {job.id}",
+            job=job,
+            next_step=_next_step(job, paused, datetime.now(timezone.utc)),
+            fields=_fields(job),
+            args_text=args_text[:ARGS_SHOWN],
+            args_truncated=len(args_text) > ARGS_SHOWN,
+            args_limit=ARGS_SHOWN,
+            args_size=len(args_text),
+            # The end of a long error: the exception is on its last line.
+            error_text=error[-ARGS_SHOWN:],
+            error_size=len(error),
+            notice=notice,
+            notice_kind=kind,
+        )
 
-    async def download(self, request: Request) -> Response:
+    @_reads
+    def download(self, request: Request) -> Response:
         """One column of a job, whole, as a file: what its page cuts short."""
+        job_id = _job_id(request.path_params["job_id"])
+        field = request.path_params["field"]
+        if field not in DOWNLOADS:
+            raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
+        with self.engine.connect() as conn:
+            job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
+        value = getattr(job, field)
+        if field == "last_error":
+            body, suffix = value or "", "txt"
+        else:
+            body = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+            suffix = "json"
+        filename = f"job-{job_id}-{field}.{suffix}"
+        return Response(
+            body,
+            media_type=DOWNLOADS[field],
+            headers={
+                "content-disposition": f'attachment; filename="{filename}"',
+                "cache-control": "no-store",
+            },
+        )
 
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
-            field = request.path_params["field"]
-            if field not in DOWNLOADS:
-                raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
-            with self.engine.connect() as conn:
-                job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
-            value = getattr(job, field)
-            if field == "last_error":
-                body, suffix = value or "", "txt"
-            else:
-                body = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
-                suffix = "json"
-            filename = f"job-{job_id}-{field}.{suffix}"
-            return Response(
-                body,
-                media_type=DOWNLOADS[field],
-                headers={
-                    "content-disposition": f'attachment; filename="{filename}"',
-                    "cache-control": "no-store",
-                },
+    @_reads
+    def confirm(self, request: Request) -> Response:
+        action = request.query_params.get("action", "")
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        f = Filters.of(request.query_params)
+        if f.q or f.worker:
+            raise PageError(
+                400,
+                "Not a bulk filter",
+                "Bulk actions take queue, task and status filters; select jobs instead.",
             )
-
-        return await self._page(request, page)
-
-    async def confirm(self, request: Request) -> Response:
-        def page() -> Response:
-            action = request.query_params.get("action", "")
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            f = Filters.of(request.query_params)
-            if f.q or f.worker:
-                raise PageError(
-                    400,
-                    "Not a bulk filter",
-                    "Bulk actions take queue, task and status filters; select jobs instead.",
-                )
-            up_to_id, count = self._count(action, f)
-            spec = admin.ACTIONS[action]
-            verb = spec.label
-            statuses = f.status or " or ".join(spec.statuses)
-            hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
-            hidden += [(k, v) for k, v in f.items() if v]
-            return self.render(
-                request,
-                "confirm.html",
-                section="jobs",
-                page_title=f"{verb.capitalize()} jobs",
-                action=action,
-                verb=verb,
-                count=count,
-                up_to_id=up_to_id,
-                statuses=statuses,
-                filters_text=_bulk_text(f),
-                explanation=spec.explanation,
-                destroys=spec.destroys,
-                hidden=hidden,
-                back=self._jobs_url(request, f),
-            )
-
-        return await self._page(request, page)
+        up_to_id, count = self._count(action, f)
+        spec = admin.ACTIONS[action]
+        verb = spec.label
+        statuses = f.status or " or ".join(spec.statuses)
+        hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
+        hidden += [(k, v) for k, v in f.items() if v]
+        return self.render(
+            request,
+            "confirm.html",
+            section="jobs",
+            page_title=f"{verb.capitalize()} jobs",
+            action=action,
+            verb=verb,
+            count=count,
+            up_to_id=up_to_id,
+            statuses=statuses,
+            filters_text=_bulk_text(f),
+            explanation=spec.explanation,
+            destroys=spec.destroys,
+            hidden=hidden,
+            back=self._jobs_url(request, f),
+        )
 
     def _count(self, action: str, f: Filters) -> tuple[int, int]:
         try:
@@ -517,58 +542,52 @@ class Dashboard:
             raise PageError(400, "Not possible", str(exc)) from None
         return up_to_id, report.count
 
-    async def schedules(self, request: Request) -> Response:
-        def page() -> Response:
-            from .. import periodic
+    @_reads
+    def schedules(self, request: Request) -> Response:
+        from .. import periodic
 
-            table = admin.source_table(self.jobs)
-            from ..model import companion_tables
+        table = admin.source_table(self.jobs)
+        from ..model import companion_tables
 
-            s = companion_tables(table).schedules
-            with self.engine.connect() as conn:
-                if isinstance(self.jobs, Jobs):
-                    rows = periodic.list_schedules(conn, self.jobs)
-                else:
-                    rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
-            notice, kind = None, "ok"
-            said = self.signer.verified(request.query_params, ("ran", "name"))
-            if said.get("ran"):
-                notice = f"Enqueued job #{said['ran']} for schedule {said.get('name', '')}."
-            return self.render(
-                request,
-                "schedules.html",
-                section="schedules",
-                page_title="Schedules",
-                schedules=rows,
-                registry=isinstance(self.jobs, Jobs),
-                notice=notice,
-                notice_kind=kind,
-            )
+        s = companion_tables(table).schedules
+        with self.engine.connect() as conn:
+            if isinstance(self.jobs, Jobs):
+                rows = periodic.list_schedules(conn, self.jobs)
+            else:
+                rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
+        notice, kind = None, "ok"
+        said = self.signer.verified(request.query_params, ("ran", "name"))
+        if said.get("ran"):
+            notice = f"Enqueued job #{said['ran']} for schedule {said.get('name', '')}."
+        return self.render(
+            request,
+            "schedules.html",
+            section="schedules",
+            page_title="Schedules",
+            schedules=rows,
+            registry=isinstance(self.jobs, Jobs),
+            notice=notice,
+            notice_kind=kind,
+        )
 
-        return await self._page(request, page)
-
-    async def workers(self, request: Request) -> Response:
-        def page() -> Response:
-            with self.engine.connect() as conn:
-                workers = admin.list_workers(conn, self.jobs)
-                running = admin.browse_jobs(
-                    conn, self.jobs, status=JobStatus.RUNNING.value, limit=200
-                )
-            return self.render(
-                request,
-                "workers.html",
-                section="workers",
-                page_title="Workers",
-                workers=workers,
-                running=running.jobs,
-                running_more=running.older is not None,
-            )
-
-        return await self._page(request, page)
+    @_reads
+    def workers(self, request: Request) -> Response:
+        with self.engine.connect() as conn:
+            workers = admin.list_workers(conn, self.jobs)
+            running = admin.browse_jobs(conn, self.jobs, status=JobStatus.RUNNING.value, limit=200)
+        return self.render(
+            request,
+            "workers.html",
+            section="workers",
+            page_title="Workers",
+            workers=workers,
+            running=running.jobs,
+            running_more=running.older is not None,
+        )
 
     # -- actions -----------------------------------------------------------------------------
 
-    async def _form(self, request: Request) -> dict[str, list[str]] | Response:
+    async def _form(self, request: Request) -> Form | Response:
         """The posted form, once the request may act and its CSRF token is right; or the
         error page that refuses it."""
         error = await run_in_threadpool(self._refusal, request)
@@ -616,31 +635,25 @@ class Dashboard:
             return PageError(403, "Cross-site request", "Actions must come from this site.")
         return None
 
-    async def job_action(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
-            action = request.path_params["action"]
-            if action not in admin.ACTIONS:
-                raise PageError(404, "Not found", f"No action {action!r}.")
-            attempts = _required_int(_one(form, "attempts"), "attempts")
-            if attempts > _INT_MAX:
-                raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
-            seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
-            report = self._act(action, [seen])
-            if admin.ACTIONS[action].destroys and report.acted:
-                url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
-                return RedirectResponse(url, status_code=303)
-            params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
-            if report.rearmed:
-                params["rearmed"] = str(len(report.rearmed))
-            url = self.path(request, "job", job_id=job_id) + "?" + self.signer.query(params)
+    @_acts
+    def job_action(self, request: Request, form: Form) -> Response:
+        job_id = _job_id(request.path_params["job_id"])
+        action = request.path_params["action"]
+        if action not in admin.ACTIONS:
+            raise PageError(404, "Not found", f"No action {action!r}.")
+        attempts = _required_int(_one(form, "attempts"), "attempts")
+        if attempts > _INT_MAX:
+            raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
+        seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
+        report = self._act(action, [seen])
+        if admin.ACTIONS[action].destroys and report.acted:
+            url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
             return RedirectResponse(url, status_code=303)
-
-        return await self._page(request, page)
+        params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
+        if report.rearmed:
+            params["rearmed"] = str(len(report.rearmed))
+        url = self.path(request, "job", job_id=job_id) + "?" + self.signer.query(params)
+        return RedirectResponse(url, status_code=303)
 
     def _act(
         self, action: str, selection: admin.Selection | list[admin.SeenJob]
@@ -651,65 +664,52 @@ class Dashboard:
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
 
-    async def act(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+    @_acts
+    def act(self, request: Request, form: Form) -> Response:
+        action = _one(form, "action") or ""
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        seen = [_seen(v) for v in form.get("job", [])]
+        if not seen:
+            raise PageError(400, "Nothing selected", "Select at least one job.")
+        report = self._act(action, seen)
+        return self._result(
+            request, action, list(report.acted), list(report.skipped), len(report.rearmed)
+        )
 
-        def page() -> Response:
-            action = _one(form, "action") or ""
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            seen = [_seen(v) for v in form.get("job", [])]
-            if not seen:
-                raise PageError(400, "Nothing selected", "Select at least one job.")
-            report = self._act(action, seen)
-            return self._result(
-                request, action, list(report.acted), list(report.skipped), len(report.rearmed)
+    @_acts
+    def act_all(self, request: Request, form: Form) -> Response:
+        action = _one(form, "action") or ""
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        f = Filters.of({k: v[0] for k, v in form.items()})
+        up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
+        confirmed = _required_int(_one(form, "count"), "count")
+        # A retry also says what came back with the retried jobs.
+        done = self._act(action, f.selection(up_to_id))
+        count = done.count
+        past = admin.ACTIONS[action].label_past
+        summary = f"{past.capitalize()} {_jobs(count)}."
+        if done.rearmed:
+            summary += _came_back(len(done.rearmed))
+        if count != confirmed:
+            summary += (
+                f" You confirmed {confirmed:,}; the others changed meanwhile and were left alone."
             )
-
-        return await self._page(request, page)
-
-    async def act_all(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            action = _one(form, "action") or ""
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            f = Filters.of({k: v[0] for k, v in form.items()})
-            up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
-            confirmed = _required_int(_one(form, "count"), "count")
-            # A retry also says what came back with the retried jobs.
-            done = self._act(action, f.selection(up_to_id))
-            count = done.count
-            past = admin.ACTIONS[action].label_past
-            summary = f"{past.capitalize()} {_jobs(count)}."
-            if done.rearmed:
-                summary += _came_back(len(done.rearmed))
-            if count != confirmed:
-                summary += (
-                    f" You confirmed {confirmed:,}; the others changed meanwhile and were "
-                    "left alone."
-                )
-            return self.render(
-                request,
-                "result.html",
-                section="jobs",
-                page_title="Done",
-                heading=f"{past.capitalize()} {_jobs(count)}",
-                summary=summary,
-                action=action,
-                past=past,
-                destroys=admin.ACTIONS[action].destroys,
-                acted=[],
-                skipped=[],
-                back=self._jobs_url(request, f),
-            )
-
-        return await self._page(request, page)
+        return self.render(
+            request,
+            "result.html",
+            section="jobs",
+            page_title="Done",
+            heading=f"{past.capitalize()} {_jobs(count)}",
+            summary=summary,
+            action=action,
+            past=past,
+            destroys=admin.ACTIONS[action].destroys,
+            acted=[],
+            skipped=[],
+            back=self._jobs_url(request, f),
+        )
 
     def _result(
         self,
@@ -741,59 +741,43 @@ class Dashboard:
             back=_back(request) or self.path(request, "jobs"),
         )
 
-    async def queue_action(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+    @_acts
+    def queue_action(self, request: Request, form: Form) -> Response:
+        action = request.path_params["action"]
+        if action not in ("pause", "resume"):
+            raise PageError(404, "Not found", f"No queue action {action!r}.")
+        name = _one(form, "name") or ""
+        try:
+            with self.engine.begin() as conn:
+                if action == "pause":
+                    admin.pause_queue(conn, self.jobs, name)
+                else:
+                    admin.resume_queue(conn, self.jobs, name)
+        except ValueError as exc:
+            raise PageError(400, "Bad queue name", str(exc)) from None
+        url = (
+            self.path(request, "overview") + "?" + self.signer.query({"done": action, "name": name})
+        )
+        return RedirectResponse(url, status_code=303)
 
-        def page() -> Response:
-            action = request.path_params["action"]
-            if action not in ("pause", "resume"):
-                raise PageError(404, "Not found", f"No queue action {action!r}.")
-            name = _one(form, "name") or ""
-            try:
-                with self.engine.begin() as conn:
-                    if action == "pause":
-                        admin.pause_queue(conn, self.jobs, name)
-                    else:
-                        admin.resume_queue(conn, self.jobs, name)
-            except ValueError as exc:
-                raise PageError(400, "Bad queue name", str(exc)) from None
-            url = (
-                self.path(request, "overview")
-                + "?"
-                + self.signer.query({"done": action, "name": name})
+    @_acts
+    def run_schedule(self, request: Request, form: Form) -> Response:
+        name = _one(form, "name") or ""
+        if not isinstance(self.jobs, Jobs):
+            raise PageError(
+                400, "Needs the registry", "Running a schedule needs the Jobs registry."
             )
-            return RedirectResponse(url, status_code=303)
-
-        return await self._page(request, page)
-
-    async def run_schedule(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            name = _one(form, "name") or ""
-            if not isinstance(self.jobs, Jobs):
-                raise PageError(
-                    400, "Needs the registry", "Running a schedule needs the Jobs registry."
-                )
-            try:
-                with self.engine.begin() as conn:
-                    job_id = admin.run_schedule(conn, self.jobs, name)
-            except LookupError as exc:
-                raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
-            except ValueError as exc:  # EnqueueError included
-                raise PageError(400, "Cannot run it", str(exc)) from None
-            url = (
-                self.path(request, "schedules")
-                + "?"
-                + self.signer.query({"ran": job_id, "name": name})
-            )
-            return RedirectResponse(url, status_code=303)
-
-        return await self._page(request, page)
+        try:
+            with self.engine.begin() as conn:
+                job_id = admin.run_schedule(conn, self.jobs, name)
+        except LookupError as exc:
+            raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
+        except ValueError as exc:  # EnqueueError included
+            raise PageError(400, "Cannot run it", str(exc)) from None
+        url = (
+            self.path(request, "schedules") + "?" + self.signer.query({"ran": job_id, "name": name})
+        )
+        return RedirectResponse(url, status_code=303)
 
     # -- helpers -----------------------------------------------------------------------------
 
