@@ -673,9 +673,7 @@ class Dashboard:
         if not seen:
             raise PageError(400, "Nothing selected", "Select at least one job.")
         report = self._act(action, seen)
-        return self._result(
-            request, action, list(report.acted), list(report.skipped), len(report.rearmed)
-        )
+        return self._result(request, report, _back(request) or self.path(request, "jobs"))
 
     @_acts
     def act_all(self, request: Request, form: Form) -> Response:
@@ -686,13 +684,31 @@ class Dashboard:
         up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
         confirmed = _required_int(_one(form, "count"), "count")
         # A retry also says what came back with the retried jobs.
-        done = self._act(action, f.selection(up_to_id))
-        count = done.count
-        past = admin.ACTIONS[action].label_past
-        summary = f"{past.capitalize()} {_jobs(count)}."
-        if done.rearmed:
-            summary += _came_back(len(done.rearmed))
-        if count != confirmed:
+        report = self._act(action, f.selection(up_to_id))
+        return self._result(request, report, self._jobs_url(request, f), confirmed=confirmed)
+
+    def _result(
+        self,
+        request: Request,
+        report: admin.ActionReport,
+        back: str,
+        *,
+        confirmed: int | None = None,
+    ) -> Response:
+        """What an action did: the jobs acted on and those left alone, or, for a bulk
+        action (``confirmed``: the count its confirm page showed), how many."""
+        spec = admin.ACTIONS[report.action]
+        past = spec.label_past
+        listed = confirmed is None
+        summary = f"{past.capitalize()} {_jobs(report.count)}."
+        if report.rearmed:
+            summary += _came_back(len(report.rearmed))
+        if listed and report.skipped:
+            summary += (
+                f" {_jobs(len(report.skipped))} left alone: they changed, or {spec.label} does "
+                "not apply."
+            )
+        if confirmed is not None and report.count != confirmed:
             summary += (
                 f" You confirmed {confirmed:,}; the others changed meanwhile and were left alone."
             )
@@ -701,44 +717,14 @@ class Dashboard:
             "result.html",
             section="jobs",
             page_title="Done",
-            heading=f"{past.capitalize()} {_jobs(count)}",
+            heading=f"{past.capitalize()} {_jobs(report.count)}",
             summary=summary,
-            action=action,
-            past=past,
-            destroys=admin.ACTIONS[action].destroys,
-            acted=[],
-            skipped=[],
-            back=self._jobs_url(request, f),
-        )
-
-    def _result(
-        self,
-        request: Request,
-        action: str,
-        acted: list[int],
-        skipped: list[tuple[int, str]],
-        rearmed: int = 0,
-    ) -> Response:
-        spec = admin.ACTIONS[action]
-        verb, past = spec.label, spec.label_past
-        summary = f"{past.capitalize()} {_jobs(len(acted))}."
-        if rearmed:
-            summary += _came_back(rearmed)
-        if skipped:
-            summary += f" {_jobs(len(skipped))} left alone: they changed, or {verb} does not apply."
-        return self.render(
-            request,
-            "result.html",
-            section="jobs",
-            page_title="Done",
-            heading=f"{past.capitalize()} {_jobs(len(acted))}",
-            summary=summary,
-            action=action,
+            action=report.action,
             past=past,
             destroys=spec.destroys,
-            acted=acted,
-            skipped=skipped,
-            back=_back(request) or self.path(request, "jobs"),
+            acted=list(report.acted) if listed else [],
+            skipped=list(report.skipped) if listed else [],
+            back=back,
         )
 
     @_acts
