@@ -1,4 +1,4 @@
-"""What ``admin.stats`` and ``admin.list_queues`` read on a table with a long history.
+"""What ``admin.queue_states`` and ``admin.list_queues`` read on a table with a long history.
 
 Run it as ``python benchmarks/admin_scans.py`` (``DATABASE_URL`` or a throwaway embedded
 PostgreSQL; a schema of its own, dropped at the end). It fills a jobs table with
@@ -87,9 +87,11 @@ def main() -> None:
         conn.exec_driver_sql(f"VACUUM ANALYZE {SCHEMA}.jobs")
     try:
         calls = {
-            "admin.stats": lambda conn: admin.stats(conn, jobs),
+            "admin.queue_states": lambda conn: admin.queue_states(conn, jobs),
             "admin.list_queues": lambda conn: admin.list_queues(conn, jobs),
-            "admin.overview": lambda conn: admin.overview(conn, jobs),
+            "admin.queue_states(finished=False)": lambda conn: admin.queue_states(
+                conn, jobs, finished=False
+            ),
         }
         print(f"{args.jobs:,} jobs; median of {args.repeat} calls")
         for name, call in calls.items():

@@ -20,6 +20,7 @@ and all. The overview's statements are also timed alone. The target is 200 ms pe
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -228,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
 
             rows.append((f"page: {label}", *timed(get, args.repeat)))
         for label, fn in [
-            ("statement: admin.overview (one statement)", admin.overview),
+            (
+                "statement: admin.queue_states, finished=False (one statement)",
+                functools.partial(admin.queue_states, finished=False),
+            ),
             ("statement: admin.throughput (last hour)", admin.throughput),
             ("statement: admin.list_workers", admin.list_workers),
         ]:

@@ -8,7 +8,7 @@ wakes workers after a retry is sent when the caller commits, like every NOTIFY::
     from sqla_jobs import admin
 
     with engine.begin() as conn:
-        for q in admin.stats(conn, jobs):
+        for q in admin.queue_states(conn, jobs):
             print(q.queue, q.ready, q.lag_seconds)
         admin.retry_jobs(conn, jobs, queue="webhooks", status="dead")
 
@@ -22,6 +22,23 @@ Selecting jobs
 several). With no selector at all they refuse (``ValueError``) unless ``all_jobs=True``:
 "every dead job of every queue" should be something one says, not something one gets
 by forgetting an argument. Each takes ``dry_run=True`` to count without changing anything.
+
+One read model, one table of actions
+------------------------------------
+The ``sqla-jobs`` command and the dashboard render what this module reads; neither keeps
+a vocabulary of its own:
+
+- a queue is a :class:`QueueState` (:func:`queue_states`), every count under one name;
+- a job is a :class:`JobView` (:func:`list_jobs`, :func:`get_job`), and a list of many
+  reads its :class:`JobSummary` (:func:`browse_jobs`), through the same filters;
+- an action is an :class:`Action` of :data:`ACTIONS`: its statuses, its words, what it
+  runs. :func:`preview` counts a :class:`Selection`, and :func:`act` acts on one, or on
+  the jobs an operator saw (:class:`SeenJob`), reporting job by job.
+
+Each read takes one connection; over several databases, :mod:`sqla_jobs.sharding` runs
+it on each shard (:func:`~sqla_jobs.sharding.across`) and sums the queues
+(:func:`~sqla_jobs.sharding.total`), and a single database is the shard of one. See
+``docs/design/operators.md``.
 
 What each action may touch
 --------------------------
@@ -40,16 +57,18 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, replace
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from . import _present
 from . import queries as _q
 from .limits import QUEUE_MAX_BYTES, check_name, text_problem
 from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
@@ -58,6 +77,9 @@ from .queries import status_literal as _lit
 from .tasks import CHILDREN_KEY, Jobs, json_problem
 from .worker.job import CANCEL_PAYLOAD
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "ACTIONS",
     "CANCELLABLE",
@@ -65,15 +87,20 @@ __all__ = [
     "PURGEABLE",
     "PURGEABLE_BY_DEFAULT",
     "RETRYABLE",
+    "Action",
+    "ActionName",
     "ActionReport",
+    "JobFilters",
     "JobInfo",
     "JobPage",
     "JobSummary",
+    "JobView",
     "Minute",
     "QueueInfo",
-    "QueueStats",
-    "QueueSummary",
+    "QueueState",
     "SeenJob",
+    "Selection",
+    "Selectors",
     "Throughput",
     "WorkerInfo",
     "act",
@@ -89,7 +116,9 @@ __all__ = [
     "parse_search",
     "pause_queue",
     "paused_queues",
+    "preview",
     "purge_jobs",
+    "queue_states",
     "resume_queue",
     "retry_jobs",
     "retry_report",
@@ -115,34 +144,47 @@ CANCELLABLE: tuple[str, ...] = LIVE_STATUSES
 PURGEABLE_BY_DEFAULT: tuple[str, ...] = FINISHED_STATUSES
 PURGEABLE: tuple[str, ...] = (*FINISHED_STATUSES, JobStatus.SCHEDULED, JobStatus.READY)
 
-#: The actions :func:`act` takes, and the statuses each applies to by default.
-ACTIONS: dict[str, tuple[str, ...]] = {
-    "retry": RETRYABLE,
-    "cancel": CANCELLABLE,
-    "purge": PURGEABLE_BY_DEFAULT,
-}
-Action: TypeAlias = Literal["retry", "cancel", "purge"]
+#: The names of the actions (see :data:`ACTIONS`).
+ActionName: TypeAlias = Literal["retry", "cancel", "purge"]
 
 DEFAULT_WINDOW = 300.0
+
+#: The 0.2 names of :class:`QueueState`, deprecated (see :func:`__getattr__`).
+_RENAMED = {"QueueStats": "QueueState", "QueueSummary": "QueueState"}
+
+
+def __getattr__(name: str) -> Any:
+    """``admin.QueueStats`` and ``admin.QueueSummary``: :class:`QueueState`, with a
+    DeprecationWarning (the CLI's and the dashboard's two views of a queue are one now)."""
+    if name in _RENAMED:
+        _deprecated(f"admin.{name}", f"admin.{_RENAMED[name]}")
+        return QueueState
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- results ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class QueueStats:
-    """What one queue holds right now.
+class QueueState:
+    """What one queue holds right now: the one read model of a queue's counts, for the
+    ``sqla-jobs stats`` command, the dashboard, the metrics an application exports, and
+    each shard (summed by :func:`sqla_jobs.sharding.total`).
 
-    ``lag_seconds`` is how long the oldest ready job has been due (``now() - run_at``):
-    the delay a job enqueued now would see if the queue kept its pace. ``None`` when
-    nothing is ready.
+    ``lease_expired`` counts running jobs whose lease has passed: their worker died or
+    hangs, and they will be rescued. ``lag_seconds`` is how long the oldest ready job has
+    been due (``now() - run_at``): the delay a job enqueued now would see if the queue
+    kept its pace; ``None`` when nothing is ready.
 
-    ``done_recent`` counts jobs finished in the last ``window`` seconds. It is only known
-    when finished jobs are kept (``Jobs(keep_done=...)``): by default they are deleted the
-    moment they complete, so no row is left to count, and ``None`` says "unknown" rather
-    than a misleading zero. It is also ``None`` when only the model was given, since the
-    retention setting lives on the registry. Dead jobs are always kept (until pruned), so
-    ``dead_recent`` is always counted.
+    ``done`` and ``cancelled`` (the totals of the kept history) and ``done_recent`` and
+    ``dead_recent`` (finished in the last ``window`` seconds) are ``None`` when they were
+    not counted (:func:`queue_states` with ``finished=False``, as the dashboard asks: the
+    totals are the one part of the read whose cost grows with the kept history).
+    ``done_recent`` is also ``None`` when finished jobs are not kept
+    (``Jobs(keep_done=...)``): by default they are deleted the moment they complete, so no
+    row is left to count, and ``None`` says "unknown" rather than a misleading zero; and
+    when only the model was given, since the retention setting lives on the registry.
+    Dead jobs are always kept (until pruned), so ``dead_recent`` is known when counted.
     """
 
     queue: str
@@ -151,20 +193,35 @@ class QueueStats:
     ready: int
     running: int
     lease_expired: int
-    done: int
+    done: int | None
     dead: int
-    cancelled: int
+    cancelled: int | None
     lag_seconds: float | None
     done_recent: int | None
-    dead_recent: int
+    dead_recent: int | None
+    #: When the pause state last changed (``None``: never paused or resumed).
+    paused_since: datetime | None = None
+    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
+    limits: str = ""
+
+    @property
+    def expired(self) -> int:
+        """Deprecated: the 0.2 name of :attr:`lease_expired` on ``QueueSummary``."""
+        _deprecated("QueueState.expired", "QueueState.lease_expired")
+        return self.lease_expired
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-able: datetimes become ISO 8601 strings in UTC."""
+        return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
-class JobInfo:
-    """One job row, as operators look at it."""
+class JobView:
+    """One job row, as operators look at it: every column (:func:`list_jobs`,
+    :func:`get_job`). A list that shows many jobs reads their :class:`JobSummary`
+    instead (:func:`browse_jobs`): the same job, with its arguments and last error cut
+    short in the statement itself, since each may be megabytes.
+    """
 
     id: int
     queue: str
@@ -194,12 +251,25 @@ class JobInfo:
     children: list[int] | None = None
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> JobInfo:
+    def from_row(cls, row: Mapping[str, Any]) -> JobView:
         return cls(**{name: row[name] for name in _JOB_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: datetimes become ISO 8601 strings in UTC."""
         return {k: _json_value(v) for k, v in asdict(self).items()}
+
+    def summary(self) -> JobSummary:
+        """This job as a list shows it."""
+        return JobSummary.of(asdict(self), json.dumps(self.args), self.last_error)
+
+    @property
+    def seen(self) -> SeenJob:
+        """The moment of its life it was read at (the guard of an action on it)."""
+        return SeenJob(self.id, self.attempts, self.status)
+
+
+#: The 0.2 name of :class:`JobView`.
+JobInfo = JobView
 
 
 @dataclass(frozen=True)
@@ -217,8 +287,8 @@ class QueueInfo:
         return {k: _json_value(v) for k, v in asdict(self).items()}
 
 
-#: The columns a JobInfo is read from (``children`` is looked up by get_job).
-_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobInfo.__dataclass_fields__ if f != "children")
+#: The columns a JobView is read from (``children`` is looked up by get_job).
+_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobView.__dataclass_fields__ if f != "children")
 
 
 def _json_value(value: Any) -> Any:
@@ -236,13 +306,16 @@ def _utc(value: datetime) -> datetime:
 # -- looking ------------------------------------------------------------------------------
 
 
-def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> list[QueueStats]:
-    """Per-queue counts, lag and pause state, sorted by queue name.
+def queue_states(
+    bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW, finished: bool = True
+) -> list[QueueState]:
+    """Per-queue counts, lag, limits and pause state, sorted by queue name.
 
     One statement of per-status aggregates, each read where its rows are cheapest: ready,
     scheduled, running and dead jobs (and the oldest ready ``run_at``) through the partial
-    index of their status, as :func:`overview` does; ``done_recent`` and ``dead_recent``
-    through ``<table>_finished``, over the last ``window`` seconds only; and the done and
+    index of their status (``_claim`` index-only for ready jobs, ``_scheduled``,
+    ``_running``, ``_dead`` index-only); ``done_recent`` and ``dead_recent`` through
+    ``<table>_finished``, over the last ``window`` seconds only; and the done and
     cancelled totals from the rows of those two statuses, which no index has by queue
     (one on the success path would cost every job, so those two totals are the one part
     that grows with the kept history). The whole is full-joined with ``<table>_queues`` so
@@ -250,6 +323,10 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     are listed too, so an idle queue reads as zeros rather than being absent.
 
     :param window: seconds that ``done_recent`` and ``dead_recent`` look back.
+    :param finished: count the finished jobs too (``done``, ``cancelled``,
+        ``done_recent``, ``dead_recent``); ``False`` leaves them ``None`` and reads no
+        finished row at all, so the table's history costs nothing (the dashboard's
+        overview, refreshed every few seconds).
     """
     table = _table(jobs)
     queues_table = _queues_table(table)
@@ -276,7 +353,7 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
     def status(s: JobStatus) -> sa.ColumnElement[bool]:
         return c.status == _lit(s)
 
-    counts = sa.union_all(
+    branches = [
         branch("ready", status(JobStatus.READY), oldest=sa.func.min(c.run_at)),
         branch("scheduled", status(JobStatus.SCHEDULED)),
         branch(
@@ -285,22 +362,27 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
             expired=sa.func.count().filter(c.locked_until < sa.func.now()),
         ),
         branch("dead", status(JobStatus.DEAD)),
-        # The range on finished_at keeps these two on <table>_finished's recent end.
-        branch("done_recent", status(JobStatus.DONE), c.finished_at >= since),
-        branch("dead_recent", status(JobStatus.DEAD), c.finished_at >= since),
-        # One pass over the rows of both statuses, not one each.
-        sa.select(
-            c.queue,
-            sa.cast(c.status, sa.Text).label("kind"),
-            sa.func.count(),
-            zero,
-            none_time,
-        )
-        .where(c.status.in_([_lit(JobStatus.DONE), _lit(JobStatus.CANCELLED)]))
-        .group_by(c.queue, c.status),
-    ).subquery("counts")
+    ]
+    kinds: tuple[str, ...] = tuple(s.value for s in _UNFINISHED)
+    if finished:
+        kinds = (*STATUSES, *_RECENT)
+        branches += [
+            # The range on finished_at keeps these two on <table>_finished's recent end.
+            branch("done_recent", status(JobStatus.DONE), c.finished_at >= since),
+            branch("dead_recent", status(JobStatus.DEAD), c.finished_at >= since),
+            # One pass over the rows of both statuses, not one each.
+            sa.select(
+                c.queue,
+                sa.cast(c.status, sa.Text).label("kind"),
+                sa.func.count(),
+                zero,
+                none_time,
+            )
+            .where(c.status.in_([_lit(JobStatus.DONE), _lit(JobStatus.CANCELLED)]))
+            .group_by(c.queue, c.status),
+        ]
+    counts = sa.union_all(*branches).subquery("counts")
     k = counts.c
-    kinds = (*STATUSES, "done_recent", "dead_recent")
 
     def total(value: Any) -> Any:
         # sum(bigint) is numeric, which the driver hands back as a Decimal.
@@ -322,72 +404,142 @@ def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> lis
         sa.select(
             sa.func.coalesce(p.queue, q.name).label("queue"),
             sa.func.coalesce(q.paused, sa.false()).label("paused"),
+            q.updated_at,
             *(sa.func.coalesce(p[name], 0).label(name) for name in (*kinds, "lease_expired")),
             lag.label("lag_seconds"),
         )
         .select_from(per_queue.join(queues_table, p.queue == q.name, full=True))
         .order_by("queue")
     )
-    rows = {r.queue: r for r in _execute(bind, stmt, {"window": timedelta(seconds=window)})}
+    params = {"window": timedelta(seconds=window)} if finished else {}
+    rows = {r.queue: r._mapping for r in _execute(bind, stmt, params)}
     done_known = isinstance(jobs, Jobs) and jobs.keep_done is not None
-    result = [
-        QueueStats(
-            queue=r.queue,
-            paused=bool(r.paused),
-            scheduled=r.scheduled,
-            ready=r.ready,
-            running=r.running,
-            lease_expired=r.lease_expired,
-            done=r.done,
-            dead=r.dead,
-            cancelled=r.cancelled,
+
+    def state(name: str, r: Mapping[str, Any]) -> QueueState:
+        def n(kind: str) -> int | None:
+            return int(r.get(kind) or 0) if kind in kinds else None
+
+        lag_seconds = r.get("lag_seconds")
+        return QueueState(
+            queue=name,
+            paused=bool(r.get("paused")),
+            scheduled=int(r.get("scheduled") or 0),
+            ready=int(r.get("ready") or 0),
+            running=int(r.get("running") or 0),
+            lease_expired=int(r.get("lease_expired") or 0),
+            done=n("done"),
+            dead=int(r.get("dead") or 0),
+            cancelled=n("cancelled"),
             # A ready job from a clock ahead of the database would show a negative lag.
-            lag_seconds=None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)),
-            done_recent=r.done_recent if done_known else None,
-            dead_recent=r.dead_recent,
+            lag_seconds=None if lag_seconds is None else max(0.0, float(lag_seconds)),
+            done_recent=n("done_recent") if done_known else None,
+            dead_recent=n("dead_recent"),
+            paused_since=r.get("updated_at"),
+            limits=jobs.limits(name).describe() if isinstance(jobs, Jobs) else "",
         )
-        for r in rows.values()
-    ]
-    for name in _registry_queues(jobs) - rows.keys():
-        result.append(
-            QueueStats(name, False, 0, 0, 0, 0, 0, 0, 0, None, 0 if done_known else None, 0)
-        )
-    return sorted(result, key=lambda s: s.queue)
+
+    names = rows.keys() | _registry_queues(jobs)
+    return [state(name, rows.get(name, {})) for name in sorted(names)]
+
+
+_RECENT = ("done_recent", "dead_recent")
+#: What ``finished=False`` counts: what no history makes more costly to read.
+_UNFINISHED = (JobStatus.SCHEDULED, JobStatus.READY, JobStatus.RUNNING, JobStatus.DEAD)
+
+
+def stats(bind: Bind, jobs: JobSource, *, window: float = DEFAULT_WINDOW) -> list[QueueState]:
+    """Deprecated: :func:`queue_states`, which it is."""
+    _deprecated("admin.stats", "admin.queue_states")
+    return queue_states(bind, jobs, window=window)
+
+
+def overview(bind: Bind, jobs: JobSource) -> list[QueueState]:
+    """Deprecated: :func:`queue_states` with ``finished=False``, which it is."""
+    _deprecated("admin.overview", "admin.queue_states(..., finished=False)")
+    return queue_states(bind, jobs, finished=False)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} is deprecated and goes in the next release: use {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+class JobFilters(TypedDict, total=False):
+    """The filters of :func:`list_jobs` and :func:`browse_jobs`, declared once; a job is
+    listed when it matches every one given.
+
+    ``ids``, ``queue``, ``task`` and ``status`` take one value or several. ``meta``: jobs
+    whose ``meta`` has each of these keys with this value, or with a list that contains
+    it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}`` too), read through the
+    ``<table>_meta`` GIN index. ``worker``: jobs locked by this worker (``locked_by``).
+    """
+
+    ids: Iterable[int] | None
+    queue: OneOrMany
+    task: OneOrMany
+    status: OneOrMany
+    meta: Mapping[str, Any] | None
+    worker: str | None
 
 
 def list_jobs(
-    bind: Bind,
-    jobs: JobSource,
+    bind: Bind, jobs: JobSource, *, limit: int | None = 50, **filters: Unpack[JobFilters]
+) -> list[JobView]:
+    """Jobs matching every given filter (:class:`JobFilters`), newest (highest id) first,
+    at most ``limit``."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    table = _table(jobs)
+    where = _job_filters(table, None, **filters)
+    columns = [table.c[name] for name in _JOB_FIELDS]
+    return _read_jobs(bind, table, columns, where, limit, JobView.from_row)
+
+
+def _job_filters(
+    table: sa.Table,
+    before_id: int | None,
     *,
     ids: Iterable[int] | None = None,
     queue: OneOrMany = None,
-    status: OneOrMany = None,
     task: OneOrMany = None,
+    status: OneOrMany = None,
     meta: Mapping[str, Any] | None = None,
-    limit: int | None = 50,
-) -> list[JobInfo]:
-    """Jobs matching every given filter, newest (highest id) first, at most ``limit``.
-
-    :param meta: jobs whose ``meta`` has each of these keys with this value, or with a
-        list that contains it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}``
-        too). Read through the ``<table>_meta`` GIN index.
-    """
-    table = _table(jobs)
-    ids = _ids(ids)  # once: it may be an iterator
+    worker: str | None = None,
+) -> list[sa.ColumnElement[bool]]:
+    """The WHERE of a job list: every given filter (``ValueError`` for a bad one)."""
+    c = table.c
     statuses = _statuses(status, STATUSES, "list")
-    where = _filters(table, ids=ids, queue=queue, task=task, statuses=statuses)
+    where = _filters(table, ids=_ids(ids), queue=queue, task=task, statuses=statuses)
     if meta is not None:
         where += meta_filter(table, meta)
-    stmt = (
-        sa.select(*(table.c[name] for name in _JOB_FIELDS))
-        .where(*where)
-        .order_by(table.c.id.desc())
-    )
+    if worker is not None:
+        where.append(c.locked_by == worker)
+    if before_id is not None:
+        if not isinstance(before_id, int) or isinstance(before_id, bool):
+            raise ValueError(f"before_id must be an integer, got {before_id!r}")
+        where.append(c.id < before_id)
+    return where
+
+
+_V = TypeVar("_V")
+
+
+def _read_jobs(
+    bind: Bind,
+    table: sa.Table,
+    columns: list[Any],
+    where: list[sa.ColumnElement[bool]],
+    limit: int | None,
+    make: Callable[[Mapping[str, Any]], _V],
+) -> list[_V]:
+    """``columns`` of the jobs matching ``where``, newest first, each made into a view."""
+    stmt = sa.select(*columns).where(*where).order_by(table.c.id.desc())
     if limit is not None:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
         stmt = stmt.limit(limit)
-    return [JobInfo.from_row(r._mapping) for r in _execute(bind, stmt)]
+    return [make(r._mapping) for r in _execute(bind, stmt)]
 
 
 def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnElement[bool]]:
@@ -409,7 +561,7 @@ def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnEleme
     return where
 
 
-def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
+def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobView | None:
     """One job by id, or ``None`` if there is no such row (finished jobs may be deleted)."""
     found = list_jobs(bind, jobs, ids=[job_id], limit=1)
     if not found:
@@ -434,123 +586,6 @@ def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobInfo | None:
 # Each reads through an index whatever the size of the table: the partial indexes of the
 # statuses it counts or lists, the primary key for keyset pages (newest first, no OFFSET),
 # and the small companion tables.
-
-
-@dataclass(frozen=True)
-class QueueSummary:
-    """What :func:`overview` says about one queue.
-
-    ``expired`` counts running jobs whose lease has passed (their worker died; they will
-    be rescued). ``lag_seconds`` is how long the oldest ready job has been due, ``None``
-    when nothing is ready. ``paused_since`` is when the pause state last changed.
-    """
-
-    queue: str
-    paused: bool
-    paused_since: datetime | None
-    scheduled: int
-    ready: int
-    running: int
-    expired: int
-    dead: int
-    lag_seconds: float | None
-    #: The registry's limits for it (see :class:`QueueInfo`), empty when none.
-    limits: str = ""
-
-
-def overview(bind: Bind, jobs: JobSource) -> list[QueueSummary]:
-    """Per queue: scheduled, ready, running and dead jobs, the lag, and the pause state.
-
-    One statement, not one per queue: four aggregates, each over the partial index of its
-    status (``_claim`` index-only for ready jobs and their oldest ``run_at``,
-    ``_scheduled``, ``_running``, ``_dead`` index-only), full-joined with
-    ``<table>_queues``. Done and cancelled jobs are not read at all, so the table's
-    history costs nothing.
-    """
-    table = _table(jobs)
-    c = table.c
-    q = _queues_table(table).c
-
-    def branch(status: JobStatus, oldest: Any, expired: Any) -> sa.Select[Any]:
-        return (
-            sa.select(
-                c.queue,
-                sa.literal(status.value).label("status"),
-                sa.func.count().label("n"),
-                expired.label("expired"),
-                oldest.label("oldest"),
-            )
-            .where(c.status == _lit(status))
-            .group_by(c.queue)
-        )
-
-    none_time = sa.null().cast(sa.DateTime(timezone=True))
-    zero = sa.literal(0, sa.BigInteger)
-    counts = sa.union_all(
-        branch(JobStatus.READY, sa.func.min(c.run_at), zero),
-        branch(JobStatus.SCHEDULED, none_time, zero),
-        branch(
-            JobStatus.RUNNING,
-            none_time,
-            sa.func.count().filter(c.locked_until < sa.func.now()),
-        ),
-        branch(JobStatus.DEAD, none_time, zero),
-    ).subquery("counts")
-    k = counts.c
-
-    def n(status: JobStatus) -> Any:
-        return sa.func.coalesce(sa.func.sum(k.n).filter(k.status == status.value), 0)
-
-    per_queue = (
-        sa.select(
-            k.queue,
-            n(JobStatus.SCHEDULED).label("scheduled"),
-            n(JobStatus.READY).label("ready"),
-            n(JobStatus.RUNNING).label("running"),
-            sa.func.coalesce(sa.func.sum(k.expired), 0).label("expired"),
-            n(JobStatus.DEAD).label("dead"),
-            sa.func.min(k.oldest).label("oldest"),
-        )
-        .group_by(k.queue)
-        .subquery("per_queue")
-    )
-    p = per_queue.c
-    lag = sa.cast(sa.extract("epoch", sa.func.now() - p.oldest), sa.Float)
-    stmt = (
-        sa.select(
-            sa.func.coalesce(p.queue, q.name).label("queue"),
-            sa.func.coalesce(q.paused, sa.false()).label("paused"),
-            q.updated_at,
-            *(sa.func.coalesce(p[x], 0).label(x) for x in ("scheduled", "ready", "running")),
-            sa.func.coalesce(p.expired, 0).label("expired"),
-            sa.func.coalesce(p.dead, 0).label("dead"),
-            lag.label("lag_seconds"),
-        )
-        .select_from(per_queue.join(_queues_table(table), p.queue == q.name, full=True))
-        .order_by("queue")
-    )
-    found = {
-        r.queue: QueueSummary(
-            r.queue,
-            bool(r.paused),
-            r.updated_at,
-            int(r.scheduled),
-            int(r.ready),
-            int(r.running),
-            int(r.expired),
-            int(r.dead),
-            None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)),
-        )
-        for r in _execute(bind, stmt)
-    }
-    for name in _registry_queues(jobs) - found.keys():
-        found[name] = QueueSummary(name, False, None, 0, 0, 0, 0, 0, None)
-    if isinstance(jobs, Jobs):
-        for name, summary in found.items():
-            limits = jobs.limits(name).describe()
-            if limits:
-                found[name] = replace(summary, limits=limits)
-    return [found[name] for name in sorted(found)]
 
 
 @dataclass(frozen=True)
@@ -665,6 +700,25 @@ class JobSummary:
     @property
     def seen(self) -> SeenJob:
         return SeenJob(self.id, self.attempts, self.status)
+
+    @classmethod
+    def of(cls, fields: Mapping[str, Any], args_text: str | None, error: str | None) -> JobSummary:
+        """A summary from a job's columns, its arguments as JSON text (the first
+        characters are enough) and its last error (its end is enough)."""
+        preview = args_text or ""
+        if len(preview) > _PREVIEW:
+            preview = preview[:_PREVIEW] + "…"
+        return cls(
+            **{name: fields[name] for name in _SUMMARY_FIELDS},
+            args_preview=preview,
+            error=_present.last_line(error),
+        )
+
+
+#: The columns a JobSummary has as they are.
+_SUMMARY_FIELDS: tuple[str, ...] = tuple(
+    f for f in JobSummary.__dataclass_fields__ if f not in ("args_preview", "error")
+)
 
 
 @dataclass(frozen=True)
@@ -790,16 +844,13 @@ def browse_jobs(
     bind: Bind,
     jobs: JobSource,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    worker: str | None = None,
     search: str | None = None,
     before_id: int | None = None,
     limit: int = 50,
+    **filters: Unpack[JobFilters],
 ) -> JobPage:
-    """A page of jobs, newest first, by keyset: ``before_id`` is the ``older`` of the
-    previous page. Filters as :func:`list_jobs`, plus ``worker`` (``locked_by``) and a
+    """A page of job summaries, newest first, by keyset: ``before_id`` is the ``older`` of
+    the previous page. Filters as :func:`list_jobs` (:class:`JobFilters`), plus a
     ``search`` (see :func:`parse_search`).
 
     A search on the arguments looks at :data:`SEARCH_WINDOW` jobs (matching the filters)
@@ -809,35 +860,16 @@ def browse_jobs(
     c = table.c
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit!r}")
-    statuses = _statuses(status, STATUSES, "list")
-    where = _filters(table, ids=None, queue=queue, task=task, statuses=statuses)
-    if worker is not None:
-        where.append(c.locked_by == worker)
-    if before_id is not None:
-        if not isinstance(before_id, int) or isinstance(before_id, bool):
-            raise ValueError(f"before_id must be an integer, got {before_id!r}")
-        where.append(c.id < before_id)
+    where = _job_filters(table, before_id, **filters)
     parsed = parse_search(search)
-    columns = (
-        c.id,
-        c.queue,
-        c.task,
-        c.status,
-        c.priority,
-        c.attempts,
-        c.max_attempts,
-        c.run_at,
-        c.created_at,
-        c.finished_at,
-        c.locked_by,
-        c.locked_until,
-        sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_preview"),
-        sa.func.right(c.last_error, 400).label("error"),
-    )
+    columns = [
+        *(c[name] for name in _SUMMARY_FIELDS),
+        sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_text"),
+        sa.func.right(c.last_error, 400).label("error_text"),
+    ]
 
     def summaries(extra: list[sa.ColumnElement[bool]], n: int) -> list[JobSummary]:
-        stmt = sa.select(*columns).where(*where, *extra).order_by(c.id.desc()).limit(n)
-        return [_summary(r) for r in _execute(bind, stmt)]
+        return _read_jobs(bind, table, columns, [*where, *extra], n, _summary)
 
     if parsed is None or parsed[0] == "id":
         extra = [] if parsed is None else [c.id == parsed[1]]
@@ -853,52 +885,30 @@ def browse_jobs(
     window = (
         sa.select(c.id, hit.label("hit")).where(*where).order_by(c.id.desc()).limit(SEARCH_WINDOW)
     )
-    ids: list[int] = []
+    ids_found: list[int] = []
     scanned = 0
     last: int | None = None
     for row in _execute(bind, window):
         scanned += 1
         last = row.id
         if row.hit:
-            ids.append(row.id)
-            if len(ids) > limit:
+            ids_found.append(row.id)
+            if len(ids_found) > limit:
                 break
     searched_to = None
-    if len(ids) > limit:
-        older = ids[limit - 1]
-        ids = ids[:limit]
+    if len(ids_found) > limit:
+        older = ids_found[limit - 1]
+        ids_found = ids_found[:limit]
     elif scanned == SEARCH_WINDOW:
         older = searched_to = last
     else:
         older = None
-    found = summaries([c.id.in_(ids)], limit) if ids else []
+    found = summaries([c.id.in_(ids_found)], limit) if ids_found else []
     return JobPage(found, older, searched_to, search)
 
 
-def _summary(row: Any) -> JobSummary:
-    preview = row.args_preview or ""
-    if len(preview) > _PREVIEW:
-        preview = preview[:_PREVIEW] + "…"
-    error = None
-    if row.error:
-        lines = [ln.strip() for ln in row.error.strip().splitlines() if ln.strip()]
-        error = lines[-1] if lines else None
-    return JobSummary(
-        row.id,
-        row.queue,
-        row.task,
-        row.status,
-        row.priority,
-        row.attempts,
-        row.max_attempts,
-        row.run_at,
-        row.created_at,
-        row.finished_at,
-        row.locked_by,
-        row.locked_until,
-        preview,
-        error,
-    )
+def _summary(row: Mapping[str, Any]) -> JobSummary:
+    return JobSummary.of(row, row["args_text"], row["error_text"])
 
 
 def max_job_id(bind: Bind, jobs: JobSource) -> int:
@@ -946,8 +956,11 @@ class SeenJob(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Selection:
-    """The jobs an action is asked to act on, as its caller gave them."""
+class Selection:
+    """The jobs an action is asked to act on, as its caller gave them: those that match
+    *all* the given selectors (see the module's "Selecting jobs"). ``seen`` guards the
+    selection (see :class:`SeenJob`); ``up_to_id`` leaves out the jobs enqueued after it
+    was counted; ``older_than`` (purge only) keeps the jobs younger than that."""
 
     ids: Iterable[int] | None = None
     queue: OneOrMany = None
@@ -956,6 +969,7 @@ class _Selection:
     all_jobs: bool = False
     seen: Iterable[SeenJob] | None = None
     up_to_id: int | None = None
+    older_than: float | timedelta | None = None
 
     def where(
         self,
@@ -964,21 +978,43 @@ class _Selection:
         default: tuple[str, ...],
         action: str,
         *,
-        extra: bool = False,
         status_from_seen: bool = False,
     ) -> tuple[list[int] | None, tuple[str, ...], list[sa.ColumnElement[bool]], Any]:
         """The ids, the statuses, the WHERE of the action (``ValueError`` for a selection it
         refuses), and the seen jobs it is guarded by."""
+        if self.older_than is not None and action != "purge":
+            raise ValueError(f"older_than selects jobs to purge, not to {action}")
         ids, guard = _seen(self.ids, self.seen)
         status = self.status
         if status_from_seen and guard is not None and status is None:
             status = sorted({s.status for s in guard} & set(allowed)) or None
         statuses = _statuses(status, allowed, action) or default
         where = _selection(
-            table, ids, self.queue, self.task, status, statuses, self.all_jobs, extra=extra
+            table,
+            ids,
+            self.queue,
+            self.task,
+            status,
+            statuses,
+            self.all_jobs,
+            extra=self.older_than is not None,
         )
         where += _guards(table, guard, self.up_to_id)
         return ids, statuses, where, guard
+
+
+class Selectors(TypedDict, total=False):
+    """The keyword selectors of :func:`retry_jobs`, :func:`retry_report`,
+    :func:`cancel_jobs` and :func:`purge_jobs`, declared once: ``queue``, ``task`` and
+    ``status`` (one value or several), ``all_jobs``, ``seen`` and ``up_to_id``, as in
+    :class:`Selection`."""
+
+    queue: OneOrMany
+    task: OneOrMany
+    status: OneOrMany
+    all_jobs: bool
+    seen: Iterable[SeenJob] | None
+    up_to_id: int | None
 
 
 def retry_jobs(
@@ -986,13 +1022,8 @@ def retry_jobs(
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Put dead or cancelled jobs back to ``ready`` now; return how many.
 
@@ -1019,32 +1050,20 @@ def retry_jobs(
     :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
         counted the selection.
     """
-    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    if dry_run:
-        return _retry_count(bind, jobs, selection)
-    return len(_retry(bind, jobs, selection).acted)
+    return _run("retry", bind, jobs, Selection(ids, **selectors), dry_run)
 
 
 def retry_report(
     bind: Bind,
     jobs: JobSource,
     ids: Iterable[int] | None = None,
-    *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> ActionReport:
     """:func:`retry_jobs`, saying what it did: the jobs retried (``acted``), the cancelled
     children it left alone and why (``skipped``: a job they wait for is still dead or
     cancelled), and the jobs that came back waiting because a job they wait for was
     retried (``rearmed``)."""
-    retried = _retry(bind, jobs, _Selection(ids, queue, task, status, all_jobs, seen, up_to_id))
-    return ActionReport(
-        "retry", tuple(retried.acted), tuple(retried.blocked), tuple(retried.rearmed)
-    )
+    return _act_on("retry", bind, jobs, Selection(ids, **selectors))
 
 
 @dataclass(frozen=True)
@@ -1055,7 +1074,7 @@ class _Retried:
 
 
 def _retry_where(
-    table: sa.Table, selection: _Selection
+    table: sa.Table, selection: Selection
 ) -> tuple[list[sa.ColumnElement[bool]], sa.ColumnElement[bool]]:
     """The WHERE of a retry, and what holds a selected job back: a child cancelled because
     a job it waits for ended, which is still dead or cancelled."""
@@ -1085,13 +1104,13 @@ def _retry_where(
     return where, sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
 
 
-def _retry_count(bind: Bind, jobs: JobSource, selection: _Selection) -> int:
+def _retry_count(bind: Bind, jobs: JobSource, selection: Selection) -> int:
     table = _table(jobs)
     where, held = _retry_where(table, selection)
     return _count(bind, table, [*where, ~held])
 
 
-def _retry(bind: Bind, jobs: JobSource, selection: _Selection) -> _Retried:
+def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     table = _table(jobs)
     queries = _queries(jobs)
     where, held = _retry_where(table, selection)
@@ -1169,13 +1188,8 @@ def cancel_jobs(
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Cancel scheduled, ready and running jobs; return how many.
 
@@ -1189,11 +1203,10 @@ def cancel_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    selection = _Selection(ids, queue, task, status, all_jobs, seen, up_to_id)
-    return len(_cancel(bind, jobs, selection, dry_run))
+    return _run("cancel", bind, jobs, Selection(ids, **selectors), dry_run)
 
 
-def _cancel(bind: Bind, jobs: JobSource, selection: _Selection, dry_run: bool) -> list[int]:
+def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
     _, _, where, _ = selection.where(table, CANCELLABLE, CANCELLABLE, "cancel")
     if dry_run:
@@ -1231,14 +1244,9 @@ def purge_jobs(
     jobs: JobSource,
     ids: Iterable[int] | None = None,
     *,
-    queue: OneOrMany = None,
-    task: OneOrMany = None,
-    status: OneOrMany = None,
     older_than: float | timedelta | None = None,
-    all_jobs: bool = False,
     dry_run: bool = False,
-    seen: Iterable[SeenJob] | None = None,
-    up_to_id: int | None = None,
+    **selectors: Unpack[Selectors],
 ) -> int:
     """Delete finished jobs (done, dead, cancelled); return how many.
 
@@ -1251,31 +1259,17 @@ def purge_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return len(
-        _purge(
-            bind,
-            jobs,
-            _Selection(ids, queue, task, status, all_jobs, seen, up_to_id),
-            older_than,
-            dry_run,
-        )
-    )
+    return _run("purge", bind, jobs, Selection(ids, older_than=older_than, **selectors), dry_run)
 
 
-def _purge(
-    bind: Bind,
-    jobs: JobSource,
-    selection: _Selection,
-    older_than: float | timedelta | None,
-    dry_run: bool,
-) -> list[int]:
+def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
     table = _table(jobs)
+    older_than = selection.older_than
     _, statuses, where, _ = selection.where(
         table,
         PURGEABLE,
         PURGEABLE_BY_DEFAULT,
         "purge",
-        extra=older_than is not None,
         # A job seen scheduled or ready and deleted by id is a deliberate choice.
         status_from_seen=True,
     )
@@ -1298,8 +1292,8 @@ def _purge(
 
 @dataclass(frozen=True)
 class ActionReport:
-    """What :func:`act` (or :func:`retry_report`) did: the jobs it acted on, and those it
-    left alone with why."""
+    """What :func:`act` did (or :func:`preview` would do): the jobs it acted on, and those
+    it left alone with why."""
 
     action: str
     acted: tuple[int, ...]
@@ -1308,34 +1302,192 @@ class ActionReport:
     #: Retry: jobs that came back waiting, not ready, because a job they wait for was
     #: retried (children it had cancelled by ending, and theirs), selected or not.
     rearmed: tuple[int, ...] = ()
+    #: :func:`preview`: how many jobs the action would act on (``acted`` is empty).
+    counted: int | None = None
+    #: :func:`preview`: the selected ids that name no job (nothing is counted then).
+    missing: tuple[int, ...] = ()
 
     @property
     def count(self) -> int:
-        return len(self.acted)
+        return len(self.acted) if self.counted is None else self.counted
 
 
-def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) -> ActionReport:
-    """Retry, cancel or purge the jobs an operator selected, as they saw them, and report
-    job by job.
+@dataclass(frozen=True)
+class Action:
+    """One thing an operator does to jobs, and every word the tools say about it.
 
-    Each job is acted on only if it still has the attempts and status it was seen with
-    and the action applies to that status; the others are skipped with the reason (it
-    no longer exists, it moved on, it is not something this action applies to, a live
-    job holds its unique key). The rows are locked first, so the report is exact: no
-    job changes between the check and the action. Runs in the caller's transaction.
+    :data:`ACTIONS` is the one table of them: :func:`act` and :func:`preview` take its
+    names, and the ``sqla-jobs jobs`` subcommands and the dashboard's buttons, confirm
+    pages and notices are drawn from it.
     """
-    if action not in ACTIONS:
-        raise ValueError(f"unknown action {action!r}; actions are {', '.join(ACTIONS)}")
+
+    name: str
+    #: The statuses it acts on unless told otherwise, and those it may be told to.
+    statuses: tuple[str, ...]
+    allowed: tuple[str, ...]
+    #: The command's words: ``purge``, ``purged`` (``sqla-jobs jobs purge``, its output).
+    verb: str
+    past: str
+    #: The page's words, for people rather than scripts: ``delete``, ``deleted``.
+    label: str
+    label_past: str
+    #: The button on one job's page.
+    button: str
+    #: Whether it cannot be undone (the rows are deleted): a page asks first.
+    destroys: bool
+    #: One line on what it does (``--help``), the whole of it (the subcommand's
+    #: description), what happens to each job (a confirm page), and what ``--status``
+    #: may name.
+    summary: str
+    description: str
+    explanation: str
+    accepted: str
+    _run: Callable[[Bind, JobSource, Selection], ActionReport] = field(repr=False)
+    _count: Callable[[Bind, JobSource, Selection], int] = field(repr=False)
+
+    def run(self, bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+        """Act on the selection (in the caller's transaction)."""
+        return self._run(bind, jobs, selection)
+
+    def count(self, bind: Bind, jobs: JobSource, selection: Selection) -> int:
+        """How many jobs :meth:`run` would act on now."""
+        return self._count(bind, jobs, selection)
+
+
+def _run_retry(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    retried = _retry(bind, jobs, selection)
+    return ActionReport(
+        "retry", tuple(retried.acted), tuple(retried.blocked), tuple(retried.rearmed)
+    )
+
+
+def _run_cancel(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ActionReport("cancel", tuple(_cancel(bind, jobs, selection, False)), ())
+
+
+def _run_purge(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ActionReport("purge", tuple(_purge(bind, jobs, selection, False)), ())
+
+
+#: The actions, by name.
+ACTIONS: dict[str, Action] = {
+    a.name: a
+    for a in (
+        Action(
+            "retry",
+            RETRYABLE,
+            RETRYABLE,
+            verb="retry",
+            past="retried",
+            label="retry",
+            label_past="retried",
+            button="Retry now",
+            destroys=False,
+            summary="put dead or cancelled jobs back to ready",
+            description="Put dead or cancelled jobs back to ready, due now, with one more "
+            "attempt (attempts is kept, max_attempts raised to at least attempts + 1; "
+            "last_error is kept until the next attempt). Idle workers are woken. Jobs a "
+            "retried job had cancelled by ending (after=, groups) come back with it, waiting "
+            "for it again; such a job is skipped while a job it waits for is still dead or "
+            "cancelled.",
+            explanation="Each goes back to ready, due now, with one more attempt; idle "
+            "workers are woken.",
+            accepted="dead, cancelled",
+            _run=_run_retry,
+            _count=lambda bind, jobs, selection: _retry_count(bind, jobs, selection),
+        ),
+        Action(
+            "cancel",
+            CANCELLABLE,
+            CANCELLABLE,
+            verb="cancel",
+            past="cancelled",
+            label="cancel",
+            label_past="cancelled",
+            button="Cancel",
+            destroys=False,
+            summary="cancel scheduled, ready or running jobs",
+            description="Cancel scheduled, ready or running jobs. A running job's worker can "
+            "no longer complete or retry it; its heartbeat notices and tells the handler.",
+            explanation="Each is cancelled; a running one's worker is told to stop it (a "
+            "handler is not interrupted, it checks between steps).",
+            accepted="scheduled, ready, running",
+            _run=_run_cancel,
+            _count=lambda bind, jobs, selection: len(_cancel(bind, jobs, selection, True)),
+        ),
+        Action(
+            "purge",
+            PURGEABLE_BY_DEFAULT,
+            PURGEABLE,
+            verb="purge",
+            past="purged",
+            label="delete",
+            label_past="deleted",
+            button="Delete",
+            destroys=True,
+            summary="delete finished jobs",
+            description="Delete done, dead or cancelled jobs. Scheduled or ready jobs are "
+            "deleted only when --status names them; running jobs never (cancel them first).",
+            explanation="Each is deleted for good.",
+            accepted="done, dead, cancelled, or (deleting unrun work) scheduled, ready",
+            _run=_run_purge,
+            _count=lambda bind, jobs, selection: len(_purge(bind, jobs, selection, True)),
+        ),
+    )
+}
+
+
+def _action(name: str) -> Action:
+    """The action of this name (``ValueError`` for another)."""
+    found = ACTIONS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown action {name!r}; actions are {', '.join(ACTIONS)}")
+    return found
+
+
+def _run(name: str, bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> int:
+    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on."""
+    spec = ACTIONS[name]
+    if dry_run:
+        return spec.count(bind, jobs, selection)
+    return spec.run(bind, jobs, selection).count
+
+
+def _act_on(name: str, bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
+    return ACTIONS[name].run(bind, jobs, selection)
+
+
+def act(
+    bind: Bind, jobs: JobSource, action: str, selection: Selection | Iterable[SeenJob]
+) -> ActionReport:
+    """Retry, cancel or purge the selected jobs, and report job by job: the one path of
+    the dashboard's buttons and of ``sqla-jobs jobs retry|cancel|purge``.
+
+    Given the jobs an operator selected, as they saw them (:class:`SeenJob`), each job is
+    acted on only if it still has the attempts and status it was seen with and the
+    action applies to that status; the others are skipped with the reason (it no longer
+    exists, it moved on, it is not something this action applies to, a live job holds
+    its unique key). The rows are locked first, so the report is exact: no job changes
+    between the check and the action.
+
+    Given a :class:`Selection`, it acts on every job that matches it, as
+    :func:`retry_report`, :func:`cancel_jobs` and :func:`purge_jobs` do (a retry's
+    report says which jobs came back, and which it held back and why).
+
+    Runs in the caller's transaction.
+    """
+    spec = _action(action)
+    if isinstance(selection, Selection):
+        return spec.run(bind, jobs, selection)
     table = _table(jobs)
-    wanted = list(dict.fromkeys(_check_seen(seen)))
+    wanted = list(dict.fromkeys(_check_seen(selection)))
     if not wanted:
         raise ValueError("select at least one job")
     c = table.c
     lock = sa.select(c.id, c.attempts, c.status).where(c.id.in_([s.id for s in wanted]))
     # A row about to be deleted needs the full lock; the others the one the claim respects.
-    lock = lock.with_for_update(key_share=action != "purge")
+    lock = lock.with_for_update(key_share=not spec.destroys)
     now = {r.id: (r.attempts, r.status) for r in _execute(bind, lock)}
-    allowed = PURGEABLE if action == "purge" else ACTIONS[action]
     skipped: dict[int, str] = {}
     eligible: list[SeenJob] = []
     for s in wanted:
@@ -1344,32 +1496,62 @@ def act(bind: Bind, jobs: JobSource, action: Action, seen: Iterable[SeenJob]) ->
             skipped[s.id] = "it no longer exists"
         elif current != (s.attempts, s.status):
             skipped[s.id] = f"it changed: now {current[1]}, attempt {current[0]}"
-        elif s.status not in allowed:
-            skipped[s.id] = f"{action} applies to {', '.join(allowed)} jobs, not {s.status} ones"
+        elif s.status not in spec.allowed:
+            skipped[s.id] = (
+                f"{spec.name} applies to {', '.join(spec.allowed)} jobs, not {s.status} ones"
+            )
         else:
             eligible.append(s)
-    acted: list[int] = []
-    rearmed: list[int] = []
+    acted: tuple[int, ...] = ()
+    rearmed: tuple[int, ...] = ()
     if eligible:
-        if action == "retry":
-            retried = _retry(bind, jobs, _Selection(seen=eligible))
-            acted, rearmed = retried.acted, retried.rearmed
-            skipped.update(retried.blocked)
-        elif action == "cancel":
-            acted = _cancel(bind, jobs, _Selection(seen=eligible), False)
-        else:
-            acted = _purge(bind, jobs, _Selection(seen=eligible), None, False)
+        done = spec.run(bind, jobs, Selection(seen=eligible))
+        acted, rearmed = done.acted, done.rearmed
+        skipped.update(done.skipped)
     back = set(rearmed)
     for s in eligible:
         if s.id not in acted and s.id not in skipped and s.id not in back:
             skipped[s.id] = "a live job holds its unique key"
-    done = set(acted)
+    done_ids = set(acted)
     return ActionReport(
-        action,
-        tuple(s.id for s in wanted if s.id in done),
+        spec.name,
+        tuple(s.id for s in wanted if s.id in done_ids),
         tuple((s.id, skipped[s.id]) for s in wanted if s.id in skipped),
-        tuple(rearmed),
+        rearmed,
     )
+
+
+def preview(bind: Bind, jobs: JobSource, action: str, selection: Selection) -> ActionReport:
+    """What :func:`act` would do with this selection, changing nothing: how many jobs
+    (``count``), the selected ids that name no job (``missing``; then nothing is
+    counted), and the selected ids it would leave alone and why (``skipped``: a status,
+    queue or task outside the selection). ``ValueError`` for a selection the action
+    refuses."""
+    spec = _action(action)
+    ids = _ids(selection.ids)
+    skipped: list[tuple[int, str]] = []
+    if ids is not None:
+        found = {j.id: j for j in list_jobs(bind, jobs, ids=ids, limit=None)}
+        missing = tuple(i for i in ids if i not in found)
+        if missing:
+            return ActionReport(spec.name, (), (), counted=0, missing=missing)
+        statuses = tuple(_names(selection.status, "status") or spec.statuses)
+        queues = _names(selection.queue, "queue")
+        tasks = _names(selection.task, "task")
+        for i in dict.fromkeys(ids):
+            job = found[i]
+            why = None
+            if job.status not in statuses:
+                why = f"it is {job.status}; {spec.name} applies to {' or '.join(statuses)} jobs"
+            elif queues and job.queue not in queues:
+                why = f"it is in queue {job.queue!r}, not in a selected one"
+            elif tasks and job.task not in tasks:
+                why = f"its task is {job.task!r}, not a selected one"
+            if why is not None:
+                skipped.append((i, why))
+        selection = replace(selection, ids=ids)
+    counted = spec.count(bind, jobs, selection)
+    return ActionReport(spec.name, (), tuple(skipped), counted=counted)
 
 
 def _check_seen(seen: Iterable[SeenJob]) -> list[SeenJob]:

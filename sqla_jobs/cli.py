@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import __version__, admin, logs
+from . import __version__, _present, admin, logs, sharding
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError, describe
 from .limits import BIGINT_MAX, DURATION_MAX_SECONDS
@@ -484,56 +484,6 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
         print(line(r))
 
 
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 60:
-        return f"{value:.1f}s"
-    total = int(value)
-    if total < 3600:
-        return f"{total // 60}m{total % 60:02d}s"
-    if total < 86400:
-        return f"{total // 3600}h{total % 3600 // 60:02d}m"
-    return f"{total // 86400}d{total % 86400 // 3600:02d}h"
-
-
-def _plural(n: int, word: str = "job") -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _flow_fields(job: Any) -> list[tuple[str, str]]:
-    """Results and workflows, on a job's view: only for jobs that have them."""
-    fields = []
-    if job.parents is not None:
-        fields.append(("parents", ", ".join(map(str, job.parents))))
-        fields.append(("waiting for", str(job.waiting or 0)))
-    if job.children:
-        fields.append(("children", ", ".join(map(str, job.children))))
-    if job.result is not None:
-        fields.append(("result", json.dumps(job.result, sort_keys=True, ensure_ascii=False)))
-    return fields
-
-
-def _progress(progress: dict[str, Any] | None) -> str:
-    """``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
-    if not progress:
-        return "-"
-    parts = []
-    if progress.get("value") is not None:
-        parts.append(json.dumps(progress["value"], sort_keys=True))
-    if progress.get("note"):
-        parts.append(json.dumps(progress["note"], ensure_ascii=False))
-    if progress.get("at"):
-        parts.append(f"(at {progress['at']})")
-    return " ".join(parts) or json.dumps(progress, sort_keys=True)
-
-
 def _meta_pair(text: str) -> tuple[str, Any]:
     """``key=value``: the value as JSON if it reads as JSON (``42``, ``true``,
     ``"42"``), else as a string."""
@@ -554,11 +504,14 @@ def _meta_pair(text: str) -> tuple[str, Any]:
 
 def _error_summary(text: str | None, width: int = 60) -> str:
     """The last line of a traceback is the exception itself: the part worth a column."""
-    if not text:
-        return ""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else ""
+    last = _present.last_line(text) or ""
     return last if len(last) <= width else last[: width - 1] + "…"
+
+
+#: How a column writes a moment, a duration and a count of jobs (see sqla_jobs._present).
+_when = _present.stamp
+_seconds = _present.duration
+_plural = _present.plural
 
 
 # -- check --------------------------------------------------------------------------------
@@ -699,106 +652,120 @@ def _schema_gate(found: dict[str, list[Any] | None], args: argparse.Namespace) -
 # -- stats --------------------------------------------------------------------------------
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def _databases(args: argparse.Namespace) -> tuple[Jobs | type[Any], dict[str, sa.Engine]]:
+    """The target, and the databases an operating command reads, by shard name: the
+    shards (``--shard``, or an ``--engine`` mapping), or the one database as the shard of
+    one, named ``""``. A single database (a shard of one included) is checked for its
+    table first, and its failures are the command's (one line, exit code 1); over two or
+    more, a shard that fails is reported and the others still answer."""
     shards = shards_from(args)
-    if shards is not None:
-        return _sharded_stats(args, shards)
-    target, engine = _prepare(args)
-    table = admin.source_table(target)
+    if shards is None:
+        target, engine = _prepare(args)
+        return target, {"": engine}
+    target = load_target(args.target)
+    engines = _shard_engines(shards)
+    if len(engines) == 1:
+        _check_table(next(iter(engines.values())), target)
+    return target, engines
+
+
+def _read_all(
+    engines: Mapping[str, sa.Engine], read: Callable[[sa.Connection], _T]
+) -> list[sharding.ShardResult[_T]]:
+    """``read`` on each database (see :func:`_databases`); what ``admin`` refuses
+    (``ValueError``) is a usage error."""
+    with _database_errors():
+        if len(engines) == 1:
+            [(name, engine)] = engines.items()
+            with engine.connect() as conn:
+                return [sharding.ShardResult(name, read(conn))]
+        results = sharding.across(engines, read)
+    for r in results:
+        if r.error is not None:
+            print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+    return results
+
+
+def _dispose(engines: Mapping[str, sa.Engine]) -> None:
+    for engine in engines.values():
+        engine.dispose()
+
+
+def _shard_column(
+    headers: list[str], rows: list[list[str]], right: set[int], shards: list[str] | None
+) -> tuple[list[str], list[list[str]], set[int]]:
+    """A SHARD column first, when the rows come from two or more shards (``shards``)."""
+    if shards is None:
+        return headers, rows, right
+    rows = [[name, *row] for name, row in zip(shards, rows, strict=True)]
+    return ["SHARD", *headers], rows, {i + 1 for i in right}
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """Per queue (and per shard, then summed as shard ``*``, over two or more)."""
+    target, engines = _databases(args)
+    table = admin.source_table(target).fullname
+    many = len(engines) > 1
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    failed = False
     try:
         while True:
             try:
-                with _database_errors(), engine.connect() as conn:
-                    queues = admin.stats(conn, target, window=args.window)
+                results = _read_all(
+                    engines, lambda conn: admin.queue_states(conn, target, window=args.window)
+                )
             except CommandError as exc:
                 if args.watch is None or exc.code != EXIT_FAILURE:
                     raise
                 # A database restart should not end a watch: say so, and try again.
                 print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
             else:
+                failed = any(r.error is not None for r in results)
+                totals = sharding.total(results)
                 now = datetime.now(timezone.utc)
                 if args.json:
-                    _print_json(
-                        {
-                            "time": now.isoformat(),
-                            "table": table.fullname,
-                            "window_seconds": args.window,
-                            "queues": [q.to_dict() for q in queues],
-                        }
-                    )
+                    out: dict[str, Any] = {
+                        "time": now.isoformat(),
+                        "table": table,
+                        "window_seconds": args.window,
+                    }
+                    if many:
+                        out["shards"] = [
+                            {"shard": r.shard, "error": r.error}
+                            | {"queues": [_present.queue_json(q) for q in r.value or ()]}
+                            for r in results
+                        ]
+                    out["queues"] = [_present.queue_json(q) for q in totals]
+                    _print_json(out)
                 else:
                     if clear:
                         print("\x1b[H\x1b[2J", end="")
                     elif args.watch is not None:
                         print()
-                    _print_stats(table.fullname, queues, args.window, now, args.watch)
-            if args.watch is None:
-                return EXIT_OK
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        # Ctrl-C is how a watch ends; it is not a failure.
-        return EXIT_OK
-
-
-def _sharded_stats(args: argparse.Namespace, shards: dict[str, str]) -> int:
-    """``stats --shard ...``: one row per shard and queue, then the sums (SHARD ``*``)."""
-    from . import sharding
-
-    target = load_target(args.target)
-    table = admin.source_table(target)
-    engines = _shard_engines(shards)
-    failed = False
-    try:
-        while True:
-            results = sharding.stats(engines, target, window=args.window)
-            totals = sharding.total(results)
-            failed = any(r.error is not None for r in results)
-            for r in results:
-                if r.error is not None:
-                    print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
-            now = datetime.now(timezone.utc)
-            if args.json:
-                _print_json(
-                    {
-                        "time": now.isoformat(),
-                        "table": table.fullname,
-                        "window_seconds": args.window,
-                        "shards": [
-                            {"shard": r.shard, "error": r.error}
-                            | {"queues": [q.to_dict() for q in r.value or ()]}
-                            for r in results
-                        ],
-                        "queues": [q.to_dict() for q in totals],
-                    }
-                )
-            else:
-                if args.watch is not None:
-                    print()
-                rows = [(r.shard, q) for r in results for q in r.value or ()]
-                rows += [("*", q) for q in totals]
-                _print_stats(
-                    table.fullname,
-                    [q for _, q in rows],
-                    args.window,
-                    now,
-                    args.watch,
-                    shard_names=[name for name, _ in rows],
-                )
+                    rows = [(r.shard, q) for r in results for q in r.value or ()] if many else []
+                    rows += [("*" if many else "", q) for q in totals]
+                    _print_stats(
+                        table,
+                        [q for _, q in rows],
+                        args.window,
+                        now,
+                        args.watch,
+                        shard_names=[name for name, _ in rows] if many else None,
+                    )
             if args.watch is None:
                 break
             time.sleep(args.watch)
     except KeyboardInterrupt:
+        # Ctrl-C is how a watch ends; it is not a failure.
         return EXIT_OK
     finally:
-        for engine in engines.values():
-            engine.dispose()
+        _dispose(engines)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
 def _print_stats(
     table: str,
-    queues: list[admin.QueueStats],
+    queues: list[admin.QueueState],
     window: float,
     now: datetime,
     watch: float | None,
@@ -837,11 +804,7 @@ def _print_stats(
         ]
         for q in queues
     ]
-    right = set(range(2, len(headers)))
-    if shard_names is not None:
-        headers.insert(0, "SHARD")
-        rows = [[name, *row] for name, row in zip(shard_names, rows, strict=True)]
-        right = {i + 1 for i in right}
+    headers, rows, right = _shard_column(headers, rows, set(range(2, len(headers))), shard_names)
     suffix = f", every {_span(watch)} (Ctrl-C to stop)" if watch is not None else ""
     print(f"{table} at {_when(now)}{suffix}")
     if not rows:
@@ -860,78 +823,34 @@ def _span(value: float | None) -> str:
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
-    shards = shards_from(args)
-    if shards is not None:
-        return _sharded_jobs_list(args, shards)
-    target, engine = _prepare(args)
-    with _database_errors(), engine.connect() as conn:
-        found = admin.list_jobs(
-            conn,
-            target,
-            queue=args.queue,
-            status=args.status,
-            task=args.task,
-            meta=dict(args.meta) if args.meta else None,
-            limit=args.limit,
-        )
-    if args.json:
-        _print_json([j.to_dict() for j in found])
-        return EXIT_OK
-    if not found:
-        print("no matching jobs")
-        return EXIT_OK
-    rows = [
-        [
-            str(j.id),
-            j.status,
-            j.queue,
-            j.task,
-            f"{j.attempts}/{j.max_attempts}",
-            _when(j.run_at),
-            _error_summary(j.last_error),
-        ]
-        for j in found
-    ]
-    _print_table(
-        ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"], rows, right={0, 4}
-    )
-    if len(found) == args.limit:
-        print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
-    return EXIT_OK
-
-
-def _sharded_jobs_list(args: argparse.Namespace, shards: dict[str, str]) -> int:
-    """``jobs list --shard ...``: the newest jobs of every shard, with a SHARD column."""
-    from . import sharding
-
-    target = load_target(args.target)
-    engines = _shard_engines(shards)
+    """The newest jobs (of every shard, with a SHARD column, over two or more)."""
+    target, engines = _databases(args)
+    many = len(engines) > 1
     try:
-        with _database_errors():
-            found, failed = sharding.list_jobs(
-                engines,
+        results = _read_all(
+            engines,
+            lambda conn: admin.list_jobs(
+                conn,
                 target,
                 queue=args.queue,
                 status=args.status,
                 task=args.task,
                 meta=dict(args.meta) if args.meta else None,
                 limit=args.limit,
-            )
+            ),
+        )
     finally:
-        for engine in engines.values():
-            engine.dispose()
-    for r in failed:
-        print(f"sqla-jobs: error: shard {r.shard}: {r.error}", file=sys.stderr)
+        _dispose(engines)
+    found, failed = sharding.newest(results, args.limit)
     code = EXIT_FAILURE if failed else EXIT_OK
     if args.json:
-        _print_json([{"shard": shard} | j.to_dict() for shard, j in found])
+        _print_json([({"shard": shard} if many else {}) | j.to_dict() for shard, j in found])
         return code
     if not found:
         print("no matching jobs")
         return code
     rows = [
         [
-            shard,
             str(j.id),
             j.status,
             j.queue,
@@ -940,14 +859,27 @@ def _sharded_jobs_list(args: argparse.Namespace, shards: dict[str, str]) -> int:
             _when(j.run_at),
             _error_summary(j.last_error),
         ]
-        for shard, j in found
+        for _, j in found
     ]
-    _print_table(
-        ["SHARD", "ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"],
+    headers, rows, right = _shard_column(
+        ["ID", "STATUS", "QUEUE", "TASK", "ATTEMPTS", "RUN_AT", "LAST_ERROR"],
         rows,
-        right={1, 5},
+        {0, 4},
+        [shard for shard, _ in found] if many else None,
     )
+    _print_table(headers, rows, right=right)
+    if len(found) == args.limit:
+        print(f"(the newest {args.limit}; --limit shows more)", file=sys.stderr)
     return code
+
+
+def _show_value(name: str, value: Any) -> str:
+    """A JSON field of ``jobs show``: the handler's progress note in words."""
+    if name == "progress":
+        return _present.progress_text(value)
+    if name == "result":
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return "-" if value is None else json.dumps(value, sort_keys=True)
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
@@ -961,23 +893,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(job.to_dict())
         return EXIT_OK
-    fields = [
-        ("task", job.task),
-        ("status", job.status),
-        ("queue", job.queue),
-        ("priority", str(job.priority)),
-        ("attempts", f"{job.attempts} of {job.max_attempts}"),
-        ("run_at", _when(job.run_at)),
-        ("created_at", _when(job.created_at)),
-        ("finished_at", _when(job.finished_at)),
-        ("locked_by", job.locked_by or "-"),
-        ("locked_until", _when(job.locked_until)),
-        ("unique_key", job.unique_key or "-"),
-        ("args", json.dumps(job.args, sort_keys=True)),
-        ("meta", "-" if job.meta is None else json.dumps(job.meta, sort_keys=True)),
-        ("progress", _progress(job.progress)),
-        *_flow_fields(job),
-    ]
+    fields = _present.job_fields(job, when=_when, value=_show_value)
     print(f"job {job.id}")
     for name, value in fields:
         print(f"  {name:<13} {value}")
@@ -990,120 +906,68 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-#: action name -> (admin function, past tense, the statuses it acts on by default)
-_ACTIONS: dict[str, tuple[Callable[..., int], str, tuple[str, ...]]] = {
-    "retry": (admin.retry_jobs, "retried", admin.RETRYABLE),
-    "cancel": (admin.cancel_jobs, "cancelled", admin.CANCELLABLE),
-    "purge": (admin.purge_jobs, "purged", admin.PURGEABLE_BY_DEFAULT),
-}
-
-
-#: What --status may name, per action, for the help.
-_ACCEPTED = {
-    "retry": "dead, cancelled",
-    "cancel": "scheduled, ready, running",
-    "purge": "done, dead, cancelled, or (deleting unrun work) scheduled, ready",
-}
-
-
 def cmd_jobs_action(args: argparse.Namespace) -> int:
-    action: str = args.action
-    func, done_word, default_statuses = _ACTIONS[action]
+    """``jobs retry|cancel|purge``: count (:func:`sqla_jobs.admin.preview`), confirm, act
+    (:func:`sqla_jobs.admin.act`), as the dashboard does."""
+    action = admin.ACTIONS[args.action]
     ids: list[int] | None = list(dict.fromkeys(args.ids)) or None
     older_than = getattr(args, "older_than", None)
     selected = args.queue or args.task or args.status or older_than is not None
     if ids is None and not (selected or args.all):
         raise CommandError(
             f"which jobs? give job IDs, or select with --queue/--task/--status "
-            f"(--all to {action} every {' or '.join(default_statuses)} job)"
+            f"(--all to {action.name} every {' or '.join(action.statuses)} job)"
         )
-    options: dict[str, Any] = {"queue": args.queue, "task": args.task, "status": args.status}
-    if older_than is not None:
-        options["older_than"] = older_than
-    options["all_jobs"] = args.all
+    selection = admin.Selection(
+        ids=ids,
+        queue=args.queue,
+        task=args.task,
+        status=args.status,
+        all_jobs=args.all,
+        older_than=older_than,
+    )
     target, engine = _prepare(args)
-
-    code = EXIT_OK
+    retry = action.name == "retry"
     with _database_errors():
         with engine.connect() as conn:
-            if ids is not None:
-                code = _check_ids(conn, target, ids, action, args, default_statuses)
-            try:
-                count = func(conn, target, ids, dry_run=True, **options)
-            except ValueError as exc:
-                raise CommandError(str(exc)) from None
+            preview = admin.preview(conn, target, action.name, selection)
+        if preview.missing:
+            listed = ", ".join(map(str, preview.missing))
+            which = (
+                f"job with id {listed}" if len(preview.missing) == 1 else f"jobs with ids {listed}"
+            )
+            raise CommandError(f"no {which} (nothing was {action.past})", EXIT_FAILURE)
+        # Ids the action leaves alone are warned about, and the exit code says so.
+        code = _warn_skipped(preview)
         if args.dry_run:
-            _report(args, action, f"would be {done_word}", count, dry_run=True)
+            _report(args, action.name, f"would be {action.past}", preview.count, dry_run=True)
             return code
-        if count == 0:
-            rearmed = None
-            if action == "retry":
-                code = max(code, _why_not_retried(engine, target, ids, options))
-                rearmed = 0
-            _report(args, action, done_word, 0, dry_run=False, rearmed=rearmed)
+        if preview.count == 0:
+            if retry:
+                # Say why a selected job is held back (a job it waits for is still dead or
+                # cancelled): found by a retry that is rolled back.
+                with engine.connect() as conn:
+                    code = max(code, _warn_skipped(admin.act(conn, target, "retry", selection)))
+                    conn.rollback()
+            rearmed = 0 if retry else None
+            _report(args, action.name, action.past, 0, dry_run=False, rearmed=rearmed)
             return code
-        _confirm(args, action, count)
+        _confirm(args, action.name, preview.count)
         with engine.begin() as conn:
-            if action == "retry":
-                # Retried parents bring back the jobs they had cancelled; say which came
-                # back, and why a selected one did not.
-                report = admin.retry_report(conn, target, ids, **options)
-                count = report.count
-            else:
-                count = func(conn, target, ids, **options)
-    if action != "retry":
-        _report(args, action, done_word, count, dry_run=False)
-        return code
-    for job_id, why in report.skipped:
-        print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
-        code = EXIT_FAILURE
-    _report(args, action, done_word, count, dry_run=False, rearmed=len(report.rearmed))
+            report = admin.act(conn, target, action.name, selection)
+    # Retried parents bring back the jobs they had cancelled; say which came back, and why
+    # a selected one did not.
+    code = max(code, _warn_skipped(report))
+    rearmed = len(report.rearmed) if retry else None
+    _report(args, action.name, action.past, report.count, dry_run=False, rearmed=rearmed)
     return code
 
 
-def _why_not_retried(
-    engine: sa.Engine, target: Jobs | type[Any], ids: list[int] | None, options: dict[str, Any]
-) -> int:
-    """Nothing to retry: warn about the selected jobs a retry holds back (children of a job
-    still dead or cancelled), found by a retry that is rolled back."""
-    with engine.connect() as conn:
-        report = admin.retry_report(conn, target, ids, **options)
-        conn.rollback()
+def _warn_skipped(report: admin.ActionReport) -> int:
+    """A warning for each job the action leaves alone; exit code 1 if any."""
     for job_id, why in report.skipped:
         print(f"sqla-jobs: warning: skipping job {job_id}: {why}", file=sys.stderr)
     return EXIT_FAILURE if report.skipped else EXIT_OK
-
-
-def _check_ids(
-    conn: sa.Connection,
-    target: Jobs | type[Any],
-    ids: list[int],
-    action: str,
-    args: argparse.Namespace,
-    default_statuses: tuple[str, ...],
-) -> int:
-    """Unknown ids are an error (nothing is done); ids the action skips are warned about."""
-    found = {j.id: j for j in admin.list_jobs(conn, target, ids=ids, limit=None)}
-    missing = [i for i in ids if i not in found]
-    if missing:
-        listed = ", ".join(map(str, missing))
-        which = f"job with id {listed}" if len(missing) == 1 else f"jobs with ids {listed}"
-        raise CommandError(f"no {which} (nothing was {_ACTIONS[action][1]})", EXIT_FAILURE)
-    statuses = args.status or default_statuses
-    code = EXIT_OK
-    for i in ids:
-        job = found[i]
-        reason = None
-        if job.status not in statuses:
-            reason = f"it is {job.status}; {action} applies to {' or '.join(statuses)} jobs"
-        elif args.queue and job.queue not in args.queue:
-            reason = f"it is in queue {job.queue!r}, not in --queue"
-        elif args.task and job.task not in args.task:
-            reason = f"its task is {job.task!r}, not in --task"
-        if reason:
-            print(f"sqla-jobs: warning: skipping job {i}: {reason}", file=sys.stderr)
-            code = EXIT_FAILURE
-    return code
 
 
 def _confirm(args: argparse.Namespace, action: str, count: int) -> None:
@@ -1377,7 +1241,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .web import create_app
-        from .web.app import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
+        from .web._base import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
         raise CommandError(
             "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
@@ -1718,34 +1582,17 @@ def _add_jobs(sub: Any) -> None:
         " Shows how many jobs would be affected and asks first, unless --yes; with no"
         " terminal to ask on and no --yes it refuses (exit 2)."
     )
-    descriptions = {
-        "retry": (
-            "put dead or cancelled jobs back to ready",
-            "Put dead or cancelled jobs back to ready, due now, with one more attempt "
-            "(attempts is kept, max_attempts raised to at least attempts + 1; last_error is "
-            "kept until the next attempt). Idle workers are woken. Jobs a retried job had "
-            "cancelled by ending (after=, groups) come back with it, waiting for it again; "
-            "such a job is skipped while a job it waits for is still dead or cancelled.",
-        ),
-        "cancel": (
-            "cancel scheduled, ready or running jobs",
-            "Cancel scheduled, ready or running jobs. A running job's worker can no longer "
-            "complete or retry it; its heartbeat notices and tells the handler.",
-        ),
-        "purge": (
-            "delete finished jobs",
-            "Delete done, dead or cancelled jobs. Scheduled or ready jobs are deleted only "
-            "when --status names them; running jobs never (cancel them first).",
-        ),
-    }
-    for action, (short, long) in descriptions.items():
+    for action in admin.ACTIONS.values():
         p = jobs_sub.add_parser(
-            action, parents=[_common()], help=short, description=long + common_help
+            action.name,
+            parents=[_common()],
+            help=action.summary,
+            description=action.description + common_help,
         )
         p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="job ids")
-        default = " or ".join(_ACTIONS[action][2])
-        _filter_options(p, _ACCEPTED[action], default)
-        if action == "purge":
+        default = " or ".join(action.statuses)
+        _filter_options(p, action.accepted, default)
+        if action.name == "purge":
             p.add_argument(
                 "--older-than",
                 type=_duration,
@@ -1761,7 +1608,7 @@ def _add_jobs(sub: Any) -> None:
         p.add_argument(
             "--json", action="store_true", help='print {"action", "dry_run", "count"} as JSON'
         )
-        p.set_defaults(func=cmd_jobs_action, action=action)
+        p.set_defaults(func=cmd_jobs_action, action=action.name)
 
 
 def _add_queues(sub: Any) -> None:

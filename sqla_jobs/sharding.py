@@ -50,6 +50,7 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -91,6 +92,8 @@ __all__ = [
     "ShardedWorker",
     "across",
     "list_jobs",
+    "newest",
+    "queue_states",
     "stats",
     "total",
 ]
@@ -848,45 +851,70 @@ def across(
     return results
 
 
+def queue_states(
+    engines: Mapping[str, sa.Engine],
+    jobs: admin.JobSource,
+    *,
+    window: float = admin.DEFAULT_WINDOW,
+    finished: bool = True,
+) -> list[ShardResult[list[admin.QueueState]]]:
+    """:func:`sqla_jobs.admin.queue_states` of each shard (see :func:`total` for the sum)."""
+    return across(
+        engines, lambda conn: admin.queue_states(conn, jobs, window=window, finished=finished)
+    )
+
+
 def stats(
     engines: Mapping[str, sa.Engine], jobs: admin.JobSource, *, window: float = admin.DEFAULT_WINDOW
-) -> list[ShardResult[list[admin.QueueStats]]]:
-    """:func:`sqla_jobs.admin.stats` of each shard (see :func:`total` for the sum)."""
-    return across(engines, lambda conn: admin.stats(conn, jobs, window=window))
+) -> list[ShardResult[list[admin.QueueState]]]:
+    """Deprecated: :func:`queue_states`, by its 0.2 name (as :func:`sqla_jobs.admin.stats`)."""
+    warnings.warn(
+        "sharding.stats is deprecated and goes in the next release: use sharding.queue_states",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return queue_states(engines, jobs, window=window)
 
 
-def total(results: Iterable[ShardResult[list[admin.QueueStats]]]) -> list[admin.QueueStats]:
-    """Per-queue stats summed over the shards that answered.
+def total(results: Iterable[ShardResult[list[admin.QueueState]]]) -> list[admin.QueueState]:
+    """Per-queue states summed over the shards that answered.
 
     Counts add up; the lag is the largest (the oldest ready job anywhere); a queue is
-    paused if it is paused on any shard; ``done_recent`` is unknown (None) if it is
-    unknown on any shard.
+    paused if it is paused on any shard (since the latest change); a count unknown (None)
+    on any shard is unknown in the sum.
     """
-    merged: dict[str, admin.QueueStats] = {}
+    merged: dict[str, admin.QueueState] = {}
     for result in results:
         for q in result.value or ():
             seen = merged.get(q.queue)
-            if seen is None:
-                merged[q.queue] = q
-                continue
-            lags = [x for x in (seen.lag_seconds, q.lag_seconds) if x is not None]
-            merged[q.queue] = admin.QueueStats(
-                queue=q.queue,
-                paused=seen.paused or q.paused,
-                scheduled=seen.scheduled + q.scheduled,
-                ready=seen.ready + q.ready,
-                running=seen.running + q.running,
-                lease_expired=seen.lease_expired + q.lease_expired,
-                done=seen.done + q.done,
-                dead=seen.dead + q.dead,
-                cancelled=seen.cancelled + q.cancelled,
-                lag_seconds=max(lags) if lags else None,
-                done_recent=None
-                if seen.done_recent is None or q.done_recent is None
-                else seen.done_recent + q.done_recent,
-                dead_recent=seen.dead_recent + q.dead_recent,
-            )
-    return sorted(merged.values(), key=lambda s: s.queue)
+            merged[q.queue] = q if seen is None else _sum(seen, q)
+    return [merged[name] for name in sorted(merged)]
+
+
+def _sum(a: admin.QueueState, b: admin.QueueState) -> admin.QueueState:
+    def add(x: int | None, y: int | None) -> int | None:
+        return None if x is None or y is None else x + y
+
+    def latest(x: datetime | None, y: datetime | None) -> datetime | None:
+        return max((t for t in (x, y) if t is not None), default=None)
+
+    lags = [x for x in (a.lag_seconds, b.lag_seconds) if x is not None]
+    return admin.QueueState(
+        queue=a.queue,
+        paused=a.paused or b.paused,
+        scheduled=a.scheduled + b.scheduled,
+        ready=a.ready + b.ready,
+        running=a.running + b.running,
+        lease_expired=a.lease_expired + b.lease_expired,
+        done=add(a.done, b.done),
+        dead=a.dead + b.dead,
+        cancelled=add(a.cancelled, b.cancelled),
+        lag_seconds=max(lags) if lags else None,
+        done_recent=add(a.done_recent, b.done_recent),
+        dead_recent=add(a.dead_recent, b.dead_recent),
+        paused_since=latest(a.paused_since, b.paused_since),
+        limits=a.limits,
+    )
 
 
 def list_jobs(
@@ -894,14 +922,25 @@ def list_jobs(
     jobs: admin.JobSource,
     *,
     limit: int = 50,
-    **filters: Any,
-) -> tuple[list[tuple[str, admin.JobInfo]], list[ShardResult[Any]]]:
-    """:func:`sqla_jobs.admin.list_jobs` over every shard: the newest ``limit`` jobs (by
-    ``created_at``: ids are numbered per shard and do not compare across shards), each
-    with its shard's name, and the shards that could not answer."""
+    **filters: Unpack[admin.JobFilters],
+) -> tuple[list[tuple[str, admin.JobView]], list[ShardResult[Any]]]:
+    """:func:`sqla_jobs.admin.list_jobs` over every shard: the newest ``limit`` jobs, each
+    with its shard's name, and the shards that could not answer. Over two shards or more
+    the newest are by ``created_at`` (ids are numbered per shard and do not compare across
+    shards); a single shard's are by id, as :func:`~sqla_jobs.admin.list_jobs` lists them."""
     results = across(engines, lambda conn: admin.list_jobs(conn, jobs, limit=limit, **filters))
+    return newest(results, limit)
+
+
+def newest(
+    results: Iterable[ShardResult[list[admin.JobView]]], limit: int | None
+) -> tuple[list[tuple[str, admin.JobView]], list[ShardResult[Any]]]:
+    """The newest ``limit`` of the jobs the shards listed, each with its shard's name (see
+    :func:`list_jobs`), and the shards that could not answer."""
+    results = list(results)
     found = [(r.shard, job) for r in results for job in r.value or ()]
-    found.sort(key=lambda pair: (_sort_time(pair[1].created_at), pair[1].id), reverse=True)
+    if len(results) > 1:
+        found.sort(key=lambda pair: (_sort_time(pair[1].created_at), pair[1].id), reverse=True)
     return found[:limit], [r for r in results if r.error is not None]
 
 

@@ -100,7 +100,7 @@ def main() -> None:
             print(f"  {link.code} -> {link.long_url}  title={link.title!r}")
     print(f"webhook deliveries: {Site.deliveries}")
     with bind.connect() as conn:
-        for row in admin.stats(conn, jobs):
+        for row in admin.queue_states(conn, jobs):
             print(f"  queue {row.queue}: {row.ready} ready, {row.dead} dead")
     server.shutdown()
 

@@ -3,39 +3,58 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import json
 import logging
 import re
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import jinja2
 import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
-from .. import admin
+from .. import _present, admin
+from .._present import ago, clock
 from ..errors import describe
 from ..model import STATUSES, JobStatus
 from ..tasks import Jobs
+from ._base import (
+    DEFAULT_ALLOWED_HOSTS,
+    HERE,
+    SECURITY_HEADERS,
+    Authorize,
+    SecurityHeaders,
+    TrustedHosts,
+    check_allowed_hosts,
+    engine_of,
+    read_only_of,
+    templates,
+)
+from .shards import shard_engines, shards_page
 
-__all__ = ["Dashboard", "create_app"]
+# DEFAULT_ALLOWED_HOSTS, SECURITY_HEADERS and check_allowed_hosts stay importable from
+# here, where they were defined before web/_base.py.
+__all__ = [
+    "DEFAULT_ALLOWED_HOSTS",
+    "SECURITY_HEADERS",
+    "Dashboard",
+    "check_allowed_hosts",
+    "create_app",
+]
 
 log = logging.getLogger("sqla_jobs.web")
-
-HERE = Path(__file__).resolve().parent
 CSRF_COOKIE = "sqla_jobs_csrf"
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
@@ -46,9 +65,6 @@ MAX_FORM_BYTES = 1 << 20
 #: Characters of a job's arguments, result or last error its page shows (each may be
 #: megabytes); the whole value is a download away.
 ARGS_SHOWN = 200_000
-#: The hosts a dashboard answers for unless told otherwise: a browser tricked into
-#: sending a request for another name (DNS rebinding) gets a refusal, not the page.
-DEFAULT_ALLOWED_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 #: The columns a job's page offers to download whole, and how each is served.
 DOWNLOADS = {
     "args": "application/json",
@@ -57,21 +73,6 @@ DOWNLOADS = {
     "progress": "application/json",
     "last_error": "text/plain; charset=utf-8",
 }
-
-Authorize = Callable[[Request], bool]
-
-#: Security headers on every response. No inline script or style may run: a job's
-#: arguments are escaped already, and this is the second line.
-SECURITY_HEADERS = [
-    (
-        b"content-security-policy",
-        b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'",
-    ),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"same-origin"),
-    (b"x-frame-options", b"SAMEORIGIN"),
-]
 
 
 class PageError(Exception):
@@ -121,11 +122,50 @@ class Filters:
             ("q", self.q),
         ]
 
+    def selection(self, up_to_id: int) -> admin.Selection:
+        """Every job these filters match (a bulk action), up to ``up_to_id``."""
+        return admin.Selection(
+            queue=self.queue, task=self.task, status=self.status, all_jobs=True, up_to_id=up_to_id
+        )
+
     def describe(self) -> str:
         parts = [f"{k} {v}" for k, v in self.items() if v and k != "q"]
         if self.q:
             parts.append(f"matching {self.q!r}")
         return ", ".join(parts)
+
+
+#: A posted form: each name with its values.
+Form = dict[str, list[str]]
+
+
+def _reads(
+    method: Callable[[Dashboard, Request], Response],
+) -> Callable[[Dashboard, Request], Awaitable[Response]]:
+    """A page: ``method`` runs in a thread (its statements block), and what goes wrong
+    becomes an error page (:meth:`Dashboard._guarded`)."""
+
+    @functools.wraps(method)
+    async def handler(self: Dashboard, request: Request) -> Response:
+        return await self._page(request, lambda: method(self, request))
+
+    return handler
+
+
+def _acts(
+    method: Callable[[Dashboard, Request, Form], Response],
+) -> Callable[[Dashboard, Request], Awaitable[Response]]:
+    """An action: the request may act and its form is checked first (:meth:`Dashboard._form`),
+    then ``method`` runs as a page, given the form."""
+
+    @functools.wraps(method)
+    async def handler(self: Dashboard, request: Request) -> Response:
+        form = await self._form(request)
+        if isinstance(form, Response):
+            return form
+        return await self._page(request, lambda: method(self, request, form))
+
+    return handler
 
 
 class Dashboard:
@@ -157,15 +197,7 @@ class Dashboard:
         self.title = title
         self.refresh = refresh
         self.table = admin.source_table(jobs)
-        env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(HERE / "templates"),
-            autoescape=jinja2.select_autoescape(["html"], default=True),
-            undefined=jinja2.StrictUndefined,
-            trim_blocks=True,
-            lstrip_blocks=True,
-        )
-        env.filters.update(thousands=_thousands, duration=_duration, clock=_clock, ago=_ago)
-        env.filters["urlencode"] = lambda value: urlencode({"": value})[1:]
+        env = templates()
         self.env = env
         routes = [
             Route("/", self.overview, name="overview"),
@@ -185,7 +217,7 @@ class Dashboard:
         self.starlette = Starlette(routes=routes)
         self.starlette.add_exception_handler(404, self._not_found)
         self.starlette.add_exception_handler(405, self._not_allowed)
-        self.app: ASGIApp = _SecurityHeaders(self.starlette)
+        self.app: ASGIApp = SecurityHeaders(self.starlette)
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -221,6 +253,7 @@ class Dashboard:
             "notice": None,
             "notice_kind": "ok",
             "home": self._home(request),
+            "actions": admin.ACTIONS.values(),
         }
         base.update(context)
         html = self.env.get_template(template).render(base)
@@ -319,7 +352,7 @@ class Dashboard:
 
         def page() -> Response:
             with self.engine.connect() as conn:
-                queues = admin.overview(conn, self.jobs)
+                queues = admin.queue_states(conn, self.jobs, finished=False)
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
             lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
@@ -327,7 +360,7 @@ class Dashboard:
                 "ready": sum(q.ready for q in queues),
                 "scheduled": sum(q.scheduled for q in queues),
                 "running": sum(q.running for q in queues),
-                "expired": sum(q.expired for q in queues),
+                "lease_expired": sum(q.lease_expired for q in queues),
                 "dead": sum(q.dead for q in queues),
                 "lag": max(lags) if lags else None,
             }
@@ -357,241 +390,204 @@ class Dashboard:
         response.headers["vary"] = "HX-Request"
         return response
 
-    async def job_list(self, request: Request) -> Response:
-        def page() -> Response:
-            f = Filters.of(request.query_params)
-            before = _int_param(request.query_params.get("before"), "before")
-            try:
-                with self.engine.connect() as conn:
-                    found = admin.browse_jobs(
-                        conn,
-                        self.jobs,
-                        queue=f.queue,
-                        task=f.task,
-                        status=f.status,
-                        worker=f.worker,
-                        search=f.q,
-                        before_id=before,
-                        limit=PAGE_SIZE,
-                    )
-            except ValueError as exc:
-                raise PageError(400, "Bad filter", str(exc)) from None
-            if before is not None and not found.jobs and found.older is None:
-                raise PageError(
-                    404,
-                    "Past the end",
-                    f"No job older than #{before} matches: this is past the end of the list.",
-                )
-            bulk_allowed, bulk_reason = True, ""
-            if f.q:
-                bulk_allowed, bulk_reason = (
-                    False,
-                    "To act on a search, select its jobs (bulk actions take queue, task and "
-                    "status filters).",
-                )
-            elif f.worker:
-                bulk_allowed, bulk_reason = False, "Select jobs to act on them."
-            return self.render(
-                request,
-                "jobs.html",
-                section="jobs",
-                page_title="Jobs",
-                f=f,
-                page=found,
-                before=before,
-                query=f.query(),
-                filters_text=f.describe(),
-                statuses=STATUSES,
-                queue_names=self._queue_names(),
-                task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
-                window=admin.SEARCH_WINDOW,
-                when=_when,
-                bulk_allowed=bulk_allowed,
-                bulk_reason=bulk_reason,
-            )
-
-        return await self._page(request, page)
-
-    async def job(self, request: Request) -> Response:
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
-            with self.engine.connect() as conn:
-                job = admin.get_job(conn, self.jobs, job_id)
-                paused = job is not None and job.queue in admin.paused_queues(conn, self.jobs)
-            if job is None:
-                raise PageError(
-                    404,
-                    f"No job {job_id}",
-                    f"There is no job with id {job_id}. Finished jobs are deleted unless "
-                    "kept (Jobs(keep_done=...)), and dead ones once pruned.",
-                )
-            notice, kind = _job_notice(
-                self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
-            )
-            args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
-            error = job.last_error or ""
-            return self.render(
-                request,
-                "job.html",
-                section="jobs",
-                page_title=f"Job {job.id}",
-                job=job,
-                next_step=_next_step(job, paused, datetime.now(timezone.utc)),
-                fields=_fields(job),
-                args_text=args_text[:ARGS_SHOWN],
-                args_truncated=len(args_text) > ARGS_SHOWN,
-                args_limit=ARGS_SHOWN,
-                args_size=len(args_text),
-                # The end of a long error: the exception is on its last line.
-                error_text=error[-ARGS_SHOWN:],
-                error_size=len(error),
-                applies={
-                    "retry": admin.RETRYABLE,
-                    "cancel": admin.CANCELLABLE,
-                    "purge": _PURGE_ONE,
-                },
-                notice=notice,
-                notice_kind=kind,
-            )
-
-        return await self._page(request, page)
-
-    async def download(self, request: Request) -> Response:
-        """One column of a job, whole, as a file: what its page cuts short."""
-
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
-            field = request.path_params["field"]
-            if field not in DOWNLOADS:
-                raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
-            with self.engine.connect() as conn:
-                job = admin.get_job(conn, self.jobs, job_id)
-            if job is None:
-                raise PageError(404, f"No job {job_id}", f"There is no job with id {job_id}.")
-            value = getattr(job, field)
-            if field == "last_error":
-                body, suffix = value or "", "txt"
-            else:
-                body = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
-                suffix = "json"
-            filename = f"job-{job_id}-{field}.{suffix}"
-            return Response(
-                body,
-                media_type=DOWNLOADS[field],
-                headers={
-                    "content-disposition": f'attachment; filename="{filename}"',
-                    "cache-control": "no-store",
-                },
-            )
-
-        return await self._page(request, page)
-
-    async def confirm(self, request: Request) -> Response:
-        def page() -> Response:
-            action = request.query_params.get("action", "")
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            f = Filters.of(request.query_params)
-            if f.q or f.worker:
-                raise PageError(
-                    400,
-                    "Not a bulk filter",
-                    "Bulk actions take queue, task and status filters; select jobs instead.",
-                )
-            up_to_id, count = self._count(action, f)
-            verb = _VERBS[action][0]
-            statuses = f.status or " or ".join(admin.ACTIONS[action])
-            hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
-            hidden += [(k, v) for k, v in f.items() if v]
-            return self.render(
-                request,
-                "confirm.html",
-                section="jobs",
-                page_title=f"{verb.capitalize()} jobs",
-                action=action,
-                verb=verb,
-                count=count,
-                up_to_id=up_to_id,
-                statuses=statuses,
-                filters_text=_bulk_text(f),
-                explanation=_EXPLAIN[action],
-                hidden=hidden,
-                back=self._jobs_url(request, f),
-            )
-
-        return await self._page(request, page)
-
-    def _count(self, action: str, f: Filters) -> tuple[int, int]:
-        func = _FUNCS[action]
+    @_reads
+    def job_list(self, request: Request) -> Response:
+        f = Filters.of(request.query_params)
+        before = _int_param(request.query_params.get("before"), "before")
         try:
             with self.engine.connect() as conn:
-                up_to_id = admin.max_job_id(conn, self.jobs)
-                count = func(
+                found = admin.browse_jobs(
                     conn,
                     self.jobs,
                     queue=f.queue,
                     task=f.task,
                     status=f.status,
-                    all_jobs=True,
-                    dry_run=True,
-                    up_to_id=up_to_id,
+                    worker=f.worker,
+                    search=f.q,
+                    before_id=before,
+                    limit=PAGE_SIZE,
                 )
         except ValueError as exc:
+            raise PageError(400, "Bad filter", str(exc)) from None
+        if before is not None and not found.jobs and found.older is None:
+            raise PageError(
+                404,
+                "Past the end",
+                f"No job older than #{before} matches: this is past the end of the list.",
+            )
+        bulk_allowed, bulk_reason = True, ""
+        if f.q:
+            bulk_allowed, bulk_reason = (
+                False,
+                "To act on a search, select its jobs (bulk actions take queue, task and "
+                "status filters).",
+            )
+        elif f.worker:
+            bulk_allowed, bulk_reason = False, "Select jobs to act on them."
+        return self.render(
+            request,
+            "jobs.html",
+            section="jobs",
+            page_title="Jobs",
+            f=f,
+            page=found,
+            before=before,
+            query=f.query(),
+            filters_text=f.describe(),
+            statuses=STATUSES,
+            queue_names=self._queue_names(),
+            task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
+            window=admin.SEARCH_WINDOW,
+            when=_when,
+            bulk_allowed=bulk_allowed,
+            bulk_reason=bulk_reason,
+        )
+
+    @_reads
+    def job(self, request: Request) -> Response:
+        job_id = _job_id(request.path_params["job_id"])
+        with self.engine.connect() as conn:
+            job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
+            paused = job.queue in admin.paused_queues(conn, self.jobs)
+        notice, kind = _job_notice(
+            self.signer.verified(request.query_params, ("done", "skipped", "rearmed")), job
+        )
+        args_text = json.dumps(job.args, indent=2, ensure_ascii=False, sort_keys=True)
+        error = job.last_error or ""
+        return self.render(
+            request,
+            "job.html",
+            section="jobs",
+            page_title=f"Job {job.id}",
+            job=job,
+            next_step=_next_step(job, paused, datetime.now(timezone.utc)),
+            fields=_fields(job),
+            args_text=args_text[:ARGS_SHOWN],
+            args_truncated=len(args_text) > ARGS_SHOWN,
+            args_limit=ARGS_SHOWN,
+            args_size=len(args_text),
+            # The end of a long error: the exception is on its last line.
+            error_text=error[-ARGS_SHOWN:],
+            error_size=len(error),
+            notice=notice,
+            notice_kind=kind,
+        )
+
+    @_reads
+    def download(self, request: Request) -> Response:
+        """One column of a job, whole, as a file: what its page cuts short."""
+        job_id = _job_id(request.path_params["job_id"])
+        field = request.path_params["field"]
+        if field not in DOWNLOADS:
+            raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
+        with self.engine.connect() as conn:
+            job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
+        value = getattr(job, field)
+        if field == "last_error":
+            body, suffix = value or "", "txt"
+        else:
+            body = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+            suffix = "json"
+        filename = f"job-{job_id}-{field}.{suffix}"
+        return Response(
+            body,
+            media_type=DOWNLOADS[field],
+            headers={
+                "content-disposition": f'attachment; filename="{filename}"',
+                "cache-control": "no-store",
+            },
+        )
+
+    @_reads
+    def confirm(self, request: Request) -> Response:
+        action = request.query_params.get("action", "")
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        f = Filters.of(request.query_params)
+        if f.q or f.worker:
+            raise PageError(
+                400,
+                "Not a bulk filter",
+                "Bulk actions take queue, task and status filters; select jobs instead.",
+            )
+        up_to_id, count = self._count(action, f)
+        spec = admin.ACTIONS[action]
+        verb = spec.label
+        statuses = f.status or " or ".join(spec.statuses)
+        hidden = [("action", action), ("up_to_id", up_to_id), ("count", count)]
+        hidden += [(k, v) for k, v in f.items() if v]
+        return self.render(
+            request,
+            "confirm.html",
+            section="jobs",
+            page_title=f"{verb.capitalize()} jobs",
+            action=action,
+            verb=verb,
+            count=count,
+            up_to_id=up_to_id,
+            statuses=statuses,
+            filters_text=_bulk_text(f),
+            explanation=spec.explanation,
+            destroys=spec.destroys,
+            hidden=hidden,
+            back=self._jobs_url(request, f),
+        )
+
+    def _count(self, action: str, f: Filters) -> tuple[int, int]:
+        try:
+            with self.engine.connect() as conn:
+                up_to_id = admin.max_job_id(conn, self.jobs)
+                report = admin.preview(conn, self.jobs, action, f.selection(up_to_id))
+        except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
-        return up_to_id, count
+        return up_to_id, report.count
 
-    async def schedules(self, request: Request) -> Response:
-        def page() -> Response:
-            from .. import periodic
+    @_reads
+    def schedules(self, request: Request) -> Response:
+        from .. import periodic
 
-            table = admin.source_table(self.jobs)
-            from ..model import companion_tables
+        table = admin.source_table(self.jobs)
+        from ..model import companion_tables
 
-            s = companion_tables(table).schedules
-            with self.engine.connect() as conn:
-                if isinstance(self.jobs, Jobs):
-                    rows = periodic.list_schedules(conn, self.jobs)
-                else:
-                    rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
-            notice, kind = None, "ok"
-            said = self.signer.verified(request.query_params, ("ran", "name"))
-            if said.get("ran"):
-                notice = f"Enqueued job #{said['ran']} for schedule {said.get('name', '')}."
-            return self.render(
-                request,
-                "schedules.html",
-                section="schedules",
-                page_title="Schedules",
-                schedules=rows,
-                registry=isinstance(self.jobs, Jobs),
-                notice=notice,
-                notice_kind=kind,
-            )
+        s = companion_tables(table).schedules
+        with self.engine.connect() as conn:
+            if isinstance(self.jobs, Jobs):
+                rows = periodic.list_schedules(conn, self.jobs)
+            else:
+                rows = list(conn.execute(sa.select(s).order_by(s.c.name)))
+        notice, kind = None, "ok"
+        said = self.signer.verified(request.query_params, ("ran", "name"))
+        if said.get("ran"):
+            notice = f"Enqueued job #{said['ran']} for schedule {said.get('name', '')}."
+        return self.render(
+            request,
+            "schedules.html",
+            section="schedules",
+            page_title="Schedules",
+            schedules=rows,
+            registry=isinstance(self.jobs, Jobs),
+            notice=notice,
+            notice_kind=kind,
+        )
 
-        return await self._page(request, page)
-
-    async def workers(self, request: Request) -> Response:
-        def page() -> Response:
-            with self.engine.connect() as conn:
-                workers = admin.list_workers(conn, self.jobs)
-                running = admin.browse_jobs(
-                    conn, self.jobs, status=JobStatus.RUNNING.value, limit=200
-                )
-            return self.render(
-                request,
-                "workers.html",
-                section="workers",
-                page_title="Workers",
-                workers=workers,
-                running=running.jobs,
-                running_more=running.older is not None,
-            )
-
-        return await self._page(request, page)
+    @_reads
+    def workers(self, request: Request) -> Response:
+        with self.engine.connect() as conn:
+            workers = admin.list_workers(conn, self.jobs)
+            running = admin.browse_jobs(conn, self.jobs, status=JobStatus.RUNNING.value, limit=200)
+        return self.render(
+            request,
+            "workers.html",
+            section="workers",
+            page_title="Workers",
+            workers=workers,
+            running=running.jobs,
+            running_more=running.older is not None,
+        )
 
     # -- actions -----------------------------------------------------------------------------
 
-    async def _form(self, request: Request) -> dict[str, list[str]] | Response:
+    async def _form(self, request: Request) -> Form | Response:
         """The posted form, once the request may act and its CSRF token is right; or the
         error page that refuses it."""
         error = await run_in_threadpool(self._refusal, request)
@@ -639,194 +635,135 @@ class Dashboard:
             return PageError(403, "Cross-site request", "Actions must come from this site.")
         return None
 
-    async def job_action(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            job_id = _job_id(request.path_params["job_id"])
-            action = request.path_params["action"]
-            if action not in admin.ACTIONS:
-                raise PageError(404, "Not found", f"No action {action!r}.")
-            attempts = _required_int(_one(form, "attempts"), "attempts")
-            if attempts > _INT_MAX:
-                raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
-            seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
-            report = self._act(action, [seen])
-            if action == "purge" and report.acted:
-                url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
-                return RedirectResponse(url, status_code=303)
-            params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
-            if report.rearmed:
-                params["rearmed"] = str(len(report.rearmed))
-            url = self.path(request, "job", job_id=job_id) + "?" + self.signer.query(params)
+    @_acts
+    def job_action(self, request: Request, form: Form) -> Response:
+        job_id = _job_id(request.path_params["job_id"])
+        action = request.path_params["action"]
+        if action not in admin.ACTIONS:
+            raise PageError(404, "Not found", f"No action {action!r}.")
+        attempts = _required_int(_one(form, "attempts"), "attempts")
+        if attempts > _INT_MAX:
+            raise PageError(400, "Bad request", f"attempts is out of range: {attempts}")
+        seen = admin.SeenJob(job_id, attempts, _one(form, "status") or "")
+        report = self._act(action, [seen])
+        if admin.ACTIONS[action].destroys and report.acted:
+            url = self.path(request, "jobs") + "?" + urlencode({"deleted": job_id})
             return RedirectResponse(url, status_code=303)
+        params = {"done": action} if report.acted else {"skipped": report.skipped[0][1]}
+        if report.rearmed:
+            params["rearmed"] = str(len(report.rearmed))
+        url = self.path(request, "job", job_id=job_id) + "?" + self.signer.query(params)
+        return RedirectResponse(url, status_code=303)
 
-        return await self._page(request, page)
-
-    def _act(self, action: str, seen: list[admin.SeenJob]) -> admin.ActionReport:
+    def _act(
+        self, action: str, selection: admin.Selection | list[admin.SeenJob]
+    ) -> admin.ActionReport:
         try:
             with self.engine.begin() as conn:
-                return admin.act(conn, self.jobs, action, seen)  # type: ignore[arg-type]
+                return admin.act(conn, self.jobs, action, selection)
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
 
-    async def act(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+    @_acts
+    def act(self, request: Request, form: Form) -> Response:
+        action = _one(form, "action") or ""
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        seen = [_seen(v) for v in form.get("job", [])]
+        if not seen:
+            raise PageError(400, "Nothing selected", "Select at least one job.")
+        report = self._act(action, seen)
+        return self._result(request, report, _back(request) or self.path(request, "jobs"))
 
-        def page() -> Response:
-            action = _one(form, "action") or ""
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            seen = [_seen(v) for v in form.get("job", [])]
-            if not seen:
-                raise PageError(400, "Nothing selected", "Select at least one job.")
-            report = self._act(action, seen)
-            return self._result(
-                request, action, list(report.acted), list(report.skipped), len(report.rearmed)
-            )
-
-        return await self._page(request, page)
-
-    async def act_all(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            action = _one(form, "action") or ""
-            if action not in admin.ACTIONS:
-                raise PageError(400, "Bad action", f"unknown action {action!r}")
-            f = Filters.of({k: v[0] for k, v in form.items()})
-            up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
-            confirmed = _required_int(_one(form, "count"), "count")
-            # A retry also says what came back with the retried jobs.
-            func: Callable[..., Any] = admin.retry_report if action == "retry" else _FUNCS[action]
-            try:
-                with self.engine.begin() as conn:
-                    done = func(
-                        conn,
-                        self.jobs,
-                        queue=f.queue,
-                        task=f.task,
-                        status=f.status,
-                        all_jobs=True,
-                        up_to_id=up_to_id,
-                    )
-            except ValueError as exc:
-                raise PageError(400, "Not possible", str(exc)) from None
-            count = done.count if isinstance(done, admin.ActionReport) else int(done)
-            past = _VERBS[action][1]
-            summary = f"{past.capitalize()} {_plural(count)}."
-            if isinstance(done, admin.ActionReport) and done.rearmed:
-                summary += _came_back(len(done.rearmed))
-            if count != confirmed:
-                summary += (
-                    f" You confirmed {confirmed:,}; the others changed meanwhile and were "
-                    "left alone."
-                )
-            return self.render(
-                request,
-                "result.html",
-                section="jobs",
-                page_title="Done",
-                heading=f"{past.capitalize()} {_plural(count)}",
-                summary=summary,
-                action=action,
-                past=past,
-                acted=[],
-                skipped=[],
-                back=self._jobs_url(request, f),
-            )
-
-        return await self._page(request, page)
+    @_acts
+    def act_all(self, request: Request, form: Form) -> Response:
+        action = _one(form, "action") or ""
+        if action not in admin.ACTIONS:
+            raise PageError(400, "Bad action", f"unknown action {action!r}")
+        f = Filters.of({k: v[0] for k, v in form.items()})
+        up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
+        confirmed = _required_int(_one(form, "count"), "count")
+        # A retry also says what came back with the retried jobs.
+        report = self._act(action, f.selection(up_to_id))
+        return self._result(request, report, self._jobs_url(request, f), confirmed=confirmed)
 
     def _result(
         self,
         request: Request,
-        action: str,
-        acted: list[int],
-        skipped: list[tuple[int, str]],
-        rearmed: int = 0,
+        report: admin.ActionReport,
+        back: str,
+        *,
+        confirmed: int | None = None,
     ) -> Response:
-        verb, past = _VERBS[action]
-        summary = f"{past.capitalize()} {_plural(len(acted))}."
-        if rearmed:
-            summary += _came_back(rearmed)
-        if skipped:
+        """What an action did: the jobs acted on and those left alone, or, for a bulk
+        action (``confirmed``: the count its confirm page showed), how many."""
+        spec = admin.ACTIONS[report.action]
+        past = spec.label_past
+        listed = confirmed is None
+        summary = f"{past.capitalize()} {_jobs(report.count)}."
+        if report.rearmed:
+            summary += _came_back(len(report.rearmed))
+        if listed and report.skipped:
             summary += (
-                f" {_plural(len(skipped))} left alone: they changed, or {verb} does not apply."
+                f" {_jobs(len(report.skipped))} left alone: they changed, or {spec.label} does "
+                "not apply."
+            )
+        if confirmed is not None and report.count != confirmed:
+            summary += (
+                f" You confirmed {confirmed:,}; the others changed meanwhile and were left alone."
             )
         return self.render(
             request,
             "result.html",
             section="jobs",
             page_title="Done",
-            heading=f"{past.capitalize()} {_plural(len(acted))}",
+            heading=f"{past.capitalize()} {_jobs(report.count)}",
             summary=summary,
-            action=action,
+            action=report.action,
             past=past,
-            acted=acted,
-            skipped=skipped,
-            back=_back(request) or self.path(request, "jobs"),
+            destroys=spec.destroys,
+            acted=list(report.acted) if listed else [],
+            skipped=list(report.skipped) if listed else [],
+            back=back,
         )
 
-    async def queue_action(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+    @_acts
+    def queue_action(self, request: Request, form: Form) -> Response:
+        action = request.path_params["action"]
+        if action not in ("pause", "resume"):
+            raise PageError(404, "Not found", f"No queue action {action!r}.")
+        name = _one(form, "name") or ""
+        try:
+            with self.engine.begin() as conn:
+                if action == "pause":
+                    admin.pause_queue(conn, self.jobs, name)
+                else:
+                    admin.resume_queue(conn, self.jobs, name)
+        except ValueError as exc:
+            raise PageError(400, "Bad queue name", str(exc)) from None
+        url = (
+            self.path(request, "overview") + "?" + self.signer.query({"done": action, "name": name})
+        )
+        return RedirectResponse(url, status_code=303)
 
-        def page() -> Response:
-            action = request.path_params["action"]
-            if action not in ("pause", "resume"):
-                raise PageError(404, "Not found", f"No queue action {action!r}.")
-            name = _one(form, "name") or ""
-            try:
-                with self.engine.begin() as conn:
-                    if action == "pause":
-                        admin.pause_queue(conn, self.jobs, name)
-                    else:
-                        admin.resume_queue(conn, self.jobs, name)
-            except ValueError as exc:
-                raise PageError(400, "Bad queue name", str(exc)) from None
-            url = (
-                self.path(request, "overview")
-                + "?"
-                + self.signer.query({"done": action, "name": name})
+    @_acts
+    def run_schedule(self, request: Request, form: Form) -> Response:
+        name = _one(form, "name") or ""
+        if not isinstance(self.jobs, Jobs):
+            raise PageError(
+                400, "Needs the registry", "Running a schedule needs the Jobs registry."
             )
-            return RedirectResponse(url, status_code=303)
-
-        return await self._page(request, page)
-
-    async def run_schedule(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
-
-        def page() -> Response:
-            name = _one(form, "name") or ""
-            if not isinstance(self.jobs, Jobs):
-                raise PageError(
-                    400, "Needs the registry", "Running a schedule needs the Jobs registry."
-                )
-            try:
-                with self.engine.begin() as conn:
-                    job_id = admin.run_schedule(conn, self.jobs, name)
-            except LookupError as exc:
-                raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
-            except ValueError as exc:  # EnqueueError included
-                raise PageError(400, "Cannot run it", str(exc)) from None
-            url = (
-                self.path(request, "schedules")
-                + "?"
-                + self.signer.query({"ran": job_id, "name": name})
-            )
-            return RedirectResponse(url, status_code=303)
-
-        return await self._page(request, page)
+        try:
+            with self.engine.begin() as conn:
+                job_id = admin.run_schedule(conn, self.jobs, name)
+        except LookupError as exc:
+            raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
+        except ValueError as exc:  # EnqueueError included
+            raise PageError(400, "Cannot run it", str(exc)) from None
+        url = (
+            self.path(request, "schedules") + "?" + self.signer.query({"ran": job_id, "name": name})
+        )
+        return RedirectResponse(url, status_code=303)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -844,32 +781,14 @@ class Dashboard:
 
 # -- small pieces ------------------------------------------------------------------------------
 
-_FUNCS: dict[str, Callable[..., int]] = {
-    "retry": admin.retry_jobs,
-    "cancel": admin.cancel_jobs,
-    "purge": admin.purge_jobs,
-}
-_VERBS = {
-    "retry": ("retry", "retried"),
-    "cancel": ("cancel", "cancelled"),
-    "purge": ("delete", "deleted"),
-}
-_EXPLAIN = {
-    "retry": "Each goes back to ready, due now, with one more attempt; idle workers are woken.",
-    "cancel": "Each is cancelled; a running one's worker is told to stop it (a handler is "
-    "not interrupted, it checks between steps).",
-    "purge": "Each is deleted for good.",
-}
-#: What a single job's Delete button applies to: anything but a running job.
-_PURGE_ONE = (*admin.PURGEABLE,)
 _NOTICES = {
     "pause": "Paused queue {name}: workers stop claiming from it within a poll interval.",
     "resume": "Resumed queue {name}.",
 }
 
 
-def _plural(n: int) -> str:
-    return f"{n:,} job" + ("" if n == 1 else "s")
+def _jobs(n: int) -> str:
+    return _present.plural(n, grouped=True)
 
 
 def _bulk_text(f: Filters) -> str:
@@ -928,6 +847,18 @@ def _job_id(text: str) -> int:
     return value
 
 
+def _found(job: admin.JobView | None, job_id: int) -> admin.JobView:
+    """The job a page is about, or the page that says there is none."""
+    if job is None:
+        raise PageError(
+            404,
+            f"No job {job_id}",
+            f"There is no job with id {job_id}. Finished jobs are deleted unless kept "
+            "(Jobs(keep_done=...)), and dead ones once pruned.",
+        )
+    return job
+
+
 def _seen(value: str) -> admin.SeenJob:
     """One selected job, ``id:attempts:status``, as a job list draws it."""
     parts = value.split(":")
@@ -979,7 +910,7 @@ def _back(request: Request) -> str | None:
 
 
 def _job_notice(
-    params: Mapping[str, str], job: admin.JobInfo | None = None
+    params: Mapping[str, str], job: admin.JobView | None = None
 ) -> tuple[str | None, str]:
     """The notice of a job's page after an action: from the signed query string the
     action redirected to (see :meth:`Signer.verified`), never from text in the URL."""
@@ -993,9 +924,8 @@ def _job_notice(
         if rearmed.isdigit() and len(rearmed) < 10 and int(rearmed):
             text += _came_back(int(rearmed), one=True)
         return text, "ok"
-    if done in _VERBS:
-        messages = {"cancel": "Cancelled."}
-        return messages.get(done, f"{_VERBS[done][1].capitalize()}."), "ok"
+    if done in admin.ACTIONS:
+        return f"{admin.ACTIONS[done].label_past.capitalize()}.", "ok"
     skipped = params.get("skipped")
     if skipped:
         return f"Nothing was done: {skipped[:200]}.", "warn"
@@ -1006,89 +936,50 @@ def _came_back(n: int, one: bool = False) -> str:
     """A retry's jobs that came back waiting: children cancelled when the retried ended."""
     who, whom = ("it", "it") if one else ("they", "them")
     verb = "waits" if n == 1 else "wait"
-    return f" {_plural(n)} {who} had cancelled by ending {verb} for {whom} again."
-
-
-def _thousands(value: Any) -> str:
-    return f"{int(value):,}" if value is not None else "-"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = abs(float(seconds))
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    total = int(seconds)
-    if total < 3600:
-        return f"{total // 60}m {total % 60:02d}s"
-    if total < 86400:
-        return f"{total // 3600}h {total % 3600 // 60:02d}m"
-    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
-
-
-def _clock(value: datetime | None, *, seconds: bool = False, date: bool = False) -> str:
-    if value is None:
-        return "-"
-    value = value.astimezone(timezone.utc)
-    fmt = ("%Y-%m-%d " if date else "") + ("%H:%M:%S" if seconds else "%H:%M")
-    return value.strftime(fmt)
-
-
-def _ago(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    delta = (datetime.now(timezone.utc) - value).total_seconds()
-    if abs(delta) < 1:
-        return "just now"
-    return f"{_duration(delta)} ago" if delta > 0 else f"in {_duration(delta)}"
+    return f" {_jobs(n)} {who} had cancelled by ending {verb} for {whom} again."
 
 
 def _when(job: admin.JobSummary) -> str:
     status = job.status
     if status == JobStatus.SCHEDULED:
-        return f"runs {_ago(job.run_at)}"
+        return f"runs {ago(job.run_at)}"
     if status == JobStatus.READY:
-        return f"due {_ago(job.run_at)}"
+        return f"due {ago(job.run_at)}"
     if status == JobStatus.RUNNING:
-        return f"lease until {_clock(job.locked_until, seconds=True)}"
+        return f"lease until {clock(job.locked_until, seconds=True)}"
     if job.finished_at is not None:
-        return f"finished {_ago(job.finished_at)}"
-    return f"created {_ago(job.created_at)}"
+        return f"finished {ago(job.finished_at)}"
+    return f"created {ago(job.created_at)}"
 
 
-def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
+def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
     """One sentence: what happens to this job next, and when."""
     status = job.status
     attempt = f"attempt {job.attempts + 1} of {job.max_attempts}"
     if status == JobStatus.SCHEDULED:
         kind = "retry" if job.attempts else "first run"
-        when = _clock(job.run_at, seconds=True, date=True)
-        return (
-            f"Waits until {when} UTC ({_ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
-        )
+        when = clock(job.run_at, seconds=True, date=True)
+        return f"Waits until {when} UTC ({ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
     if status == JobStatus.READY:
         if paused:
             return (
-                f"Ready since {_ago(job.run_at)}, but its queue {job.queue} is paused: no "
+                f"Ready since {ago(job.run_at)}, but its queue {job.queue} is paused: no "
                 "worker claims it until the queue is resumed."
             )
         return (
-            f"Ready since {_ago(job.run_at)}: the next free worker of queue {job.queue} "
+            f"Ready since {ago(job.run_at)}: the next free worker of queue {job.queue} "
             f"claims it ({attempt})."
         )
     if status == JobStatus.RUNNING:
         if job.locked_until is not None and job.locked_until < now:
             return (
                 f"Running on {job.locked_by}, but its lease expired "
-                f"{_ago(job.locked_until)}: the worker died or hangs, and the job will be "
+                f"{ago(job.locked_until)}: the worker died or hangs, and the job will be "
                 "rescued (ready again, or dead if it has no attempt left)."
             )
         return (
             f"Running on {job.locked_by} (attempt {job.attempts} of {job.max_attempts}); "
-            f"the lease runs until {_clock(job.locked_until, seconds=True)} UTC and is "
+            f"the lease runs until {clock(job.locked_until, seconds=True)} UTC and is "
             "renewed while the worker lives."
         )
     if status == JobStatus.DEAD:
@@ -1099,35 +990,18 @@ def _next_step(job: admin.JobInfo, paused: bool, now: datetime) -> str:
     return "Done: kept for the record until retention prunes it."
 
 
-def _fields(job: admin.JobInfo) -> list[tuple[str, str]]:
+def _fields(job: admin.JobView) -> list[tuple[str, str]]:
     def t(value: datetime | None) -> str:
-        return f"{_clock(value, seconds=True, date=True)} UTC ({_ago(value)})" if value else "-"
+        return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
 
-    return [
-        ("id", str(job.id)),
-        ("queue", job.queue),
-        ("task", job.task),
-        ("status", job.status),
-        ("priority", str(job.priority)),
-        ("attempts", f"{job.attempts} of {job.max_attempts}"),
-        ("run_at", t(job.run_at)),
-        ("created_at", t(job.created_at)),
-        ("finished_at", t(job.finished_at)),
-        ("locked_by", job.locked_by or "-"),
-        ("locked_until", t(job.locked_until)),
-        ("unique_key", job.unique_key or "-"),
-        # Tags and correlation ids given at enqueue, and the handler's last progress note.
-        ("meta", _shown(_compact_json(job.meta))),
-        ("progress", _shown(_compact_json(job.progress))),
-        # Workflows and results, only for jobs that have them.
-        *(
-            [("parents", ", ".join(map(str, job.parents))), ("waiting for", str(job.waiting or 0))]
-            if job.parents is not None
-            else []
-        ),
-        *([("children", ", ".join(map(str, job.children)))] if job.children else []),
-        *([("result", _shown(_compact_json(job.result)))] if job.result is not None else []),
-    ]
+    # Tags and correlation ids given at enqueue, the handler's last progress note, and
+    # workflows and results (only for jobs that have them), each cut to what a page shows.
+    return _present.job_fields(
+        job,
+        when=t,
+        value=lambda _name, value: _shown(_present.compact_json(value)),
+        order=_present.PAGE_JOB_FIELDS,
+    )
 
 
 def _shown(text: str) -> str:
@@ -1136,10 +1010,6 @@ def _shown(text: str) -> str:
     if len(text) <= ARGS_SHOWN:
         return text
     return f"{text[:ARGS_SHOWN]}… ({len(text):,} characters: download it for the rest)"
-
-
-def _compact_json(value: Any) -> str:
-    return "-" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 class Signer:
@@ -1193,103 +1063,6 @@ class Signer:
         return found if self.verify("notice", text, signature) else {}
 
 
-def check_allowed_hosts(hosts: Iterable[str]) -> tuple[str, ...]:
-    """``allowed_hosts`` as the host check compares them (lower case, an IPv6 address in
-    brackets); ``ValueError`` names a pattern that cannot match a ``Host`` header."""
-    if isinstance(hosts, str):
-        raise ValueError(f"allowed_hosts must be a list of host names, got the string {hosts!r}")
-    checked: list[str] = []
-    for host in hosts:
-        if not isinstance(host, str) or not host.strip():
-            raise ValueError(f"allowed_hosts: {host!r} is not a host name")
-        name = host.strip().lower()
-        if ":" in name and not name.startswith("["):
-            name = f"[{name}]"  # an IPv6 address, as a Host header writes it
-        wildcard = name.startswith("*.") and "*" not in name[2:]
-        if name != "*" and not wildcard and not _HOST_NAME.fullmatch(name):
-            raise ValueError(
-                f"allowed_hosts: {host!r} is not a host name, an address, '*.domain' or "
-                "'*' (give no scheme, port or path)"
-            )
-        checked.append(name)
-    if not checked:
-        raise ValueError("allowed_hosts names no host (give ['*'] to answer for any)")
-    return tuple(checked)
-
-
-#: A host name or IPv4 address, or an IPv6 address in brackets, without a port.
-_HOST_NAME = re.compile(r"[a-z0-9_.-]+|\[[0-9a-f:.]+\]")
-
-
-def _host_of(header: str) -> str | None:
-    """The host of a ``Host`` header, lower case and without its port; None if malformed."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        end = header.find("]")
-        if end < 0:
-            return None
-        host, rest = header[: end + 1], header[end + 1 :]
-    else:
-        host, colon, port = header.partition(":")
-        host, rest = host.rstrip("."), colon + port  # "localhost." is localhost
-    if rest and not (rest[0] == ":" and rest[1:].isascii() and rest[1:].isdigit()):
-        return None
-    return host if host and _HOST_NAME.fullmatch(host) else None
-
-
-class _TrustedHosts:
-    """Answers only requests whose ``Host`` is one of ``hosts`` (see
-    :func:`check_allowed_hosts`). A page that rebinds its own name to 127.0.0.1 (DNS
-    rebinding) makes the browser send its own name as ``Host``: refused, so it can read
-    neither the jobs nor a CSRF token. Written here rather than taken from Starlette's
-    ``TrustedHostMiddleware``, whose releases before 1.0 split ``[::1]:8080`` at its
-    first colon."""
-
-    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
-        self.app = app
-        self.any = "*" in hosts
-        self.names = frozenset(h for h in hosts if not h.startswith("*"))
-        self.suffixes = tuple(h[1:] for h in hosts if h.startswith("*."))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.any or scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        header = next((v for k, v in scope["headers"] if k == b"host"), b"")
-        host = _host_of(header.decode("latin-1"))
-        if host is not None and (host in self.names or host.endswith(self.suffixes)):
-            await self.app(scope, receive, send)
-            return
-        shown = header.decode("latin-1")[:100]
-        response = PlainTextResponse(
-            f"This dashboard does not answer for the host {shown!r}. Its allowed hosts are "
-            "set by create_app(..., allowed_hosts=[...]) or sqla-jobs web --allowed-host.",
-            status_code=400,
-            headers={k.decode(): v.decode() for k, v in SECURITY_HEADERS},
-        )
-        await response(scope, receive, send)
-
-
-class _SecurityHeaders:
-    """Adds :data:`SECURITY_HEADERS` to every response of the wrapped app."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = list(message["headers"]) + SECURITY_HEADERS
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
-
-
 def create_app(
     jobs: Jobs | type[Any],
     engine: sa.Engine | str | None = None,
@@ -1341,39 +1114,31 @@ def create_app(
     if engines is not None:
         if engine is not None:
             raise ValueError("give engine= or engines= (shards), not both")
-        from .shards import sharded_app
-
-        sharded = sharded_app(
-            jobs,
-            engines,
-            authorize=authorize,
-            read_only=read_only,
-            title=title,
-            refresh=refresh,
-            secret=secret,
-        )
-        return _TrustedHosts(sharded, hosts)
+        checked = shard_engines(engines)
+        effective = read_only_of(read_only, authorize)
+        dashboards = {
+            name: Dashboard(
+                jobs,
+                shard,
+                authorize=authorize,
+                read_only=effective,
+                title=f"{title} · {name}",
+                refresh=refresh,
+                shard=name,
+                secret=secret,
+            )
+            for name, shard in checked.items()
+        }
+        return TrustedHosts(shards_page(jobs, dashboards, title), hosts)
     if engine is None:
         raise TypeError("create_app needs an engine (or engines=, one per shard)")
-    if isinstance(engine, str):
-        from ..db import create_engine
-
-        engine = create_engine(engine)
-    if not isinstance(engine, sa.Engine):
-        raise TypeError(f"engine must be a SQLAlchemy Engine or a URL, got {engine!r}")
-    effective_read_only = read_only if read_only is not None else authorize is None
-    if not effective_read_only and authorize is None:
-        log.warning(
-            "sqla_jobs.web: actions are enabled for anyone who can reach this dashboard "
-            "(read_only=False without authorize=); put it behind your authentication"
-        )
     dashboard = Dashboard(
         jobs,
-        engine,
+        engine_of("engine", engine),
         authorize=authorize,
-        read_only=effective_read_only,
+        read_only=read_only_of(read_only, authorize),
         title=title,
         refresh=refresh,
         secret=secret,
     )
-    return _TrustedHosts(dashboard.app, hosts)
+    return TrustedHosts(dashboard.app, hosts)

@@ -9,7 +9,6 @@ action is a statement on one database.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -27,77 +26,51 @@ from starlette.types import ASGIApp
 from .. import admin
 from ..sharding import across
 from ..tasks import Jobs
-from .app import HERE, Authorize, Dashboard, _SecurityHeaders
+from ._base import HERE, Mounted, SecurityHeaders, engine_of, templates
 
-__all__ = ["sharded_app"]
-
-log = logging.getLogger("sqla_jobs.web")
+__all__ = ["shard_engines", "shards_page"]
 
 #: A shard's name is a path segment of its dashboard.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def sharded_app(
-    jobs: Jobs | type[Any],
-    engines: Mapping[str, sa.Engine | str],
-    *,
-    authorize: Authorize | None,
-    read_only: bool | None,
-    title: str,
-    refresh: float,
-    secret: bytes | None = None,
-) -> ASGIApp:
-    """See :func:`sqla_jobs.web.create_app` (``engines=``)."""
-    from ..db import create_engine
-
+def shard_engines(engines: Mapping[str, sa.Engine | str]) -> dict[str, sa.Engine]:
+    """The shards of ``create_app(engines=...)``, checked: names that are path segments,
+    engines (or URLs, made into engines)."""
     if not engines:
         raise ValueError("engines= names no shard")
-    effective_read_only = read_only if read_only is not None else authorize is None
-    if not effective_read_only and authorize is None:
-        log.warning(
-            "sqla_jobs.web: actions are enabled for anyone who can reach this dashboard "
-            "(read_only=False without authorize=); put it behind your authentication"
-        )
-    dashboards: dict[str, Dashboard] = {}
+    checked: dict[str, sa.Engine] = {}
     for name, engine in engines.items():
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"shard name {name!r}: use letters, digits, '_', '.' or '-'")
-        if isinstance(engine, str):
-            engine = create_engine(engine)
-        if not isinstance(engine, sa.Engine):
-            raise TypeError(f"shard {name!r}: expected an Engine or a URL, got {engine!r}")
-        dashboards[name] = Dashboard(
-            jobs,
-            engine,
-            authorize=authorize,
-            read_only=effective_read_only,
-            title=f"{title} · {name}",
-            refresh=refresh,
-            shard=name,
-            secret=secret,
-        )
+        checked[name] = engine_of(f"shard {name!r}", engine)
+    return checked
+
+
+def shards_page(jobs: Jobs | type[Any], dashboards: Mapping[str, Mounted], title: str) -> ASGIApp:
+    """The page of every shard at ``/``, and each shard's dashboard at ``/shards/<name>``."""
     return _ShardsPage(jobs, dashboards, title).app
 
 
 class _ShardsPage:
-    def __init__(self, jobs: Jobs | type[Any], dashboards: dict[str, Dashboard], title: str):
+    def __init__(self, jobs: Jobs | type[Any], dashboards: Mapping[str, Mounted], title: str):
         self.jobs = jobs
         self.dashboards = dashboards
         self.title = title
-        self.env = next(iter(dashboards.values())).env
+        self.env = templates()
         routes: list[Any] = [
             Route("/", self.page, name="shards"),
             Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
         ]
         routes += [Mount(f"/shards/{name}", d.app) for name, d in dashboards.items()]
-        self.app: ASGIApp = _SecurityHeaders(Starlette(routes=routes))
+        self.app: ASGIApp = SecurityHeaders(Starlette(routes=routes))
 
     async def page(self, request: Request) -> Response:
         return await run_in_threadpool(self._render, request)
 
     def _render(self, request: Request) -> Response:
-        def read(conn: sa.Connection) -> tuple[list[admin.QueueSummary], int]:
-            queues = admin.overview(conn, self.jobs)
+        def read(conn: sa.Connection) -> tuple[list[admin.QueueState], int]:
+            queues = admin.queue_states(conn, self.jobs, finished=False)
             alive = sum(w.alive for w in admin.list_workers(conn, self.jobs))
             return queues, alive
 
@@ -115,7 +88,7 @@ class _ShardsPage:
                     "alive": alive,
                 }
             )
-        every: list[admin.QueueSummary] = [q for s in shards for q in s["queues"]]
+        every: list[admin.QueueState] = [q for s in shards for q in s["queues"]]
         lags = [q.lag_seconds for q in every if q.lag_seconds is not None]
         totals = {
             key: sum(getattr(q, key) for q in every)
