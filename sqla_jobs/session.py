@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence, Sized
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
@@ -53,8 +53,10 @@ from .limits import database_encodings, known_encodings
 from .model import JobMixin
 from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
 from .tasks import (
+    OPTION_NAMES,
     ConfiguredTask,
     Jobs,
+    ManyOptions,
     Task,
     TaskArgs,
     _utcnow,
@@ -62,8 +64,13 @@ from .tasks import (
     ascii_rows,
     check_encoding,
     check_meta,
+    flat_unique,
+    many_options,
     merge_options,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -147,21 +154,6 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         /,
         *args: Any,
-        # Typed Any: to a type checker, these names could be the handler's arguments.
-        queue: Any = None,
-        priority: Any = None,
-        run_at: Any = None,
-        delay: Any = None,
-        max_attempts: Any = None,
-        unique: Any = False,
-        unique_key: Any = None,
-        meta: Any = None,
-        unique_for: Any = None,
-        unique_states: Any = None,
-        unique_on_conflict: Any = None,
-        keep_result: Any = None,
-        after: Any = None,
-        on_parent_failure: Any = None,
         **kwargs: Any,
     ) -> JobMixin | None:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -174,16 +166,20 @@ class EnqueueMixin:
             the name of a task registered with this session's ``jobs``.
         :param args, kwargs: the handler's arguments; checked now, stored as JSON.
 
-        The options, best bound with :meth:`Task.with_options` (also accepted here as
-        keywords, which a type checker cannot tell from the handler's arguments):
+        The options (:class:`~sqla_jobs.EnqueueOptions`), best bound with
+        :meth:`Task.with_options` (also accepted here as keywords, which a type checker
+        cannot tell from the handler's arguments):
 
         :param queue: overrides the task's queue.
         :param priority: ``>= 0``; higher is claimed first. Overrides the task's.
         :param run_at: not before this (timezone-aware) time. Or ``delay``: seconds or a
             ``timedelta`` from now.
         :param max_attempts: overrides the task's.
-        :param unique_key: at most one live (scheduled, ready or running) job per key.
-            ``unique=True`` derives the key from the task and its arguments. A unique job
+        :param unique: at most one live (scheduled, ready or running) job per key:
+            ``True`` derives the key from the task and its arguments, a
+            :class:`~sqla_jobs.Unique` names it, or its period, states and conflict rule
+            (the flat ``unique_key``, ``unique_for``, ``unique_states`` and
+            ``unique_on_conflict`` are its deprecated spellings). A unique job
             is INSERTed at once (``ON CONFLICT DO NOTHING``, in the caller's transaction,
             without flushing anything else), because the answer is needed now: the new
             job, or the live one that already holds the key, is returned.
@@ -198,22 +194,9 @@ class EnqueueMixin:
             cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
-        given = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-            "unique": unique,
-            "unique_key": unique_key,
-            "meta": meta,
-            "unique_for": unique_for,
-            "unique_states": unique_states,
-            "unique_on_conflict": unique_on_conflict,
-            "keep_result": keep_result,
-            "after": after,
-            "on_parent_failure": on_parent_failure,
-        }
+        # The options are the keywords of EnqueueOptions' names (no handler parameter may
+        # have one); the rest go to the handler.
+        given = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
         if isinstance(task, ConfiguredTask):
             plain, options = merge_options(task, given)
             registry = plain.registry
@@ -252,13 +235,7 @@ class EnqueueMixin:
         task: T,
         arguments: Iterable[TaskArgs[T]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -267,13 +244,7 @@ class EnqueueMixin:
         task: ConfiguredTask[P, R],
         arguments: Iterable[TaskArgs[Task[P, R]]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -282,13 +253,7 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[Mapping[str, Any]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     def enqueue_many(
@@ -296,14 +261,7 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
-        meta: Mapping[str, Any] | None = None,
+        **options: Unpack[ManyOptions],
     ) -> int:
         """Add many jobs of one task, one per item of ``arguments``; return how many.
 
@@ -319,15 +277,7 @@ class EnqueueMixin:
         equal to a live job is silently skipped. ``meta`` is given to every job of the
         call.
         """
-        given: dict[str, Any] = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-            "unique": unique,
-            "meta": meta,
-        }
+        given = many_options(options)
         if (
             isinstance(self, Session)
             # The session inside an AsyncJobSession may be called outside its greenlet
@@ -519,14 +469,14 @@ def _many_options(
     plain: Task[Any, Any] | str
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
-        if "unique_key" in options:
-            raise EnqueueError(
-                "enqueue_many cannot give every job the same unique_key: use unique=True"
-            )
         registry = plain.registry
     else:
-        plain, options = task, {k: v for k, v in given.items() if v is not None}
+        plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
         registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    if "unique_key" in options:
+        raise EnqueueError(
+            "enqueue_many cannot give every job the same unique_key: use unique=True"
+        )
     if options.get("after") is not None or options.get("on_parent_failure") is not None:
         raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
     meta = options.pop("meta", None)

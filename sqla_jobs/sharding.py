@@ -50,11 +50,11 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
@@ -74,7 +74,7 @@ from .session import (
     many_values,
     refuse_unique,
 )
-from .tasks import ConfiguredTask, Jobs, Task
+from .tasks import ConfiguredTask, Jobs, ManyOptions, Task, TaskArgs, many_options
 from .worker.core import describe, unreachable
 from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
@@ -108,6 +108,46 @@ _SHARD_KEY = "sqla_jobs.shard"
 #: ``enqueue(..., shard=None)`` is told apart from no ``shard=`` at all: for a handler
 #: with a ``shard`` parameter, the first is an ambiguous keyword, the second is not.
 _UNSET: Any = object()
+
+P = ParamSpec("P")
+Ret = TypeVar("Ret", covariant=True)
+
+
+class _Enqueue(Protocol[Ret]):
+    """The typed face of the sharded sessions' ``enqueue`` (and ``enqueue_unique``): a
+    call without ``shard=``/``shard_with=`` is held to the handler's signature, as on
+    :class:`~sqla_jobs.JobSession` (options bound with ``task.with_options(...)``, the
+    one :class:`~sqla_jobs.tasks.EnqueueOptions` declaration); one that names its shard
+    keeps the handler's arguments unchecked, since a ``ParamSpec`` cannot take a keyword
+    more."""
+
+    @overload
+    def __call__(
+        self, task: Task[P, Any] | ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Ret: ...
+
+    @overload
+    def __call__(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        /,
+        *args: Any,
+        shard: Any,
+        **kwargs: Any,
+    ) -> Ret: ...
+
+    @overload
+    def __call__(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        /,
+        *args: Any,
+        shard_with: Any,
+        **kwargs: Any,
+    ) -> Ret: ...
+
+    @overload
+    def __call__(self, task: str, /, *args: Any, **kwargs: Any) -> Ret: ...
 
 
 def _refuse_ambiguous(session: Any, task: Any, **given: Any) -> None:
@@ -233,16 +273,23 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
             shard_id = self._enqueuing_on
         return super().get_bind(mapper, shard_id=shard_id, instance=instance, clause=clause, **kw)
 
-    def enqueue(
+    if TYPE_CHECKING:
+        enqueue: _Enqueue[JobMixin | None]
+    else:
+
+        def enqueue(self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs):
+            return self._enqueue(task, args, kwargs, shard, shard_with)
+
+    def _enqueue(
         self,
         task: Any,
-        /,
-        *args: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         shard: Any = _UNSET,
         shard_with: Any = _UNSET,
-        **kwargs: Any,
     ) -> Any:
-        """Like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the class says.
+        """``enqueue``: like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the
+        class says.
 
         :raises EnqueueError: no shard can be determined, or it is not one of ``shards``;
             ``shard=`` or ``shard_with=`` given for a task whose handler has a parameter of
@@ -257,7 +304,7 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         # session.get: both are steered to the target shard for the duration of the call.
         self._enqueuing_on = target
         try:
-            job = super().enqueue(task, *args, **kwargs)
+            job = EnqueueMixin.enqueue(self, task, *args, **kwargs)
         finally:
             self._enqueuing_on = None
         if inspect(job).key is None:
@@ -266,18 +313,18 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
 
     def enqueue_many(
         self,
-        task: Any,
-        arguments: Iterable[Any],
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
         /,
         *,
         shard: Any = None,
         shard_with: Any = None,
-        **options: Any,
+        **options: Unpack[ManyOptions],
     ) -> int:
         """Like :meth:`EnqueueMixin.enqueue_many`, but the rows are INSERTed at once, on
         the chosen shard's connection (in the caller's transaction, or savepoint)."""
         target = self.shard_of_job(shard=shard, shard_with=shard_with)
-        registry, rows = many_values(task, arguments, self, **options)
+        registry, rows = many_values(task, arguments, self, **many_options(options))
         if rows:
             boundary = _boundary(self)
             connection = self.connection(bind_arguments={"shard_id": target})
@@ -407,53 +454,43 @@ else:
             assert isinstance(sync, ShardedJobSession)
             return sync
 
-        def enqueue(
-            self,
-            task: Any,
-            /,
-            *args: Any,
-            shard: Any = _UNSET,
-            shard_with: Any = _UNSET,
-            **kwargs: Any,
-        ) -> Any:
-            """:meth:`ShardedJobSession.enqueue`, which does no I/O for a job that is not
-            unique: the job is written at the next (awaited) flush.
+        if TYPE_CHECKING:
+            enqueue: _Enqueue[JobMixin]
+            enqueue_unique: _Enqueue[Coroutine[Any, Any, JobMixin | None]]
+        else:
 
-            :raises EnqueueError: as :meth:`ShardedJobSession.enqueue`, and for a unique
-                job (use :meth:`enqueue_unique`).
-            """
-            refuse_unique(task, kwargs)
-            return self.sharded.enqueue(task, *args, shard=shard, shard_with=shard_with, **kwargs)
+            def enqueue(self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs):
+                """:meth:`ShardedJobSession.enqueue`, which does no I/O for a job that is
+                not unique: the job is written at the next (awaited) flush.
 
-        async def enqueue_unique(
-            self,
-            task: Any,
-            /,
-            *args: Any,
-            shard: Any = _UNSET,
-            shard_with: Any = _UNSET,
-            **kwargs: Any,
-        ) -> Any:
-            """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited: INSERTed
-            at once on the job's shard, whose key it is unique within."""
-            task = as_unique(task, kwargs)
+                :raises EnqueueError: as :meth:`ShardedJobSession.enqueue`, and for a
+                    unique job (use :meth:`enqueue_unique`).
+                """
+                refuse_unique(task, kwargs)
+                return self.sharded._enqueue(task, args, kwargs, shard, shard_with)
 
-            def run(sync_session: Any) -> Any:
-                return sync_session.enqueue(
-                    task, *args, shard=shard, shard_with=shard_with, **kwargs
-                )
+            async def enqueue_unique(
+                self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs
+            ):
+                """``enqueue(..., unique=Unique(...))`` (``unique=True`` unless it names a
+                key), awaited: INSERTed at once on the job's shard, whose key it is unique
+                within."""
+                task = as_unique(task, kwargs)
 
-            return await self.run_sync(run)
+                def run(sync_session: Any) -> Any:
+                    return sync_session._enqueue(task, args, kwargs, shard, shard_with)
+
+                return await self.run_sync(run)
 
         async def enqueue_many(
             self,
-            task: Any,
-            arguments: Iterable[Any],
+            task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+            arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
             /,
             *,
             shard: Any = None,
             shard_with: Any = None,
-            **options: Any,
+            **options: Unpack[ManyOptions],
         ) -> int:
             """:meth:`ShardedJobSession.enqueue_many`, awaited: its rows are INSERTed at
             once on the shard's connection, in this session's transaction."""
