@@ -36,37 +36,40 @@ unit of work, so they do no I/O and need no ``await``.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence, Sized
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .bulk import CheckedLater, gc_paused
+from ._enqueue import (
+    JOBS_KEY,
+    UniformRows,
+    _sync,
+    bind_call,
+    insert_json,
+    insert_rows,
+    many_json,
+    many_values,
+    place_on_session,
+    same_run,
+)
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .db import require_postgresql
 from .errors import EnqueueError
 from .limits import database_encodings, known_encodings
 from .model import JobMixin
-from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
 from .tasks import (
-    OPTION_NAMES,
     ConfiguredTask,
     Jobs,
     ManyOptions,
     Task,
     TaskArgs,
-    _utcnow,
     ascii_row,
     ascii_rows,
     check_encoding,
-    check_meta,
-    flat_unique,
     many_options,
-    merge_options,
 )
 
 if TYPE_CHECKING:
@@ -78,7 +81,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T", bound=Task[Any, Any])
 
-_JOBS_KEY = "sqla_jobs.jobs"
+_JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
 #: Options that make a job unique, which needs an INSERT now (awaited, on asyncio).
@@ -194,33 +197,14 @@ class EnqueueMixin:
             cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
-        # The options are the keywords of EnqueueOptions' names (no handler parameter may
-        # have one); the rest go to the handler.
-        given = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-        if isinstance(task, ConfiguredTask):
-            plain, options = merge_options(task, given)
-            registry = plain.registry
-            values = registry.job_values(plain, args, kwargs, **options)
-        else:
-            registry = _registry(self, task)
-            values = registry.job_values(task, args, kwargs, **given)
+        pending = bind_call(task, args, kwargs, self)
+        registry = pending.registry
         session = _sync(self)
         boundary = _boundary(session)
-        if not ascii_row(values):
-            _check_encoding(session, registry, [values])
-        inserted = True
+        if not ascii_row(pending.row):
+            _check_encoding(session, registry, [pending.row])
         job: JobMixin | None
-        if "after" in values:  # never unique: job_values refuses the two together
-            from .flow import _add_child
-
-            job = _add_child(session, registry, values)
-        elif "unique_scope" in values:
-            job, inserted = insert_scoped(session, registry, values)
-        elif "unique_key" in values:
-            job, inserted = insert_unique(session, registry, values)
-        else:
-            job = registry.model(**values)
-            self.add(job)
+        job, inserted = place_on_session(self, pending)
         if inserted and registry.events.wants("enqueued"):
             _announce(session, registry, [job], boundary)
         return job
@@ -374,140 +358,6 @@ def _write_at_call(
     return insert_json(connection, registry.queries, rows[0], texts)
 
 
-def many_values(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    session: Any,
-    **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]]]:
-    """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
-    :class:`~sqla_jobs.queries.Run` when they differ only in their arguments.
-
-    ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
-    _check_many(arguments)
-    plain, registry, options, meta, now = _many_options(task, session, given)
-    job_values = registry.job_values
-    rows: Sequence[dict[str, Any]] = []
-    with gc_paused(arguments):
-        items = iter(arguments)
-        keyed: list[dict[str, Any]] = []
-        for item in items:
-            if isinstance(item, TaskArgs):
-                args, kwargs = item.args, item.kwargs
-            else:
-                args, kwargs = (), item
-            row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-            # Without unique keys, the rows of one call differ only in their arguments: the
-            # first row is checked whole, the others reuse its column values and check only
-            # their arguments (the options' checks were a third of a row's cost). Not when
-            # a column is derived from each row's arguments: a unique key (asked for here
-            # or by the task) or a concurrency key (the task's function).
-            t = registry.get(plain)
-            if not keyed and _uniform(row, t):
-                rows = Run(row, [row["args"], *t.bind_many(items)])
-                break
-            keyed.append(row)
-        else:
-            rows = keyed
-    if rows:
-        _prepare_meta(registry, rows, meta)
-    elif meta is not None:
-        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
-    return registry, rows
-
-
-def many_json(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    jobs: Jobs | Session,
-    **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
-    """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
-    a connection): when the rows differ only in their arguments and nobody listens for
-    ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
-    arguments of every row as JSON text, without a dict per row, checked alike when they
-    are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
-    None)``, every row checked."""
-    _check_many(arguments)
-    plain, registry, options, meta, now = _many_options(task, jobs, given)
-    if registry.events.wants("enqueued"):  # the listeners get a dict per job
-        return (*many_values(task, arguments, jobs, **given), None)
-    items = iter(arguments)
-    for item in items:
-        if isinstance(item, TaskArgs):
-            args, kwargs = item.args, item.kwargs
-        else:
-            args, kwargs = (), item
-        row = registry.job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-        t = registry.get(plain)
-        if not _uniform(row, t):
-            # Keyed rows: each is a row of its own (the first is checked again there).
-            rows = many_values(task, itertools.chain([item], items), jobs, **given)[1]
-            return registry, rows, None
-        _prepare_meta(registry, [row], meta)
-        return registry, [row], CheckedLater(row["args"].json, list(items), t.bind_many_json)
-    if meta is not None:
-        check_meta(meta)
-    return registry, [], None
-
-
-def _check_many(arguments: object) -> None:
-    """``enqueue_many`` takes many jobs' arguments: one mapping (its keys would be taken
-    for the jobs) or something that is not iterable is an error that says so."""
-    if isinstance(arguments, (Mapping, str, bytes)) or not isinstance(arguments, Iterable):
-        raise EnqueueError(
-            "enqueue_many takes an iterable of jobs' arguments (task.args(...) or mappings), "
-            f"not {type(arguments).__name__}: for one job, pass [arguments]"
-        )
-
-
-def _many_options(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
-) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
-    """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
-    the one clock reading of a batch with a delay."""
-    plain: Task[Any, Any] | str
-    if isinstance(task, ConfiguredTask):
-        plain, options = merge_options(task, given)
-        registry = plain.registry
-    else:
-        plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
-        registry = session if isinstance(session, Jobs) else _registry(session, plain)
-    if "unique_key" in options:
-        raise EnqueueError(
-            "enqueue_many cannot give every job the same unique_key: use unique=True"
-        )
-    if options.get("after") is not None or options.get("on_parent_failure") is not None:
-        raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
-    meta = options.pop("meta", None)
-    # One clock reading for the whole batch: with a delay, every row gets the same
-    # run_at, so the batch stays one run of the bulk INSERT.
-    now = _utcnow() if options.get("delay") is not None else None
-    return plain, registry, options, meta, now
-
-
-def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
-    """Whether the rows after ``row`` (the first of a call) may share its columns: not
-    when a column is derived from each row's arguments (a unique key, asked for by the
-    call or by the task, or the task's concurrency key)."""
-    return "unique_key" not in row and task.concurrency_key is None
-
-
-def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any) -> None:
-    """Check ``meta`` and hand it to the enqueue hooks, once for the whole call."""
-    first = rows.first if isinstance(rows, Run) else rows[0]
-    prepared = registry.job_meta(first["task"], first["queue"], meta)
-    if prepared is not None:
-        for row in [first] if isinstance(rows, Run) else rows:
-            row["meta"] = prepared
-    if "unique_scope" in first:
-        raise EnqueueError(
-            "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
-            "(each job of such a scope takes its key's lock in turn): enqueue them one by "
-            "one with session.enqueue"
-        )
-
-
 class JobSession(EnqueueMixin, ClaimMixin, Session):
     """A ``Session`` with ``enqueue`` and the claim helpers (``claim``, ``complete``,
     ``fail``, ``retry``, ``snooze``); ``sessionmaker(engine, class_=JobSession,
@@ -610,64 +460,6 @@ def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
     return task
 
 
-def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
-    """The registry of a task, or the session's (for a name)."""
-    if isinstance(task, Task):
-        return task.registry
-    jobs = session.info.get(_JOBS_KEY)
-    if jobs is None:
-        raise EnqueueError(
-            f"cannot resolve task name {task!r}: this session has no Jobs registry "
-            "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
-        )
-    return jobs  # type: ignore[no-any-return]
-
-
-def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
-    """INSERT a unique job now; return it (or the live job holding its key) and whether it
-    is new. The arguments go as the JSON text their check wrote (:func:`job_params`), as
-    on a connection: encoded once, at the caller's depth."""
-    q = registry.queries
-    connection = session.connection()
-    require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
-    params = job_params(values)
-    for _ in range(5):
-        job_id = connection.execute(q.insert_job_unique, params).scalar()
-        inserted = job_id is not None
-        if not inserted:
-            # The key is held by a live job (committed: ON CONFLICT waits for an
-            # uncommitted one to settle). It may finish before we look: then insert.
-            job_id = connection.execute(q.live_by_key, {"key": values["unique_key"]}).scalar()
-        if job_id is not None:
-            with session.no_autoflush:
-                return session.get(registry.model, job_id), inserted
-    raise EnqueueError(f"unique key {values['unique_key']!r} keeps changing hands; try again")
-
-
-def insert_scoped(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
-    """Enqueue a scoped unique job now (see :func:`sqla_jobs.queries.enqueue_scoped`);
-    return the new job, the holder (replaced or kept), or None when the key's period
-    holds it and the job that took it is gone; and whether the job is new."""
-    connection = session.connection()
-    require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
-    scope = values.pop("unique_scope")
-    job_id, outcome = enqueue_scoped(connection, registry.queries, job_params(values), scope)
-    if outcome == "gone":
-        return None, False
-    with session.no_autoflush:
-        # A replaced holder this session has loaded must show its new arguments.
-        job = session.get(registry.model, job_id, populate_existing=outcome == "replaced")
-    return job, outcome == "new"
-
-
-def _sync(session: Any) -> Session:
-    """The plain Session behind a Session or an AsyncSession (which keeps its unit of
-    work in one)."""
-    sync = getattr(session, "sync_session", session)
-    assert isinstance(sync, Session)
-    return sync
-
-
 # -- savepoints ---------------------------------------------------------------------------
 #
 # A job shares the fate of the transaction that was innermost when it was enqueued: the
@@ -730,12 +522,6 @@ def _pending(session: Session) -> list[_Batch]:
             ("after_transaction_end", _after_transaction_end),
         )
     return batches
-
-
-def session_registry(session: Session) -> Jobs | None:
-    """The registry a session resolves task names with (its ``jobs=``), if any."""
-    jobs: Jobs | None = _sync(session).info.get(_JOBS_KEY)
-    return jobs
 
 
 def pending_jobs(session: Session) -> dict[Jobs, list[dict[str, Any]]]:
@@ -825,8 +611,8 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
     for _, registry, rows in batches:
         groups = by_registry.setdefault(registry, [])
         last = groups[-1] if groups else None
-        if isinstance(rows, Run):
-            if isinstance(last, Run) and same_run(last, rows):
+        if isinstance(rows, UniformRows):
+            if isinstance(last, UniformRows) and same_run(last, rows):
                 groups[-1] = last.joined(rows)
             else:
                 groups.append(rows)

@@ -62,16 +62,15 @@ from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
+from ._enqueue import insert_rows, many_values
 from .errors import EnqueueError, WorkerError
 from .model import JobMixin
-from .queries import insert_rows
 from .session import (
     _JOBS_KEY,
     EnqueueMixin,
     _announce,
     _boundary,
     as_unique,
-    many_values,
     refuse_unique,
 )
 from .tasks import ConfiguredTask, Jobs, ManyOptions, Task, TaskArgs, many_options

@@ -65,7 +65,13 @@ from .limits import (
     shorten,
     text_problem,
 )
-from .model import JobStatus, check_complete
+from .model import (
+    DEFAULT_RESULT_TTL,
+    KEEP_KEY,
+    RUN_ANYWAY_KEY,
+    JobStatus,
+    check_complete,
+)
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
@@ -1734,6 +1740,25 @@ class Jobs:
         task: Task[Any, Any] | str,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Check a job and return its column values, as :meth:`bind_row` does, with what
+        is not a column put back in as two keys: ``values["unique_scope"]`` (a scoped
+        unique job's :class:`UniqueScope`) and ``values["after"]`` (its parents). For
+        callers that check a job without enqueueing it (schedules, ``admin``); the enqueue
+        paths take :meth:`bind_row`'s parts instead (``sqla_jobs._enqueue.bind``)."""
+        values, scope, parents = self.bind_row(task, args, kwargs, **options)
+        if scope is not None:
+            values["unique_scope"] = scope
+        if parents is not None:
+            values["after"] = parents
+        return values
+
+    def bind_row(
+        self,
+        task: Task[Any, Any] | str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
         *,
         queue: str | None = None,
         priority: int | None = None,
@@ -1751,17 +1776,18 @@ class Jobs:
         keep_result: bool | float | timedelta | None = None,
         after: Iterable[Any] | None = None,
         on_parent_failure: str | None = None,
-    ) -> dict[str, Any]:
-        """Check a job and return its column values. Raises :class:`EnqueueError`.
+    ) -> tuple[dict[str, Any], UniqueScope | None, list[Any] | None]:
+        """Check a job; return its column values, and how it is placed: the
+        :class:`UniqueScope` of a scoped unique job (``unique_for``, ``unique_states``,
+        ``unique_on_conflict``, given here or by the task), and the parents it waits for
+        (``after=``, a non-empty list), or None. Raises :class:`EnqueueError`.
 
         ``meta`` is checked and handed to the enqueue hooks (:meth:`job_meta`), unless
         ``meta_prepared`` says it is already :meth:`job_meta`'s result: ``enqueue_many``
         prepares it once for all its rows.
 
-        A scoped unique job (``unique_for``, ``unique_states``, ``unique_on_conflict``,
-        given here or by the task) also gets ``values["unique_scope"]``, a
-        :class:`UniqueScope`, which is not a column: its enqueue goes through
-        :func:`sqla_jobs.queries.enqueue_scoped`.
+        The keywords are :class:`EnqueueOptions`' (``unique`` may be a :class:`Unique`),
+        and ``meta_prepared`` and ``now``, which ``enqueue_many`` gives.
         """
         t = self.get(task)
         if unique.__class__ is not bool and isinstance(unique, Unique):
@@ -1827,17 +1853,16 @@ class Jobs:
                 EnqueueError,
                 default=scope,
             )
-        if scope is not None:
-            values["unique_scope"] = scope
         if unique_key is not None:
             _check_unique_key(unique_key)
             values["unique_key"] = unique_key
         elif unique or t.unique or scoped:
             values["unique_key"] = derive_unique_key(t.name, arguments)
         keep = keep_seconds(t.keep_result if keep_result is None else keep_result, self)
+        parents = None
         if keep is not None or after is not None or on_parent_failure is not None:
-            self._flow_values(values, keep, after, on_parent_failure)
-        return values
+            parents = self._flow_values(values, keep, after, on_parent_failure)
+        return values, scope, parents
 
     def _flow_values(
         self,
@@ -1845,12 +1870,12 @@ class Jobs:
         keep: float | None,
         after: Iterable[Any] | None,
         on_parent_failure: str | None,
-    ) -> None:
+    ) -> list[Any] | None:
         """Results and dependencies of one job: the library's keys in ``meta`` (read by
-        the worker from the claimed row, so the claim needs no new column), and the
-        parents to link once the job has an id (``values["after"]``, taken out by the
-        enqueue paths)."""
+        the worker from the claimed row, so the claim needs no new column); returns the
+        parents to link once the job has an id (None: none)."""
         flow: dict[str, Any] = {}
+        parents = None
         if keep is not None:
             flow[KEEP_KEY] = keep
         if on_parent_failure is not None:
@@ -1876,10 +1901,12 @@ class Jobs:
                         "unique_for, unique_states or unique_on_conflict, given here or by "
                         "the task)"
                     )
-                values["after"] = parents
                 values["status"] = JobStatus.SCHEDULED.value
+            else:
+                parents = None
         if flow:
             values["meta"] = {**(values.get("meta") or {}), **flow}
+        return parents
 
     def job_meta(
         self, task: str, queue: str, meta: Mapping[str, Any] | None
@@ -2099,21 +2126,6 @@ def _check_max_attempts(value: object) -> None:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
     if value > INT_MAX:
         raise EnqueueError(f"max_attempts must be <= {INT_MAX} (an int column), got {value}")
-
-
-#: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
-#: namespace is the library's): seconds a result is kept; this job has dependent jobs;
-#: run this job even if a parent ends dead or cancelled; the parameter a group's callback
-#: receives its parents' results in; this job was cancelled because a parent ended dead
-#: or cancelled (retrying that parent brings it back).
-KEEP_KEY = "sqla_jobs.keep"
-CHILDREN_KEY = "sqla_jobs.children"
-RUN_ANYWAY_KEY = "sqla_jobs.run_anyway"
-RESULTS_KEY = "sqla_jobs.results"
-CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
-
-#: How long ``keep_result=True`` keeps a result when the registry keeps no done jobs.
-DEFAULT_RESULT_TTL = timedelta(days=1)
 
 
 def keep_seconds(value: object, registry: Jobs | None) -> float | None:

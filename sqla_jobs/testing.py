@@ -32,10 +32,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from . import admin
+from ._enqueue import session_registry
 from .db import require_postgresql
 from .model import LIVE_STATUSES, JobStatus
 from .queries import claim_params, interval
-from .session import insert_pending, pending_jobs, session_registry
+from .session import insert_pending, pending_jobs
 from .tasks import Jobs, Task
 from .worker import Worker
 from .worker.db import settle_children

@@ -27,8 +27,9 @@ import sqlalchemy as sa
 
 from ..errors import PermanentError, ResultError, Snooze
 from ..limits import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
+from ..model import CHILDREN_KEY, KEEP_KEY
 from ..queries import Queries, batch_params, fail_params, snooze_params
-from ..tasks import CHILDREN_KEY, KEEP_KEY, json_problem, long_int_problem
+from ..tasks import json_problem, long_int_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task

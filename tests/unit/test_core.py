@@ -653,7 +653,7 @@ def test_a_row_the_worker_cannot_run_is_failed_dead_and_the_rest_of_its_batch_ru
 
 
 def test_a_meta_that_names_children_still_settles_them_when_another_column_is_unreadable() -> None:
-    from sqla_jobs.tasks import CHILDREN_KEY
+    from sqla_jobs.model import CHILDREN_KEY
     from sqla_jobs.worker.job import is_flow
 
     core, driver, _ = make()

@@ -105,7 +105,7 @@ def test_typed_entry_points_unpack_the_declaration(fn: Any, declaration: str) ->
 
 
 class _Taken(Exception):
-    """Raised by the spy in place of Jobs.job_values: what reached it as options."""
+    """Raised by the spy in place of Jobs.bind_row: what reached it as options."""
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
@@ -116,7 +116,7 @@ def _spy(self: Any, task: Any, args: Any, kwargs: Any, **options: Any) -> Any:
 
 
 def _taken(call: Any) -> set[str]:
-    with mock.patch.object(Jobs, "job_values", _spy), pytest.raises(_Taken) as caught:
+    with mock.patch.object(Jobs, "bind_row", _spy), pytest.raises(_Taken) as caught:
         call()
     return set(caught.value.options)
 
