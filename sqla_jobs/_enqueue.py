@@ -45,9 +45,9 @@ from sqlalchemy.orm import Session
 from .bulk import CheckedLater, copy_allowed, copy_run, gc_paused
 from .db import require_postgresql
 from .errors import EnqueueError
-from .limits import Encodings, database_encodings
 from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
 from .queries import _dumps, args_json
+from .storable import Encodings, database_encodings
 from .tasks import (
     OPTION_NAMES,
     ConfiguredTask,
@@ -142,10 +142,11 @@ def bind_call(
 # -- one job on a session ----------------------------------------------------------------
 
 
-def place_on_session(session: Any, pending: PendingJob) -> tuple[Any, bool]:
+def place_on_session(session: Any, pending: PendingJob, shard: Any = None) -> tuple[Any, bool]:
     """Place one job in a session's unit of work (``session``: a sync or an async one);
     return the job (the holder of a unique key, or None for a scoped key whose holder
-    is gone) and whether it is new."""
+    is gone) and whether it is new. A sharded session names the job's ``shard``: the
+    statements of a unique or scoped job run on it, and the job is read back from it."""
     how = pending.how
     if how is Placement.PLAIN:
         job = pending.registry.model(**pending.row)
@@ -154,8 +155,8 @@ def place_on_session(session: Any, pending: PendingJob) -> tuple[Any, bool]:
     if how is Placement.AFTER:
         return _session_after(session, pending), True
     if how is Placement.SCOPED:
-        return _session_scoped(_sync(session), pending)
-    return _session_unique(_sync(session), pending)
+        return _session_scoped(_sync(session), pending, shard)
+    return _session_unique(_sync(session), pending, shard)
 
 
 def _sync(session: Any) -> Session:
@@ -166,23 +167,31 @@ def _sync(session: Any) -> Session:
     return sync
 
 
-def _session_unique(session: Session, pending: PendingJob) -> tuple[Any, bool]:
+def _on(session: Session, shard: Any) -> sa.Connection:
+    """The session's connection, on ``shard`` when one is named (explicit per call: the
+    routing is the call's, not a mode of the session)."""
+    if shard is None:
+        return session.connection()
+    return session.connection(bind_arguments={"shard_id": shard})
+
+
+def _session_unique(session: Session, pending: PendingJob, shard: Any) -> tuple[Any, bool]:
     """INSERT a unique job now, through the session's connection (as on a connection);
     return it (or the live job holding its key) and whether it is new. The arguments go
     as the JSON text their check wrote (:func:`job_params`): encoded once."""
-    connection = session.connection()
+    connection = _on(session, shard)
     require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
     registry = pending.registry
     job_id, inserted = _connection_unique(connection, registry, job_params(pending.row))
     with session.no_autoflush:
-        return session.get(registry.model, job_id), inserted
+        return session.get(registry.model, job_id, identity_token=shard), inserted
 
 
-def _session_scoped(session: Session, pending: PendingJob) -> tuple[Any, bool]:
+def _session_scoped(session: Session, pending: PendingJob, shard: Any) -> tuple[Any, bool]:
     """Enqueue a scoped unique job now (see :func:`enqueue_scoped`);
     return the new job, the holder (replaced or kept), or None when the key's period
     holds it and the job that took it is gone; and whether the job is new."""
-    connection = session.connection()
+    connection = _on(session, shard)
     require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
     registry = pending.registry
     job_id, outcome = enqueue_scoped(
@@ -192,7 +201,12 @@ def _session_scoped(session: Session, pending: PendingJob) -> tuple[Any, bool]:
         return None, False
     with session.no_autoflush:
         # A replaced holder this session has loaded must show its new arguments.
-        job = session.get(registry.model, job_id, populate_existing=outcome == "replaced")
+        job = session.get(
+            registry.model,
+            job_id,
+            populate_existing=outcome == "replaced",
+            identity_token=shard,
+        )
     return job, outcome == "new"
 
 

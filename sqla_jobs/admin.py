@@ -51,7 +51,6 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from . import queries as _q
-from .limits import QUEUE_MAX_BYTES, check_name, text_problem
 from .model import (
     CHILDREN_KEY,
     LIVE_STATUSES,
@@ -63,6 +62,7 @@ from .model import (
 )
 from .queries import Queries
 from .queries import status_literal as _lit
+from .storable import QUEUE_MAX_BYTES, check_name, text_problem
 from .tasks import Jobs, json_problem
 from .worker.job import CANCEL_PAYLOAD
 

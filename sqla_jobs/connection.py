@@ -42,7 +42,7 @@ from ._enqueue import (
     many_json,
     place_on_connection,
 )
-from .limits import database_encodings
+from .storable import database_encodings
 from .tasks import (
     ConfiguredTask,
     Jobs,

@@ -55,6 +55,7 @@ import sqlalchemy as sa
 from ._enqueue import _sync, bind, link, place_on_session
 from .errors import EnqueueError, JobFailedError
 from .model import KEEP_KEY, RESULTS_KEY, JobStatus
+from .queries import listen_sql, unlisten_sql
 from .tasks import ConfiguredTask, Task, TaskArgs
 
 if TYPE_CHECKING:
@@ -259,8 +260,6 @@ def result(
             time.sleep(_pause(pause, deadline, job_id, timeout))
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        from .worker.db import listen_sql, unlisten_sql
-
         conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = conn.connection.driver_connection
         mine = str(job_id)
@@ -321,8 +320,6 @@ async def result_async(
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        from .worker.db import listen_sql, unlisten_sql
-
         await conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = (await conn.get_raw_connection()).driver_connection
         mine = str(job_id)

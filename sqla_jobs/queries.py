@@ -49,11 +49,25 @@ __all__ = [
     "batch_params",
     "claim_params",
     "interval",
+    "listen_sql",
     "status_literal",
+    "unlisten_sql",
 ]
 
 #: Written into ``last_error`` when a lease passes without a heartbeat.
 LEASE_EXPIRED = "lease expired: the worker that ran this attempt stopped heartbeating"
+
+
+# LISTEN/UNLISTEN take the channel as an identifier, not a parameter: quoted here, for the
+# worker's listener and Jobs.result's wait alike.
+def listen_sql(channel: str) -> str:
+    """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
+    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+def unlisten_sql(channel: str) -> str:
+    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
+    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
 
 
 def status_literal(status: JobStatus | str) -> sa.ColumnElement[str]:

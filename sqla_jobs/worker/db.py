@@ -28,6 +28,10 @@ from ..queries import (
     throughput_params,
 )
 
+# Named here for the drivers' listeners (``db.listen_sql``); they live with the statements.
+from ..queries import listen_sql as listen_sql
+from ..queries import unlisten_sql as unlisten_sql
+
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
@@ -427,16 +431,6 @@ def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
             if deleted < PRUNE_BATCH:
                 break
     return total
-
-
-def listen_sql(channel: str) -> str:
-    """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
-    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
-
-
-def unlisten_sql(channel: str) -> str:
-    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
-    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
 
 
 class HeldConnection:

@@ -738,7 +738,7 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
     """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
     fail (an interval past what a timedelta holds), and with it every outcome of its
     batch, until the completer gave up and stopped the worker."""
-    from sqla_jobs.limits import DURATION_MAX_SECONDS
+    from sqla_jobs.storable import DURATION_MAX_SECONDS
     from sqla_jobs.worker.job import outcome_statements
 
     core, _, jobs = make()
