@@ -58,8 +58,8 @@ from ._enqueue import (
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .db import require_postgresql
 from .errors import EnqueueError
-from .limits import database_encodings, known_encodings
 from .model import JobMixin
+from .storable import database_encodings, known_encodings
 from .tasks import (
     ConfiguredTask,
     Jobs,
@@ -197,14 +197,28 @@ class EnqueueMixin:
             cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
+        # Through the class: also called with a plain Session as ``self`` (the one behind an
+        # AsyncSession whose sync_session_class lacks this mixin).
+        return EnqueueMixin._enqueue_job(self, task, args, kwargs)
+
+    def _enqueue_job(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        shard: Any = None,
+    ) -> JobMixin | None:
+        """:meth:`enqueue`, the job routed to ``shard`` when one is given (a sharded
+        session's call: its statements name the shard, ``bind_arguments={"shard_id":
+        shard}``, and the job it reads back its ``identity_token``)."""
         pending = bind_call(task, args, kwargs, self)
         registry = pending.registry
         session = _sync(self)
         boundary = _boundary(session)
         if not ascii_row(pending.row):
-            _check_encoding(session, registry, [pending.row])
+            _check_encoding(session, registry, [pending.row], shard)
         job: JobMixin | None
-        job, inserted = place_on_session(self, pending)
+        job, inserted = place_on_session(self, pending, shard)
         if inserted and registry.events.wants("enqueued"):
             _announce(session, registry, [job], boundary)
         return job
@@ -276,7 +290,9 @@ class EnqueueMixin:
         return _keep_for_flush(_sync(self), registry, rows)
 
 
-def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> None:
+def _check_encoding(
+    session: Session, registry: Jobs, rows: Sequence[dict[str, Any]], shard: Any = None
+) -> None:
     """Refuse, at the call, text that the database of the jobs' table cannot store (one
     that is not UTF-8: LATIN1 has no "€"), which it would refuse only at the flush.
 
@@ -288,7 +304,8 @@ def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, A
     if ascii_rows(rows):
         return
     try:
-        bind = session.get_bind(mapper=registry.model)
+        route = {} if shard is None else {"shard_id": shard}
+        bind = session.get_bind(mapper=registry.model, **route)
     except sa.exc.SQLAlchemyError:  # no bind for it: the flush will say so
         return
     engine = bind.engine if isinstance(bind, sa.Connection) else bind
@@ -300,7 +317,7 @@ def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, A
             # Learned when the session's transaction connects (its flush), for the next.
             _listen(session, ("after_begin", _learn_encoding))
             return
-        connection = session.connection(bind_arguments={"mapper": registry.model})
+        connection = session.connection(bind_arguments={"mapper": registry.model, **route})
         encodings = database_encodings(connection)
     if encodings is not None:
         check_encoding(rows, encodings)

@@ -112,6 +112,9 @@ P = ParamSpec("P")
 Ret = TypeVar("Ret", covariant=True)
 
 
+_AnyTask = Task[Any, Any] | ConfiguredTask[Any, Any] | str
+
+
 class _Enqueue(Protocol[Ret]):
     """The typed face of the sharded sessions' ``enqueue`` (and ``enqueue_unique``): a
     call without ``shard=``/``shard_with=`` is held to the handler's signature, as on
@@ -126,24 +129,10 @@ class _Enqueue(Protocol[Ret]):
     ) -> Ret: ...
 
     @overload
-    def __call__(
-        self,
-        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-        /,
-        *args: Any,
-        shard: Any,
-        **kwargs: Any,
-    ) -> Ret: ...
+    def __call__(self, task: _AnyTask, /, *args: Any, shard: Any, **kwargs: Any) -> Ret: ...
 
     @overload
-    def __call__(
-        self,
-        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-        /,
-        *args: Any,
-        shard_with: Any,
-        **kwargs: Any,
-    ) -> Ret: ...
+    def __call__(self, task: _AnyTask, /, *args: Any, shard_with: Any, **kwargs: Any) -> Ret: ...
 
     @overload
     def __call__(self, task: str, /, *args: Any, **kwargs: Any) -> Ret: ...
@@ -217,60 +206,23 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         **kw: Any,
     ) -> None:
         self._user_chooser = shard_chooser
-        self._user_identity_chooser = identity_chooser
-        self._user_execute_chooser = execute_chooser
         self._shard_names = frozenset(shards or ())
         self._written: set[Any] = set()
-        #: The shard of the job being enqueued, while ``enqueue`` inserts a unique job.
-        self._enqueuing_on: Any = None
-        super().__init__(
-            self._choose,
-            None if identity_chooser is None else self._choose_identity,
-            None if execute_chooser is None else self._choose_execute,
-            shards=shards,
-            **kw,
-        )
+        super().__init__(self._choose, identity_chooser, execute_chooser, shards=shards, **kw)
         event.listen(self, "after_flush", _after_flush)
         event.listen(self, "after_transaction_end", _after_transaction_end)
 
-    # The choosers the session runs. A job object goes where ``enqueue`` decided; while
-    # ``enqueue`` inserts a unique job (a statement on ``session.connection()``, then
-    # ``session.get`` of the job), everything goes to that job's shard; the rest is the
-    # application's choice.
+    # The chooser the session runs: a job object goes where ``enqueue`` decided; the rest
+    # is the application's choice. A unique job's statements and its read-back name the
+    # shard themselves (``bind_arguments={"shard_id": ...}``, ``identity_token``): the
+    # routing is explicit per call, never a mode of the session.
 
     def _choose(self, mapper: Mapper[Any], instance: Any, clause: Any = None, **kw: Any) -> Any:
         if instance is not None:
             shard = inspect(instance).info.get(_SHARD_KEY)
             if shard is not None:
                 return shard
-        if self._enqueuing_on is not None:
-            return self._enqueuing_on
         return self._user_chooser(mapper, instance, clause=clause, **kw)
-
-    def _choose_identity(self, *args: Any, **kw: Any) -> Any:
-        if self._enqueuing_on is not None:
-            return [self._enqueuing_on]
-        assert self._user_identity_chooser is not None
-        return self._user_identity_chooser(*args, **kw)
-
-    def _choose_execute(self, context: Any) -> Any:
-        if self._enqueuing_on is not None:
-            return [self._enqueuing_on]
-        assert self._user_execute_chooser is not None
-        return self._user_execute_chooser(context)
-
-    def get_bind(
-        self,
-        mapper: Any = None,
-        *,
-        shard_id: Any = None,
-        instance: Any = None,
-        clause: Any = None,
-        **kw: Any,
-    ) -> Any:
-        if shard_id is None and instance is None and self._enqueuing_on is not None:
-            shard_id = self._enqueuing_on
-        return super().get_bind(mapper, shard_id=shard_id, instance=instance, clause=clause, **kw)
 
     if TYPE_CHECKING:
         enqueue: _Enqueue[JobMixin | None]
@@ -299,13 +251,8 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
             shard=None if shard is _UNSET else shard,
             shard_with=None if shard_with is _UNSET else shard_with,
         )
-        # A unique job is INSERTed now, on the shard's connection, and read back with
-        # session.get: both are steered to the target shard for the duration of the call.
-        self._enqueuing_on = target
-        try:
-            job = EnqueueMixin.enqueue(self, task, *args, **kwargs)
-        finally:
-            self._enqueuing_on = None
+        # A unique job is INSERTed now, on the shard's connection, and read back from it.
+        job = self._enqueue_job(task, args, kwargs, shard=target)
         if inspect(job).key is None:
             inspect(job).info[_SHARD_KEY] = target
         return job
