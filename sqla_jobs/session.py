@@ -32,6 +32,22 @@ I/O); a session made with ``autobegin=False`` refuses to enqueue until ``session
 
 Both work on ``AsyncSession`` (:class:`AsyncJobSession`) too: they only add to the
 unit of work, so they do no I/O and need no ``await``.
+
+When a row is written, per call and class (the same table is in
+``docs/design/pipeline.md``; the writing itself is :mod:`sqla_jobs._enqueue`'s):
+
+=============================  ==================================  ======================
+call                           JobSession / AsyncJobSession        sharded sessions
+=============================  ==================================  ======================
+``enqueue`` (plain, after=)    at the flush                        at the flush
+``enqueue`` (unique, scoped)   at the call (``await                at the call (``await
+                               enqueue_unique`` on asyncio)        enqueue_unique``)
+``enqueue_many``               next flush, savepoint start,        at the call (awaited
+                               release or commit; at the call for  on asyncio)
+                               1,000+ rows (a list) on a sync
+                               session with autoflush
+``jobs.group``                 at the flush                        at the flush
+=============================  ==================================  ======================
 """
 
 from __future__ import annotations
