@@ -113,6 +113,16 @@ Ret = TypeVar("Ret", covariant=True)
 
 
 _AnyTask = Task[Any, Any] | ConfiguredTask[Any, Any] | str
+_Rows = Iterable[TaskArgs[Any] | Mapping[str, Any]]
+
+
+class ShardedManyOptions(ManyOptions, total=False):
+    """The keywords of the sharded sessions' ``enqueue_many``: the
+    :class:`~sqla_jobs.tasks.ManyOptions`, and where the rows go (``shard=``, or
+    ``shard_with=`` an ORM object; see :meth:`ShardedJobSession.shard_of_job`)."""
+
+    shard: Any
+    shard_with: Any
 
 
 class _Enqueue(Protocol[Ret]):
@@ -258,18 +268,13 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         return job
 
     def enqueue_many(
-        self,
-        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-        arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-        /,
-        *,
-        shard: Any = None,
-        shard_with: Any = None,
-        **options: Unpack[ManyOptions],
+        self, task: _AnyTask, arguments: _Rows, /, **options: Unpack[ShardedManyOptions]
     ) -> int:
         """Like :meth:`EnqueueMixin.enqueue_many`, but the rows are INSERTed at once, on
         the chosen shard's connection (in the caller's transaction, or savepoint)."""
-        target = self.shard_of_job(shard=shard, shard_with=shard_with)
+        target = self.shard_of_job(
+            shard=options.pop("shard", None), shard_with=options.pop("shard_with", None)
+        )
         registry, rows = many_values(task, arguments, self, **many_options(options))
         if rows:
             boundary = _boundary(self)
@@ -429,24 +434,13 @@ else:
                 return await self.run_sync(run)
 
         async def enqueue_many(
-            self,
-            task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-            arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-            /,
-            *,
-            shard: Any = None,
-            shard_with: Any = None,
-            **options: Unpack[ManyOptions],
+            self, task: _AnyTask, arguments: _Rows, /, **options: Unpack[ShardedManyOptions]
         ) -> int:
             """:meth:`ShardedJobSession.enqueue_many`, awaited: its rows are INSERTed at
             once on the shard's connection, in this session's transaction."""
 
             def run(sync_session: Any) -> int:
-                return int(
-                    sync_session.enqueue_many(
-                        task, arguments, shard=shard, shard_with=shard_with, **options
-                    )
-                )
+                return int(sync_session.enqueue_many(task, arguments, **options))
 
             return await self.run_sync(run)
 

@@ -24,7 +24,7 @@ from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin, Jobs, JobSession, Unique
 from sqla_jobs import tasks as t
-from sqla_jobs.sharding import AsyncShardedJobSession, ShardedJobSession
+from sqla_jobs.sharding import AsyncShardedJobSession, ShardedJobSession, ShardedManyOptions
 
 
 class Base(DeclarativeBase): ...
@@ -52,8 +52,8 @@ TYPED = [
     (t.Jobs.task, "TaskOptions"),
     (t.Jobs.enqueue_many, "ManyOptions"),
     (JobSession.enqueue_many, "ManyOptions"),
-    (ShardedJobSession.enqueue_many, "ManyOptions"),
-    (AsyncShardedJobSession.enqueue_many, "ManyOptions"),
+    (ShardedJobSession.enqueue_many, "ShardedManyOptions"),
+    (AsyncShardedJobSession.enqueue_many, "ShardedManyOptions"),
 ]
 
 
@@ -69,6 +69,8 @@ def test_option_names_are_the_declaration() -> None:
     assert tuple(t.EnqueueOptions.__annotations__) == t.OPTION_NAMES
     assert tuple(t.ManyOptions.__annotations__) == t.MANY_OPTION_NAMES
     assert set(t.MANY_OPTION_NAMES) < set(t.OPTION_NAMES)
+    sharded = set(ShardedManyOptions.__annotations__)
+    assert sharded - set(t.MANY_OPTION_NAMES) == {"shard", "shard_with"}
     assert frozenset(t.OPTION_NAMES) == t.RESERVED_NAMES
     # The task-level unique options are the enqueue ones (a key aside).
     unique = {n for n in t.TASK_OPTION_NAMES if n.startswith("unique")}
