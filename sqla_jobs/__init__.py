@@ -24,7 +24,16 @@ from .errors import (
 )
 from .model import STATUSES, JobMixin, JobStatus
 from .session import EnqueueMixin, JobSession
-from .tasks import Backoff, ConfiguredTask, Jobs, Task, TaskArgs, TransactionalTask
+from .tasks import (
+    Backoff,
+    ConfiguredTask,
+    EnqueueOptions,
+    Jobs,
+    Task,
+    TaskArgs,
+    TransactionalTask,
+    Unique,
+)
 from .worker import ClaimedJob, Worker, WorkerSettings, current_job
 
 __all__ = [
@@ -34,6 +43,7 @@ __all__ = [
     "ConfiguredTask",
     "EnqueueError",
     "EnqueueMixin",
+    "EnqueueOptions",
     "JobFailedError",
     "JobMixin",
     "JobSession",
@@ -46,6 +56,7 @@ __all__ = [
     "Task",
     "TaskArgs",
     "TransactionalTask",
+    "Unique",
     "UnknownTaskError",
     "Worker",
     "WorkerError",

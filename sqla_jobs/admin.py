@@ -70,11 +70,19 @@ from sqlalchemy.orm import Session
 
 from . import _present
 from . import queries as _q
-from .limits import QUEUE_MAX_BYTES, check_name, text_problem
-from .model import LIVE_STATUSES, STATUSES, JobStatus, companion_tables, job_table, notify_channel
+from .model import (
+    CHILDREN_KEY,
+    LIVE_STATUSES,
+    STATUSES,
+    JobStatus,
+    companion_tables,
+    job_table,
+    notify_channel,
+)
 from .queries import Queries
 from .queries import status_literal as _lit
-from .tasks import CHILDREN_KEY, Jobs, json_problem
+from .storable import QUEUE_MAX_BYTES, check_name, text_problem
+from .tasks import Jobs, json_problem
 from .worker.job import CANCEL_PAYLOAD
 
 if TYPE_CHECKING:

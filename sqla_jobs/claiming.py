@@ -250,7 +250,7 @@ def _fail(
 
 
 def _jobs(session: Session, jobs: Jobs | None) -> Jobs:
-    from .session import session_registry
+    from ._enqueue import session_registry
 
     registry = jobs or session_registry(session)
     if registry is None:

@@ -34,17 +34,21 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from .errors import EnqueueError
-from .limits import database_encodings
-from .queries import enqueue_scoped, insert_json, insert_rows, job_params
+from ._enqueue import (
+    autocommit,
+    bind_call,
+    insert_json,
+    insert_rows,
+    many_json,
+    place_on_connection,
+)
+from .storable import database_encodings
 from .tasks import (
-    OPTION_NAMES,
     ConfiguredTask,
     Jobs,
     Task,
     TaskArgs,
     check_encoding,
-    merge_options,
 )
 
 if TYPE_CHECKING:
@@ -62,29 +66,13 @@ def enqueue(
 ) -> int:
     """INSERT one checked job; its id (for a unique job, the id of the live job that holds
     the key, new or not)."""
-    registry, plain, options = _resolve(jobs, task, kwargs)
-    values = registry.job_values(plain, args, kwargs, **options)
+    pending = bind_call(task, args, kwargs, jobs)
     encodings = database_encodings(connection)
     if encodings is not None:
-        check_encoding([values], encodings)
-    scope = values.pop("unique_scope", None)
-    if "after" in values:
-        return _enqueue_after(connection, registry, values)
-    params = job_params(values)
-    q = registry.queries
-    job_id: int
-    if scope is not None:
-        # See sqla_jobs.queries.enqueue_scoped: the id of the new job, or of the holder
-        # (replaced, kept, or the finished one whose period still holds the key).
-        job_id, outcome = enqueue_scoped(connection, q, params, scope)
-        inserted = outcome == "new"
-    elif params["unique_key"] is None:
-        job_id = connection.execute(q.insert_job, params).scalar_one()
-        inserted = True
-    else:
-        job_id, inserted = _insert_unique(connection, registry, params)
-    if inserted and registry.events.wants("enqueued"):
-        _announce(connection, registry, [values])
+        check_encoding([pending.row], encodings)
+    job_id, inserted = place_on_connection(connection, pending)
+    if inserted and jobs.events.wants("enqueued"):
+        _announce(connection, jobs, [pending.row])
     return job_id
 
 
@@ -96,8 +84,6 @@ def enqueue_many(
     given: dict[str, Any],
 ) -> int:
     """INSERT many checked jobs of one task in one statement; how many were inserted."""
-    from .session import many_json
-
     if isinstance(task, ConfiguredTask):
         jobs.get(task.task)  # raises if the task belongs to another table's registry
     # The rows are written now and kept nowhere: when they differ only in their
@@ -155,60 +141,6 @@ def async_connection(connection: object) -> AsyncConnection:
     )
 
 
-def _enqueue_after(connection: sa.Connection, registry: Jobs, values: dict[str, Any]) -> int:
-    """A job with ``after=``: INSERTed held, then linked to its parents, atomically (in
-    autocommit, inside a BEGIN/COMMIT of its own)."""
-    from .flow import HELD_UNTIL, link, parent_ids
-
-    if values.get("unique_key") is not None:
-        raise EnqueueError("a job with after= cannot be unique")
-    parents = parent_ids(registry, values.pop("after"), pending_ok=False)
-    run_anyway = bool((values.get("meta") or {}).get("sqla_jobs.run_anyway"))
-    values["run_at"] = HELD_UNTIL
-    q = registry.queries
-    own = _autocommit(connection)
-    if own:
-        connection.exec_driver_sql("BEGIN")
-    try:
-        job_id: int = connection.execute(q.insert_job, job_params(values)).scalar_one()
-        link(connection, q, job_id, parents, run_anyway)
-    except BaseException:
-        if own:
-            connection.exec_driver_sql("ROLLBACK")
-        raise
-    if own:
-        connection.exec_driver_sql("COMMIT")
-    if registry.events.wants("enqueued"):
-        _announce(connection, registry, [values])
-    return job_id
-
-
-def _resolve(
-    jobs: Jobs, task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, kwargs: dict[str, Any]
-) -> tuple[Jobs, Task[Any, Any] | str, dict[str, Any]]:
-    """The registry, the task and the options of a call; option keywords are taken out of
-    ``kwargs`` (no handler may have a parameter of those names)."""
-    given = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-    if isinstance(task, ConfiguredTask):
-        plain, options = merge_options(task, given)
-        return jobs, jobs.get(plain), options
-    return jobs, task, {k: v for k, v in given.items() if v is not None}
-
-
-def _insert_unique(connection: sa.Connection, registry: Jobs, params: Any) -> tuple[int, bool]:
-    """INSERT a unique job; its id (or that of the live job holding the key), and whether
-    it is new. The holder may finish between the two statements: then try again."""
-    q = registry.queries
-    for _ in range(5):
-        job_id = connection.execute(q.insert_job_unique, params).scalar()
-        if job_id is not None:
-            return int(job_id), True
-        held = connection.execute(q.live_by_key, {"key": params["unique_key"]}).scalar()
-        if held is not None:
-            return int(held), False
-    raise EnqueueError(f"unique key {params['unique_key']!r} keeps changing hands; try again")
-
-
 # -- the enqueued event -------------------------------------------------------------------
 
 #: Jobs enqueued on a connection in a transaction, waiting for its commit.
@@ -218,7 +150,7 @@ _waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, Sequence[Any
 
 
 def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) -> None:
-    if _autocommit(connection):
+    if autocommit(connection):
         for job in jobs:
             registry.events.fire("enqueued", job)
         return
@@ -228,12 +160,6 @@ def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) ->
         event.listen(connection, "commit", _committed)
         event.listen(connection, "rollback", _rolled_back)
     waiting.append((registry, jobs))
-
-
-def _autocommit(connection: sa.Connection) -> bool:
-    """Whether the driver connection commits every statement by itself (psycopg's own
-    flag: asking SQLAlchemy for the isolation level would cost a round trip)."""
-    return bool(getattr(connection.connection.driver_connection, "autocommit", False))
 
 
 def _committed(connection: sa.Connection) -> None:

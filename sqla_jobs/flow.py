@@ -47,16 +47,16 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy import event, inspect
 
+from ._enqueue import _sync, bind, link, place_on_session
 from .errors import EnqueueError, JobFailedError
-from .model import LIVE_STATUSES, JobStatus
-from .tasks import KEEP_KEY, RESULTS_KEY, ConfiguredTask, Task, TaskArgs
+from .model import KEEP_KEY, RESULTS_KEY, JobStatus
+from .queries import listen_sql, unlisten_sql
+from .tasks import ConfiguredTask, Task, TaskArgs
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -67,142 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = ["group", "link", "result", "result_async"]
 
-#: The placeholder ``run_at`` of a job inserted with ``after=``, also the mark of a held job
-#: (``'infinity'`` would be neater, but Python's datetime cannot read it back).
-HELD_UNTIL = datetime(9999, 1, 1, tzinfo=timezone.utc)
-
-_LINK_KEY = "sqla_jobs.links"
-
-
-# -- dependencies ----------------------------------------------------------------------
-
-
-def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
-    """Check ``after=``: job ids, or job objects of this registry's model (pending ones
-    only where their ids will be known before linking: ``pending_ok``)."""
-    out: list[Any] = []
-    for parent in parents:
-        if isinstance(parent, bool) or not isinstance(parent, (int, registry.model)):
-            if hasattr(parent, "__table__") and hasattr(parent, "task"):
-                raise EnqueueError(
-                    f"after=: {parent!r} is a job of another table "
-                    f"({parent.__table__.fullname}); a job can only wait for jobs of "
-                    f"{registry.table.fullname}"
-                )
-            raise EnqueueError(f"after= takes jobs or job ids, got {parent!r}")
-        if isinstance(parent, int):
-            out.append(parent)
-        elif parent.id is not None:
-            out.append(parent.id)
-        elif pending_ok:
-            out.append(parent)
-        else:
-            raise EnqueueError(f"after=: {parent!r} has no id yet (flush the session first)")
-    return out
-
-
-def link(
-    conn: sa.Connection, queries: Queries, child_id: int, parents: Sequence[int], run_anyway: bool
-) -> str:
-    """Tie a just-inserted job to its parents, in the enqueue's transaction; its status.
-
-    Two statements: mark (and lock) the parents, then set the child's parents, how many
-    it waits for, and its status. A parent already ``done`` counts as succeeded; one that
-    is dead or cancelled cancels the child at once (or, ``run_anyway``, counts as done).
-    A cycle cannot be made: a parent must exist before its child is enqueued.
-    """
-    ids = sorted(set(parents))
-    if child_id in ids:
-        raise EnqueueError(f"after=: job {child_id} cannot wait for itself")
-    rows = conn.execute(queries.mark_parents, {"parent_ids": ids}).all()
-    status_of = {int(r.id): r.status for r in rows}
-    missing = [i for i in ids if i not in status_of]
-    if missing:
-        raise EnqueueError(
-            f"after=: no job {', '.join(map(str, missing))} in {queries.table.fullname} "
-            "(a job that succeeded without keep_result= is deleted: it cannot be waited for)"
-        )
-    waiting = sum(1 for s in status_of.values() if s in LIVE_STATUSES)
-    ended = sorted(i for i, s in status_of.items() if s in (JobStatus.DEAD, JobStatus.CANCELLED))
-    if run_anyway:
-        # An ended parent not settled yet (dead by its lease) counts this child down when
-        # the retention pass settles it: until then, the child waits for it too.
-        waiting += sum(1 for r in rows if r.unsettled and int(r.id) in ended)
-    reason = None
-    if ended and not run_anyway:
-        status, waiting = JobStatus.CANCELLED.value, 0
-        reason = (
-            f"cancelled: job {ended[0]}, which it waits for (after=), ended {status_of[ended[0]]}"
-        )
-    elif waiting:
-        status = JobStatus.SCHEDULED.value
-    else:
-        status = JobStatus.READY.value
-    conn.execute(
-        queries.link_child,
-        {
-            "child_id": child_id,
-            "parent_ids": ids,
-            "waiting": waiting,
-            "child_status": status,
-            "reason": reason,
-        },
-    )
-    return status
-
-
-def defer_link(
-    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
-) -> None:
-    """Link an ORM job at the session's flush, once it and its parents have ids.
-
-    Parents added to the session before the child are INSERTed by the same flush (the ORM
-    inserts the rows of one mapper in the order they were added, and returns their ids),
-    so after the flush every id is known, and the link runs in the flush's transaction:
-    a rollback (of the transaction or of the savepoint) takes the whole workflow with it.
-    """
-    links: list[tuple[Jobs, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
-    if links is None:
-        links = session.info[_LINK_KEY] = []
-        if not event.contains(session, "after_flush_postexec", _link_flushed):
-            event.listen(session, "after_flush_postexec", _link_flushed)
-            event.listen(session, "after_transaction_end", _forget_links)
-    links.append((registry, child, parents, run_anyway))
-
-
-def _link_flushed(session: Session, flush_context: Any) -> None:
-    links = session.info.get(_LINK_KEY)
-    if not links:
-        return
-    session.info[_LINK_KEY] = []
-    for registry, child, parents, run_anyway in links:
-        state = inspect(child)
-        if not state.persistent:
-            continue  # rolled back with its savepoint before it was flushed
-        ids = []
-        for parent in parents:
-            if isinstance(parent, int):
-                ids.append(parent)
-            elif parent.id is None:
-                raise EnqueueError(
-                    f"after=: {parent!r} was not flushed with the job that waits for it "
-                    "(was it expunged?)"
-                )
-            else:
-                ids.append(parent.id)
-        conn = session.connection(bind_arguments={"mapper": registry.model})
-        link(conn, registry.queries, child.id, ids, run_anyway)
-        session.expire(
-            child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"]
-        )
-        for parent in parents:
-            if not isinstance(parent, int):
-                session.expire(parent, ["meta"])
-
-
-def _forget_links(session: Session, transaction: Any) -> None:
-    if transaction.parent is None:
-        session.info.pop(_LINK_KEY, None)
+# ``link`` (and ``after=``'s other machinery: the held placeholder, deferred links) lives in
+# sqla_jobs._enqueue, the one writer of job rows; it is named here, where it was public.
 
 
 # -- groups ---------------------------------------------------------------------------
@@ -255,32 +121,23 @@ def group(
     if "after" in cb_options:
         raise EnqueueError("jobs.group: the callback waits for the group, not for after=")
     # Checked with a placeholder for the results (filled when the last member succeeds).
-    values = registry.job_values(
-        plain, cb_args.args, {**cb_args.kwargs, results: []}, **cb_options, after=added
+    pending = bind(
+        registry,
+        plain,
+        cb_args.args,
+        {**cb_args.kwargs, results: []},
+        {**cb_options, "after": added},
     )
-    values["args"].pop(results, None)
-    values["meta"] = {**(values.get("meta") or {}), RESULTS_KEY: results}
-    callback = _add_child(session, registry, values)
+    row = pending.row
+    row["args"].pop(results, None)
+    row["meta"] = {**(row.get("meta") or {}), RESULTS_KEY: results}
+    callback, _ = place_on_session(session, pending)
     if registry.events.wants("enqueued"):
-        from .session import _announce, _boundary, _sync
+        from .session import _announce, _boundary
 
         sync = _sync(session)
         _announce(sync, registry, [callback], _boundary(sync))
     return added, callback
-
-
-def _add_child(session: Any, registry: Jobs, values: dict[str, Any]) -> Any:
-    from .session import _sync
-
-    parents = values.pop("after")
-    run_anyway = bool((values.get("meta") or {}).get("sqla_jobs.run_anyway"))
-    values["run_at"] = HELD_UNTIL
-    job = registry.model(**values)
-    session.add(job)
-    defer_link(
-        _sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway
-    )
-    return job
 
 
 def _pair(item: Any, what: str) -> tuple[Any, TaskArgs[Any]]:
@@ -403,8 +260,6 @@ def result(
             time.sleep(_pause(pause, deadline, job_id, timeout))
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        from .worker.statements import listen_sql, unlisten_sql
-
         conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = conn.connection.driver_connection
         mine = str(job_id)
@@ -465,8 +320,6 @@ async def result_async(
             pause = min(_POLL_MAX, pause * _POLL_GROWTH)
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        from .worker.statements import listen_sql, unlisten_sql
-
         await conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = (await conn.get_raw_connection()).driver_connection
         mine = str(job_id)

@@ -67,7 +67,7 @@ import functools
 import hashlib
 import inspect
 import typing
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, ClassVar, NamedTuple
 
 import sqlalchemy as sa
@@ -86,6 +86,25 @@ from sqlalchemy.orm import (
 from sqlalchemy.sql.compiler import SQLCompiler
 
 __all__ = ["STATUSES", "JobMixin", "JobStatus", "notify_channel", "result_channel"]
+
+
+# -- the storage contract of meta: keys the worker reads from a claimed row -------------
+
+#: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.`` namespace
+#: is the library's). They are the storage contract between the enqueue, the worker (which
+#: reads them from the claimed row) and admin, so they live with the model: seconds a
+#: result is kept; this job has dependent jobs; run this job even if a parent ends dead or
+#: cancelled; the parameter a group's callback receives its parents' results in; this job
+#: was cancelled because a parent ended dead or cancelled (retrying that parent brings it
+#: back).
+KEEP_KEY = "sqla_jobs.keep"
+CHILDREN_KEY = "sqla_jobs.children"
+RUN_ANYWAY_KEY = "sqla_jobs.run_anyway"
+RESULTS_KEY = "sqla_jobs.results"
+CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
+
+#: How long ``keep_result=True`` keeps a result when the registry keeps no done jobs.
+DEFAULT_RESULT_TTL = timedelta(days=1)
 
 
 class JobStatus(str, enum.Enum):

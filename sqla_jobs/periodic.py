@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from ._enqueue import insert_rows
 from .cron import Schedule, check_cron, check_timezone, next_tick
 from .errors import EnqueueError
-from .queries import insert_rows
 from .tasks import check_schedule_name
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def _values(
     check_cron(cron, now=now, tz=tz)
     # The same checks as an enqueue: a schedule that could never make a valid job is
     # refused when it is stored. (Nothing is enqueued here: no enqueue hooks.)
-    values = jobs.job_values(
+    values, _, _ = jobs.bind_row(
         task, (), dict(args or {}), queue=queue, priority=priority, meta_prepared=True
     )
     return {
@@ -170,7 +170,8 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
                 if after > now:
                     break
                 latest = after
-            values = jobs.job_values(
+            # A tick is unique by its own key, not by a scope its task may declare.
+            values, _, _ = jobs.bind_row(
                 row.task, (), dict(row.args), queue=row.queue, priority=row.priority
             )
         except (ValueError, EnqueueError) as exc:
@@ -184,7 +185,6 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
                 },
             )
             continue
-        values.pop("unique_scope", None)  # a tick is unique by its own key
         values["unique_key"] = periodic_key(row.name, latest)
         rows.append(values)
         conn.execute(

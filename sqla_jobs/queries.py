@@ -17,38 +17,28 @@ worker that lost its lease and comes back late finds no row, and changes nothing
 
 from __future__ import annotations
 
-import itertools
 import json
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from .bulk import CheckedLater, copy_allowed, copy_run
-from .db import require_postgresql
-from .errors import EnqueueError
-from .limits import Encodings, database_encodings
 from .model import (
+    CANCELLED_BY_PARENT_KEY,
+    CHILDREN_KEY,
     LIVE_STATUSES,
+    RESULTS_KEY,
+    RUN_ANYWAY_KEY,
     UNIQUE_WHERE,
     JobStatus,
     companion_tables,
     notify_channel,
     result_channel,
-)
-from .tasks import (
-    CANCELLED_BY_PARENT_KEY,
-    CHILDREN_KEY,
-    RESULTS_KEY,
-    RUN_ANYWAY_KEY,
-    ascii_rows,
-    check_encoding,
-    check_encoding_text,
 )
 
 if TYPE_CHECKING:
@@ -58,14 +48,26 @@ __all__ = [
     "Queries",
     "batch_params",
     "claim_params",
-    "insert_rows",
     "interval",
-    "job_params",
+    "listen_sql",
     "status_literal",
+    "unlisten_sql",
 ]
 
 #: Written into ``last_error`` when a lease passes without a heartbeat.
 LEASE_EXPIRED = "lease expired: the worker that ran this attempt stopped heartbeating"
+
+
+# LISTEN/UNLISTEN take the channel as an identifier, not a parameter: quoted here, for the
+# worker's listener and Jobs.result's wait alike.
+def listen_sql(channel: str) -> str:
+    """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
+    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
+
+
+def unlisten_sql(channel: str) -> str:
+    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
+    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
 
 
 def status_literal(status: JobStatus | str) -> sa.ColumnElement[str]:
@@ -1515,36 +1517,6 @@ def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
     return stmt.returning(t.c.id)
 
 
-class JobParams(TypedDict):
-    task: str
-    queue: str
-    args: str
-    priority: int
-    max_attempts: int
-    status: str
-    run_at: Any
-    unique_key: str | None
-    meta: str | None
-    concurrency_key: str | None
-
-
-def job_params(values: dict[str, Any]) -> JobParams:
-    """Parameters of ``insert_job`` from checked values (:meth:`Jobs.job_values`)."""
-    meta = values.get("meta")
-    return {
-        "task": values["task"],
-        "queue": values["queue"],
-        "args": args_json(values["args"]),
-        "priority": values["priority"],
-        "max_attempts": values["max_attempts"],
-        "status": values["status"],
-        "run_at": values.get("run_at"),
-        "unique_key": values.get("unique_key"),
-        "meta": None if meta is None else _dumps(meta),
-        "concurrency_key": values.get("concurrency_key"),
-    }
-
-
 # The live job that holds a unique key (<table>_unique): the answer of a unique enqueue
 # whose INSERT ... ON CONFLICT DO NOTHING (insert_job_unique) returned no row.
 def _live_by_key(t: sa.Table) -> sa.Select[Any]:
@@ -1555,8 +1527,6 @@ def _live_by_key(t: sa.Table) -> sa.Select[Any]:
     )
 
 
-_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at", "meta")
-
 #: One encoder for every row: ``json.dumps(..., separators=...)`` builds one per call.
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -1566,157 +1536,6 @@ def args_json(args: Any) -> str:
     (:class:`~sqla_jobs.tasks.CheckedArgs`), else encoded here."""
     text = getattr(args, "json", None)
     return text if isinstance(text, str) else _dumps(args)
-
-
-def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
-    """What the rows of one enqueue_many call have in common."""
-    return (
-        row["task"],
-        row["queue"],
-        row["priority"],
-        row["max_attempts"],
-        row["status"],
-        row.get("run_at"),
-        row.get("meta"),
-    )
-
-
-class Run(Sequence[dict[str, Any]]):
-    """Checked job rows that differ only in their arguments, with neither a unique key nor
-    a concurrency key: what one ``enqueue_many`` call of the common kind makes (see
-    ``session.many_values``). It holds the first row and every row's arguments; a row is
-    made only when asked for (by the ``enqueued`` listeners, or ``pending_jobs``), and
-    :func:`insert_rows` writes a run without making any: at 100,000 rows a dict per row
-    was a fifth of a session's ``enqueue_many`` and flush."""
-
-    __slots__ = ("args", "first")
-
-    def __init__(self, first: dict[str, Any], args: list[Any]) -> None:
-        self.first = first
-        self.args = args
-
-    def __len__(self) -> int:
-        return len(self.args)
-
-    @overload
-    def __getitem__(self, index: int) -> dict[str, Any]: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
-    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
-        if isinstance(index, slice):
-            return [{**self.first, "args": a} for a in self.args[index]]
-        return {**self.first, "args": self.args[index]}
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        first = self.first
-        for a in self.args:
-            yield {**first, "args": a}
-
-    def joined(self, other: Run) -> Run:
-        """This run and ``other`` as one (a new run; the two are left as they are)."""
-        return Run(self.first, [*self.args, *other.args])
-
-
-def same_run(run: Run, other: Run) -> bool:
-    """Whether two :class:`Run` s may be written as one."""
-    return _shared_values(run.first) == _shared_values(other.first)
-
-
-def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]]) -> int:
-    """INSERT checked job rows (from :meth:`Jobs.job_values <sqla_jobs.Jobs.job_values>`),
-    one statement per run of rows that share task, queue and options: one statement for an
-    ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
-    see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
-    whose unique key a live job holds are not)."""
-    require_postgresql(connection, "enqueue_many", EnqueueError)
-    if isinstance(rows, Run):
-        return _write_run(connection, queries, rows.first, rows.args) if rows else 0
-    _check_encoding(connection, rows)
-    statement = queries.bulk_insert
-    inserted = 0
-    for shared, run in itertools.groupby(rows, key=_shared_values):
-        same = list(run)
-        params = dict(zip(_SHARED, shared, strict=True))
-        if params["meta"] is not None:
-            params["meta"] = _dumps(params["meta"])
-        params["unique_key"] = [r.get("unique_key") for r in same]
-        params["concurrency_key"] = [r.get("concurrency_key") for r in same]
-        # COPY writes the shared columns and the arguments only: rows with a concurrency
-        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do. It turns the
-        # arguments into text a block at a time, as it sends them (see copy_run).
-        keyed = any(key is not None for key in params["concurrency_key"])
-        if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
-            args = [r["args"] for r in same]
-            inserted += copy_run(connection, queries.table, params, args, args_json)
-            continue
-        params["args"] = [args_json(r["args"]) for r in same]
-        inserted += connection.execute(statement, params).rowcount
-    return inserted
-
-
-def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: CheckedLater) -> int:
-    """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
-    rows that have ``row``'s columns (checked values from :meth:`Jobs.job_values
-    <sqla_jobs.Jobs.job_values>`, without a unique or concurrency key) and differ only in
-    their arguments, given as JSON ``texts`` checked as they are written; returns how many
-    were inserted."""
-    require_postgresql(connection, "enqueue_many", EnqueueError)
-    return _write_run(connection, queries, row, texts)
-
-
-def _write_run(
-    connection: Any, queries: Queries, row: dict[str, Any], args: Sequence[Any] | CheckedLater
-) -> int:
-    """Write rows that have ``row``'s columns and differ only in their arguments: checked
-    arguments (:class:`~sqla_jobs.tasks.CheckedArgs`), or texts checked as they are
-    written. ``COPY`` when :func:`~sqla_jobs.bulk.copy_allowed` says so, else the bulk
-    INSERT (with every text checked first)."""
-    params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
-    if params["meta"] is not None:
-        params["meta"] = _dumps(params["meta"])
-    encodings = database_encodings(connection) if isinstance(connection, sa.Connection) else None
-    if encodings is not None:
-        # A database (or connection) that does not carry every text (LATIN1 has no "€"):
-        # the texts are checked for it too, as they are made (see CheckedLater).
-        if isinstance(args, CheckedLater):
-            args = CheckedLater(args.first, args.rest, _encoded_for(args.encode, row, encodings))
-            check_encoding([{**row, "args": args.first}], encodings)
-        else:
-            check_encoding(Run(row, list(args)), encodings)
-    if isinstance(args, CheckedLater):
-        if copy_allowed(connection, len(args), ()):
-            return copy_run(connection, queries.table, params, args)
-        params["args"] = args.all()
-    else:
-        if copy_allowed(connection, len(args), ()):
-            return copy_run(connection, queries.table, params, args, args_json)
-        params["args"] = list(map(args_json, args))
-    params["unique_key"] = params["concurrency_key"] = [None] * len(args)
-    return int(connection.execute(queries.bulk_insert, params).rowcount)
-
-
-def _check_encoding(connection: Any, rows: Sequence[dict[str, Any]]) -> None:
-    """Refuse rows with text that the connection's database cannot store (see
-    :func:`~sqla_jobs.tasks.check_encoding`); nothing to do for a UTF-8 one."""
-    if isinstance(connection, sa.Connection):
-        encodings = database_encodings(connection)
-        if encodings is not None and not ascii_rows(rows):
-            check_encoding(rows, encodings)
-
-
-def _encoded_for(encode: Any, row: dict[str, Any], encodings: Encodings) -> Any:
-    """``encode`` (of a :class:`~sqla_jobs.bulk.CheckedLater`), whose texts are then checked
-    for the database's encodings too."""
-
-    def checked(items: list[Any]) -> list[str]:
-        texts: list[str] = encode(items)
-        if not "".join(texts).isascii():
-            for text in texts:
-                if not text.isascii():
-                    check_encoding_text(row["task"], text, encodings)
-        return texts
-
-    return checked
 
 
 # -- scoped unique keys (<table>_unique_keys) -------------------------------------------
@@ -1853,33 +1672,6 @@ def _prune_unique_keys(t: sa.Table, k: sa.Table) -> sa.Delete:
         .where(k.c.key == sa.any_(sa.bindparam("keys", type_=ARRAY(sa.Text))), ~live)
         .execution_options(preserve_rowcount=True)
     )
-
-
-def enqueue_scoped(
-    connection: Any, queries: Queries, params: JobParams, scope: Any
-) -> tuple[int, str]:
-    """Enqueue a scoped unique job (:class:`sqla_jobs.tasks.UniqueScope`) on ``connection``
-    in its transaction; ``(id, outcome)``: ``"new"``, ``"replaced"`` (the waiting holder
-    took the arguments), ``"kept"`` (the holder blocks and is returned as it is) or
-    ``"gone"`` (the key's period holds it, and the id is of the job that took it, which
-    has finished and been deleted). Two statements: take the key's row (which waits for
-    a concurrent enqueue of the key to commit or roll back), then place the job."""
-    key = params["unique_key"]
-    holder, held = connection.execute(queries.take_key, {"key": key}).one()
-    row = connection.execute(
-        queries.place_scoped,
-        {
-            **{f"p_{name}": value for name, value in params.items()},
-            "holder": holder,
-            "held": held,
-            "states": list(scope.states),
-            "replace": scope.on_conflict == "replace",
-            "period": scope.period,
-        },
-    ).first()
-    if row is None:
-        return int(holder), "gone"
-    return int(row[0]), str(row[1])
 
 
 # -- schedules (<table>_schedules) -------------------------------------------------------

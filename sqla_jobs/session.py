@@ -32,38 +32,64 @@ I/O); a session made with ``autobegin=False`` refuses to enqueue until ``session
 
 Both work on ``AsyncSession`` (:class:`AsyncJobSession`) too: they only add to the
 unit of work, so they do no I/O and need no ``await``.
+
+When a row is written, per call and class (the same table is in
+``docs/design/pipeline.md``; the writing itself is :mod:`sqla_jobs._enqueue`'s):
+
+=============================  ==================================  ======================
+call                           JobSession / AsyncJobSession        sharded sessions
+=============================  ==================================  ======================
+``enqueue`` (plain, after=)    at the flush                        at the flush
+``enqueue`` (unique, scoped)   at the call (``await                at the call (``await
+                               enqueue_unique`` on asyncio)        enqueue_unique``)
+``enqueue_many``               next flush, savepoint start,        at the call (awaited
+                               release or commit; at the call for  on asyncio)
+                               1,000+ rows (a list) on a sync
+                               session with autoflush
+``jobs.group``                 at the flush                        at the flush
+=============================  ==================================  ======================
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence, Sized
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .bulk import CheckedLater, gc_paused
+from ._enqueue import (
+    JOBS_KEY,
+    UniformRows,
+    _sync,
+    bind_call,
+    insert_json,
+    insert_rows,
+    many_json,
+    many_values,
+    place_on_session,
+    same_run,
+)
 from .claiming import AsyncClaimMixin, ClaimMixin
 from .db import require_postgresql
 from .errors import EnqueueError
-from .limits import database_encodings, known_encodings
 from .model import JobMixin
-from .queries import Run, enqueue_scoped, insert_json, insert_rows, job_params, same_run
+from .storable import database_encodings, known_encodings
 from .tasks import (
     ConfiguredTask,
     Jobs,
+    ManyOptions,
     Task,
     TaskArgs,
-    _utcnow,
     ascii_row,
     ascii_rows,
     check_encoding,
-    check_meta,
-    merge_options,
+    many_options,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -71,7 +97,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T", bound=Task[Any, Any])
 
-_JOBS_KEY = "sqla_jobs.jobs"
+_JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
 #: Options that make a job unique, which needs an INSERT now (awaited, on asyncio).
@@ -147,21 +173,6 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         /,
         *args: Any,
-        # Typed Any: to a type checker, these names could be the handler's arguments.
-        queue: Any = None,
-        priority: Any = None,
-        run_at: Any = None,
-        delay: Any = None,
-        max_attempts: Any = None,
-        unique: Any = False,
-        unique_key: Any = None,
-        meta: Any = None,
-        unique_for: Any = None,
-        unique_states: Any = None,
-        unique_on_conflict: Any = None,
-        keep_result: Any = None,
-        after: Any = None,
-        on_parent_failure: Any = None,
         **kwargs: Any,
     ) -> JobMixin | None:
         """Add one job to the unit of work and return it (a new, pending ``Job`` object).
@@ -174,16 +185,20 @@ class EnqueueMixin:
             the name of a task registered with this session's ``jobs``.
         :param args, kwargs: the handler's arguments; checked now, stored as JSON.
 
-        The options, best bound with :meth:`Task.with_options` (also accepted here as
-        keywords, which a type checker cannot tell from the handler's arguments):
+        The options (:class:`~sqla_jobs.EnqueueOptions`), best bound with
+        :meth:`Task.with_options` (also accepted here as keywords, which a type checker
+        cannot tell from the handler's arguments):
 
         :param queue: overrides the task's queue.
         :param priority: ``>= 0``; higher is claimed first. Overrides the task's.
         :param run_at: not before this (timezone-aware) time. Or ``delay``: seconds or a
             ``timedelta`` from now.
         :param max_attempts: overrides the task's.
-        :param unique_key: at most one live (scheduled, ready or running) job per key.
-            ``unique=True`` derives the key from the task and its arguments. A unique job
+        :param unique: at most one live (scheduled, ready or running) job per key:
+            ``True`` derives the key from the task and its arguments, a
+            :class:`~sqla_jobs.Unique` names it, or its period, states and conflict rule
+            (the flat ``unique_key``, ``unique_for``, ``unique_states`` and
+            ``unique_on_conflict`` are its deprecated spellings). A unique job
             is INSERTed at once (``ON CONFLICT DO NOTHING``, in the caller's transaction,
             without flushing anything else), because the answer is needed now: the new
             job, or the live one that already holds the key, is returned.
@@ -198,46 +213,28 @@ class EnqueueMixin:
             cancelled cancels this job, and what waits on it; ``"run"``: run it anyway.
         :raises EnqueueError: bad arguments or options; the session is left untouched.
         """
-        given = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-            "unique": unique,
-            "unique_key": unique_key,
-            "meta": meta,
-            "unique_for": unique_for,
-            "unique_states": unique_states,
-            "unique_on_conflict": unique_on_conflict,
-            "keep_result": keep_result,
-            "after": after,
-            "on_parent_failure": on_parent_failure,
-        }
-        if isinstance(task, ConfiguredTask):
-            plain, options = merge_options(task, given)
-            registry = plain.registry
-            values = registry.job_values(plain, args, kwargs, **options)
-        else:
-            registry = _registry(self, task)
-            values = registry.job_values(task, args, kwargs, **given)
+        # Through the class: also called with a plain Session as ``self`` (the one behind an
+        # AsyncSession whose sync_session_class lacks this mixin).
+        return EnqueueMixin._enqueue_job(self, task, args, kwargs)
+
+    def _enqueue_job(
+        self,
+        task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        shard: Any = None,
+    ) -> JobMixin | None:
+        """:meth:`enqueue`, the job routed to ``shard`` when one is given (a sharded
+        session's call: its statements name the shard, ``bind_arguments={"shard_id":
+        shard}``, and the job it reads back its ``identity_token``)."""
+        pending = bind_call(task, args, kwargs, self)
+        registry = pending.registry
         session = _sync(self)
         boundary = _boundary(session)
-        if not ascii_row(values):
-            _check_encoding(session, registry, [values])
-        inserted = True
+        if not ascii_row(pending.row):
+            _check_encoding(session, registry, [pending.row], shard)
         job: JobMixin | None
-        if "after" in values:  # never unique: job_values refuses the two together
-            from .flow import _add_child
-
-            job = _add_child(session, registry, values)
-        elif "unique_scope" in values:
-            job, inserted = insert_scoped(session, registry, values)
-        elif "unique_key" in values:
-            job, inserted = insert_unique(session, registry, values)
-        else:
-            job = registry.model(**values)
-            self.add(job)
+        job, inserted = place_on_session(self, pending, shard)
         if inserted and registry.events.wants("enqueued"):
             _announce(session, registry, [job], boundary)
         return job
@@ -252,13 +249,7 @@ class EnqueueMixin:
         task: T,
         arguments: Iterable[TaskArgs[T]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -267,13 +258,7 @@ class EnqueueMixin:
         task: ConfiguredTask[P, R],
         arguments: Iterable[TaskArgs[Task[P, R]]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -282,13 +267,7 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[Mapping[str, Any]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     def enqueue_many(
@@ -296,14 +275,7 @@ class EnqueueMixin:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
         /,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool = False,
-        meta: Mapping[str, Any] | None = None,
+        **options: Unpack[ManyOptions],
     ) -> int:
         """Add many jobs of one task, one per item of ``arguments``; return how many.
 
@@ -319,15 +291,7 @@ class EnqueueMixin:
         equal to a live job is silently skipped. ``meta`` is given to every job of the
         call.
         """
-        given: dict[str, Any] = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-            "unique": unique,
-            "meta": meta,
-        }
+        given = many_options(options)
         if (
             isinstance(self, Session)
             # The session inside an AsyncJobSession may be called outside its greenlet
@@ -342,7 +306,9 @@ class EnqueueMixin:
         return _keep_for_flush(_sync(self), registry, rows)
 
 
-def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> None:
+def _check_encoding(
+    session: Session, registry: Jobs, rows: Sequence[dict[str, Any]], shard: Any = None
+) -> None:
     """Refuse, at the call, text that the database of the jobs' table cannot store (one
     that is not UTF-8: LATIN1 has no "€"), which it would refuse only at the flush.
 
@@ -354,7 +320,8 @@ def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, A
     if ascii_rows(rows):
         return
     try:
-        bind = session.get_bind(mapper=registry.model)
+        route = {} if shard is None else {"shard_id": shard}
+        bind = session.get_bind(mapper=registry.model, **route)
     except sa.exc.SQLAlchemyError:  # no bind for it: the flush will say so
         return
     engine = bind.engine if isinstance(bind, sa.Connection) else bind
@@ -366,7 +333,7 @@ def _check_encoding(session: Session, registry: Jobs, rows: Sequence[dict[str, A
             # Learned when the session's transaction connects (its flush), for the next.
             _listen(session, ("after_begin", _learn_encoding))
             return
-        connection = session.connection(bind_arguments={"mapper": registry.model})
+        connection = session.connection(bind_arguments={"mapper": registry.model, **route})
         encodings = database_encodings(connection)
     if encodings is not None:
         check_encoding(rows, encodings)
@@ -422,140 +389,6 @@ def _write_at_call(
     session.flush()
     connection = session.connection(bind_arguments={"mapper": registry.model})
     return insert_json(connection, registry.queries, rows[0], texts)
-
-
-def many_values(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    session: Any,
-    **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]]]:
-    """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
-    :class:`~sqla_jobs.queries.Run` when they differ only in their arguments.
-
-    ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
-    _check_many(arguments)
-    plain, registry, options, meta, now = _many_options(task, session, given)
-    job_values = registry.job_values
-    rows: Sequence[dict[str, Any]] = []
-    with gc_paused(arguments):
-        items = iter(arguments)
-        keyed: list[dict[str, Any]] = []
-        for item in items:
-            if isinstance(item, TaskArgs):
-                args, kwargs = item.args, item.kwargs
-            else:
-                args, kwargs = (), item
-            row = job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-            # Without unique keys, the rows of one call differ only in their arguments: the
-            # first row is checked whole, the others reuse its column values and check only
-            # their arguments (the options' checks were a third of a row's cost). Not when
-            # a column is derived from each row's arguments: a unique key (asked for here
-            # or by the task) or a concurrency key (the task's function).
-            t = registry.get(plain)
-            if not keyed and _uniform(row, t):
-                rows = Run(row, [row["args"], *t.bind_many(items)])
-                break
-            keyed.append(row)
-        else:
-            rows = keyed
-    if rows:
-        _prepare_meta(registry, rows, meta)
-    elif meta is not None:
-        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
-    return registry, rows
-
-
-def many_json(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    jobs: Jobs | Session,
-    **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
-    """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
-    a connection): when the rows differ only in their arguments and nobody listens for
-    ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
-    arguments of every row as JSON text, without a dict per row, checked alike when they
-    are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
-    None)``, every row checked."""
-    _check_many(arguments)
-    plain, registry, options, meta, now = _many_options(task, jobs, given)
-    if registry.events.wants("enqueued"):  # the listeners get a dict per job
-        return (*many_values(task, arguments, jobs, **given), None)
-    items = iter(arguments)
-    for item in items:
-        if isinstance(item, TaskArgs):
-            args, kwargs = item.args, item.kwargs
-        else:
-            args, kwargs = (), item
-        row = registry.job_values(plain, args, kwargs, now=now, meta_prepared=True, **options)
-        t = registry.get(plain)
-        if not _uniform(row, t):
-            # Keyed rows: each is a row of its own (the first is checked again there).
-            rows = many_values(task, itertools.chain([item], items), jobs, **given)[1]
-            return registry, rows, None
-        _prepare_meta(registry, [row], meta)
-        return registry, [row], CheckedLater(row["args"].json, list(items), t.bind_many_json)
-    if meta is not None:
-        check_meta(meta)
-    return registry, [], None
-
-
-def _check_many(arguments: object) -> None:
-    """``enqueue_many`` takes many jobs' arguments: one mapping (its keys would be taken
-    for the jobs) or something that is not iterable is an error that says so."""
-    if isinstance(arguments, (Mapping, str, bytes)) or not isinstance(arguments, Iterable):
-        raise EnqueueError(
-            "enqueue_many takes an iterable of jobs' arguments (task.args(...) or mappings), "
-            f"not {type(arguments).__name__}: for one job, pass [arguments]"
-        )
-
-
-def _many_options(
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
-) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
-    """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
-    the one clock reading of a batch with a delay."""
-    plain: Task[Any, Any] | str
-    if isinstance(task, ConfiguredTask):
-        plain, options = merge_options(task, given)
-        if "unique_key" in options:
-            raise EnqueueError(
-                "enqueue_many cannot give every job the same unique_key: use unique=True"
-            )
-        registry = plain.registry
-    else:
-        plain, options = task, {k: v for k, v in given.items() if v is not None}
-        registry = session if isinstance(session, Jobs) else _registry(session, plain)
-    if options.get("after") is not None or options.get("on_parent_failure") is not None:
-        raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
-    meta = options.pop("meta", None)
-    # One clock reading for the whole batch: with a delay, every row gets the same
-    # run_at, so the batch stays one run of the bulk INSERT.
-    now = _utcnow() if options.get("delay") is not None else None
-    return plain, registry, options, meta, now
-
-
-def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
-    """Whether the rows after ``row`` (the first of a call) may share its columns: not
-    when a column is derived from each row's arguments (a unique key, asked for by the
-    call or by the task, or the task's concurrency key)."""
-    return "unique_key" not in row and task.concurrency_key is None
-
-
-def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any) -> None:
-    """Check ``meta`` and hand it to the enqueue hooks, once for the whole call."""
-    first = rows.first if isinstance(rows, Run) else rows[0]
-    prepared = registry.job_meta(first["task"], first["queue"], meta)
-    if prepared is not None:
-        for row in [first] if isinstance(rows, Run) else rows:
-            row["meta"] = prepared
-    if "unique_scope" in first:
-        raise EnqueueError(
-            "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
-            "(each job of such a scope takes its key's lock in turn): enqueue them one by "
-            "one with session.enqueue"
-        )
 
 
 class JobSession(EnqueueMixin, ClaimMixin, Session):
@@ -660,64 +493,6 @@ def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
     return task
 
 
-def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
-    """The registry of a task, or the session's (for a name)."""
-    if isinstance(task, Task):
-        return task.registry
-    jobs = session.info.get(_JOBS_KEY)
-    if jobs is None:
-        raise EnqueueError(
-            f"cannot resolve task name {task!r}: this session has no Jobs registry "
-            "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
-        )
-    return jobs  # type: ignore[no-any-return]
-
-
-def insert_unique(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
-    """INSERT a unique job now; return it (or the live job holding its key) and whether it
-    is new. The arguments go as the JSON text their check wrote (:func:`job_params`), as
-    on a connection: encoded once, at the caller's depth."""
-    q = registry.queries
-    connection = session.connection()
-    require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
-    params = job_params(values)
-    for _ in range(5):
-        job_id = connection.execute(q.insert_job_unique, params).scalar()
-        inserted = job_id is not None
-        if not inserted:
-            # The key is held by a live job (committed: ON CONFLICT waits for an
-            # uncommitted one to settle). It may finish before we look: then insert.
-            job_id = connection.execute(q.live_by_key, {"key": values["unique_key"]}).scalar()
-        if job_id is not None:
-            with session.no_autoflush:
-                return session.get(registry.model, job_id), inserted
-    raise EnqueueError(f"unique key {values['unique_key']!r} keeps changing hands; try again")
-
-
-def insert_scoped(session: Session, registry: Jobs, values: dict[str, Any]) -> tuple[Any, bool]:
-    """Enqueue a scoped unique job now (see :func:`sqla_jobs.queries.enqueue_scoped`);
-    return the new job, the holder (replaced or kept), or None when the key's period
-    holds it and the job that took it is gone; and whether the job is new."""
-    connection = session.connection()
-    require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
-    scope = values.pop("unique_scope")
-    job_id, outcome = enqueue_scoped(connection, registry.queries, job_params(values), scope)
-    if outcome == "gone":
-        return None, False
-    with session.no_autoflush:
-        # A replaced holder this session has loaded must show its new arguments.
-        job = session.get(registry.model, job_id, populate_existing=outcome == "replaced")
-    return job, outcome == "new"
-
-
-def _sync(session: Any) -> Session:
-    """The plain Session behind a Session or an AsyncSession (which keeps its unit of
-    work in one)."""
-    sync = getattr(session, "sync_session", session)
-    assert isinstance(sync, Session)
-    return sync
-
-
 # -- savepoints ---------------------------------------------------------------------------
 #
 # A job shares the fate of the transaction that was innermost when it was enqueued: the
@@ -780,12 +555,6 @@ def _pending(session: Session) -> list[_Batch]:
             ("after_transaction_end", _after_transaction_end),
         )
     return batches
-
-
-def session_registry(session: Session) -> Jobs | None:
-    """The registry a session resolves task names with (its ``jobs=``), if any."""
-    jobs: Jobs | None = _sync(session).info.get(_JOBS_KEY)
-    return jobs
 
 
 def pending_jobs(session: Session) -> dict[Jobs, list[dict[str, Any]]]:
@@ -875,8 +644,8 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
     for _, registry, rows in batches:
         groups = by_registry.setdefault(registry, [])
         last = groups[-1] if groups else None
-        if isinstance(rows, Run):
-            if isinstance(last, Run) and same_run(last, rows):
+        if isinstance(rows, UniformRows):
+            if isinstance(last, UniformRows) and same_run(last, rows):
                 groups[-1] = last.joined(rows)
             else:
                 groups.append(rows)

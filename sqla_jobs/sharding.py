@@ -51,10 +51,10 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
@@ -62,19 +62,18 @@ from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
+from ._enqueue import insert_rows, many_values
 from .errors import EnqueueError, WorkerError, describe, unreachable
 from .model import JobMixin
-from .queries import insert_rows
 from .session import (
     _JOBS_KEY,
     EnqueueMixin,
     _announce,
     _boundary,
     as_unique,
-    many_values,
     refuse_unique,
 )
-from .tasks import ConfiguredTask, Jobs, Task
+from .tasks import ConfiguredTask, Jobs, ManyOptions, Task, TaskArgs, many_options
 from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
 from .worker.signals import signalled, stopped_by_signals
@@ -111,6 +110,45 @@ _SHARD_KEY = "sqla_jobs.shard"
 #: ``enqueue(..., shard=None)`` is told apart from no ``shard=`` at all: for a handler
 #: with a ``shard`` parameter, the first is an ambiguous keyword, the second is not.
 _UNSET: Any = object()
+
+P = ParamSpec("P")
+Ret = TypeVar("Ret", covariant=True)
+
+
+_AnyTask = Task[Any, Any] | ConfiguredTask[Any, Any] | str
+_Rows = Iterable[TaskArgs[Any] | Mapping[str, Any]]
+
+
+class ShardedManyOptions(ManyOptions, total=False):
+    """The keywords of the sharded sessions' ``enqueue_many``: the
+    :class:`~sqla_jobs.tasks.ManyOptions`, and where the rows go (``shard=``, or
+    ``shard_with=`` an ORM object; see :meth:`ShardedJobSession.shard_of_job`)."""
+
+    shard: Any
+    shard_with: Any
+
+
+class _Enqueue(Protocol[Ret]):
+    """The typed face of the sharded sessions' ``enqueue`` (and ``enqueue_unique``): a
+    call without ``shard=``/``shard_with=`` is held to the handler's signature, as on
+    :class:`~sqla_jobs.JobSession` (options bound with ``task.with_options(...)``, the
+    one :class:`~sqla_jobs.tasks.EnqueueOptions` declaration); one that names its shard
+    keeps the handler's arguments unchecked, since a ``ParamSpec`` cannot take a keyword
+    more."""
+
+    @overload
+    def __call__(
+        self, task: Task[P, Any] | ConfiguredTask[P, Any], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Ret: ...
+
+    @overload
+    def __call__(self, task: _AnyTask, /, *args: Any, shard: Any, **kwargs: Any) -> Ret: ...
+
+    @overload
+    def __call__(self, task: _AnyTask, /, *args: Any, shard_with: Any, **kwargs: Any) -> Ret: ...
+
+    @overload
+    def __call__(self, task: str, /, *args: Any, **kwargs: Any) -> Ret: ...
 
 
 def _refuse_ambiguous(session: Any, task: Any, **given: Any) -> None:
@@ -181,71 +219,41 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         **kw: Any,
     ) -> None:
         self._user_chooser = shard_chooser
-        self._user_identity_chooser = identity_chooser
-        self._user_execute_chooser = execute_chooser
         self._shard_names = frozenset(shards or ())
         self._written: set[Any] = set()
-        #: The shard of the job being enqueued, while ``enqueue`` inserts a unique job.
-        self._enqueuing_on: Any = None
-        super().__init__(
-            self._choose,
-            None if identity_chooser is None else self._choose_identity,
-            None if execute_chooser is None else self._choose_execute,
-            shards=shards,
-            **kw,
-        )
+        super().__init__(self._choose, identity_chooser, execute_chooser, shards=shards, **kw)
         event.listen(self, "after_flush", _after_flush)
         event.listen(self, "after_transaction_end", _after_transaction_end)
 
-    # The choosers the session runs. A job object goes where ``enqueue`` decided; while
-    # ``enqueue`` inserts a unique job (a statement on ``session.connection()``, then
-    # ``session.get`` of the job), everything goes to that job's shard; the rest is the
-    # application's choice.
+    # The chooser the session runs: a job object goes where ``enqueue`` decided; the rest
+    # is the application's choice. A unique job's statements and its read-back name the
+    # shard themselves (``bind_arguments={"shard_id": ...}``, ``identity_token``): the
+    # routing is explicit per call, never a mode of the session.
 
     def _choose(self, mapper: Mapper[Any], instance: Any, clause: Any = None, **kw: Any) -> Any:
         if instance is not None:
             shard = inspect(instance).info.get(_SHARD_KEY)
             if shard is not None:
                 return shard
-        if self._enqueuing_on is not None:
-            return self._enqueuing_on
         return self._user_chooser(mapper, instance, clause=clause, **kw)
 
-    def _choose_identity(self, *args: Any, **kw: Any) -> Any:
-        if self._enqueuing_on is not None:
-            return [self._enqueuing_on]
-        assert self._user_identity_chooser is not None
-        return self._user_identity_chooser(*args, **kw)
+    if TYPE_CHECKING:
+        enqueue: _Enqueue[JobMixin | None]
+    else:
 
-    def _choose_execute(self, context: Any) -> Any:
-        if self._enqueuing_on is not None:
-            return [self._enqueuing_on]
-        assert self._user_execute_chooser is not None
-        return self._user_execute_chooser(context)
+        def enqueue(self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs):
+            return self._enqueue(task, args, kwargs, shard, shard_with)
 
-    def get_bind(
-        self,
-        mapper: Any = None,
-        *,
-        shard_id: Any = None,
-        instance: Any = None,
-        clause: Any = None,
-        **kw: Any,
-    ) -> Any:
-        if shard_id is None and instance is None and self._enqueuing_on is not None:
-            shard_id = self._enqueuing_on
-        return super().get_bind(mapper, shard_id=shard_id, instance=instance, clause=clause, **kw)
-
-    def enqueue(
+    def _enqueue(
         self,
         task: Any,
-        /,
-        *args: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         shard: Any = _UNSET,
         shard_with: Any = _UNSET,
-        **kwargs: Any,
     ) -> Any:
-        """Like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the class says.
+        """``enqueue``: like :meth:`EnqueueMixin.enqueue`, on the shard chosen as the
+        class says.
 
         :raises EnqueueError: no shard can be determined, or it is not one of ``shards``;
             ``shard=`` or ``shard_with=`` given for a task whose handler has a parameter of
@@ -256,31 +264,21 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
             shard=None if shard is _UNSET else shard,
             shard_with=None if shard_with is _UNSET else shard_with,
         )
-        # A unique job is INSERTed now, on the shard's connection, and read back with
-        # session.get: both are steered to the target shard for the duration of the call.
-        self._enqueuing_on = target
-        try:
-            job = super().enqueue(task, *args, **kwargs)
-        finally:
-            self._enqueuing_on = None
+        # A unique job is INSERTed now, on the shard's connection, and read back from it.
+        job = self._enqueue_job(task, args, kwargs, shard=target)
         if inspect(job).key is None:
             inspect(job).info[_SHARD_KEY] = target
         return job
 
     def enqueue_many(
-        self,
-        task: Any,
-        arguments: Iterable[Any],
-        /,
-        *,
-        shard: Any = None,
-        shard_with: Any = None,
-        **options: Any,
+        self, task: _AnyTask, arguments: _Rows, /, **options: Unpack[ShardedManyOptions]
     ) -> int:
         """Like :meth:`EnqueueMixin.enqueue_many`, but the rows are INSERTed at once, on
         the chosen shard's connection (in the caller's transaction, or savepoint)."""
-        target = self.shard_of_job(shard=shard, shard_with=shard_with)
-        registry, rows = many_values(task, arguments, self, **options)
+        target = self.shard_of_job(
+            shard=options.pop("shard", None), shard_with=options.pop("shard_with", None)
+        )
+        registry, rows = many_values(task, arguments, self, **many_options(options))
         if rows:
             boundary = _boundary(self)
             connection = self.connection(bind_arguments={"shard_id": target})
@@ -410,63 +408,42 @@ else:
             assert isinstance(sync, ShardedJobSession)
             return sync
 
-        def enqueue(
-            self,
-            task: Any,
-            /,
-            *args: Any,
-            shard: Any = _UNSET,
-            shard_with: Any = _UNSET,
-            **kwargs: Any,
-        ) -> Any:
-            """:meth:`ShardedJobSession.enqueue`, which does no I/O for a job that is not
-            unique: the job is written at the next (awaited) flush.
+        if TYPE_CHECKING:
+            enqueue: _Enqueue[JobMixin]
+            enqueue_unique: _Enqueue[Coroutine[Any, Any, JobMixin | None]]
+        else:
 
-            :raises EnqueueError: as :meth:`ShardedJobSession.enqueue`, and for a unique
-                job (use :meth:`enqueue_unique`).
-            """
-            refuse_unique(task, kwargs)
-            return self.sharded.enqueue(task, *args, shard=shard, shard_with=shard_with, **kwargs)
+            def enqueue(self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs):
+                """:meth:`ShardedJobSession.enqueue`, which does no I/O for a job that is
+                not unique: the job is written at the next (awaited) flush.
 
-        async def enqueue_unique(
-            self,
-            task: Any,
-            /,
-            *args: Any,
-            shard: Any = _UNSET,
-            shard_with: Any = _UNSET,
-            **kwargs: Any,
-        ) -> Any:
-            """``enqueue(..., unique=True)`` (or with ``unique_key=``), awaited: INSERTed
-            at once on the job's shard, whose key it is unique within."""
-            task = as_unique(task, kwargs)
+                :raises EnqueueError: as :meth:`ShardedJobSession.enqueue`, and for a
+                    unique job (use :meth:`enqueue_unique`).
+                """
+                refuse_unique(task, kwargs)
+                return self.sharded._enqueue(task, args, kwargs, shard, shard_with)
 
-            def run(sync_session: Any) -> Any:
-                return sync_session.enqueue(
-                    task, *args, shard=shard, shard_with=shard_with, **kwargs
-                )
+            async def enqueue_unique(
+                self, task, /, *args, shard=_UNSET, shard_with=_UNSET, **kwargs
+            ):
+                """``enqueue(..., unique=Unique(...))`` (``unique=True`` unless it names a
+                key), awaited: INSERTed at once on the job's shard, whose key it is unique
+                within."""
+                task = as_unique(task, kwargs)
 
-            return await self.run_sync(run)
+                def run(sync_session: Any) -> Any:
+                    return sync_session._enqueue(task, args, kwargs, shard, shard_with)
+
+                return await self.run_sync(run)
 
         async def enqueue_many(
-            self,
-            task: Any,
-            arguments: Iterable[Any],
-            /,
-            *,
-            shard: Any = None,
-            shard_with: Any = None,
-            **options: Any,
+            self, task: _AnyTask, arguments: _Rows, /, **options: Unpack[ShardedManyOptions]
         ) -> int:
             """:meth:`ShardedJobSession.enqueue_many`, awaited: its rows are INSERTed at
             once on the shard's connection, in this session's transaction."""
 
             def run(sync_session: Any) -> int:
-                return int(
-                    sync_session.enqueue_many(
-                        task, arguments, shard=shard, shard_with=shard_with, **options
-                    )
-                )
+                return int(sync_session.enqueue_many(task, arguments, **options))
 
             return await self.run_sync(run)
 

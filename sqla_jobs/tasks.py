@@ -46,7 +46,14 @@ import sqlalchemy as sa
 from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Around, Events, RunWrapper
-from .limits import (
+from .model import (
+    DEFAULT_RESULT_TTL,
+    KEEP_KEY,
+    RUN_ANYWAY_KEY,
+    JobStatus,
+    check_complete,
+)
+from .storable import (
     DURATION_MAX_SECONDS,
     INT_MAX,
     INT_MAX_DIGITS,
@@ -65,7 +72,6 @@ from .limits import (
     shorten,
     text_problem,
 )
-from .model import JobStatus, check_complete
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
 if TYPE_CHECKING:
@@ -78,12 +84,16 @@ if TYPE_CHECKING:
 __all__ = [
     "Backoff",
     "ConfiguredTask",
+    "EnqueueOptions",
     "Jobs",
+    "ManyOptions",
     "RetryPolicy",
     "SessionFactory",
     "Task",
     "TaskArgs",
+    "TaskOptions",
     "TransactionalTask",
+    "Unique",
 ]
 
 log = logging.getLogger("sqla_jobs.enqueue")
@@ -101,26 +111,146 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T", bound="Task[Any, Any]")
 
-#: The enqueue options (``with_options``, and keywords of ``session.enqueue``), in the
-#: order ``job_values`` takes them.
-OPTION_NAMES = (
-    "queue",
-    "priority",
-    "run_at",
-    "delay",
-    "max_attempts",
-    "unique",
-    "unique_key",
-    "meta",
-    "unique_for",
-    "unique_states",
-    "unique_on_conflict",
-    "keep_result",
-    "after",
-    "on_parent_failure",
-)
+
+@dataclass(frozen=True)
+class Unique:
+    """How a job is unique: the value of the ``unique=`` option (``unique=True`` is
+    ``unique=Unique()``).
+
+    At most one live (scheduled, ready or running) job holds a key. With no field set the
+    key is derived from the task and its arguments; the other fields choose the key and
+    its scope (River groups them alike, in ``UniqueOpts``).
+
+    :param key: the key itself, instead of the derived one (the flat ``unique_key=``).
+    :param within: the key is held for this long after the job that took it was enqueued,
+        finished or not (``unique_for=``).
+    :param states: the statuses in which a job holds its key (``unique_states=``).
+    :param on_conflict: ``"keep"`` (the holder stays) or ``"replace"`` (a holder that has
+        not started takes the new arguments and options) (``unique_on_conflict=``).
+
+    Checked where it is used (``with_options``, an enqueue, ``@jobs.task``), as the flat
+    keywords are.
+    """
+
+    key: str | None = None
+    within: float | timedelta | None = None
+    states: Iterable[str] | None = None
+    on_conflict: Literal["keep", "replace"] | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen and hashable: a list of states would make the value unhashable.
+        if self.states is not None and not isinstance(self.states, (str, bytes)):
+            object.__setattr__(self, "states", tuple(self.states))
+
+    def flat(self) -> dict[str, Any]:
+        """The flat options this value stands for (those that are set)."""
+        flat: dict[str, Any] = {"unique": True}
+        for name, value in zip(
+            _UNIQUE_FIELDS, (self.key, self.within, self.states, self.on_conflict), strict=True
+        ):
+            if value is not None:
+                flat[name] = value
+        return flat
+
+
+#: The flat keywords of :class:`Unique`'s fields, in its order: deprecated aliases of
+#: ``unique=Unique(...)``, accepted for one more release.
+_UNIQUE_FIELDS = ("unique_key", "unique_for", "unique_states", "unique_on_conflict")
+
+
+class ManyOptions(TypedDict, total=False):
+    """The options of ``enqueue_many`` (one set for every row of a call); the part of
+    :class:`EnqueueOptions` that a batch takes. None means "not given"."""
+
+    queue: str | None
+    priority: int | None
+    run_at: datetime | None
+    delay: float | timedelta | None
+    max_attempts: int | None
+    unique: bool | Unique | None
+    meta: Mapping[str, Any] | None
+
+
+class EnqueueOptions(ManyOptions, total=False):
+    """The enqueue options, declared once: every entry point takes them from here
+    (``Task.with_options``, ``ConfiguredTask.with_options``, and the keywords that
+    ``session.enqueue``, ``jobs.enqueue(conn)`` and the sharded sessions accept at run
+    time), and :func:`check_options` checks them by these names. A new option is added
+    here, then to :meth:`Jobs.job_values`, which turns it into columns.
+
+    ``unique_key``, ``unique_for``, ``unique_states`` and ``unique_on_conflict`` are the
+    deprecated flat spellings of ``unique=Unique(key=, within=, states=, on_conflict=)``;
+    they are accepted, without a warning, for one more release.
+    """
+
+    keep_result: bool | float | timedelta | None
+    after: Iterable[Any] | None
+    on_parent_failure: str | None
+    unique_key: str | None
+    unique_for: float | timedelta | None
+    unique_states: Iterable[str] | None
+    unique_on_conflict: Literal["keep", "replace"] | None
+
+
+class TaskOptions(TypedDict, total=False):
+    """The keywords of ``@jobs.task(...)`` besides ``transactional``: the task's own
+    settings, and the enqueue options a task sets defaults for (a call's options win).
+    The unique ones are :class:`EnqueueOptions`' (``unique_key`` aside: jobs of one task
+    cannot share one key)."""
+
+    name: str | None
+    queue: str | None
+    max_attempts: int | None
+    retry: RetryPolicy | None
+    priority: int
+    timeout: float | None
+    concurrency_key: ConcurrencyKey | None
+    keep_result: bool | float | timedelta
+    unique: bool | Unique
+    unique_for: float | timedelta | None
+    unique_states: Iterable[str] | None
+    unique_on_conflict: Literal["keep", "replace"] | None
+
+
+#: The enqueue options' names, as :class:`EnqueueOptions` declares them.
+OPTION_NAMES: tuple[str, ...] = tuple(EnqueueOptions.__annotations__)
+#: The names ``enqueue_many`` takes as keywords (:class:`ManyOptions`).
+MANY_OPTION_NAMES: tuple[str, ...] = tuple(ManyOptions.__annotations__)
+#: The names ``@jobs.task`` takes besides ``transactional`` (:class:`TaskOptions`).
+TASK_OPTION_NAMES: tuple[str, ...] = tuple(TaskOptions.__annotations__)
+
+
+def many_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of an ``enqueue_many`` call, which must be :class:`ManyOptions`'
+    (a ``TypeError`` as for a keyword the function does not take)."""
+    for name in options:
+        if name not in _MANY_OPTION_SET:
+            raise TypeError(f"enqueue_many() got an unexpected keyword argument {name!r}")
+    return dict(options)
+
+
+def flat_unique(options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``options`` with a ``unique=Unique(...)`` spelled out as the flat keywords that
+    :meth:`Jobs.job_values` takes (the mapping itself when it holds none: the common
+    case costs one look-up). A field given both ways is an error, not a silent choice."""
+    unique = options.get("unique")
+    if unique is None or unique.__class__ is bool or not isinstance(unique, Unique):
+        return options
+    flat = dict(options)
+    for name, value in unique.flat().items():
+        if name != "unique" and flat.get(name) is not None:
+            raise EnqueueError(
+                f"give unique=Unique(...) or {name}=, not both ({name} is deprecated)"
+            )
+        flat[name] = value
+    return flat
+
+
 #: A handler parameter may not have an option's name: the keyword would be ambiguous.
 RESERVED_NAMES = frozenset(OPTION_NAMES)
+_OPTION_SET = RESERVED_NAMES
+_TASK_OPTION_SET = frozenset(TASK_OPTION_NAMES)
+_MANY_OPTION_SET = frozenset(MANY_OPTION_NAMES)
 _SMALLINT_MAX = 32767
 
 
@@ -434,24 +564,7 @@ class Task(Generic[P, R]):
             kwargs.setdefault(name, stored[name])
         return bound.args, kwargs
 
-    def with_options(
-        self,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool | None = None,
-        unique_key: str | None = None,
-        meta: Mapping[str, Any] | None = None,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
-        keep_result: bool | float | timedelta | None = None,
-        after: Iterable[Any] | None = None,
-        on_parent_failure: str | None = None,
-    ) -> ConfiguredTask[P, R]:
+    def with_options(self, **options: Unpack[EnqueueOptions]) -> ConfiguredTask[P, R]:
         """This task with enqueue options bound, for a type-checked enqueue.
 
         ``session.enqueue(task, ...)`` passes everything after the task to the handler, so
@@ -461,22 +574,7 @@ class Task(Generic[P, R]):
         :class:`EnqueueError`); ``delay`` counts from each enqueue, not from this call, so
         the result can be kept in a module and used again.
         """
-        return ConfiguredTask(self, {}).with_options(
-            queue=queue,
-            priority=priority,
-            run_at=run_at,
-            delay=delay,
-            max_attempts=max_attempts,
-            unique=unique,
-            unique_key=unique_key,
-            meta=meta,
-            unique_for=unique_for,
-            unique_states=unique_states,
-            unique_on_conflict=unique_on_conflict,
-            keep_result=keep_result,
-            after=after,
-            on_parent_failure=on_parent_failure,
-        )
+        return ConfiguredTask(self, {}).with_options(**options)
 
     def args(self, *args: P.args, **kwargs: P.kwargs) -> TaskArgs[Task[P, R]]:
         """One job's arguments for ``enqueue_many``, checked by the type checker against
@@ -540,45 +638,20 @@ class ConfiguredTask(Generic[P, R]):
     #: The options given, checked; only those that were set.
     options: Mapping[str, Any]
 
-    def with_options(
-        self,
-        *,
-        queue: str | None = None,
-        priority: int | None = None,
-        run_at: datetime | None = None,
-        delay: float | timedelta | None = None,
-        max_attempts: int | None = None,
-        unique: bool | None = None,
-        unique_key: str | None = None,
-        meta: Mapping[str, Any] | None = None,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
-        keep_result: bool | float | timedelta | None = None,
-        after: Iterable[Any] | None = None,
-        on_parent_failure: str | None = None,
-    ) -> ConfiguredTask[P, R]:
-        """These options on top of the ones already bound (a later one wins)."""
-        given = {
-            "queue": queue,
-            "priority": priority,
-            "run_at": run_at,
-            "delay": delay,
-            "max_attempts": max_attempts,
-            "unique": unique,
-            "unique_key": unique_key,
-            "meta": meta,
-            "unique_for": unique_for,
-            "unique_states": unique_states,
-            "unique_on_conflict": unique_on_conflict,
-            "keep_result": keep_result,
-            "after": None if after is None else list(after),
-            "on_parent_failure": on_parent_failure,
-        }
+    def with_options(self, **options: Unpack[EnqueueOptions]) -> ConfiguredTask[P, R]:
+        """These options on top of the ones already bound (a later one wins).
+
+        They are kept flat (``unique=Unique(within=...)`` as ``unique=True,
+        unique_for=...``), so that a later ``with_options(unique=True)`` keeps the scope."""
+        unknown = options.keys() - _OPTION_SET
+        if unknown:
+            raise TypeError(f"with_options() got an unexpected keyword argument {min(unknown)!r}")
+        given = flat_unique(options)
+        run_at, delay = given.get("run_at"), given.get("delay")
         merged = dict(self.options)
         for key, value in given.items():
             if value is not None:
-                merged[key] = value
+                merged[key] = list(value) if key == "after" else value
         if run_at is not None and delay is not None:
             raise EnqueueError("give run_at or delay, not both")
         # One replaces the other when given in a later call.
@@ -603,8 +676,10 @@ class ConfiguredTask(Generic[P, R]):
 
 
 def check_options(options: Mapping[str, Any]) -> None:
-    """Check enqueue options as ``job_values`` would; raise :class:`EnqueueError`."""
-    unknown = set(options) - set(OPTION_NAMES)
+    """Check enqueue options as ``job_values`` would; raise :class:`EnqueueError`. The
+    names are :class:`EnqueueOptions`'."""
+    options = flat_unique(options)
+    unknown = options.keys() - _OPTION_SET
     if unknown:
         raise EnqueueError(f"unknown enqueue option(s) {sorted(unknown)}")
     if "queue" in options:
@@ -634,7 +709,7 @@ def merge_options(
     those it carries, and those also given as keywords (``given``; None and False mean
     "not given"). An option given both ways is an error, not a silent choice."""
     options = dict(configured.options)
-    for key, value in given.items():
+    for key, value in flat_unique(given).items():
         if value is None or value is False:
             continue
         if key in options:
@@ -740,7 +815,7 @@ def _unstorable(
     """The first value in the arguments that PostgreSQL could not store in JSON (a string
     or dict key with a NUL or a surrogate, an int past ``numeric``, more than ``jsonb``
     holds when their JSON text is ``size`` characters), a dict key that is not a string,
-    or nesting past :data:`~sqla_jobs.limits.JSON_MAX_DEPTH`, as ``(argument, " (at
+    or nesting past :data:`~sqla_jobs.storable.JSON_MAX_DEPTH`, as ``(argument, " (at
     path)", why)``.
 
     ``exact``: also what would come back changed, so that a job runs with exactly the
@@ -893,7 +968,7 @@ def ascii_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
 
 def check_encoding(rows: Sequence[Mapping[str, Any]], encodings: Encodings) -> None:
     """Refuse job rows (as :func:`ascii_rows` takes them) that hold text the database or
-    its connections cannot carry (see :class:`~sqla_jobs.limits.Encodings`), which would
+    its connections cannot carry (see :class:`~sqla_jobs.storable.Encodings`), which would
     fail only at the flush or COMMIT, or in the worker. Raises :class:`EnqueueError`
     naming the column, or the argument and where in it."""
     first: Mapping[str, Any] | None = getattr(rows, "first", None)
@@ -969,7 +1044,7 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
     return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
-#: A run of more digits than :data:`~sqla_jobs.limits.INT_MAX_DIGITS` in JSON text: an int
+#: A run of more digits than :data:`~sqla_jobs.storable.INT_MAX_DIGITS` in JSON text: an int
 #: no worker reads back, or (rarely) a string of digits, which the walk tells apart.
 _LONG_INT = re.compile("[0-9]{" + str(INT_MAX_DIGITS + 1) + ",}")
 
@@ -1019,7 +1094,7 @@ def json_problem(value: Any, name: str = "value") -> str | None:
 
 def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     """A job's ``meta``, checked: a JSON object with string keys, storable, at most
-    :data:`~sqla_jobs.limits.META_MAX_BYTES` of JSON, and no key of the library's own
+    :data:`~sqla_jobs.storable.META_MAX_BYTES` of JSON, and no key of the library's own
     (``sqla_jobs.``). Raises :class:`EnqueueError`."""
     if not isinstance(meta, Mapping):
         raise EnqueueError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
@@ -1060,18 +1135,6 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
-
-
-class _ManyOptions(TypedDict, total=False):
-    """The options of ``enqueue_many`` (one set for every row)."""
-
-    queue: str
-    priority: int
-    run_at: datetime
-    delay: float | timedelta
-    max_attempts: int
-    unique: bool
-    meta: Mapping[str, Any]
 
 
 class _TransactionalDecorator(Protocol):
@@ -1175,19 +1238,8 @@ class Jobs:
         fn: Callable[P, R],
         /,
         *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
         transactional: Literal[False] = False,
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        **options: Unpack[TaskOptions],
     ) -> Task[P, R]: ...
 
     @overload
@@ -1196,19 +1248,8 @@ class Jobs:
         fn: Callable[Concatenate[Session, P], R],
         /,
         *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
         transactional: Literal[True],
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        **options: Unpack[TaskOptions],
     ) -> TransactionalTask[P, R]: ...
 
     @overload
@@ -1217,40 +1258,13 @@ class Jobs:
         fn: Callable[Concatenate[AsyncSession, P], R],
         /,
         *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
         transactional: Literal[True],
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        **options: Unpack[TaskOptions],
     ) -> TransactionalTask[P, R]: ...
 
     @overload
     def task(
-        self,
-        fn: Callable[..., R],
-        /,
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
-        transactional: bool,
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        self, fn: Callable[..., R], /, *, transactional: bool, **options: Unpack[TaskOptions]
     ) -> Task[..., R]: ...
 
     @overload
@@ -1259,80 +1273,26 @@ class Jobs:
         fn: None = None,
         /,
         *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
         transactional: Literal[False] = False,
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        **options: Unpack[TaskOptions],
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
     @overload
     def task(
-        self,
-        fn: None = None,
-        /,
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
-        transactional: Literal[True],
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        self, fn: None = None, /, *, transactional: Literal[True], **options: Unpack[TaskOptions]
     ) -> _TransactionalDecorator: ...
 
     @overload
     def task(
-        self,
-        fn: None = None,
-        /,
-        *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
-        transactional: bool,
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        self, fn: None = None, /, *, transactional: bool, **options: Unpack[TaskOptions]
     ) -> Callable[[Callable[..., R]], Task[..., R]]: ...
 
     def task(
         self,
         fn: Callable[P, R] | None = None,
         *,
-        name: str | None = None,
-        queue: str | None = None,
-        max_attempts: int | None = None,
-        retry: RetryPolicy | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        concurrency_key: ConcurrencyKey | None = None,
-        keep_result: bool | float | timedelta = False,
         transactional: bool = False,
-        unique: bool = False,
-        unique_for: float | timedelta | None = None,
-        unique_states: Iterable[str] | None = None,
-        unique_on_conflict: Literal["keep", "replace"] | None = None,
+        **options: Unpack[TaskOptions],
     ) -> Any:
         """Register a handler, as ``@jobs.task`` or ``@jobs.task(queue=..., ...)``.
 
@@ -1344,15 +1304,42 @@ class Jobs:
             or a ``timedelta``. A return value that is not JSON fails the job, dead.
         :param transactional: the handler takes a ``session``; its writes commit in the same
             transaction that completes the job, so they happen exactly once.
-        :param unique, unique_for, unique_states, unique_on_conflict: the task's jobs are
-            unique by default, as with the enqueue options of those names (which, given
-            at an enqueue, win). Any of the last three makes the jobs unique.
+        :param unique: ``True`` or a :class:`Unique` (without ``key``): the task's jobs
+            are unique by default, as with the enqueue option (which, given at an
+            enqueue, wins). The flat ``unique_for``, ``unique_states`` and
+            ``unique_on_conflict`` are its deprecated spellings; any of them makes the
+            jobs unique. The keywords are :class:`TaskOptions`.
         :param concurrency_key: a function of the job's arguments (as keywords) that
             returns its key, or None; at most ``key_concurrency`` jobs of the queue with the
             same key run at once (1 unless :meth:`queue` says otherwise). See
             :mod:`sqla_jobs.throttle`.
         """
-        scope = check_unique_scope(unique_for, unique_states, unique_on_conflict, ValueError)
+        unknown = options.keys() - _TASK_OPTION_SET
+        if unknown:
+            raise TypeError(f"task() got an unexpected keyword argument {min(unknown)!r}")
+        try:
+            given = flat_unique(options)
+        except EnqueueError as exc:
+            raise ValueError(str(exc)) from None
+        if given.get("unique_key") is not None:
+            raise ValueError(
+                "a task's jobs cannot share one unique key: give Unique(key=...) at the "
+                "enqueue, or leave the key derived from each job's arguments"
+            )
+        name: str | None = given.get("name")
+        queue: str | None = given.get("queue")
+        max_attempts: int | None = given.get("max_attempts")
+        retry: RetryPolicy | None = given.get("retry")
+        priority: int = given.get("priority", 0)
+        timeout: float | None = given.get("timeout")
+        concurrency_key: ConcurrencyKey | None = given.get("concurrency_key")
+        keep_result: bool | float | timedelta = given.get("keep_result", False)
+        unique = given.get("unique", False)
+        unique_states = given.get("unique_states")
+        unique_on_conflict = given.get("unique_on_conflict")
+        scope = check_unique_scope(
+            given.get("unique_for"), unique_states, unique_on_conflict, ValueError
+        )
         if scope is None and (unique_states is not None or unique_on_conflict is not None):
             unique = True  # the plain rule, asked for explicitly
 
@@ -1553,7 +1540,7 @@ class Jobs:
         task: T,
         arguments: Iterable[TaskArgs[T]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -1563,7 +1550,7 @@ class Jobs:
         task: ConfiguredTask[P, R],
         arguments: Iterable[TaskArgs[Task[P, R]]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -1573,7 +1560,7 @@ class Jobs:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[Mapping[str, Any]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> int: ...
 
     @overload
@@ -1583,7 +1570,7 @@ class Jobs:
         task: T,
         arguments: Iterable[TaskArgs[T]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> Coroutine[Any, Any, int]: ...
 
     @overload
@@ -1593,7 +1580,7 @@ class Jobs:
         task: ConfiguredTask[P, R],
         arguments: Iterable[TaskArgs[Task[P, R]]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> Coroutine[Any, Any, int]: ...
 
     @overload
@@ -1603,7 +1590,7 @@ class Jobs:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[Mapping[str, Any]],
         /,
-        **options: Unpack[_ManyOptions],
+        **options: Unpack[ManyOptions],
     ) -> Coroutine[Any, Any, int]: ...
 
     def enqueue_many(
@@ -1612,7 +1599,7 @@ class Jobs:
         task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
         arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
         /,
-        **options: Any,
+        **options: Unpack[ManyOptions],
     ) -> int | Coroutine[Any, Any, int]:
         """INSERT many jobs of one task now, in one statement, on a Core ``Connection`` (or,
         awaited, an ``AsyncConnection``); return how many were inserted.
@@ -1624,10 +1611,11 @@ class Jobs:
         """
         from . import connection as core
 
+        given = many_options(options)
         if isinstance(connection, sa.Connection):
-            return core.enqueue_many(connection, self, task, arguments, options)
+            return core.enqueue_many(connection, self, task, arguments, given)
         return core.enqueue_many_async(
-            core.async_connection(connection), self, task, arguments, options
+            core.async_connection(connection), self, task, arguments, given
         )
 
     def periodic(
@@ -1752,13 +1740,32 @@ class Jobs:
         task: Task[Any, Any] | str,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Check a job and return its column values, as :meth:`bind_row` does, with what
+        is not a column put back in as two keys: ``values["unique_scope"]`` (a scoped
+        unique job's :class:`UniqueScope`) and ``values["after"]`` (its parents). For
+        callers that check a job without enqueueing it (schedules, ``admin``); the enqueue
+        paths take :meth:`bind_row`'s parts instead (``sqla_jobs._enqueue.bind``)."""
+        values, scope, parents = self.bind_row(task, args, kwargs, **options)
+        if scope is not None:
+            values["unique_scope"] = scope
+        if parents is not None:
+            values["after"] = parents
+        return values
+
+    def bind_row(
+        self,
+        task: Task[Any, Any] | str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
         *,
         queue: str | None = None,
         priority: int | None = None,
         run_at: datetime | None = None,
         delay: float | timedelta | None = None,
         max_attempts: int | None = None,
-        unique: bool = False,
+        unique: bool | Unique = False,
         unique_key: str | None = None,
         meta: Mapping[str, Any] | None = None,
         meta_prepared: bool = False,
@@ -1769,19 +1776,25 @@ class Jobs:
         keep_result: bool | float | timedelta | None = None,
         after: Iterable[Any] | None = None,
         on_parent_failure: str | None = None,
-    ) -> dict[str, Any]:
-        """Check a job and return its column values. Raises :class:`EnqueueError`.
+    ) -> tuple[dict[str, Any], UniqueScope | None, list[Any] | None]:
+        """Check a job; return its column values, and how it is placed: the
+        :class:`UniqueScope` of a scoped unique job (``unique_for``, ``unique_states``,
+        ``unique_on_conflict``, given here or by the task), and the parents it waits for
+        (``after=``, a non-empty list), or None. Raises :class:`EnqueueError`.
 
         ``meta`` is checked and handed to the enqueue hooks (:meth:`job_meta`), unless
         ``meta_prepared`` says it is already :meth:`job_meta`'s result: ``enqueue_many``
         prepares it once for all its rows.
 
-        A scoped unique job (``unique_for``, ``unique_states``, ``unique_on_conflict``,
-        given here or by the task) also gets ``values["unique_scope"]``, a
-        :class:`UniqueScope`, which is not a column: its enqueue goes through
-        :func:`sqla_jobs.queries.enqueue_scoped`.
+        The keywords are :class:`EnqueueOptions`' (``unique`` may be a :class:`Unique`),
+        and ``meta_prepared`` and ``now``, which ``enqueue_many`` gives.
         """
         t = self.get(task)
+        if unique.__class__ is not bool and isinstance(unique, Unique):
+            unique_key, unique_for, unique_states, unique_on_conflict = _unique_fields(
+                unique, unique_key, unique_for, unique_states, unique_on_conflict
+            )
+            unique = True
         arguments = t.bind_args(args, kwargs)
         # The task's own queue, priority and max_attempts were checked when it was
         # registered; only the caller's overrides need it here (once per enqueue_many row).
@@ -1840,17 +1853,16 @@ class Jobs:
                 EnqueueError,
                 default=scope,
             )
-        if scope is not None:
-            values["unique_scope"] = scope
         if unique_key is not None:
             _check_unique_key(unique_key)
             values["unique_key"] = unique_key
         elif unique or t.unique or scoped:
             values["unique_key"] = derive_unique_key(t.name, arguments)
         keep = keep_seconds(t.keep_result if keep_result is None else keep_result, self)
+        parents = None
         if keep is not None or after is not None or on_parent_failure is not None:
-            self._flow_values(values, keep, after, on_parent_failure)
-        return values
+            parents = self._flow_values(values, keep, after, on_parent_failure)
+        return values, scope, parents
 
     def _flow_values(
         self,
@@ -1858,12 +1870,12 @@ class Jobs:
         keep: float | None,
         after: Iterable[Any] | None,
         on_parent_failure: str | None,
-    ) -> None:
+    ) -> list[Any] | None:
         """Results and dependencies of one job: the library's keys in ``meta`` (read by
-        the worker from the claimed row, so the claim needs no new column), and the
-        parents to link once the job has an id (``values["after"]``, taken out by the
-        enqueue paths)."""
+        the worker from the claimed row, so the claim needs no new column); returns the
+        parents to link once the job has an id (None: none)."""
         flow: dict[str, Any] = {}
+        parents = None
         if keep is not None:
             flow[KEEP_KEY] = keep
         if on_parent_failure is not None:
@@ -1889,10 +1901,12 @@ class Jobs:
                         "unique_for, unique_states or unique_on_conflict, given here or by "
                         "the task)"
                     )
-                values["after"] = parents
                 values["status"] = JobStatus.SCHEDULED.value
+            else:
+                parents = None
         if flow:
             values["meta"] = {**(values.get("meta") or {}), **flow}
+        return parents
 
     def job_meta(
         self, task: str, queue: str, meta: Mapping[str, Any] | None
@@ -1908,6 +1922,15 @@ class Jobs:
             except Exception:
                 log.exception("enqueue hook %r failed", hook)
         return prepared or None
+
+
+def _unique_fields(unique: object, *flat: Any) -> tuple[Any, Any, Any, Any]:
+    """The key, period, states and conflict rule of ``unique=Unique(...)``, with the flat
+    keywords of the same call (``flat``, in :class:`Unique`'s order); refuses one given
+    both ways."""
+    spelled = flat_unique(dict(zip(_UNIQUE_FIELDS, flat, strict=True), unique=unique))
+    key, within, states, on_conflict = (spelled.get(name) for name in _UNIQUE_FIELDS)
+    return key, within, states, on_conflict
 
 
 def derive_unique_key(task: str, arguments: Mapping[str, Any]) -> str:
@@ -2103,21 +2126,6 @@ def _check_max_attempts(value: object) -> None:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
     if value > INT_MAX:
         raise EnqueueError(f"max_attempts must be <= {INT_MAX} (an int column), got {value}")
-
-
-#: ``meta`` keys the library writes for results and workflows (the ``sqla_jobs.``
-#: namespace is the library's): seconds a result is kept; this job has dependent jobs;
-#: run this job even if a parent ends dead or cancelled; the parameter a group's callback
-#: receives its parents' results in; this job was cancelled because a parent ended dead
-#: or cancelled (retrying that parent brings it back).
-KEEP_KEY = "sqla_jobs.keep"
-CHILDREN_KEY = "sqla_jobs.children"
-RUN_ANYWAY_KEY = "sqla_jobs.run_anyway"
-RESULTS_KEY = "sqla_jobs.results"
-CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
-
-#: How long ``keep_result=True`` keeps a result when the registry keeps no done jobs.
-DEFAULT_RESULT_TTL = timedelta(days=1)
 
 
 def keep_seconds(value: object, registry: Jobs | None) -> float | None:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EnqueueError
-from .limits import UNIQUE_KEY_MAX_BYTES, check_name
+from .storable import UNIQUE_KEY_MAX_BYTES, check_name
 
 __all__ = ["ConcurrencyKey", "QueueLimits", "concurrency_key_of", "parse_rate"]
 

@@ -129,3 +129,38 @@ def test_async_session_enqueue_unique(database_url: str, db: sa.Engine, jobs: Jo
     a, b = asyncio.run(main())
     assert a == b
     assert count(db) == 1
+
+
+def test_unique_value_is_the_flat_options_grouped(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    """``unique=Unique(...)`` means what the flat keywords it groups mean, on every entry
+    point; a field given both ways is refused."""
+    from datetime import timedelta
+
+    from sqla_jobs import Unique
+
+    @jobs.task(queue="q", unique=Unique(within=timedelta(minutes=5)))
+    def scoped(user_id: int) -> None:
+        pass
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    assert scoped.unique and scoped.unique_scope is not None
+    with Session.begin() as session:
+        keyed = session.enqueue(refresh.with_options(unique=Unique(key="k-1")), 1)
+        again = session.enqueue(refresh, 2, unique=Unique(key="k-1"))
+        assert keyed is again and keyed.args == {"user_id": 1}
+        keyed_id = keyed.id
+        first = session.enqueue(scoped, 1)
+        assert session.enqueue(scoped, user_id=1) is first
+        with pytest.raises(EnqueueError, match="not both"):
+            session.enqueue(refresh, 3, unique=Unique(key="a"), unique_key="b")
+        with pytest.raises(EnqueueError, match="same unique_key"):
+            session.enqueue_many(refresh, [{"user_id": 4}], unique=Unique(key="a"))
+    with db.begin() as conn:
+        assert jobs.enqueue(conn, refresh, 5, unique=Unique(key="k-1")) == keyed_id
+        assert jobs.enqueue_many(conn, refresh, [{"user_id": 6}], unique=Unique()) == 1
+    assert count(db) == 3
+    with pytest.raises(ValueError, match="one unique key"):
+        jobs.task(unique=Unique(key="k"))

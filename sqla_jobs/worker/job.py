@@ -23,9 +23,10 @@ import sqlalchemy as sa
 
 from .._settle import format_error
 from ..errors import PermanentError, ResultError, Snooze
-from ..limits import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
+from ..model import CHILDREN_KEY, KEEP_KEY
 from ..queries import Queries, batch_params, fail_params, snooze_params
-from ..tasks import CHILDREN_KEY, KEEP_KEY, json_problem, long_int_problem
+from ..storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
+from ..tasks import json_problem, long_int_problem
 
 if TYPE_CHECKING:
     from ..tasks import Jobs, RetryPolicy, Task
@@ -289,7 +290,7 @@ def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
 
 def bounded_delay(seconds: float) -> float:
     """A retry or snooze delay the completer can write: at least 0, at most
-    :data:`~sqla_jobs.limits.DURATION_MAX_SECONDS`. A longer one (``Snooze(1e300)``, a
+    :data:`~sqla_jobs.storable.DURATION_MAX_SECONDS`. A longer one (``Snooze(1e300)``, a
     policy returning ``inf``) made the statement that records it fail, for its whole
     batch, until the worker gave up; a NaN waits a minute."""
     if not seconds <= DURATION_MAX_SECONDS:

@@ -28,6 +28,10 @@ from ..queries import (
     heartbeat_params,
     throughput_params,
 )
+
+# Named here for the drivers' listeners (``db.listen_sql``); they live with the statements.
+from ..queries import listen_sql as listen_sql
+from ..queries import unlisten_sql as unlisten_sql
 from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
 
 if TYPE_CHECKING:
@@ -387,16 +391,6 @@ def prune(engine: sa.Engine, jobs: Jobs, *, max_batches: int = 20) -> int:
             if deleted < PRUNE_BATCH:
                 break
     return total
-
-
-def listen_sql(channel: str) -> str:
-    """``LISTEN "<channel>"``: a channel is an identifier, not a parameter."""
-    return 'LISTEN "{}"'.format(channel.replace('"', '""'))
-
-
-def unlisten_sql(channel: str) -> str:
-    """``UNLISTEN "<channel>"``, for a connection that goes back to the pool."""
-    return 'UNLISTEN "{}"'.format(channel.replace('"', '""'))
 
 
 class HeldConnection:

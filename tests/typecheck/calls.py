@@ -14,8 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Session
 from typing_extensions import assert_type
 
-from sqla_jobs import JobMixin, Jobs, JobSession, Task
+from sqla_jobs import JobMixin, Jobs, JobSession, Task, Unique
 from sqla_jobs.session import AsyncJobSession
+from sqla_jobs.sharding import AsyncShardedJobSession, ShardedJobSession
 
 
 class Base(DeclarativeBase): ...
@@ -49,6 +50,10 @@ async def pay_async(session: AsyncSession, payment_id: int) -> None: ...
 def session_last(payment_id: int, session: Session) -> None: ...
 
 
+@jobs.task(unique=Unique(within=timedelta(hours=1)), keep_result=True)
+def once_an_hour(report: str) -> None: ...
+
+
 @jobs.periodic("0 * * * *")
 @jobs.task
 def hourly() -> int:
@@ -70,6 +75,8 @@ def right(s: JobSession) -> None:
     s.enqueue(send.with_options(unique_for=timedelta(minutes=5)), "a@example.com")
     s.enqueue(send.with_options(unique_on_conflict="replace", delay=30), "a@example.com")
     s.enqueue(send.with_options(unique_states=("scheduled", "ready")), "a@example.com")
+    s.enqueue(send.with_options(unique=Unique(key="k", on_conflict="replace")), "a@b.c")
+    s.enqueue(send.with_options(unique=Unique(within=60, states=["ready"])), "a@b.c")
     s.enqueue(pay, payment_id=1)
     s.enqueue(pay_async, 2)
     s.enqueue(session_last, anything="goes")  # session not first: checked at run time only
@@ -77,6 +84,7 @@ def right(s: JobSession) -> None:
     s.enqueue_many(send, [{"to": "x"}], delay=5)  # mappings: checked at run time only
     s.enqueue_many(send, [send.args("y", subject="s"), send.args(to="z")], priority=1)
     s.enqueue_many(send.with_options(queue="q"), [send.args(to="z")])
+    s.enqueue_many(send, [send.args(to="z")], meta={"batch": 7}, unique=Unique())
     assert_type(send("a@example.com", "subject", cc=None), bool)
     pay(s, 5)
     # What an enqueue returns: the job (the model's columns), or None (a scoped unique key
@@ -106,6 +114,9 @@ def wrong(s: JobSession) -> None:
     send(1)  # E: arg-type
     pay(payment_id=5)  # E: call-arg
     str(s.enqueue(bare, user_id=1).id)  # E: union-attr
+    send.with_options(unique=Unique(on_conflict="drop"))  # E: arg-type
+    send.with_options(unique="yes")  # E: arg-type
+    jobs.task(unique_key="k")  # E: call-overload
 
 
 async def right_async(s: AsyncJobSession) -> None:
@@ -140,3 +151,22 @@ def wrong_core(conn: Connection) -> None:
     jobs.enqueue(conn, bare, user=1)  # E: call-overload
     jobs.enqueue_many(conn, send, [bare.args(user_id=1)])  # E: misc
     jobs.enqueue_many(conn, send, [{"to": "x"}], queu="q")  # E: call-overload
+
+
+def right_sharded(s: ShardedJobSession, order: object) -> None:
+    assert_type(s.enqueue(send, "a@example.com", cc=None), JobMixin | None)
+    s.enqueue(send.with_options(unique=Unique()), to="a@example.com")
+    s.enqueue(send, "a@example.com", shard="eu")  # names its shard: arguments unchecked
+    s.enqueue(bare, user_id=1, shard_with=order)
+    assert_type(s.enqueue_many(send, [{"to": "x"}], shard="eu", meta={"k": 1}), int)
+
+
+async def right_sharded_async(s: AsyncShardedJobSession) -> None:
+    assert_type(s.enqueue(send, "a@example.com"), JobMixin)
+    assert_type(await s.enqueue_unique(bare, 1), JobMixin | None)
+    assert_type(await s.enqueue_many(bare, [bare.args(2)], shard="us", priority=2), int)
+
+
+def wrong_sharded(s: ShardedJobSession) -> None:
+    s.enqueue(send, to=1)  # E: call-overload
+    s.enqueue_many(send, [{"to": "x"}], shard="eu", queu="q")  # E: call-arg

@@ -246,7 +246,7 @@ def test_a_row_the_worker_cannot_run_is_failed_dead_and_the_rest_of_its_batch_ru
 
 
 def test_a_meta_that_names_children_still_settles_them_when_another_column_is_unreadable() -> None:
-    from sqla_jobs.tasks import CHILDREN_KEY
+    from sqla_jobs.model import CHILDREN_KEY
     from sqla_jobs.worker.job import is_flow
 
     core, driver, _ = make()
@@ -331,7 +331,7 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
     """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
     fail (an interval past what a timedelta holds), and with it every outcome of its
     batch, until the completer gave up and stopped the worker."""
-    from sqla_jobs.limits import DURATION_MAX_SECONDS
+    from sqla_jobs.storable import DURATION_MAX_SECONDS
     from sqla_jobs.worker.job import outcome_statements
 
     core, _, jobs = make()

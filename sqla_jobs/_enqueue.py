@@ -1,0 +1,795 @@
+"""The enqueue pipeline: one binder, one writer (internal).
+
+Every public way to enqueue (``session.enqueue``/``enqueue_many`` on each session class,
+``jobs.enqueue``/``enqueue_many`` on a Core connection, the sharded sessions, ``jobs.group``
+and the schedules) is a thin adapter of this module::
+
+    call (task, args, kwargs, options: EnqueueOptions)
+      │  bind / bind_call: options resolved (with_options + keywords), arguments checked
+      ▼  against the handler, options checked, meta prepared (Jobs.bind_row)
+    PendingJob(row: the columns, how: PLAIN | UNIQUE | SCOPED | AFTER, scope, parents)
+      │
+      ├─ place_on_session(session, pending)        the unit of work
+      │     PLAIN   add a Job object (INSERT at the flush)
+      │     AFTER   add it held; link it at the flush (defer_link)
+      │     UNIQUE  INSERT ... ON CONFLICT DO NOTHING now (the answer is needed now)
+      │     SCOPED  take the key's row, place the job (enqueue_scoped) now
+      ├─ place_on_connection(connection, pending)  a Core connection, now
+      │     PLAIN insert_job · UNIQUE insert_job_unique · SCOPED enqueue_scoped ·
+      │     AFTER insert held + link, atomically
+      └─ many rows (enqueue_many, schedules): many_values / many_json bind them
+            (a UniformRows when they differ only in their arguments), insert_rows /
+            insert_json write them: the unnest INSERT, or COPY (sqla_jobs.bulk)
+
+So the choice between INSERT, ON CONFLICT, scoped placement, links and COPY is made here
+and nowhere else; a row never carries a key that is not a column (the scope and the
+parents travel beside it, in :class:`PendingJob`). When each call's rows are written is
+the adapters' business (see :mod:`sqla_jobs.session`).
+
+Internal: the names here may change in any release.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, TypedDict, overload
+
+import sqlalchemy as sa
+from sqlalchemy import event, inspect
+from sqlalchemy.orm import Session
+
+from .bulk import CheckedLater, copy_allowed, copy_run, gc_paused
+from .db import require_postgresql
+from .errors import EnqueueError
+from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
+from .queries import _dumps, args_json
+from .storable import Encodings, database_encodings
+from .tasks import (
+    OPTION_NAMES,
+    ConfiguredTask,
+    Jobs,
+    Task,
+    TaskArgs,
+    UniqueScope,
+    _utcnow,
+    ascii_rows,
+    check_encoding,
+    check_encoding_text,
+    check_meta,
+    flat_unique,
+    merge_options,
+)
+
+if TYPE_CHECKING:
+    from .queries import Queries
+
+#: The session ``info`` key of the registry a session resolves task names with.
+JOBS_KEY = "sqla_jobs.jobs"
+
+
+# -- binding: a call becomes a pending row ------------------------------------------------
+
+
+class Placement(enum.Enum):
+    """How a pending job is written (see the module's picture)."""
+
+    PLAIN = "plain"
+    UNIQUE = "unique"
+    SCOPED = "scoped"
+    AFTER = "after"
+
+
+@dataclass(slots=True, eq=False)
+class PendingJob:
+    """One checked job, not yet written: its columns (``row``, what ``registry.model``
+    takes), and how it is placed, with what that needs (a scoped key's
+    :class:`~sqla_jobs.tasks.UniqueScope`; the parents of a job with ``after=``)."""
+
+    registry: Jobs
+    row: dict[str, Any]
+    how: Placement
+    scope: UniqueScope | None = None
+    parents: list[Any] | None = None
+
+
+def bind(
+    registry: Jobs,
+    task: Task[Any, Any] | str,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> PendingJob:
+    """Check one job (:meth:`Jobs.bind_row`) and say how it is placed."""
+    row, scope, parents = registry.bind_row(task, args, kwargs, **options)
+    if parents is not None:  # never unique: bind_row refuses the two together
+        how = Placement.AFTER
+    elif scope is not None:
+        how = Placement.SCOPED
+    elif "unique_key" in row:
+        how = Placement.UNIQUE
+    else:
+        how = Placement.PLAIN
+    return PendingJob(registry, row, how, scope, parents)
+
+
+def bind_call(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    resolver: Jobs | Any,
+) -> PendingJob:
+    """Bind an ``enqueue(task, *args, **kwargs)`` call: the option keywords (the names
+    of :class:`~sqla_jobs.tasks.EnqueueOptions`) are taken out of ``kwargs`` (no handler
+    may have a parameter of those names), merged with those a
+    :class:`~sqla_jobs.ConfiguredTask` carries; the rest are the handler's. ``resolver``
+    is the registry (a connection's call), or the session whose ``jobs=`` resolves a task
+    name."""
+    given = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+    plain: Task[Any, Any] | str
+    if isinstance(task, ConfiguredTask):
+        plain, options = merge_options(task, given)
+        registry = resolver if isinstance(resolver, Jobs) else plain.registry
+    else:
+        plain, options = task, {k: v for k, v in given.items() if v is not None}
+        registry = resolver if isinstance(resolver, Jobs) else _registry(resolver, task)
+    return bind(registry, plain, args, kwargs, options)
+
+
+# -- one job on a session ----------------------------------------------------------------
+
+
+def place_on_session(session: Any, pending: PendingJob, shard: Any = None) -> tuple[Any, bool]:
+    """Place one job in a session's unit of work (``session``: a sync or an async one);
+    return the job (the holder of a unique key, or None for a scoped key whose holder
+    is gone) and whether it is new. A sharded session names the job's ``shard``: the
+    statements of a unique or scoped job run on it, and the job is read back from it."""
+    how = pending.how
+    if how is Placement.PLAIN:
+        job = pending.registry.model(**pending.row)
+        session.add(job)
+        return job, True
+    if how is Placement.AFTER:
+        return _session_after(session, pending), True
+    if how is Placement.SCOPED:
+        return _session_scoped(_sync(session), pending, shard)
+    return _session_unique(_sync(session), pending, shard)
+
+
+def _sync(session: Any) -> Session:
+    """The plain Session behind a Session or an AsyncSession (which keeps its unit of
+    work in one)."""
+    sync = getattr(session, "sync_session", session)
+    assert isinstance(sync, Session)
+    return sync
+
+
+def _on(session: Session, shard: Any) -> sa.Connection:
+    """The session's connection, on ``shard`` when one is named (explicit per call: the
+    routing is the call's, not a mode of the session)."""
+    if shard is None:
+        return session.connection()
+    return session.connection(bind_arguments={"shard_id": shard})
+
+
+def _session_unique(session: Session, pending: PendingJob, shard: Any) -> tuple[Any, bool]:
+    """INSERT a unique job now, through the session's connection (as on a connection);
+    return it (or the live job holding its key) and whether it is new. The arguments go
+    as the JSON text their check wrote (:func:`job_params`): encoded once."""
+    connection = _on(session, shard)
+    require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
+    registry = pending.registry
+    job_id, inserted = _connection_unique(connection, registry, job_params(pending.row))
+    with session.no_autoflush:
+        return session.get(registry.model, job_id, identity_token=shard), inserted
+
+
+def _session_scoped(session: Session, pending: PendingJob, shard: Any) -> tuple[Any, bool]:
+    """Enqueue a scoped unique job now (see :func:`enqueue_scoped`);
+    return the new job, the holder (replaced or kept), or None when the key's period
+    holds it and the job that took it is gone; and whether the job is new."""
+    connection = _on(session, shard)
+    require_postgresql(connection, "a scoped unique job (unique_for, ...)", EnqueueError)
+    registry = pending.registry
+    job_id, outcome = enqueue_scoped(
+        connection, registry.queries, job_params(pending.row), pending.scope
+    )
+    if outcome == "gone":
+        return None, False
+    with session.no_autoflush:
+        # A replaced holder this session has loaded must show its new arguments.
+        job = session.get(
+            registry.model,
+            job_id,
+            populate_existing=outcome == "replaced",
+            identity_token=shard,
+        )
+    return job, outcome == "new"
+
+
+def session_registry(session: Session) -> Jobs | None:
+    """The registry a session resolves task names with (its ``jobs=``), if any."""
+    jobs: Jobs | None = _sync(session).info.get(JOBS_KEY)
+    return jobs
+
+
+def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
+    """The registry of a task, or the session's (for a name)."""
+    if isinstance(task, Task):
+        return task.registry
+    jobs = session.info.get(JOBS_KEY)
+    if jobs is None:
+        raise EnqueueError(
+            f"cannot resolve task name {task!r}: this session has no Jobs registry "
+            "(create it with sessionmaker(..., jobs=jobs)) or pass the task itself"
+        )
+    return jobs  # type: ignore[no-any-return]
+
+
+# -- one job on a connection -------------------------------------------------------------
+
+
+def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple[int, bool]:
+    """Write one job on a Core connection now, in its transaction; its id (for a unique
+    or scoped key, the holder's: replaced, kept, or the finished job whose period still
+    holds the key) and whether it is new."""
+    if pending.how is Placement.AFTER:
+        return _connection_after(connection, pending), True
+    q = pending.registry.queries
+    params = job_params(pending.row)
+    if pending.how is Placement.SCOPED:
+        job_id, outcome = enqueue_scoped(connection, q, params, pending.scope)
+        return job_id, outcome == "new"
+    if pending.how is Placement.UNIQUE:
+        return _connection_unique(connection, pending.registry, params)
+    return connection.execute(q.insert_job, params).scalar_one(), True
+
+
+def autocommit(connection: sa.Connection) -> bool:
+    """Whether the driver connection commits every statement by itself (psycopg's own
+    flag: asking SQLAlchemy for the isolation level would cost a round trip)."""
+    return bool(getattr(connection.connection.driver_connection, "autocommit", False))
+
+
+def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:
+    """A job with ``after=``: INSERTed held, then linked to its parents, atomically (in
+    autocommit, inside a BEGIN/COMMIT of its own)."""
+    registry, values = pending.registry, pending.row
+    parents = parent_ids(registry, pending.parents or (), pending_ok=False)
+    run_anyway = bool((values.get("meta") or {}).get(RUN_ANYWAY_KEY))
+    values["run_at"] = HELD_UNTIL
+    q = registry.queries
+    own = autocommit(connection)
+    if own:
+        connection.exec_driver_sql("BEGIN")
+    try:
+        job_id: int = connection.execute(q.insert_job, job_params(values)).scalar_one()
+        link(connection, q, job_id, parents, run_anyway)
+    except BaseException:
+        if own:
+            connection.exec_driver_sql("ROLLBACK")
+        raise
+    if own:
+        connection.exec_driver_sql("COMMIT")
+    return job_id
+
+
+def _connection_unique(connection: sa.Connection, registry: Jobs, params: Any) -> tuple[int, bool]:
+    """INSERT a unique job; its id (or that of the live job holding the key), and whether
+    it is new. The holder may finish between the two statements: then try again."""
+    q = registry.queries
+    for _ in range(5):
+        job_id = connection.execute(q.insert_job_unique, params).scalar()
+        if job_id is not None:
+            return int(job_id), True
+        held = connection.execute(q.live_by_key, {"key": params["unique_key"]}).scalar()
+        if held is not None:
+            return int(held), False
+    raise EnqueueError(f"unique key {params['unique_key']!r} keeps changing hands; try again")
+
+
+# -- links: jobs that wait for others (after=) ------------------------------------------
+
+
+#: The placeholder ``run_at`` of a job inserted with ``after=``, also the mark of a held job
+#: (``'infinity'`` would be neater, but Python's datetime cannot read it back).
+HELD_UNTIL = datetime(9999, 1, 1, tzinfo=timezone.utc)
+
+
+_LINK_KEY = "sqla_jobs.links"
+
+
+def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
+    """Check ``after=``: job ids, or job objects of this registry's model (pending ones
+    only where their ids will be known before linking: ``pending_ok``)."""
+    out: list[Any] = []
+    for parent in parents:
+        if isinstance(parent, bool) or not isinstance(parent, (int, registry.model)):
+            if hasattr(parent, "__table__") and hasattr(parent, "task"):
+                raise EnqueueError(
+                    f"after=: {parent!r} is a job of another table "
+                    f"({parent.__table__.fullname}); a job can only wait for jobs of "
+                    f"{registry.table.fullname}"
+                )
+            raise EnqueueError(f"after= takes jobs or job ids, got {parent!r}")
+        if isinstance(parent, int):
+            out.append(parent)
+        elif parent.id is not None:
+            out.append(parent.id)
+        elif pending_ok:
+            out.append(parent)
+        else:
+            raise EnqueueError(f"after=: {parent!r} has no id yet (flush the session first)")
+    return out
+
+
+def link(
+    conn: sa.Connection, queries: Queries, child_id: int, parents: Sequence[int], run_anyway: bool
+) -> str:
+    """Tie a just-inserted job to its parents, in the enqueue's transaction; its status.
+
+    Two statements: mark (and lock) the parents, then set the child's parents, how many
+    it waits for, and its status. A parent already ``done`` counts as succeeded; one that
+    is dead or cancelled cancels the child at once (or, ``run_anyway``, counts as done).
+    A cycle cannot be made: a parent must exist before its child is enqueued.
+    """
+    ids = sorted(set(parents))
+    if child_id in ids:
+        raise EnqueueError(f"after=: job {child_id} cannot wait for itself")
+    rows = conn.execute(queries.mark_parents, {"parent_ids": ids}).all()
+    status_of = {int(r.id): r.status for r in rows}
+    missing = [i for i in ids if i not in status_of]
+    if missing:
+        raise EnqueueError(
+            f"after=: no job {', '.join(map(str, missing))} in {queries.table.fullname} "
+            "(a job that succeeded without keep_result= is deleted: it cannot be waited for)"
+        )
+    waiting = sum(1 for s in status_of.values() if s in LIVE_STATUSES)
+    ended = sorted(i for i, s in status_of.items() if s in (JobStatus.DEAD, JobStatus.CANCELLED))
+    if run_anyway:
+        # An ended parent not settled yet (dead by its lease) counts this child down when
+        # the retention pass settles it: until then, the child waits for it too.
+        waiting += sum(1 for r in rows if r.unsettled and int(r.id) in ended)
+    reason = None
+    if ended and not run_anyway:
+        status, waiting = JobStatus.CANCELLED.value, 0
+        reason = (
+            f"cancelled: job {ended[0]}, which it waits for (after=), ended {status_of[ended[0]]}"
+        )
+    elif waiting:
+        status = JobStatus.SCHEDULED.value
+    else:
+        status = JobStatus.READY.value
+    conn.execute(
+        queries.link_child,
+        {
+            "child_id": child_id,
+            "parent_ids": ids,
+            "waiting": waiting,
+            "child_status": status,
+            "reason": reason,
+        },
+    )
+    return status
+
+
+def defer_link(
+    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
+) -> None:
+    """Link an ORM job at the session's flush, once it and its parents have ids.
+
+    Parents added to the session before the child are INSERTed by the same flush (the ORM
+    inserts the rows of one mapper in the order they were added, and returns their ids),
+    so after the flush every id is known, and the link runs in the flush's transaction:
+    a rollback (of the transaction or of the savepoint) takes the whole workflow with it.
+    """
+    links: list[tuple[Jobs, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
+    if links is None:
+        links = session.info[_LINK_KEY] = []
+        if not event.contains(session, "after_flush_postexec", _link_flushed):
+            event.listen(session, "after_flush_postexec", _link_flushed)
+            event.listen(session, "after_transaction_end", _forget_links)
+    links.append((registry, child, parents, run_anyway))
+
+
+def _link_flushed(session: Session, flush_context: Any) -> None:
+    links = session.info.get(_LINK_KEY)
+    if not links:
+        return
+    session.info[_LINK_KEY] = []
+    for registry, child, parents, run_anyway in links:
+        state = inspect(child)
+        if not state.persistent:
+            continue  # rolled back with its savepoint before it was flushed
+        ids = []
+        for parent in parents:
+            if isinstance(parent, int):
+                ids.append(parent)
+            elif parent.id is None:
+                raise EnqueueError(
+                    f"after=: {parent!r} was not flushed with the job that waits for it "
+                    "(was it expunged?)"
+                )
+            else:
+                ids.append(parent.id)
+        conn = session.connection(bind_arguments={"mapper": registry.model})
+        link(conn, registry.queries, child.id, ids, run_anyway)
+        session.expire(
+            child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"]
+        )
+        for parent in parents:
+            if not isinstance(parent, int):
+                session.expire(parent, ["meta"])
+
+
+def _forget_links(session: Session, transaction: Any) -> None:
+    if transaction.parent is None:
+        session.info.pop(_LINK_KEY, None)
+
+
+def _session_after(session: Any, pending: PendingJob) -> Any:
+    """A job with ``after=`` on a session: added held, linked at the flush that gives it
+    and its pending parents their ids (:func:`defer_link`)."""
+    registry, values, parents = pending.registry, pending.row, pending.parents or []
+    run_anyway = bool((values.get("meta") or {}).get(RUN_ANYWAY_KEY))
+    values["run_at"] = HELD_UNTIL
+    job = registry.model(**values)
+    session.add(job)
+    defer_link(
+        _sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway
+    )
+    return job
+
+
+# -- many rows: enqueue_many and the schedules -------------------------------------------
+
+
+class JobParams(TypedDict):
+    task: str
+    queue: str
+    args: str
+    priority: int
+    max_attempts: int
+    status: str
+    run_at: Any
+    unique_key: str | None
+    meta: str | None
+    concurrency_key: str | None
+
+
+def job_params(values: dict[str, Any]) -> JobParams:
+    """Parameters of ``insert_job`` from checked values (:meth:`Jobs.bind_row`)."""
+    meta = values.get("meta")
+    return {
+        "task": values["task"],
+        "queue": values["queue"],
+        "args": args_json(values["args"]),
+        "priority": values["priority"],
+        "max_attempts": values["max_attempts"],
+        "status": values["status"],
+        "run_at": values.get("run_at"),
+        "unique_key": values.get("unique_key"),
+        "meta": None if meta is None else _dumps(meta),
+        "concurrency_key": values.get("concurrency_key"),
+    }
+
+
+_SHARED = ("task", "queue", "priority", "max_attempts", "status", "run_at", "meta")
+
+
+def _shared_values(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What the rows of one enqueue_many call have in common."""
+    return (
+        row["task"],
+        row["queue"],
+        row["priority"],
+        row["max_attempts"],
+        row["status"],
+        row.get("run_at"),
+        row.get("meta"),
+    )
+
+
+class UniformRows(Sequence[dict[str, Any]]):
+    """Checked job rows that differ only in their arguments, with neither a unique key nor
+    a concurrency key: what one ``enqueue_many`` call of the common kind makes (see
+    ``session.many_values``). It holds the first row and every row's arguments; a row is
+    made only when asked for (by the ``enqueued`` listeners, or ``pending_jobs``), and
+    :func:`insert_rows` writes a run without making any: at 100,000 rows a dict per row
+    was a fifth of a session's ``enqueue_many`` and flush."""
+
+    __slots__ = ("args", "first")
+
+    def __init__(self, first: dict[str, Any], args: list[Any]) -> None:
+        self.first = first
+        self.args = args
+
+    def __len__(self) -> int:
+        return len(self.args)
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, index: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(index, slice):
+            return [{**self.first, "args": a} for a in self.args[index]]
+        return {**self.first, "args": self.args[index]}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        first = self.first
+        for a in self.args:
+            yield {**first, "args": a}
+
+    def joined(self, other: UniformRows) -> UniformRows:
+        """This run and ``other`` as one (a new run; the two are left as they are)."""
+        return UniformRows(self.first, [*self.args, *other.args])
+
+
+def same_run(run: UniformRows, other: UniformRows) -> bool:
+    """Whether two :class:`UniformRows` s may be written as one."""
+    return _shared_values(run.first) == _shared_values(other.first)
+
+
+def many_values(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    session: Any,
+    **given: Any,
+) -> tuple[Jobs, Sequence[dict[str, Any]]]:
+    """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
+    :class:`UniformRows` when they differ only in their arguments.
+
+    ``session`` resolves a task name: a session (its ``jobs=``), or a registry."""
+    _check_many(arguments)
+    plain, registry, options, meta, now = _many_options(task, session, given)
+    bind_row = registry.bind_row
+    rows: Sequence[dict[str, Any]] = []
+    scoped = False
+    with gc_paused(arguments):
+        items = iter(arguments)
+        keyed: list[dict[str, Any]] = []
+        for item in items:
+            if isinstance(item, TaskArgs):
+                args, kwargs = item.args, item.kwargs
+            else:
+                args, kwargs = (), item
+            row, scope, _ = bind_row(plain, args, kwargs, now=now, meta_prepared=True, **options)
+            scoped = scope is not None
+            # Without unique keys, the rows of one call differ only in their arguments: the
+            # first row is checked whole, the others reuse its column values and check only
+            # their arguments (the options' checks were a third of a row's cost). Not when
+            # a column is derived from each row's arguments: a unique key (asked for here
+            # or by the task) or a concurrency key (the task's function).
+            t = registry.get(plain)
+            if not keyed and _uniform(row, t):
+                rows = UniformRows(row, [row["args"], *t.bind_many(items)])
+                break
+            keyed.append(row)
+        else:
+            rows = keyed
+    if rows:
+        _prepare_meta(registry, rows, meta, scoped)
+    elif meta is not None:
+        check_meta(meta)  # nothing to enqueue, but a bad meta is still an error
+    return registry, rows
+
+
+def many_json(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    jobs: Jobs | Session,
+    **given: Any,
+) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
+    """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
+    a connection): when the rows differ only in their arguments and nobody listens for
+    ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
+    arguments of every row as JSON text, without a dict per row, checked alike when they
+    are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
+    None)``, every row checked."""
+    _check_many(arguments)
+    plain, registry, options, meta, now = _many_options(task, jobs, given)
+    if registry.events.wants("enqueued"):  # the listeners get a dict per job
+        return (*many_values(task, arguments, jobs, **given), None)
+    items = iter(arguments)
+    for item in items:
+        if isinstance(item, TaskArgs):
+            args, kwargs = item.args, item.kwargs
+        else:
+            args, kwargs = (), item
+        row = registry.bind_row(plain, args, kwargs, now=now, meta_prepared=True, **options)[0]
+        t = registry.get(plain)
+        if not _uniform(row, t):
+            # Keyed rows: each is a row of its own (the first is checked again there).
+            rows = many_values(task, itertools.chain([item], items), jobs, **given)[1]
+            return registry, rows, None
+        _prepare_meta(registry, [row], meta, False)  # uniform: never scoped (it has no key)
+        return registry, [row], CheckedLater(row["args"].json, list(items), t.bind_many_json)
+    if meta is not None:
+        check_meta(meta)
+    return registry, [], None
+
+
+def _check_many(arguments: object) -> None:
+    """``enqueue_many`` takes many jobs' arguments: one mapping (its keys would be taken
+    for the jobs) or something that is not iterable is an error that says so."""
+    if isinstance(arguments, (Mapping, str, bytes)) or not isinstance(arguments, Iterable):
+        raise EnqueueError(
+            "enqueue_many takes an iterable of jobs' arguments (task.args(...) or mappings), "
+            f"not {type(arguments).__name__}: for one job, pass [arguments]"
+        )
+
+
+def _many_options(
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
+) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
+    """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
+    the one clock reading of a batch with a delay."""
+    plain: Task[Any, Any] | str
+    if isinstance(task, ConfiguredTask):
+        plain, options = merge_options(task, given)
+        registry = plain.registry
+    else:
+        plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
+        registry = session if isinstance(session, Jobs) else _registry(session, plain)
+    if "unique_key" in options:
+        raise EnqueueError(
+            "enqueue_many cannot give every job the same unique_key: use unique=True"
+        )
+    if options.get("after") is not None or options.get("on_parent_failure") is not None:
+        raise EnqueueError("enqueue_many does not take after=: use enqueue, or jobs.group")
+    meta = options.pop("meta", None)
+    # One clock reading for the whole batch: with a delay, every row gets the same
+    # run_at, so the batch stays one run of the bulk INSERT.
+    now = _utcnow() if options.get("delay") is not None else None
+    return plain, registry, options, meta, now
+
+
+def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
+    """Whether the rows after ``row`` (the first of a call) may share its columns: not
+    when a column is derived from each row's arguments (a unique key, asked for by the
+    call or by the task, or the task's concurrency key)."""
+    return "unique_key" not in row and task.concurrency_key is None
+
+
+def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool) -> None:
+    """Check ``meta`` and hand it to the enqueue hooks, once for the whole call; refuse
+    a ``scoped`` unique key (after every row was checked, as before)."""
+    first = rows.first if isinstance(rows, UniformRows) else rows[0]
+    prepared = registry.job_meta(first["task"], first["queue"], meta)
+    if prepared is not None:
+        for row in [first] if isinstance(rows, UniformRows) else rows:
+            row["meta"] = prepared
+    if scoped:
+        raise EnqueueError(
+            "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
+            "(each job of such a scope takes its key's lock in turn): enqueue them one by "
+            "one with session.enqueue"
+        )
+
+
+def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]]) -> int:
+    """INSERT checked job rows (from :meth:`Jobs.bind_row <sqla_jobs.Jobs.bind_row>`),
+    one statement per run of rows that share task, queue and options: one statement for an
+    ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
+    see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
+    whose unique key a live job holds are not)."""
+    require_postgresql(connection, "enqueue_many", EnqueueError)
+    if isinstance(rows, UniformRows):
+        return _write_run(connection, queries, rows.first, rows.args) if rows else 0
+    _check_encoding(connection, rows)
+    statement = queries.bulk_insert
+    inserted = 0
+    for shared, run in itertools.groupby(rows, key=_shared_values):
+        same = list(run)
+        params = dict(zip(_SHARED, shared, strict=True))
+        if params["meta"] is not None:
+            params["meta"] = _dumps(params["meta"])
+        params["unique_key"] = [r.get("unique_key") for r in same]
+        params["concurrency_key"] = [r.get("concurrency_key") for r in same]
+        # COPY writes the shared columns and the arguments only: rows with a concurrency
+        # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do. It turns the
+        # arguments into text a block at a time, as it sends them (see copy_run).
+        keyed = any(key is not None for key in params["concurrency_key"])
+        if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
+            args = [r["args"] for r in same]
+            inserted += copy_run(connection, queries.table, params, args, args_json)
+            continue
+        params["args"] = [args_json(r["args"]) for r in same]
+        inserted += connection.execute(statement, params).rowcount
+    return inserted
+
+
+def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: CheckedLater) -> int:
+    """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
+    rows that have ``row``'s columns (checked values from :meth:`Jobs.bind_row
+    <sqla_jobs.Jobs.bind_row>`, without a unique or concurrency key) and differ only in
+    their arguments, given as JSON ``texts`` checked as they are written; returns how many
+    were inserted."""
+    require_postgresql(connection, "enqueue_many", EnqueueError)
+    return _write_run(connection, queries, row, texts)
+
+
+def _write_run(
+    connection: Any, queries: Queries, row: dict[str, Any], args: Sequence[Any] | CheckedLater
+) -> int:
+    """Write rows that have ``row``'s columns and differ only in their arguments: checked
+    arguments (:class:`~sqla_jobs.tasks.CheckedArgs`), or texts checked as they are
+    written. ``COPY`` when :func:`~sqla_jobs.bulk.copy_allowed` says so, else the bulk
+    INSERT (with every text checked first)."""
+    params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
+    if params["meta"] is not None:
+        params["meta"] = _dumps(params["meta"])
+    encodings = database_encodings(connection) if isinstance(connection, sa.Connection) else None
+    if encodings is not None:
+        # A database (or connection) that does not carry every text (LATIN1 has no "€"):
+        # the texts are checked for it too, as they are made (see CheckedLater).
+        if isinstance(args, CheckedLater):
+            args = CheckedLater(args.first, args.rest, _encoded_for(args.encode, row, encodings))
+            check_encoding([{**row, "args": args.first}], encodings)
+        else:
+            check_encoding(UniformRows(row, list(args)), encodings)
+    if isinstance(args, CheckedLater):
+        if copy_allowed(connection, len(args), ()):
+            return copy_run(connection, queries.table, params, args)
+        params["args"] = args.all()
+    else:
+        if copy_allowed(connection, len(args), ()):
+            return copy_run(connection, queries.table, params, args, args_json)
+        params["args"] = list(map(args_json, args))
+    params["unique_key"] = params["concurrency_key"] = [None] * len(args)
+    return int(connection.execute(queries.bulk_insert, params).rowcount)
+
+
+def _check_encoding(connection: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """Refuse rows with text that the connection's database cannot store (see
+    :func:`~sqla_jobs.tasks.check_encoding`); nothing to do for a UTF-8 one."""
+    if isinstance(connection, sa.Connection):
+        encodings = database_encodings(connection)
+        if encodings is not None and not ascii_rows(rows):
+            check_encoding(rows, encodings)
+
+
+def _encoded_for(encode: Any, row: dict[str, Any], encodings: Encodings) -> Any:
+    """``encode`` (of a :class:`~sqla_jobs.bulk.CheckedLater`), whose texts are then checked
+    for the database's encodings too."""
+
+    def checked(items: list[Any]) -> list[str]:
+        texts: list[str] = encode(items)
+        if not "".join(texts).isascii():
+            for text in texts:
+                if not text.isascii():
+                    check_encoding_text(row["task"], text, encodings)
+        return texts
+
+    return checked
+
+
+def enqueue_scoped(
+    connection: Any, queries: Queries, params: JobParams, scope: Any
+) -> tuple[int, str]:
+    """Enqueue a scoped unique job (:class:`sqla_jobs.tasks.UniqueScope`) on ``connection``
+    in its transaction; ``(id, outcome)``: ``"new"``, ``"replaced"`` (the waiting holder
+    took the arguments), ``"kept"`` (the holder blocks and is returned as it is) or
+    ``"gone"`` (the key's period holds it, and the id is of the job that took it, which
+    has finished and been deleted). Two statements: take the key's row (which waits for
+    a concurrent enqueue of the key to commit or roll back), then place the job."""
+    key = params["unique_key"]
+    holder, held = connection.execute(queries.take_key, {"key": key}).one()
+    row = connection.execute(
+        queries.place_scoped,
+        {
+            **{f"p_{name}": value for name, value in params.items()},
+            "holder": holder,
+            "held": held,
+            "states": list(scope.states),
+            "replace": scope.on_conflict == "replace",
+            "period": scope.period,
+        },
+    ).first()
+    if row is None:
+        return int(holder), "gone"
+    return int(row[0]), str(row[1])
