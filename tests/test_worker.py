@@ -485,7 +485,7 @@ def test_worker_survives_losing_its_database_connections(
             killed = conn.execute(
                 sa.text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'victim'"
+                    "WHERE application_name = 'victim' AND datname = current_database()"
                 )
             ).scalar()
         assert killed and killed >= 1
