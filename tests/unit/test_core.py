@@ -407,11 +407,21 @@ def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> N
 # -- claiming ahead (settings.prefetch) ---------------------------------------------------
 
 
+@pytest.fixture
+def frozen(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The core's clock, stopped: the rate that ``_finishing`` sets is the one the claims
+    see. On the real clock, a pause of the test's process of 10 ms or more between two
+    claims (a loaded machine) measured a new rate of zero jobs a second and halved it."""
+    clock = FakeClock()
+    monkeypatch.setattr(core_mod, "time", clock)
+    return clock
+
+
 def _finishing(core: WorkerCore, per_second: float, rtt: float) -> None:
     """As if handlers had finished at ``per_second`` for the last second, and claims took
     ``rtt`` seconds."""
     core._rtt = rtt
-    core._rate_mark = (time.monotonic() - 1.0, core.processed - round(per_second))
+    core._rate_mark = (core_mod.time.monotonic() - 1.0, core.processed - round(per_second))
 
 
 _ids = itertools.count(1)
@@ -432,7 +442,7 @@ def _claims(core: WorkerCore) -> list[int]:
     return asked
 
 
-def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
+def test_fast_handlers_are_claimed_ahead_of_the_free_slots(frozen: FakeClock) -> None:
     core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
     # 1,000 jobs/s and 10 ms a claim: 10 jobs end during one claim, 20 with the margin,
     # at most one claim's worth (10) ahead.
@@ -453,7 +463,7 @@ def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
     assert driver.wakes == 1  # room for 5, half a claim: wake the loop
 
 
-def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots() -> None:
+def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots(frozen: FakeClock) -> None:
     # 5 jobs/s and 10 ms a claim: 0.05 jobs end during a claim, so none is claimed ahead.
     core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
     _finishing(core, 5, 0.01)
@@ -482,7 +492,7 @@ def test_a_claim_told_to_stop_before_it_started_is_not_run_and_frees_its_slot() 
     assert driver.recorded == [] and cancelled == [1]
 
 
-def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
+def test_a_limited_queue_shares_the_claim_ahead_room(frozen: FakeClock) -> None:
     """A busy queue claimed ahead keeps the free slots below zero; a limited queue must
     still be claimed from the room (kept to the free slots, it starved until the busy
     queue ran dry)."""
