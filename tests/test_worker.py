@@ -422,7 +422,10 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
 def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
     """Start listening on the jobs channel; return a function that collects payloads."""
     conn = engine.raw_connection()
+    # Out of the pool for good: its autocommit and its LISTEN must not reach the next
+    # test that checks a connection out (a transaction there committed each statement).
     raw: Any = conn.driver_connection
+    conn.detach()
     raw.autocommit = True
     raw.execute(f'LISTEN "{jobs.queries.channel}"')
 
