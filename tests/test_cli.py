@@ -24,7 +24,7 @@ from sqla_jobs import JobSession
 from sqla_jobs.model import companion_tables, job_table
 
 from . import app
-from .helpers import count, rows, wait_for
+from .helpers import count, reaped, rows, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = "tests.app:jobs"
@@ -404,14 +404,13 @@ def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
-    try:
+    with reaped(proc):
         # One slot per process: while one runs its 3-second job, the other takes the next.
         wait_for(lambda: count(db) == 0, timeout=60)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, out
     pids = {r.pid for r in rows(db, app.Run)}
     assert len(pids) == 2 and proc.pid not in pids, out
@@ -442,11 +441,13 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
-    try:
+    with reaped(proc):
         # Each child runs one long job: their pids are in the runs table.
         first = wait_for(
-            lambda: {r.pid for r in rows(db, app.Run)} if count(db, app.Run) == 2 else None
+            lambda: {r.pid for r in rows(db, app.Run)} if count(db, app.Run) == 2 else None,
+            timeout=30,
         )
         victim, survivor = sorted(first)
         os.kill(victim, signal.SIGKILL)
@@ -458,8 +459,6 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
         (replacement,) = third
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, out
     assert f"worker process {victim} exited" in out
     assert f"started worker process {replacement}" in out

@@ -29,6 +29,8 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Its own process group: tests.helpers.reaped kills a supervisor with its children.
+        start_new_session=True,
     )
 
 
