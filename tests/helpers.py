@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -54,3 +57,18 @@ def running(worker: Any) -> Iterator[Any]:
         worker.stop()
         thread.join(15)
         assert not thread.is_alive()
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
+    """A process started with ``start_new_session=True`` (a supervisor), killed with its
+    whole process group when the block fails. A supervisor killed alone left its worker
+    processes running, and they served the queues of the next tests in this process."""
+    try:
+        yield proc
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        proc.kill()

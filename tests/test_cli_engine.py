@@ -67,7 +67,7 @@ def app_names(engine: sa.Engine, pattern: str) -> set[str]:
             conn.execute(
                 sa.text(
                     "SELECT DISTINCT application_name FROM pg_stat_activity "
-                    "WHERE application_name LIKE :p"
+                    "WHERE application_name LIKE :p AND datname = current_database()"
                 ),
                 {"p": pattern},
             ).scalars()

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqla_jobs import JobSession
 
 from . import app
-from .helpers import count, wait_for
+from .helpers import count, reaped, wait_for
 from .test_cli_worker import enqueue_slow, run_cli, start_worker
 
 
@@ -212,7 +212,7 @@ def test_each_supervised_process_serves_its_own_endpoints(db: sa.Engine) -> None
         "--metrics-port",
         f"127.0.0.1:{metrics}",
     )
-    try:
+    with reaped(proc):
         for port in (health, health + 1):
             wait_for(lambda port=port: get(port, "/healthz")[0] == 200, timeout=30)  # type: ignore[misc]
         reports: list[Any] = [json.loads(get(p, "/healthz")[1]) for p in (health, health + 1)]
@@ -221,8 +221,6 @@ def test_each_supervised_process_serves_its_own_endpoints(db: sa.Engine) -> None
             assert get(port, "/metrics")[0] == 200
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
     assert proc.returncode == 0, out
 
 

@@ -29,6 +29,8 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Its own process group: tests.helpers.reaped kills a supervisor with its children.
+        start_new_session=True,
     )
 
 
@@ -170,7 +172,7 @@ def test_losing_the_database_logs_one_line_per_warning(db: sa.Engine, database_u
             killed = conn.execute(
                 sa.text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'cli-victim'"
+                    "WHERE application_name = 'cli-victim' AND datname = current_database()"
                 )
             ).scalar()
         assert killed

@@ -190,7 +190,10 @@ def test_a_committed_transactional_job_is_never_taken_for_a_lost_one(
 def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
     """Start listening on the jobs channel; a function that returns what arrived."""
     conn = engine.raw_connection()
+    # Out of the pool for good: its autocommit and its LISTEN must not reach the next
+    # test that checks a connection out (a transaction there committed each statement).
     raw: Any = conn.driver_connection
+    conn.detach()
     raw.autocommit = True
     raw.execute(f'LISTEN "{jobs.queries.channel}"')
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,8 +61,10 @@ def free_port() -> int:
 class Shell:
     """A reader's terminal: a working directory, exported variables, background jobs."""
 
-    def __init__(self, env: dict[str, str], database_url: str, ports: dict[str, str]) -> None:
-        self.cwd = ROOT
+    def __init__(
+        self, env: dict[str, str], database_url: str, ports: dict[str, str], root: Path = ROOT
+    ) -> None:
+        self.cwd = root
         self.env = env
         self.database_url = database_url
         self.ports = ports
@@ -176,14 +179,16 @@ def installed(tmp_path: Path) -> Path:
     return site
 
 
-def follow(readme: Path, database: str, site: Path, ports: tuple[str, ...] = ()) -> Shell:
+def follow(
+    readme: Path, database: str, site: Path, ports: tuple[str, ...] = (), root: Path = ROOT
+) -> Shell:
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(site),
     }
     env.pop("DATABASE_URL", None)  # the README's export sets it
-    shell = Shell(env, database, {port: str(free_port()) for port in ports})
+    shell = Shell(env, database, {port: str(free_port()) for port in ports}, root)
     try:
         for line in shell_lines(readme):
             shell.run(line)
@@ -204,11 +209,24 @@ def test_the_fastapi_recipe(scratch: str, installed: Path) -> None:
     follow(readme, scratch, installed, ports=("8000",)).stop()
 
 
-def test_the_shortener_recipe(scratch: str, installed: Path) -> None:
-    versions = ROOT / "examples" / "shortener" / "migrations" / "versions"
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """A copy of the repository's ``examples/``, as the root to follow a README from: the
+    revision that a recipe's ``alembic revision`` writes lands there, never in the
+    migrations that other tests (test_upgrade, the shortener's own) read meanwhile."""
+    root = tmp_path / "checkout"
+    shutil.copytree(
+        ROOT / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return root
+
+
+def test_the_shortener_recipe(scratch: str, installed: Path, checkout: Path) -> None:
+    versions = checkout / "examples" / "shortener" / "migrations" / "versions"
     before = set(versions.iterdir())
     try:
-        shell = follow(ROOT / "examples" / "shortener" / "README.md", scratch, installed)
+        readme = checkout / "examples" / "shortener" / "README.md"
+        shell = follow(readme, scratch, installed, root=checkout)
         made = [p for p in set(versions.iterdir()) - before if p.suffix == ".py"]
         assert len(made) == 1  # "empty if nothing changed": the models and migrations agree
         body = made[0].read_text()

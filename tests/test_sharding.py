@@ -28,8 +28,10 @@ DEAD_URL = "postgresql+psycopg://postgres@127.0.0.1:9/nothing?connect_timeout=2"
 
 
 @pytest.fixture(scope="module")
-def engine_b() -> Iterator[sa.Engine]:
-    url = os.environ.get("SQLA_JOBS_SECOND_DATABASE_URL") or embedded_url()
+def engine_b(worker_database: Any) -> Iterator[sa.Engine]:
+    given = os.environ.get("SQLA_JOBS_SECOND_DATABASE_URL")
+    # Each xdist worker has a database of its own there (an embedded server is its own).
+    url = worker_database(given) if given else embedded_url()
     eng = create_engine(normalize_url(url))
     with eng.begin() as conn:
         conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{app.SCHEMA}" CASCADE'))

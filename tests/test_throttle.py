@@ -539,7 +539,8 @@ def test_session_claim_honours_the_limit_across_transactions(db: sa.Engine) -> N
         thread.start()
         waiting = sa.text(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+            "WHERE wait_event_type = 'Lock' AND wait_event = 'advisory' "
+            "AND datname = current_database()"
         )
         with db.connect() as conn:
             wait_for(lambda: conn.execute(waiting).scalar_one() == 1 or conn.rollback())

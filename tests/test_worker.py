@@ -422,7 +422,10 @@ def test_stop_hands_back_claimed_jobs_that_never_started(
 def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
     """Start listening on the jobs channel; return a function that collects payloads."""
     conn = engine.raw_connection()
+    # Out of the pool for good: its autocommit and its LISTEN must not reach the next
+    # test that checks a connection out (a transaction there committed each statement).
     raw: Any = conn.driver_connection
+    conn.detach()
     raw.autocommit = True
     raw.execute(f'LISTEN "{jobs.queries.channel}"')
 
@@ -485,7 +488,7 @@ def test_worker_survives_losing_its_database_connections(
             killed = conn.execute(
                 sa.text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'victim'"
+                    "WHERE application_name = 'victim' AND datname = current_database()"
                 )
             ).scalar()
         assert killed and killed >= 1

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sqla_jobs import Jobs, WorkerSettings
+from sqla_jobs.worker import fetch as fetch_mod
 from sqla_jobs.worker import steps as s
 from sqla_jobs.worker.core import WorkerCore
 from sqla_jobs.worker.job import Outcome, OutcomeKind
@@ -93,11 +94,23 @@ def test_a_notify_during_a_short_claim_keeps_the_queue_out_of_the_dry_set() -> N
     assert core.fetcher.claim_order() == ["a"]  # "b" is dry, "a" is not
 
 
+@pytest.fixture
+def frozen(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The worker's clock, stopped: the rate that ``_finishing`` sets is the one the claims
+    see. On the real clock, a pause of the test's process of 10 ms or more between two
+    claims (a loaded machine, the suite's own parallel workers) measured a new rate of zero
+    jobs a second and halved the estimate."""
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    return clock
+
+
 def _finishing(core: WorkerCore, per_second: float, rtt: float) -> None:
     """As if handlers had finished at ``per_second`` for the last second, and claims took
     ``rtt`` seconds."""
     core.fetcher.rtt = rtt
-    core.fetcher.rate_mark = (time.monotonic() - 1.0, core.processed - round(per_second))
+    now = fetch_mod.time.monotonic()
+    core.fetcher.rate_mark = (now - 1.0, core.processed - round(per_second))
 
 
 def _claims(core: WorkerCore) -> list[int]:
@@ -115,7 +128,7 @@ def _claims(core: WorkerCore) -> list[int]:
     return asked
 
 
-def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
+def test_fast_handlers_are_claimed_ahead_of_the_free_slots(frozen: FakeClock) -> None:
     core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
     # 1,000 jobs/s and 10 ms a claim: 10 jobs end during one claim, 20 with the margin,
     # at most one claim's worth (10) ahead.
@@ -136,7 +149,7 @@ def test_fast_handlers_are_claimed_ahead_of_the_free_slots() -> None:
     assert driver.wakes == 1  # room for 5, half a claim: wake the loop
 
 
-def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots() -> None:
+def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots(frozen: FakeClock) -> None:
     # 5 jobs/s and 10 ms a claim: 0.05 jobs end during a claim, so none is claimed ahead.
     core, driver, _ = make(queues=("a",), concurrency=10, claim_limit=10)
     _finishing(core, 5, 0.01)
@@ -152,7 +165,7 @@ def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots() -> None:
     assert _claims(core) == []
 
 
-def test_a_limited_queue_shares_the_claim_ahead_room() -> None:
+def test_a_limited_queue_shares_the_claim_ahead_room(frozen: FakeClock) -> None:
     """A busy queue claimed ahead keeps the free slots below zero; a limited queue must
     still be claimed from the room (kept to the free slots, it starved until the busy
     queue ran dry)."""
