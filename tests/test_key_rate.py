@@ -183,7 +183,10 @@ def test_a_key_held_by_its_rate_wakes_the_worker_when_it_has_room(
     # the time a busy machine may take to start a handler after its claim).
     for i in range(2, 6):
         assert a[i] - a[i - 2] >= 0.8, a
-    assert started["b"][0] - began < 1.0 and started[None][0] - began < 1.0
+    # The other keys are not held behind "a"'s rate: they start with its first window,
+    # not with a later one (timed from "a"'s first start, so the worker's own start-up on
+    # a busy machine does not count).
+    assert started["b"][0] - a[0] < 0.8 and started[None][0] - a[0] < 0.8, (a, started)
     assert 1.9 <= took < 10, took
     # One claim per second of the key's window (three here), give or take: not a claim
     # every LIMIT_RECHECK, nor a loop.

@@ -120,8 +120,8 @@ def test_without_listen_every_queue_picks_up_a_new_job_within_the_poll_interval(
             wait_for(lambda: all(i in started for i in ids), timeout=10)  # noqa: B023
             waits = {i: started[i] - committed for i in ids}
             # The poll interval, plus a round of claims and some slack for a loaded
-            # machine; every other interval would be twice the poll interval.
-            assert max(waits.values()) < poll + 0.2, waits
+            # machine; every other interval would be up to twice the poll interval.
+            assert max(waits.values()) < poll * 1.6, waits
     finally:
         sa.event.remove(engine, "before_cursor_execute", seen)
         worker.stop()

@@ -588,7 +588,9 @@ def test_a_hostile_search_is_parsed_in_linear_time(client: TestClient, db: sa.En
         with contextlib.suppress(ValueError):
             admin.parse_search(text)
         took = time.perf_counter() - started
-        assert took < 0.1, (text[:20], took)
+        # Linear: milliseconds (a second leaves room for a loaded machine); the old
+        # pattern took 11 s at 78 characters and days at 100.
+        assert took < 1.0, (text[:20], took)
     # Through the page: answered (a text search, or a 400 naming the problem), never a 500.
     for text in hostile:
         assert client.get("/jobs", params={"q": text}).status_code in (200, 400)
