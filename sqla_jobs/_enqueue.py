@@ -42,16 +42,10 @@ import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
-from .bulk import CheckedLater, copy_allowed, copy_run, gc_paused
-from .db import require_postgresql
-from .errors import EnqueueError
-from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
-from .queries import _dumps, args_json
-from .storable import Encodings, database_encodings
-from .tasks import (
+from ._tasks import (
     OPTION_NAMES,
     ConfiguredTask,
-    Jobs,
+    Registry,
     Task,
     TaskArgs,
     UniqueScope,
@@ -63,6 +57,12 @@ from .tasks import (
     flat_unique,
     merge_options,
 )
+from .bulk import CheckedLater, copy_allowed, copy_run, gc_paused
+from .db import require_postgresql
+from .errors import EnqueueError
+from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
+from .queries import _dumps, args_json
+from .storable import Encodings, database_encodings
 
 if TYPE_CHECKING:
     from .queries import Queries
@@ -89,7 +89,7 @@ class PendingJob:
     takes), and how it is placed, with what that needs (a scoped key's
     :class:`~sqla_jobs.tasks.UniqueScope`; the parents of a job with ``after=``)."""
 
-    registry: Jobs
+    registry: Registry
     row: dict[str, Any]
     how: Placement
     scope: UniqueScope | None = None
@@ -97,7 +97,7 @@ class PendingJob:
 
 
 def bind(
-    registry: Jobs,
+    registry: Registry,
     task: Task[Any, Any] | str,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -120,7 +120,7 @@ def bind_call(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    resolver: Jobs | Any,
+    resolver: Registry | Any,
 ) -> PendingJob:
     """Bind an ``enqueue(task, *args, **kwargs)`` call: the option keywords (the names
     of :class:`~sqla_jobs.tasks.EnqueueOptions`) are taken out of ``kwargs`` (no handler
@@ -132,10 +132,10 @@ def bind_call(
     plain: Task[Any, Any] | str
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
-        registry = resolver if isinstance(resolver, Jobs) else plain.registry
+        registry = resolver if isinstance(resolver, Registry) else plain.registry
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
-        registry = resolver if isinstance(resolver, Jobs) else _registry(resolver, task)
+        registry = resolver if isinstance(resolver, Registry) else _registry(resolver, task)
     return bind(registry, plain, args, kwargs, options)
 
 
@@ -210,13 +210,13 @@ def _session_scoped(session: Session, pending: PendingJob, shard: Any) -> tuple[
     return job, outcome == "new"
 
 
-def session_registry(session: Session) -> Jobs | None:
+def session_registry(session: Session) -> Registry | None:
     """The registry a session resolves task names with (its ``jobs=``), if any."""
-    jobs: Jobs | None = _sync(session).info.get(JOBS_KEY)
+    jobs: Registry | None = _sync(session).info.get(JOBS_KEY)
     return jobs
 
 
-def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
+def _registry(session: Any, task: Task[Any, Any] | str) -> Registry:
     """The registry of a task, or the session's (for a name)."""
     if isinstance(task, Task):
         return task.registry
@@ -277,7 +277,9 @@ def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:
     return job_id
 
 
-def _connection_unique(connection: sa.Connection, registry: Jobs, params: Any) -> tuple[int, bool]:
+def _connection_unique(
+    connection: sa.Connection, registry: Registry, params: Any
+) -> tuple[int, bool]:
     """INSERT a unique job; its id (or that of the live job holding the key), and whether
     it is new. The holder may finish between the two statements: then try again."""
     q = registry.queries
@@ -302,7 +304,7 @@ HELD_UNTIL = datetime(9999, 1, 1, tzinfo=timezone.utc)
 _LINK_KEY = "sqla_jobs.links"
 
 
-def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
+def parent_ids(registry: Registry, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
     """Check ``after=``: job ids, or job objects of this registry's model (pending ones
     only where their ids will be known before linking: ``pending_ok``)."""
     out: list[Any] = []
@@ -377,7 +379,7 @@ def link(
 
 
 def defer_link(
-    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
+    session: Session, registry: Registry, child: Any, parents: list[Any], run_anyway: bool
 ) -> None:
     """Link an ORM job at the session's flush, once it and its parents have ids.
 
@@ -386,7 +388,7 @@ def defer_link(
     so after the flush every id is known, and the link runs in the flush's transaction:
     a rollback (of the transaction or of the savepoint) takes the whole workflow with it.
     """
-    links: list[tuple[Jobs, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
+    links: list[tuple[Registry, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
     if links is None:
         links = session.info[_LINK_KEY] = []
         if not event.contains(session, "after_flush_postexec", _link_flushed):
@@ -539,7 +541,7 @@ def many_values(
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
     session: Any,
     **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]]]:
+) -> tuple[Registry, Sequence[dict[str, Any]]]:
     """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
     :class:`UniformRows` when they differ only in their arguments.
 
@@ -581,9 +583,9 @@ def many_values(
 def many_json(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    jobs: Jobs | Session,
+    jobs: Registry | Session,
     **given: Any,
-) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
+) -> tuple[Registry, Sequence[dict[str, Any]], CheckedLater | None]:
     """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
     a connection): when the rows differ only in their arguments and nobody listens for
     ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
@@ -625,16 +627,17 @@ def _check_many(arguments: object) -> None:
 
 def _many_options(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
-) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
+) -> tuple[Task[Any, Any] | str, Registry, dict[str, Any], Any, datetime | None]:
     """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
     the one clock reading of a batch with a delay."""
     plain: Task[Any, Any] | str
+    registry: Registry
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
         registry = plain.registry
     else:
         plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
-        registry = session if isinstance(session, Jobs) else _registry(session, plain)
+        registry = session if isinstance(session, Registry) else _registry(session, plain)
     if "unique_key" in options:
         raise EnqueueError(
             "enqueue_many cannot give every job the same unique_key: use unique=True"
@@ -655,7 +658,9 @@ def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
     return "unique_key" not in row and task.concurrency_key is None
 
 
-def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool) -> None:
+def _prepare_meta(
+    registry: Registry, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool
+) -> None:
     """Check ``meta`` and hand it to the enqueue hooks, once for the whole call; refuse
     a ``scoped`` unique key (after every row was checked, as before)."""
     first = rows.first if isinstance(rows, UniformRows) else rows[0]
@@ -706,7 +711,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
 def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: CheckedLater) -> int:
     """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
     rows that have ``row``'s columns (checked values from :meth:`Jobs.bind_row
-    <sqla_jobs.Jobs.bind_row>`, without a unique or concurrency key) and differ only in
+    <sqla_jobs.Registry.bind_row>`, without a unique or concurrency key) and differ only in
     their arguments, given as JSON ``texts`` checked as they are written; returns how many
     were inserted."""
     require_postgresql(connection, "enqueue_many", EnqueueError)

@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ._enqueue import session_registry
 from ._settle import cap_error, format_error, settle_children, worker_name
+from ._tasks import Registry
 from .errors import EnqueueError
 from .model import JobStatus
 from .queries import (
@@ -56,11 +58,12 @@ from .queries import (
     limited_claim_params,
     snooze_params,
 )
-from .tasks import Jobs
 from .throttle import QueueLimits
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
+
+    from .tasks import Jobs
 
 __all__ = ["AsyncClaimMixin", "ClaimMixin", "claim", "complete", "fail", "retry", "snooze"]
 
@@ -128,7 +131,7 @@ def claim(
 
 
 def _claim_limited(
-    session: Session, registry: Jobs, limits: QueueLimits, params: ClaimParams
+    session: Session, registry: Registry, limits: QueueLimits, params: ClaimParams
 ) -> list[int]:
     """The workers' limited claim (:mod:`sqla_jobs.throttle`) in the caller's transaction:
     the queue's lock, held until that transaction ends (so the queue's other limited
@@ -235,7 +238,7 @@ def snooze(
 
 def _fail(
     session: Session,
-    registry: Jobs,
+    registry: Registry,
     job: Any,
     error: str | None,
     delay: float,
@@ -249,9 +252,7 @@ def _fail(
     return None if row is None else JobStatus(row.status)
 
 
-def _jobs(session: Session, jobs: Jobs | None) -> Jobs:
-    from ._enqueue import session_registry
-
+def _jobs(session: Session, jobs: Jobs | None) -> Registry:
     registry = jobs or session_registry(session)
     if registry is None:
         raise EnqueueError(

@@ -48,11 +48,12 @@ from typing import Any, NoReturn
 import sqlalchemy as sa
 
 from . import __version__, _present, admin, logs, sharding
+from ._tasks import json_problem
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError, describe
 from .model import STATUSES, job_table
 from .storable import BIGINT_MAX, DURATION_MAX_SECONDS
-from .tasks import Jobs, json_problem
+from .tasks import Jobs
 from .worker.launch import EndpointError, LaunchError, LaunchPlan
 from .worker.settings import WorkerSettings
 

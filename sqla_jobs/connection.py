@@ -42,17 +42,19 @@ from ._enqueue import (
     many_json,
     place_on_connection,
 )
-from .storable import database_encodings
-from .tasks import (
+from ._tasks import (
     ConfiguredTask,
-    Jobs,
+    Registry,
     Task,
     TaskArgs,
     check_encoding,
 )
+from .storable import database_encodings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from .tasks import Jobs
 
 __all__ = ["enqueue", "enqueue_async", "enqueue_many", "enqueue_many_async"]
 
@@ -144,12 +146,12 @@ def async_connection(connection: object) -> AsyncConnection:
 # -- the enqueued event -------------------------------------------------------------------
 
 #: Jobs enqueued on a connection in a transaction, waiting for its commit.
-_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, Sequence[Any]]]] = (
+_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Registry, Sequence[Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) -> None:
+def _announce(connection: sa.Connection, registry: Registry, jobs: Sequence[Any]) -> None:
     if autocommit(connection):
         for job in jobs:
             registry.events.fire("enqueued", job)

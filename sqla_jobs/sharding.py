@@ -63,6 +63,13 @@ from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
 from ._enqueue import insert_rows, many_values
+from ._tasks import (
+    ConfiguredTask,
+    ManyOptions,
+    Task,
+    TaskArgs,
+    many_options,
+)
 from .errors import EnqueueError, WorkerError, describe, unreachable
 from .model import JobMixin
 from .session import (
@@ -73,7 +80,7 @@ from .session import (
     as_unique,
     refuse_unique,
 )
-from .tasks import ConfiguredTask, Jobs, ManyOptions, Task, TaskArgs, many_options
+from .tasks import Jobs
 from .worker.driver import DriverBase
 from .worker.settings import WorkerSettings, resolve
 from .worker.signals import signalled, stopped_by_signals

@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession, admin
+from sqla_jobs._tasks import derive_unique_key
 from sqla_jobs.periodic import add_schedule, enqueue_due, periodic_key
-from sqla_jobs.tasks import derive_unique_key
 
 from . import app
 from .helpers import count, rows

@@ -82,8 +82,9 @@ from .vitals import Health, diagnose
 if TYPE_CHECKING:
     import contextvars
 
+    from .._tasks import Task
     from ..events import RunHook
-    from ..tasks import Jobs, Task
+    from ..tasks import Jobs
 
 __all__ = ["Driver", "Health", "WorkerCore"]
 

@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from .._settle import format_error
+from .._tasks import json_problem, long_int_problem
 from ..errors import PermanentError, ResultError, Snooze
 from ..model import CHILDREN_KEY, KEEP_KEY
 from ..queries import Queries, batch_params, fail_params, snooze_params
 from ..storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
-from ..tasks import json_problem, long_int_problem
 
 if TYPE_CHECKING:
-    from ..tasks import Jobs, RetryPolicy, Task
+    from .._tasks import RetryPolicy, Task
+    from ..tasks import Jobs
 
 __all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Outcome", "OutcomeKind", "current_job"]
 

@@ -21,7 +21,7 @@ from ..outage import is_database_error, lost_prepared_statement
 from ..steps import Conn, Io, Steps, Tick
 
 if TYPE_CHECKING:
-    from ...tasks import Task
+    from ..._tasks import Task
     from ..core import WorkerCore
 
 __all__ = ["PROGRESS_EVERY", "Heartbeat"]
