@@ -45,18 +45,8 @@ from typing import (
 
 import sqlalchemy as sa
 
-from .cron import Schedule, check_cron, check_timezone
-from .errors import EnqueueError, UnknownTaskError
-from .events import Around, Events, RunWrapper
-from .model import (
-    DEFAULT_RESULT_TTL,
-    KEEP_KEY,
-    RUN_ANYWAY_KEY,
-    JobStatus,
-    check_complete,
-)
-from .queries import Queries
-from .storable import (
+from ._queries import Queries
+from ._storable import (
     DURATION_MAX_SECONDS,
     INT_MAX,
     INT_MAX_DIGITS,
@@ -74,6 +64,16 @@ from .storable import (
     jsonb_problem,
     shorten,
     text_problem,
+)
+from .cron import Schedule, check_cron, check_timezone
+from .errors import EnqueueError, UnknownTaskError
+from .events import Around, Events, RunWrapper
+from .model import (
+    DEFAULT_RESULT_TTL,
+    KEEP_KEY,
+    RUN_ANYWAY_KEY,
+    JobStatus,
+    check_complete,
 )
 from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
 
@@ -804,7 +804,7 @@ def _unstorable(
     """The first value in the arguments that PostgreSQL could not store in JSON (a string
     or dict key with a NUL or a surrogate, an int past ``numeric``, more than ``jsonb``
     holds when their JSON text is ``size`` characters), a dict key that is not a string,
-    or nesting past :data:`~sqla_jobs.storable.JSON_MAX_DEPTH`, as ``(argument, " (at
+    or nesting past :data:`~sqla_jobs._storable.JSON_MAX_DEPTH`, as ``(argument, " (at
     path)", why)``.
 
     ``exact``: also what would come back changed, so that a job runs with exactly the
@@ -957,7 +957,7 @@ def ascii_rows(rows: Sequence[Mapping[str, Any]]) -> bool:
 
 def check_encoding(rows: Sequence[Mapping[str, Any]], encodings: Encodings) -> None:
     """Refuse job rows (as :func:`ascii_rows` takes them) that hold text the database or
-    its connections cannot carry (see :class:`~sqla_jobs.storable.Encodings`), which would
+    its connections cannot carry (see :class:`~sqla_jobs._storable.Encodings`), which would
     fail only at the flush or COMMIT, or in the worker. Raises :class:`EnqueueError`
     naming the column, or the argument and where in it."""
     first: Mapping[str, Any] | None = getattr(rows, "first", None)
@@ -1033,7 +1033,7 @@ def _where(name: str, path: tuple[Any, ...]) -> str:
     return f" (at {name}{''.join(f'[{p!r}]' for p in path)})"
 
 
-#: A run of more digits than :data:`~sqla_jobs.storable.INT_MAX_DIGITS` in JSON text: an int
+#: A run of more digits than :data:`~sqla_jobs._storable.INT_MAX_DIGITS` in JSON text: an int
 #: no worker reads back, or (rarely) a string of digits, which the walk tells apart.
 _LONG_INT = re.compile("[0-9]{" + str(INT_MAX_DIGITS + 1) + ",}")
 
@@ -1083,7 +1083,7 @@ def json_problem(value: Any, name: str = "value") -> str | None:
 
 def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     """A job's ``meta``, checked: a JSON object with string keys, storable, at most
-    :data:`~sqla_jobs.storable.META_MAX_BYTES` of JSON, and no key of the library's own
+    :data:`~sqla_jobs._storable.META_MAX_BYTES` of JSON, and no key of the library's own
     (``sqla_jobs.``). Raises :class:`EnqueueError`."""
     if not isinstance(meta, Mapping):
         raise EnqueueError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")

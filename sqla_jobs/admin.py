@@ -69,8 +69,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from . import _present
-from . import queries as _q
+from . import _queries as _q
+from ._queries import Queries
+from ._queries import status_literal as _lit
 from ._settle import settle_children
+from ._storable import QUEUE_MAX_BYTES, check_name, text_problem
 from ._tasks import json_problem
 from .model import (
     CHILDREN_KEY,
@@ -81,9 +84,6 @@ from .model import (
     job_table,
     notify_channel,
 )
-from .queries import Queries
-from .queries import status_literal as _lit
-from .storable import QUEUE_MAX_BYTES, check_name, text_problem
 from .tasks import Jobs
 from .worker.job import CANCEL_PAYLOAD
 

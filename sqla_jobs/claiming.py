@@ -45,11 +45,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ._enqueue import session_registry
-from ._settle import cap_error, format_error, settle_children, worker_name
-from ._tasks import Registry
-from .errors import EnqueueError
-from .model import JobStatus
-from .queries import (
+from ._queries import (
     ClaimParams,
     batch_params,
     claim_params,
@@ -58,6 +54,10 @@ from .queries import (
     limited_claim_params,
     snooze_params,
 )
+from ._settle import cap_error, format_error, settle_children, worker_name
+from ._tasks import Registry
+from .errors import EnqueueError
+from .model import JobStatus
 from .throttle import QueueLimits
 
 if TYPE_CHECKING:

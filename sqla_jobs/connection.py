@@ -42,6 +42,7 @@ from ._enqueue import (
     many_json,
     place_on_connection,
 )
+from ._storable import database_encodings
 from ._tasks import (
     ConfiguredTask,
     Registry,
@@ -49,7 +50,6 @@ from ._tasks import (
     TaskArgs,
     check_encoding,
 )
-from .storable import database_encodings
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -90,7 +90,7 @@ def enqueue_many(
         jobs.get(task.task)  # raises if the task belongs to another table's registry
     # The rows are written now and kept nowhere: when they differ only in their
     # arguments, their JSON is all there is to write (no dict per row, nothing for the
-    # garbage collector to walk), checked block by block as it is sent (sqla_jobs.bulk).
+    # garbage collector to walk), checked block by block as it is sent (sqla_jobs._bulk).
     registry, rows, texts = many_json(task, arguments, jobs, **given)
     if texts is not None:
         return insert_json(connection, registry.queries, rows[0], texts)

@@ -53,17 +53,17 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ._enqueue import _sync, bind, link, place_on_session
+from ._queries import listen_sql, unlisten_sql
 from ._tasks import ConfiguredTask, Task, TaskArgs
 from .errors import EnqueueError, JobFailedError
 from .model import KEEP_KEY, RESULTS_KEY, JobStatus
-from .queries import listen_sql, unlisten_sql
 from .session import EnqueueMixin, _announce, _boundary
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
     from sqlalchemy.orm import Session
 
-    from .queries import Queries
+    from ._queries import Queries
     from .tasks import Jobs
 
 __all__ = ["group", "link", "result", "result_async"]

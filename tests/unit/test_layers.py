@@ -37,23 +37,23 @@ def _layer(names: str, level: int) -> None:
 # whose methods call those adapters. 7. The worker. 8. The package root and the operator
 # model. 9. What runs workers and tests (sharding, launch, the pytest plugin). 10. The
 # optional extras' faces. 11. The CLI.
-_layer("errors storable cron events db model health", 1)
-_layer("queries bulk throttle _settle", 2)
+_layer("errors _storable cron events db model health", 1)
+_layer("_queries _bulk throttle _settle", 2)
 _layer("_tasks", 3)
 _layer("_enqueue", 4)
 _layer("session connection flow claiming periodic", 5)
 _layer("tasks", 6)
 _layer(
-    "logs worker worker.settings worker.steps worker.job worker.outage worker.signals"
-    " worker.supervise worker.supervisor worker.vitals worker.hearing worker.statements"
-    " worker.fetch worker.duties worker.duties.completer worker.duties.heartbeat"
-    " worker.duties.listener worker.duties.maintenance worker.duties.presence worker.core"
-    " worker.driver worker.threaded worker.aio",
+    "logs worker worker.settings worker._steps worker.job worker._outage worker._signals"
+    " worker._supervise worker.supervisor worker._vitals worker._hearing worker._statements"
+    " worker._fetch worker._duties worker._duties.completer worker._duties.heartbeat"
+    " worker._duties.listener worker._duties.maintenance worker._duties.presence worker._core"
+    " worker._driver worker.threaded worker.aio",
     7,
 )
 _layer("admin _present", 8)
 LAYERS[""] = 8  # the package root: it re-exports the core and the worker
-_layer("sharding aio worker.launch pytest_plugin testing", 9)
+_layer("sharding aio worker._launch pytest_plugin testing", 9)
 _layer("web web.app web.shards web._base metrics tracing flask", 10)
 _layer("cli", 11)
 
@@ -64,8 +64,8 @@ LATE_BOUND: dict[tuple[str, str], str] = {
     ("cli", "web"): "the dashboard's extra (starlette, jinja2), for `sqla-jobs web` only",
     ("cli", "web._base"): "the same extra: the allowed-hosts check of `sqla-jobs web`",
     ("worker", "worker.aio"): "AsyncWorker needs SQLAlchemy's asyncio extra (greenlet)",
-    ("worker.launch", "worker.aio"): "the asyncio worker, only with its extra (greenlet)",
-    ("worker.launch", "metrics"): "the metrics endpoint's extra (prometheus-client)",
+    ("worker._launch", "worker.aio"): "the asyncio worker, only with its extra (greenlet)",
+    ("worker._launch", "metrics"): "the metrics endpoint's extra (prometheus-client)",
     ("testing", "pytest_plugin"): "pytest is no dependency: loaded when pytest asks for it",
 }
 
@@ -196,3 +196,55 @@ def test_the_checker_sees_a_function_local_cycle(tmp_path: Path) -> None:
     """The checker itself: a circle closed only inside a function is found."""
     assert _cycles({("a", "b"), ("b", "a")}) == [["a", "b"]]
     assert _cycles({("a", "b"), ("b", "c")}) == []
+
+
+#: The public face: the package root, the modules documented in
+#: ``docs/reference/modules.md``, and those whose names ``sqla_jobs`` re-exports and users
+#: import directly. Every other module is internal, and says so with a leading underscore.
+PUBLIC = {
+    "",
+    "admin",
+    "testing",
+    "pytest_plugin",
+    "web",
+    "metrics",
+    "tracing",
+    "sharding",
+    "events",
+    "flow",
+    "throttle",
+    "periodic",
+    "worker",
+    "aio",
+    "flask",
+    "model",
+    "session",
+    "tasks",
+    "connection",
+    "claiming",
+    "errors",
+    "db",
+    "cron",
+    "logs",
+    "health",
+    "worker.settings",
+    "worker.job",
+    "worker.threaded",
+    "worker.aio",
+    "worker.supervisor",
+}
+#: Not marked, and not public either: the console script's module, and the dashboard's
+#: two views (reached through ``sqla_jobs.web.create_app``).
+UNMARKED = {"cli", "web.app", "web.shards"}
+
+
+def test_internal_modules_are_marked() -> None:
+    unmarked = sorted(
+        name
+        for name in MODULES
+        if name not in PUBLIC | UNMARKED
+        and not any(part.startswith("_") for part in name.split("."))
+    )
+    assert unmarked == []
+    assert not {m for m in PUBLIC if any(p.startswith("_") for p in m.split("."))}
+    assert set(MODULES) >= PUBLIC

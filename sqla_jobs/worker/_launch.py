@@ -33,7 +33,7 @@ from .. import sharding
 from ..db import create_async_engine
 from ..health import serve_health
 from ..sharding import ShardedWorker
-from .driver import pool_size
+from ._driver import pool_size
 from .supervisor import supervise
 from .threaded import Worker
 
