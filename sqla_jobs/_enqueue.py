@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, TypedDict, overload
+from typing import TYPE_CHECKING, Any, TypedDict, cast, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
@@ -66,6 +66,7 @@ from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
 
 if TYPE_CHECKING:
     from ._queries import Queries
+    from .tasks import Jobs
 
 #: The session ``info`` key of the registry a session resolves task names with.
 JOBS_KEY = "sqla_jobs.jobs"
@@ -89,7 +90,7 @@ class PendingJob:
     takes), and how it is placed, with what that needs (a scoped key's
     :class:`~sqla_jobs.tasks.UniqueScope`; the parents of a job with ``after=``)."""
 
-    registry: Registry
+    registry: Jobs
     row: dict[str, Any]
     how: Placement
     scope: UniqueScope | None = None
@@ -97,7 +98,7 @@ class PendingJob:
 
 
 def bind(
-    registry: Registry,
+    registry: Jobs,
     task: Task[Any, Any] | str,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -120,7 +121,7 @@ def bind_call(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    resolver: Registry | Any,
+    resolver: Jobs | Any,
 ) -> PendingJob:
     """Bind an ``enqueue(task, *args, **kwargs)`` call: the option keywords (the names
     of :class:`~sqla_jobs.tasks.EnqueueOptions`) are taken out of ``kwargs`` (no handler
@@ -132,10 +133,12 @@ def bind_call(
     plain: Task[Any, Any] | str
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
-        registry = resolver if isinstance(resolver, Registry) else plain.registry
+        registry = cast("Jobs", resolver) if isinstance(resolver, Registry) else plain.registry
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
-        registry = resolver if isinstance(resolver, Registry) else _registry(resolver, task)
+        registry = (
+            cast("Jobs", resolver) if isinstance(resolver, Registry) else _registry(resolver, task)
+        )
     return bind(registry, plain, args, kwargs, options)
 
 
@@ -210,13 +213,13 @@ def _session_scoped(session: Session, pending: PendingJob, shard: Any) -> tuple[
     return job, outcome == "new"
 
 
-def session_registry(session: Session) -> Registry | None:
+def session_registry(session: Session) -> Jobs | None:
     """The registry a session resolves task names with (its ``jobs=``), if any."""
-    jobs: Registry | None = _sync(session).info.get(JOBS_KEY)
+    jobs: Jobs | None = _sync(session).info.get(JOBS_KEY)
     return jobs
 
 
-def _registry(session: Any, task: Task[Any, Any] | str) -> Registry:
+def _registry(session: Any, task: Task[Any, Any] | str) -> Jobs:
     """The registry of a task, or the session's (for a name)."""
     if isinstance(task, Task):
         return task.registry
@@ -277,9 +280,7 @@ def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:
     return job_id
 
 
-def _connection_unique(
-    connection: sa.Connection, registry: Registry, params: Any
-) -> tuple[int, bool]:
+def _connection_unique(connection: sa.Connection, registry: Jobs, params: Any) -> tuple[int, bool]:
     """INSERT a unique job; its id (or that of the live job holding the key), and whether
     it is new. The holder may finish between the two statements: then try again."""
     q = registry.queries
@@ -304,7 +305,7 @@ HELD_UNTIL = datetime(9999, 1, 1, tzinfo=timezone.utc)
 _LINK_KEY = "sqla_jobs.links"
 
 
-def parent_ids(registry: Registry, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
+def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> list[Any]:
     """Check ``after=``: job ids, or job objects of this registry's model (pending ones
     only where their ids will be known before linking: ``pending_ok``)."""
     out: list[Any] = []
@@ -379,7 +380,7 @@ def link(
 
 
 def defer_link(
-    session: Session, registry: Registry, child: Any, parents: list[Any], run_anyway: bool
+    session: Session, registry: Jobs, child: Any, parents: list[Any], run_anyway: bool
 ) -> None:
     """Link an ORM job at the session's flush, once it and its parents have ids.
 
@@ -388,7 +389,7 @@ def defer_link(
     so after the flush every id is known, and the link runs in the flush's transaction:
     a rollback (of the transaction or of the savepoint) takes the whole workflow with it.
     """
-    links: list[tuple[Registry, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
+    links: list[tuple[Jobs, Any, list[Any], bool]] | None = session.info.get(_LINK_KEY)
     if links is None:
         links = session.info[_LINK_KEY] = []
         if not event.contains(session, "after_flush_postexec", _link_flushed):
@@ -541,7 +542,7 @@ def many_values(
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
     session: Any,
     **given: Any,
-) -> tuple[Registry, Sequence[dict[str, Any]]]:
+) -> tuple[Jobs, Sequence[dict[str, Any]]]:
     """The registry and the checked rows of an ``enqueue_many`` call (all or none): a
     :class:`UniformRows` when they differ only in their arguments.
 
@@ -583,9 +584,9 @@ def many_values(
 def many_json(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
     arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    jobs: Registry | Session,
+    jobs: Jobs | Session,
     **given: Any,
-) -> tuple[Registry, Sequence[dict[str, Any]], CheckedLater | None]:
+) -> tuple[Jobs, Sequence[dict[str, Any]], CheckedLater | None]:
     """:func:`many_values` for a caller that writes the rows at once (``enqueue_many`` on
     a connection): when the rows differ only in their arguments and nobody listens for
     ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
@@ -627,17 +628,19 @@ def _check_many(arguments: object) -> None:
 
 def _many_options(
     task: Task[Any, Any] | ConfiguredTask[Any, Any] | str, session: Any, given: dict[str, Any]
-) -> tuple[Task[Any, Any] | str, Registry, dict[str, Any], Any, datetime | None]:
+) -> tuple[Task[Any, Any] | str, Jobs, dict[str, Any], Any, datetime | None]:
     """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
     the one clock reading of a batch with a delay."""
     plain: Task[Any, Any] | str
-    registry: Registry
+    registry: Jobs
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
         registry = plain.registry
     else:
         plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
-        registry = session if isinstance(session, Registry) else _registry(session, plain)
+        registry = (
+            cast("Jobs", session) if isinstance(session, Registry) else _registry(session, plain)
+        )
     if "unique_key" in options:
         raise EnqueueError(
             "enqueue_many cannot give every job the same unique_key: use unique=True"
@@ -658,9 +661,7 @@ def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
     return "unique_key" not in row and task.concurrency_key is None
 
 
-def _prepare_meta(
-    registry: Registry, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool
-) -> None:
+def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool) -> None:
     """Check ``meta`` and hand it to the enqueue hooks, once for the whole call; refuse
     a ``scoped`` unique key (after every row was checked, as before)."""
     first = rows.first if isinstance(rows, UniformRows) else rows[0]
@@ -711,7 +712,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
 def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: CheckedLater) -> int:
     """INSERT (a ``COPY`` from :data:`~sqla_jobs._bulk.COPY_MIN_ROWS` rows on) one run of
     rows that have ``row``'s columns (checked values from :meth:`Jobs.bind_row
-    <sqla_jobs.Registry.bind_row>`, without a unique or concurrency key) and differ only in
+    <sqla_jobs.Jobs.bind_row>`, without a unique or concurrency key) and differ only in
     their arguments, given as JSON ``texts`` checked as they are written; returns how many
     were inserted."""
     require_postgresql(connection, "enqueue_many", EnqueueError)

@@ -55,7 +55,6 @@ from ._queries import (
     snooze_params,
 )
 from ._settle import cap_error, format_error, settle_children, worker_name
-from ._tasks import Registry
 from .errors import EnqueueError
 from .model import JobStatus
 from .throttle import QueueLimits
@@ -131,7 +130,7 @@ def claim(
 
 
 def _claim_limited(
-    session: Session, registry: Registry, limits: QueueLimits, params: ClaimParams
+    session: Session, registry: Jobs, limits: QueueLimits, params: ClaimParams
 ) -> list[int]:
     """The workers' limited claim (:mod:`sqla_jobs.throttle`) in the caller's transaction:
     the queue's lock, held until that transaction ends (so the queue's other limited
@@ -238,7 +237,7 @@ def snooze(
 
 def _fail(
     session: Session,
-    registry: Registry,
+    registry: Jobs,
     job: Any,
     error: str | None,
     delay: float,
@@ -252,7 +251,7 @@ def _fail(
     return None if row is None else JobStatus(row.status)
 
 
-def _jobs(session: Session, jobs: Jobs | None) -> Registry:
+def _jobs(session: Session, jobs: Jobs | None) -> Jobs:
     registry = jobs or session_registry(session)
     if registry is None:
         raise EnqueueError(

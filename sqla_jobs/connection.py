@@ -45,7 +45,6 @@ from ._enqueue import (
 from ._storable import database_encodings
 from ._tasks import (
     ConfiguredTask,
-    Registry,
     Task,
     TaskArgs,
     check_encoding,
@@ -146,12 +145,12 @@ def async_connection(connection: object) -> AsyncConnection:
 # -- the enqueued event -------------------------------------------------------------------
 
 #: Jobs enqueued on a connection in a transaction, waiting for its commit.
-_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Registry, Sequence[Any]]]] = (
+_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, Sequence[Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _announce(connection: sa.Connection, registry: Registry, jobs: Sequence[Any]) -> None:
+def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) -> None:
     if autocommit(connection):
         for job in jobs:
             registry.events.fire("enqueued", job)

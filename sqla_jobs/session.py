@@ -75,7 +75,6 @@ from ._storable import database_encodings, known_encodings
 from ._tasks import (
     ConfiguredTask,
     ManyOptions,
-    Registry,
     Task,
     TaskArgs,
     ascii_row,
@@ -309,7 +308,7 @@ class EnqueueMixin:
 
 
 def _check_encoding(
-    session: Session, registry: Registry, rows: Sequence[dict[str, Any]], shard: Any = None
+    session: Session, registry: Jobs, rows: Sequence[dict[str, Any]], shard: Any = None
 ) -> None:
     """Refuse, at the call, text that the database of the jobs' table cannot store (one
     that is not UTF-8: LATIN1 has no "€"), which it would refuse only at the flush.
@@ -345,7 +344,7 @@ def _learn_encoding(session: Session, transaction: Any, connection: sa.Connectio
     database_encodings(connection)
 
 
-def _keep_for_flush(session: Session, registry: Registry, rows: Sequence[dict[str, Any]]) -> int:
+def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> int:
     """Checked rows wait for the next flush, tagged with the transaction whose fate they
     share; the ``enqueued`` listeners hear of them when it commits. How many."""
     if rows:
@@ -515,7 +514,7 @@ def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
 #   subtransactions: only boundaries count).
 
 #: (boundary transaction, registry, rows) per ``enqueue_many`` call, waiting to be written.
-_Batch = tuple[SessionTransaction, Registry, Sequence[dict[str, Any]]]
+_Batch = tuple[SessionTransaction, "Jobs", Sequence[dict[str, Any]]]
 
 
 def _boundary(session: Session) -> SessionTransaction:
@@ -559,10 +558,10 @@ def _pending(session: Session) -> list[_Batch]:
     return batches
 
 
-def pending_jobs(session: Session) -> dict[Registry, list[dict[str, Any]]]:
+def pending_jobs(session: Session) -> dict[Jobs, list[dict[str, Any]]]:
     """``enqueue_many`` rows still waiting for the session's next flush, per registry
     (a new dict: changing it changes nothing)."""
-    pending: dict[Registry, list[dict[str, Any]]] = {}
+    pending: dict[Jobs, list[dict[str, Any]]] = {}
     for _, registry, rows in _sync(session).info.get(_PENDING_KEY) or ():
         pending.setdefault(registry, []).extend(rows)
     return pending
@@ -575,12 +574,12 @@ def insert_pending(session: Session) -> None:
 
 
 def _announce(
-    session: Session, registry: Registry, jobs: Sequence[Any], boundary: SessionTransaction
+    session: Session, registry: Jobs, jobs: Sequence[Any], boundary: SessionTransaction
 ) -> None:
     """Fire ``enqueued`` for these jobs once the outermost transaction commits, and never
     if ``boundary`` (their savepoint, or the transaction) rolls back: metrics count jobs
     that exist."""
-    announce: list[tuple[SessionTransaction, Registry, Sequence[Any]]] | None = session.info.get(
+    announce: list[tuple[SessionTransaction, Jobs, Sequence[Any]]] | None = session.info.get(
         _ANNOUNCE_KEY
     )
     if announce is None:
@@ -596,7 +595,7 @@ def _announce(
 def _after_commit(session: Session) -> None:
     # Also fired when a SAVEPOINT is released; get_nested_transaction() is then that
     # savepoint (the savepoints inside it were committed and closed first).
-    announce: list[tuple[SessionTransaction, Registry, Sequence[Any]]] | None = session.info.get(
+    announce: list[tuple[SessionTransaction, Jobs, Sequence[Any]]] | None = session.info.get(
         _ANNOUNCE_KEY
     )
     if not announce:
@@ -642,7 +641,7 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
     # runs (rows that differ only in their arguments) with runs whose first rows agree,
     # other rows with other rows (insert_rows groups those row by row). New lists and
     # runs: the batches' own are the ones handed to the ``enqueued`` listeners.
-    by_registry: dict[Registry, list[Sequence[dict[str, Any]]]] = {}
+    by_registry: dict[Jobs, list[Sequence[dict[str, Any]]]] = {}
     for _, registry, rows in batches:
         groups = by_registry.setdefault(registry, [])
         last = groups[-1] if groups else None
