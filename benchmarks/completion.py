@@ -29,7 +29,7 @@ from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin, Jobs, create_engine
 from sqla_jobs.db import database_url
-from sqla_jobs.worker.statements import settle_children
+from sqla_jobs.worker._statements import settle_children
 
 SCHEMA = "sqla_jobs_bench_completion"
 
@@ -94,7 +94,7 @@ def _release_before() -> sa.Executable:
     finds them by ``parents && :parent_ids`` itself."""
     from sqlalchemy.dialects.postgresql import ARRAY
 
-    from sqla_jobs.queries import (
+    from sqla_jobs._queries import (
         _SCHEDULED_VIA_PK,
         _notify_queues,
         _parent_count,

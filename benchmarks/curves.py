@@ -52,10 +52,10 @@ from bench import (
     reset,
 )
 
-import sqla_jobs.bulk
+import sqla_jobs._bulk
 from sqla_jobs import JobSession, Worker, WorkerSettings, create_engine
-from sqla_jobs.queries import claim_params
-from sqla_jobs.worker import statements as worker_db
+from sqla_jobs._queries import claim_params
+from sqla_jobs.worker import _statements as worker_db
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SETTINGS = WorkerSettings(
@@ -135,8 +135,8 @@ def bulk_ours(env: Env, size: int, calls: int, *, session: bool, copy: bool) -> 
     """jobs/s of ``calls`` enqueue_many calls of ``size`` rows, one transaction each."""
     app = env.app
     noop = app.noop
-    saved = sqla_jobs.bulk.COPY_MIN_ROWS
-    sqla_jobs.bulk.COPY_MIN_ROWS = saved if copy else 1 << 62
+    saved = sqla_jobs._bulk.COPY_MIN_ROWS
+    sqla_jobs._bulk.COPY_MIN_ROWS = saved if copy else 1 << 62
     Session = sessionmaker(env.engine, class_=JobSession, jobs=app.jobs)
     try:
         t0 = time.perf_counter()
@@ -150,7 +150,7 @@ def bulk_ours(env: Env, size: int, calls: int, *, session: bool, copy: bool) -> 
                     app.jobs.enqueue_many(conn, noop, rows)
         return calls * size / (time.perf_counter() - t0)
     finally:
-        sqla_jobs.bulk.COPY_MIN_ROWS = saved
+        sqla_jobs._bulk.COPY_MIN_ROWS = saved
 
 
 def bulk_plain(env: Env, size: int, calls: int, shape: str) -> float:
@@ -240,7 +240,7 @@ def row_bulk(env: Env, args: argparse.Namespace) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("rows per call")
         ax.set_ylabel("jobs/s")
-        ax.axvline(sqla_jobs.bulk.COPY_MIN_ROWS, color="grey", ls=":", lw=1)
+        ax.axvline(sqla_jobs._bulk.COPY_MIN_ROWS, color="grey", ls=":", lw=1)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
 
@@ -767,7 +767,7 @@ def row_churn(env: Env, args: argparse.Namespace) -> None:
 
 def row_claim(env: Env, args: argparse.Namespace) -> None:
     """What one claim statement costs as it takes more rows: the worker's own claim
-    (``worker.statements.claim``, autocommit) from a queue of some 70,000 ready jobs,
+    (``worker._statements.claim``, autocommit) from a queue of some 70,000 ready jobs,
     timed alone."""
     app = env.app
     sizes = (1, 25, 50, 100, 200, 400)

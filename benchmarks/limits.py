@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench
 
 from sqla_jobs import Worker, WorkerSettings, create_engine
-from sqla_jobs.queries import claim_params, interval, limited_claim_params
-from sqla_jobs.worker import statements as worker_db
+from sqla_jobs._queries import claim_params, interval, limited_claim_params
+from sqla_jobs.worker import _statements as worker_db
 
 #: name -> (queue, jobs.queue(...) keywords, keyed)
 VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {

@@ -19,7 +19,7 @@ and the schedules) is a thin adapter of this module::
       │     AFTER insert held + link, atomically
       └─ many rows (enqueue_many, schedules): many_values / many_json bind them
             (a UniformRows when they differ only in their arguments), insert_rows /
-            insert_json write them: the unnest INSERT, or COPY (sqla_jobs.bulk)
+            insert_json write them: the unnest INSERT, or COPY (sqla_jobs._bulk)
 
 So the choice between INSERT, ON CONFLICT, scoped placement, links and COPY is made here
 and nowhere else; a row never carries a key that is not a column (the scope and the
@@ -36,22 +36,19 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, TypedDict, overload
+from typing import TYPE_CHECKING, Any, TypedDict, cast, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
-from .bulk import CheckedLater, copy_allowed, copy_run, gc_paused
-from .db import require_postgresql
-from .errors import EnqueueError
-from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
-from .queries import _dumps, args_json
-from .storable import Encodings, database_encodings
-from .tasks import (
+from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
+from ._queries import _dumps, args_json
+from ._storable import Encodings, database_encodings
+from ._tasks import (
     OPTION_NAMES,
     ConfiguredTask,
-    Jobs,
+    Registry,
     Task,
     TaskArgs,
     UniqueScope,
@@ -63,9 +60,13 @@ from .tasks import (
     flat_unique,
     merge_options,
 )
+from .db import require_postgresql
+from .errors import EnqueueError
+from .model import LIVE_STATUSES, RUN_ANYWAY_KEY, JobStatus
 
 if TYPE_CHECKING:
-    from .queries import Queries
+    from ._queries import Queries
+    from .tasks import Jobs
 
 #: The session ``info`` key of the registry a session resolves task names with.
 JOBS_KEY = "sqla_jobs.jobs"
@@ -132,10 +133,12 @@ def bind_call(
     plain: Task[Any, Any] | str
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
-        registry = resolver if isinstance(resolver, Jobs) else plain.registry
+        registry = cast("Jobs", resolver) if isinstance(resolver, Registry) else plain.registry
     else:
         plain, options = task, {k: v for k, v in given.items() if v is not None}
-        registry = resolver if isinstance(resolver, Jobs) else _registry(resolver, task)
+        registry = (
+            cast("Jobs", resolver) if isinstance(resolver, Registry) else _registry(resolver, task)
+        )
     return bind(registry, plain, args, kwargs, options)
 
 
@@ -588,7 +591,7 @@ def many_json(
     a connection): when the rows differ only in their arguments and nobody listens for
     ``enqueued``, ``(registry, [first row], texts)``: the first row checked whole, the
     arguments of every row as JSON text, without a dict per row, checked alike when they
-    are written (:class:`~sqla_jobs.bulk.CheckedLater`); otherwise ``(registry, rows,
+    are written (:class:`~sqla_jobs._bulk.CheckedLater`); otherwise ``(registry, rows,
     None)``, every row checked."""
     _check_many(arguments)
     plain, registry, options, meta, now = _many_options(task, jobs, given)
@@ -629,12 +632,15 @@ def _many_options(
     """The task, registry and options of an ``enqueue_many`` call, its ``meta`` apart, and
     the one clock reading of a batch with a delay."""
     plain: Task[Any, Any] | str
+    registry: Jobs
     if isinstance(task, ConfiguredTask):
         plain, options = merge_options(task, given)
         registry = plain.registry
     else:
         plain, options = task, {k: v for k, v in flat_unique(given).items() if v is not None}
-        registry = session if isinstance(session, Jobs) else _registry(session, plain)
+        registry = (
+            cast("Jobs", session) if isinstance(session, Registry) else _registry(session, plain)
+        )
     if "unique_key" in options:
         raise EnqueueError(
             "enqueue_many cannot give every job the same unique_key: use unique=True"
@@ -675,7 +681,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
     """INSERT checked job rows (from :meth:`Jobs.bind_row <sqla_jobs.Jobs.bind_row>`),
     one statement per run of rows that share task, queue and options: one statement for an
     ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
-    see :mod:`sqla_jobs.bulk`). Returns how many rows were inserted (rows
+    see :mod:`sqla_jobs._bulk`). Returns how many rows were inserted (rows
     whose unique key a live job holds are not)."""
     require_postgresql(connection, "enqueue_many", EnqueueError)
     if isinstance(rows, UniformRows):
@@ -704,7 +710,7 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
 
 
 def insert_json(connection: Any, queries: Queries, row: dict[str, Any], texts: CheckedLater) -> int:
-    """INSERT (a ``COPY`` from :data:`~sqla_jobs.bulk.COPY_MIN_ROWS` rows on) one run of
+    """INSERT (a ``COPY`` from :data:`~sqla_jobs._bulk.COPY_MIN_ROWS` rows on) one run of
     rows that have ``row``'s columns (checked values from :meth:`Jobs.bind_row
     <sqla_jobs.Jobs.bind_row>`, without a unique or concurrency key) and differ only in
     their arguments, given as JSON ``texts`` checked as they are written; returns how many
@@ -718,7 +724,7 @@ def _write_run(
 ) -> int:
     """Write rows that have ``row``'s columns and differ only in their arguments: checked
     arguments (:class:`~sqla_jobs.tasks.CheckedArgs`), or texts checked as they are
-    written. ``COPY`` when :func:`~sqla_jobs.bulk.copy_allowed` says so, else the bulk
+    written. ``COPY`` when :func:`~sqla_jobs._bulk.copy_allowed` says so, else the bulk
     INSERT (with every text checked first)."""
     params: dict[str, Any] = {name: row.get(name) for name in _SHARED}
     if params["meta"] is not None:
@@ -754,7 +760,7 @@ def _check_encoding(connection: Any, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def _encoded_for(encode: Any, row: dict[str, Any], encodings: Encodings) -> Any:
-    """``encode`` (of a :class:`~sqla_jobs.bulk.CheckedLater`), whose texts are then checked
+    """``encode`` (of a :class:`~sqla_jobs._bulk.CheckedLater`), whose texts are then checked
     for the database's encodings too."""
 
     def checked(items: list[Any]) -> list[str]:

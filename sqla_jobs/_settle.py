@@ -19,7 +19,7 @@ import sqlalchemy as sa
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-    from .queries import Queries
+    from ._queries import Queries
 
 __all__ = ["cap_error", "format_error", "settle_children", "worker_name"]
 
@@ -56,7 +56,7 @@ def settle_children(
     release that reads the parents' rows (a group callback's results) then sees every
     sibling parent whose completion committed while it waited for a child, which a
     statement that had waited for the lock itself would not (see ``_lock_children`` in
-    :mod:`sqla_jobs.queries`). That needs READ COMMITTED, a snapshot per statement: under
+    :mod:`sqla_jobs._queries`). That needs READ COMMITTED, a snapshot per statement: under
     REPEATABLE READ a sibling completing concurrently makes the lock fail with a
     serialization error (the transaction is retried) instead of reading a stale result.
     """

@@ -69,7 +69,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from . import _present
-from . import queries as _q
+from . import _queries as _q
+from ._queries import Queries
+from ._queries import status_literal as _lit
+from ._settle import settle_children
+from ._storable import QUEUE_MAX_BYTES, check_name, text_problem
+from ._tasks import json_problem
 from .model import (
     CHILDREN_KEY,
     LIVE_STATUSES,
@@ -79,10 +84,7 @@ from .model import (
     job_table,
     notify_channel,
 )
-from .queries import Queries
-from .queries import status_literal as _lit
-from .storable import QUEUE_MAX_BYTES, check_name, text_problem
-from .tasks import Jobs, json_problem
+from .tasks import Jobs
 from .worker.job import CANCEL_PAYLOAD
 
 if TYPE_CHECKING:
@@ -1237,8 +1239,6 @@ def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) ->
     if rows:
         # Workflows: what waits on a cancelled job is cancelled too (or released, for
         # jobs that run anyway), in this transaction. One index probe when nothing waits.
-        from ._settle import settle_children
-
         settle_children(bind, _queries(jobs), [], [r.id for r in rows])
     if any(r.was == JobStatus.RUNNING for r in rows):
         # Ask workers to heartbeat now rather than at their next beat: the handler of a

@@ -44,10 +44,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ._settle import cap_error, format_error, settle_children, worker_name
-from .errors import EnqueueError
-from .model import JobStatus
-from .queries import (
+from ._enqueue import session_registry
+from ._queries import (
     ClaimParams,
     batch_params,
     claim_params,
@@ -56,11 +54,15 @@ from .queries import (
     limited_claim_params,
     snooze_params,
 )
-from .tasks import Jobs
+from ._settle import cap_error, format_error, settle_children, worker_name
+from .errors import EnqueueError
+from .model import JobStatus
 from .throttle import QueueLimits
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
+
+    from .tasks import Jobs
 
 __all__ = ["AsyncClaimMixin", "ClaimMixin", "claim", "complete", "fail", "retry", "snooze"]
 
@@ -250,8 +252,6 @@ def _fail(
 
 
 def _jobs(session: Session, jobs: Jobs | None) -> Jobs:
-    from ._enqueue import session_registry
-
     registry = jobs or session_registry(session)
     if registry is None:
         raise EnqueueError(

@@ -48,12 +48,13 @@ from typing import Any, NoReturn
 import sqlalchemy as sa
 
 from . import __version__, _present, admin, logs, sharding
+from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS
+from ._tasks import json_problem
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError, describe
 from .model import STATUSES, job_table
-from .storable import BIGINT_MAX, DURATION_MAX_SECONDS
-from .tasks import Jobs, json_problem
-from .worker.launch import EndpointError, LaunchError, LaunchPlan
+from .tasks import Jobs
+from .worker._launch import EndpointError, LaunchError, LaunchPlan
 from .worker.settings import WorkerSettings
 
 __all__ = ["main"]
@@ -1054,7 +1055,7 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Parse, plan, run: the flags and the engines make a
-    :class:`~sqla_jobs.worker.launch.LaunchPlan`, which knows what runs where."""
+    :class:`~sqla_jobs.worker._launch.LaunchPlan`, which knows what runs where."""
     if args.asyncio:
         _need_asyncio()
     jobs = load_registry(args.registry)

@@ -42,10 +42,9 @@ from ._enqueue import (
     many_json,
     place_on_connection,
 )
-from .storable import database_encodings
-from .tasks import (
+from ._storable import database_encodings
+from ._tasks import (
     ConfiguredTask,
-    Jobs,
     Task,
     TaskArgs,
     check_encoding,
@@ -53,6 +52,8 @@ from .tasks import (
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from .tasks import Jobs
 
 __all__ = ["enqueue", "enqueue_async", "enqueue_many", "enqueue_many_async"]
 
@@ -88,7 +89,7 @@ def enqueue_many(
         jobs.get(task.task)  # raises if the task belongs to another table's registry
     # The rows are written now and kept nowhere: when they differ only in their
     # arguments, their JSON is all there is to write (no dict per row, nothing for the
-    # garbage collector to walk), checked block by block as it is sent (sqla_jobs.bulk).
+    # garbage collector to walk), checked block by block as it is sent (sqla_jobs._bulk).
     registry, rows, texts = many_json(task, arguments, jobs, **given)
     if texts is not None:
         return insert_json(connection, registry.queries, rows[0], texts)

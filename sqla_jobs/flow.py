@@ -53,16 +53,17 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ._enqueue import _sync, bind, link, place_on_session
+from ._queries import listen_sql, unlisten_sql
+from ._tasks import ConfiguredTask, Task, TaskArgs
 from .errors import EnqueueError, JobFailedError
 from .model import KEEP_KEY, RESULTS_KEY, JobStatus
-from .queries import listen_sql, unlisten_sql
-from .tasks import ConfiguredTask, Task, TaskArgs
+from .session import EnqueueMixin, _announce, _boundary
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
     from sqlalchemy.orm import Session
 
-    from .queries import Queries
+    from ._queries import Queries
     from .tasks import Jobs
 
 __all__ = ["group", "link", "result", "result_async"]
@@ -90,8 +91,6 @@ def group(
     ``session`` (one transaction: the group is created whole or not at all). Returns the
     member jobs and the callback job. If a member ends dead, the callback is cancelled.
     """
-    from .session import EnqueueMixin
-
     if not isinstance(session, EnqueueMixin):
         raise TypeError("jobs.group takes a session with enqueue (sqla_jobs.JobSession)")
     added = []
@@ -133,8 +132,6 @@ def group(
     row["meta"] = {**(row.get("meta") or {}), RESULTS_KEY: results}
     callback, _ = place_on_session(session, pending)
     if registry.events.wants("enqueued"):
-        from .session import _announce, _boundary
-
         sync = _sync(session)
         _announce(sync, registry, [callback], _boundary(sync))
     return added, callback

@@ -9,7 +9,7 @@
     server.close()
 
 What counts as healthy is decided by the worker's core
-(:meth:`~sqla_jobs.worker.core.WorkerCore.health`): the run is on, no loop (fetch loop,
+(:meth:`~sqla_jobs.worker._core.WorkerCore.health`): the run is on, no loop (fetch loop,
 completer, heartbeat, listener) has been stuck on one step for longer than the step allows
 plus ``stuck_after``, and outcomes do not wait for a write while the database answers.
 This server only reports it, from a thread of its own (the standard library's

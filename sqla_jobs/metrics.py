@@ -80,6 +80,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "sqla_jobs.metrics needs prometheus-client: pip install 'sqla-jobs[metrics]'"
     ) from exc
 
+from .db import create_engine
 from .errors import describe
 from .events import EVENTS, JobEvent
 
@@ -366,8 +367,6 @@ class _Gauges(Collector):
 def _engine(engine: sa.Engine | str | sa.URL | None) -> sa.Engine | None:
     if engine is None or isinstance(engine, sa.Engine):
         return engine
-    from .db import create_engine
-
     url = sa.make_url(engine)
     # An asyncio URL names psycopg's async driver; scrapes run in a plain thread.
     return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=1, max_overflow=1)

@@ -38,12 +38,13 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ._enqueue import insert_rows
+from ._tasks import check_schedule_name
 from .cron import Schedule, check_cron, check_timezone, next_tick
 from .errors import EnqueueError
-from .tasks import check_schedule_name
 
 if TYPE_CHECKING:
-    from .tasks import Jobs, Task
+    from ._tasks import Task
+    from .tasks import Jobs
 
 __all__ = ["Schedule", "add_schedule", "check_cron", "list_schedules", "remove_schedule"]
 

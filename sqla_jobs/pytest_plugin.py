@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from .db import create_engine, embedded_url
 from .session import JobSession
 from .tasks import Jobs
 
@@ -68,8 +69,6 @@ def _import(path: str) -> Any:
 @pytest.fixture(scope="session")
 def sqla_jobs_database_url() -> str:
     """``DATABASE_URL``, or a throwaway embedded PostgreSQL started for this test run."""
-    from .db import embedded_url
-
     return os.environ.get("DATABASE_URL") or embedded_url()
 
 
@@ -112,8 +111,6 @@ def sqla_jobs_engine(
     database they may be someone else's. Each test's changes are rolled back by
     ``sqla_jobs_connection``, so they need no cleaning.
     """
-    from .db import create_engine
-
     engine = create_engine(sqla_jobs_database_url)
     if sqla_jobs_metadata is not None:
         schemas = {t.schema for t in sqla_jobs_metadata.tables.values() if t.schema}

@@ -71,14 +71,9 @@ from ._enqueue import (
     place_on_session,
     same_run,
 )
-from .claiming import AsyncClaimMixin, ClaimMixin
-from .db import require_postgresql
-from .errors import EnqueueError
-from .model import JobMixin
-from .storable import database_encodings, known_encodings
-from .tasks import (
+from ._storable import database_encodings, known_encodings
+from ._tasks import (
     ConfiguredTask,
-    Jobs,
     ManyOptions,
     Task,
     TaskArgs,
@@ -87,9 +82,15 @@ from .tasks import (
     check_encoding,
     many_options,
 )
+from .claiming import AsyncClaimMixin, ClaimMixin
+from .db import require_postgresql
+from .errors import EnqueueError
+from .model import JobMixin
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from .tasks import Jobs
 
 __all__ = ["AsyncJobSession", "EnqueueMixin", "JobSession"]
 
@@ -373,7 +374,7 @@ def _write_at_call(
     Deferred to the flush, every row must be checked at the call (its ``EnqueueError`` is
     promised there), and those checks (a fifth of the call at 100,000 rows) add to the
     COPY's time. Written now, the rows after the first block are checked as the COPY
-    sends them, inside its savepoint (see :func:`sqla_jobs.bulk.copy_run`): the error
+    sends them, inside its savepoint (see :func:`sqla_jobs._bulk.copy_run`): the error
     still comes from this call, with nothing of it kept and the transaction as it was.
     The session is flushed first, as a query would autoflush it (its objects, and the
     ``enqueue_many`` rows still waiting, keep their order before these), so a job table
@@ -513,7 +514,7 @@ def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
 #   subtransactions: only boundaries count).
 
 #: (boundary transaction, registry, rows) per ``enqueue_many`` call, waiting to be written.
-_Batch = tuple[SessionTransaction, Jobs, Sequence[dict[str, Any]]]
+_Batch = tuple[SessionTransaction, "Jobs", Sequence[dict[str, Any]]]
 
 
 def _boundary(session: Session) -> SessionTransaction:

@@ -63,6 +63,13 @@ from sqlalchemy.orm import Mapper, Session, SessionTransaction
 
 from . import admin
 from ._enqueue import insert_rows, many_values
+from ._tasks import (
+    ConfiguredTask,
+    ManyOptions,
+    Task,
+    TaskArgs,
+    many_options,
+)
 from .errors import EnqueueError, WorkerError, describe, unreachable
 from .model import JobMixin
 from .session import (
@@ -73,16 +80,16 @@ from .session import (
     as_unique,
     refuse_unique,
 )
-from .tasks import ConfiguredTask, Jobs, ManyOptions, Task, TaskArgs, many_options
-from .worker.driver import DriverBase
+from .tasks import Jobs
+from .worker._driver import DriverBase
+from .worker._signals import signalled, stopped_by_signals
 from .worker.settings import WorkerSettings, resolve
-from .worker.signals import signalled, stopped_by_signals
 from .worker.threaded import Worker
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .worker.core import WorkerCore
+    from .worker._core import WorkerCore
     from .worker.settings import WorkerOptions
 
 __all__ = [
@@ -549,7 +556,7 @@ class _Shards(Generic[W]):
         """The health of every shard's worker, by shard (what ``--health-port`` serves).
 
         ``healthy`` is false when any shard's worker is unhealthy (its run ended, a loop is
-        stuck: see :meth:`~sqla_jobs.worker.core.WorkerCore.health`), and ``unhealthy``
+        stuck: see :meth:`~sqla_jobs.worker._core.WorkerCore.health`), and ``unhealthy``
         names those shards, whose ``problems`` are listed too, each prefixed with its
         shard. A shard whose database cannot be reached is named in ``unreachable``
         (its worker is ``restarting`` while it could not even start) but does not make

@@ -33,12 +33,13 @@ from sqlalchemy.orm import Session
 
 from . import admin
 from ._enqueue import session_registry
+from ._queries import claim_params, interval
 from ._settle import settle_children
+from ._tasks import Task
 from .db import require_postgresql
 from .model import LIVE_STATUSES, JobStatus
-from .queries import claim_params, interval
 from .session import insert_pending, pending_jobs
-from .tasks import Jobs, Task
+from .tasks import Jobs
 from .worker import Worker
 from .worker.job import ClaimedJob, Outcome, OutcomeKind, decode_rows, outcome_statements
 

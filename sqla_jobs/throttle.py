@@ -13,7 +13,7 @@
 The limits are declared in code, like the tasks, and every worker enforces the ones its
 registry declares. A queue that declares none is claimed by the plain claim statement, the
 same SQL as a queue had before limits existed; a limited queue is claimed by another
-statement (:func:`sqla_jobs.queries` ``_limited_claim``) that takes a lock for its queue,
+statement (:func:`sqla_jobs._queries` ``_limited_claim``) that takes a lock for its queue,
 counts what runs and what started, and takes only what fits.
 
 Why this design
@@ -57,8 +57,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._storable import UNIQUE_KEY_MAX_BYTES, check_name
 from .errors import EnqueueError
-from .storable import UNIQUE_KEY_MAX_BYTES, check_name
 
 __all__ = ["ConcurrencyKey", "QueueLimits", "concurrency_key_of", "parse_rate"]
 

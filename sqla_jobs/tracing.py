@@ -41,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
         "sqla_jobs.tracing needs opentelemetry-api: pip install 'sqla-jobs[tracing]'"
     ) from exc
 
+from . import __version__
 from .errors import describe
 
 if TYPE_CHECKING:
@@ -76,8 +77,6 @@ class JobTracing:
         propagator: TextMapPropagator | None = None,
         link: bool = False,
     ) -> None:
-        from . import __version__
-
         self.jobs = jobs
         self.tracer = trace.get_tracer("sqla_jobs", __version__, tracer_provider=tracer_provider)
         self.propagator = propagator

@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, admin
-from sqla_jobs.queries import interval
+from sqla_jobs._queries import interval
 
 from . import app
 from .helpers import count

@@ -1,4 +1,4 @@
-"""Big ``enqueue_many`` calls go through ``COPY`` (sqla_jobs.bulk): the same rows, in the
+"""Big ``enqueue_many`` calls go through ``COPY`` (sqla_jobs._bulk): the same rows, in the
 caller's transaction, with the NOTIFY, and unique rows still skipped.
 
 Which statement wrote the rows is read from the server itself: a statement-level trigger
@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs
-from sqla_jobs.bulk import COPY_MIN_ROWS
+from sqla_jobs._bulk import COPY_MIN_ROWS
 from sqla_jobs.model import notify_channel
 
 from . import app

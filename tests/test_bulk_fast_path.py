@@ -1,4 +1,4 @@
-"""The fast path of big ``enqueue_many`` calls (``Task.bind_many``, ``sqla_jobs.bulk``):
+"""The fast path of big ``enqueue_many`` calls (``Task.bind_many``, ``sqla_jobs._bulk``):
 rows of keywords with one key set are checked once against the signature, encoded in one
 loop and written to COPY a block at a time with one escaping pass per block. What is
 stored must be exactly what was given, whatever the characters, and what PostgreSQL
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
 from sqla_jobs import EnqueueError, Jobs
-from sqla_jobs.bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
+from sqla_jobs._bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
 from sqla_jobs.session import WRITE_AT_CALL_MIN_ROWS, pending_jobs
 
 from . import app, test_bulk_copy
@@ -436,7 +436,7 @@ def test_copy_rows_on_an_async_connection_share_their_savepoints_fate(
 # -- a bad row found while the COPY runs --------------------------------------------------
 #
 # On a connection, the rows after the first block are checked as the COPY sends them
-# (sqla_jobs.bulk.CheckedLater). A bad one ends the COPY: the savepoint the COPY runs in
+# (sqla_jobs._bulk.CheckedLater). A bad one ends the COPY: the savepoint the COPY runs in
 # must take back every block written before it, and leave the caller's transaction (or
 # savepoint, or autocommit connection) exactly as a bad row found before the COPY would.
 

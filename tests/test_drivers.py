@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from sqla_jobs import Jobs, current_job
 from sqla_jobs.events import JobEvent
-from sqla_jobs.worker import statements as worker_db
+from sqla_jobs.worker import _statements as worker_db
 
 from . import app
 from .helpers import count, rows, running, wait_for

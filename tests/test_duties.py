@@ -10,8 +10,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, WorkerError, current_job
-from sqla_jobs.worker import core as core_mod
-from sqla_jobs.worker import statements as worker_db
+from sqla_jobs.worker import _core as core_mod
+from sqla_jobs.worker import _statements as worker_db
 
 from .helpers import count, rows, wait_for
 
@@ -26,7 +26,7 @@ DUTIES = {
 
 
 def breaking(monkeypatch: pytest.MonkeyPatch, function: str, times: int | None) -> list[int]:
-    """Make ``worker.statements.<function>`` raise a RuntimeError (not a database error) ``times``
+    """Make ``worker._statements.<function>`` raise a RuntimeError (not a database error) ``times``
     times (None: always); return the list that counts the calls."""
     original = getattr(worker_db, function)
     calls: list[int] = []

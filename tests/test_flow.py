@@ -22,7 +22,7 @@ from sqla_jobs import (
     create_engine,
     current_job,
 )
-from sqla_jobs.worker.statements import prune
+from sqla_jobs.worker._statements import prune
 
 from . import app
 from .helpers import rows, running, wait_for
@@ -221,7 +221,7 @@ def _claim_pair(Session: Any, jobs: Jobs, queue: str) -> list[Any]:
 def _complete_member(conn: sa.Connection, jobs: Jobs, job: Any, value: Any) -> None:
     """What the completer writes for a result-keeping member: its guarded completion with
     the result (the statement the worker runs), before the release."""
-    from sqla_jobs.queries import batch_params
+    from sqla_jobs._queries import batch_params
 
     params: dict[str, Any] = dict(batch_params([job]))
     params.update(result_list=[json.dumps(value)], keep_list=[3600.0])
@@ -694,8 +694,8 @@ def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
     """One completer batch: a plain job, a plain job that got a child while it ran, a
     result-keeping job, a lost claim. The new parent is completed with the flow job, in
     one statement, and its child released; the lost claim changes nothing."""
+    from sqla_jobs.worker._statements import write_outcomes
     from sqla_jobs.worker.job import Outcome, OutcomeKind
-    from sqla_jobs.worker.statements import write_outcomes
 
     @jobs.task(queue="own")
     def plain() -> None: ...
@@ -915,8 +915,8 @@ def test_bringing_a_child_back_does_not_miss_a_parent_completing_meanwhile(
     """C waits for A and P. A is cancelled (C with it); P runs. The retry of A brings C
     back, counting the parents still to run, while P's completion commits on another
     connection: C must end up waiting for A alone, never for a P that is done."""
+    from sqla_jobs._queries import batch_params
     from sqla_jobs._settle import settle_children
-    from sqla_jobs.queries import batch_params
 
     @jobs.task(queue="flow")
     def step() -> None: ...

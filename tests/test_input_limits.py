@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession, admin
+from sqla_jobs._tasks import derive_unique_key
 from sqla_jobs.periodic import add_schedule, enqueue_due, periodic_key
-from sqla_jobs.tasks import derive_unique_key
 
 from . import app
 from .helpers import count, rows
@@ -437,7 +437,7 @@ def test_the_deepest_arguments_allowed_are_stored_and_read_back_as_given(
 ) -> None:
     """At the nesting limit, from a caller already deep in its stack: the check encodes
     at the call, the flush (ORM or INSERT) again deeper, and both succeed."""
-    from sqla_jobs.storable import JSON_MAX_DEPTH
+    from sqla_jobs._storable import JSON_MAX_DEPTH
 
     value = _nested(JSON_MAX_DEPTH)
 
@@ -495,7 +495,7 @@ def test_arguments_past_what_jsonb_holds_are_refused(
     """An array of more than 2**24 elements (PostgreSQL: "invalid memory alloc request
     size"), of more than 256 MB, a string of more than 256 MB: checked only for JSON text
     past 32 MiB, which nothing shorter can reach."""
-    from sqla_jobs import storable as limits
+    from sqla_jobs import _storable as limits
 
     assert limits.jsonb_problem([0] * limits.JSONB_MAX_ELEMENTS) is None
     assert "elements" in (limits.jsonb_problem([0] * (limits.JSONB_MAX_ELEMENTS + 1)) or "")

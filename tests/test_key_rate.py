@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession
+from sqla_jobs._queries import claim_params, interval, limited_claim_params
 from sqla_jobs.model import companion_tables, job_table
-from sqla_jobs.queries import claim_params, interval, limited_claim_params
-from sqla_jobs.worker import statements as worker_db
-from sqla_jobs.worker.statements import prune
+from sqla_jobs.worker import _statements as worker_db
+from sqla_jobs.worker._statements import prune
 
 from . import app
 from .helpers import count, rows, running, wait_for

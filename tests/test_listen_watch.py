@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession
-from sqla_jobs.worker import hearing
+from sqla_jobs.worker import _hearing as hearing
 
 from .helpers import running, wait_for
 

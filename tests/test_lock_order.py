@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs
-from sqla_jobs.queries import batch_params, heartbeat_params
+from sqla_jobs._queries import batch_params, heartbeat_params
 
 from . import app
 from .helpers import rows, wait_for

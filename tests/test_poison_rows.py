@@ -183,7 +183,7 @@ def test_a_scheduled_row_at_infinity_leaves_the_maintenance_working(
     scheduled row at 'infinity' made the statement raise ("cannot subtract infinite
     timestamps"), every worker's maintenance failed, and no worker claimed anything;
     from 17 on it said 'due in infinite seconds'."""
-    from sqla_jobs.worker import statements as worker_db
+    from sqla_jobs.worker import _statements as worker_db
 
     written_before_checks(
         [

@@ -13,8 +13,8 @@ from sqla_jobs import (
     PermanentError,
     Worker,
 )
-from sqla_jobs.queries import interval
-from sqla_jobs.worker.statements import prune
+from sqla_jobs._queries import interval
+from sqla_jobs.worker._statements import prune
 
 from . import app
 from .helpers import count, rows

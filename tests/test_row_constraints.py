@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession, admin
-from sqla_jobs.queries import batch_params, claim_params, fail_params, interval, snooze_params
+from sqla_jobs._queries import batch_params, claim_params, fail_params, interval, snooze_params
 
 from . import app
 

@@ -18,10 +18,10 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession
+from sqla_jobs._queries import claim_params, interval, limited_claim_params
 from sqla_jobs.model import companion_tables
-from sqla_jobs.queries import claim_params, interval, limited_claim_params
 from sqla_jobs.throttle import parse_rate
-from sqla_jobs.worker import statements as worker_db
+from sqla_jobs.worker import _statements as worker_db
 
 from . import app
 from .helpers import count, rows, wait_for
@@ -113,7 +113,7 @@ def test_every_enqueue_path_stores_the_key(db: sa.Engine, keyed: Jobs) -> None:
         keyed.enqueue(conn, sync, account="d")
         keyed.enqueue(conn, sync.with_options(unique=True), account="e")
         keyed.enqueue_many(conn, sync, [{"account": "f"}])
-        # A scoped unique job (sqla_jobs.queries.enqueue_scoped) stores it too, and a
+        # A scoped unique job (sqla_jobs._queries.enqueue_scoped) stores it too, and a
         # debounce that replaces the arguments replaces the key with them.
         keyed.enqueue(conn, sync.with_options(unique_for=60), account="g")
         debounce = sync.with_options(unique_key="debounced", unique_on_conflict="replace", delay=60)

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from sqla_jobs import EnqueueError, Jobs, JobSession, Worker, create_engine
 from sqla_jobs.model import companion_tables
-from sqla_jobs.worker.statements import prune
+from sqla_jobs.worker._statements import prune
 
 from . import app
 from .helpers import count, rows, wait_for

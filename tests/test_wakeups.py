@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, Worker, current_job
-from sqla_jobs.queries import interval
+from sqla_jobs._queries import interval
 
 from .helpers import count, rows, running, wait_for
 

@@ -26,7 +26,7 @@ from sqla_jobs import (
     create_engine,
     current_job,
 )
-from sqla_jobs.queries import interval
+from sqla_jobs._queries import interval
 from sqla_jobs.worker.job import ClaimedJob, decode_rows
 
 from . import app

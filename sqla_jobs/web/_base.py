@@ -23,6 +23,7 @@ from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import _present
+from ..db import create_engine
 
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
@@ -204,8 +205,6 @@ def read_only_of(read_only: bool | None, authorize: Authorize | None) -> bool:
 def engine_of(what: str, engine: Any) -> sa.Engine:
     """``engine``, or the engine of a database URL; ``TypeError`` for anything else."""
     if isinstance(engine, str):
-        from ..db import create_engine
-
         engine = create_engine(engine)
     if not isinstance(engine, sa.Engine):
         raise TypeError(f"{what} must be a SQLAlchemy Engine or a URL, got {engine!r}")

@@ -25,10 +25,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from .. import _present, admin
+from .. import _present, admin, periodic
 from .._present import ago, clock
 from ..errors import describe
-from ..model import STATUSES, JobStatus
+from ..model import STATUSES, JobStatus, companion_tables
 from ..tasks import Jobs
 from ._base import (
     DEFAULT_ALLOWED_HOSTS,
@@ -544,11 +544,7 @@ class Dashboard:
 
     @_reads
     def schedules(self, request: Request) -> Response:
-        from .. import periodic
-
         table = admin.source_table(self.jobs)
-        from ..model import companion_tables
-
         s = companion_tables(table).schedules
         with self.engine.connect() as conn:
             if isinstance(self.jobs, Jobs):

@@ -16,28 +16,28 @@ How it is built
 From the bottom up: a module imports only those above it in this list, and modules of the
 package below the worker (``errors``, ``queries``, ``tasks``, ``periodic``, ``db``,
 ``_settle``; the threaded driver takes ``insert_pending`` from ``session``). Only
-:mod:`.launch`, which the CLI alone imports, reaches up, to ``sharding``, ``health`` and
+:mod:`._launch`, which the CLI alone imports, reaches up, to ``sharding``, ``health`` and
 ``metrics``.
 
 * :mod:`.settings`: :class:`WorkerSettings`, the one place where settings live.
 * :mod:`.job`: a claimed job, how a run ends (:class:`Outcome`), :func:`current_job`.
-* :mod:`.statements`: the statement I/O, as functions of a plain ``Connection``.
-* :mod:`.steps`: the vocabulary of steps the core yields and a driver carries out.
-* :mod:`.outage`: which errors are the database's, and how long to wait them out.
-* :mod:`.hearing`: whether the listener hears the notifications it should (it does not
+* :mod:`._statements`: the statement I/O, as functions of a plain ``Connection``.
+* :mod:`._steps`: the vocabulary of steps the core yields and a driver carries out.
+* :mod:`._outage`: which errors are the database's, and how long to wait them out.
+* :mod:`._hearing`: whether the listener hears the notifications it should (it does not
   behind a pooler in transaction mode), judged from the claims the core makes anyway.
-* :mod:`.fetch` and :mod:`.duties`: the fetch loop (claim order, dry queues, claim-ahead,
+* :mod:`._fetch` and :mod:`._duties`: the fetch loop (claim order, dry queues, claim-ahead,
   limited claims) and the side duties (completer, heartbeat, presence, listener,
   maintenance), one small class each over the core's shared state.
-* :mod:`.supervise` (duties restarted or the worker stopped) and :mod:`.vitals` (health).
-* :mod:`.core`: the shared state, the slots, the start and end of a run, ``run()``. It
+* :mod:`._supervise` (duties restarted or the worker stopped) and :mod:`._vitals` (health).
+* :mod:`._core`: the shared state, the slots, the start and end of a run, ``run()``. It
   does no I/O: its loops yield steps for a driver to carry out.
-* :mod:`.signals`: SIGINT and SIGTERM stop a worker, one handler for every kind.
-* :mod:`.driver`, then :mod:`.threaded` (:class:`Worker`) and :mod:`.aio`
+* :mod:`._signals`: SIGINT and SIGTERM stop a worker, one handler for every kind.
+* :mod:`._driver`, then :mod:`.threaded` (:class:`Worker`) and :mod:`.aio`
   (:class:`AsyncWorker`): the two drivers. Each keeps only how it waits, how it runs a
   handler and how it stops.
 * :mod:`.supervisor`: several worker processes (``sqla-jobs worker --processes N``).
-* :mod:`.launch`: what ``sqla-jobs worker`` runs (processes, shards, asyncio,
+* :mod:`._launch`: what ``sqla-jobs worker`` runs (processes, shards, asyncio,
   until-empty, endpoints), as one plan.
 
 The design, and why: ``docs/design/worker.md``.

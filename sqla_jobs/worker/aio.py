@@ -6,7 +6,7 @@
     await worker.run()
 
 Same settings, same statements, same decisions as the threaded worker (all in
-:mod:`.core`), with one task per running job instead of one thread per slot, so
+:mod:`._core`), with one task per running job instead of one thread per slot, so
 ``concurrency`` can be in the hundreds for I/O-bound handlers. ``async def`` handlers run
 on the loop; plain functions run in a thread (``asyncio.to_thread``). A timed-out,
 cancelled or lost ``async def`` handler is cancelled for real (``CancelledError`` inside
@@ -29,12 +29,12 @@ from typing import Any, TypeVar
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from ..db import create_async_engine
-from . import statements
-from . import steps as s
-from .core import Run
-from .driver import DriverBase, Wakeups, pool_size, run_session
+from . import _statements as statements
+from . import _steps as s
+from ._core import Run
+from ._driver import DriverBase, Wakeups, pool_size, run_session
+from ._signals import signalled
 from .job import ClaimedJob, Outcome
-from .signals import signalled
 
 __all__ = ["AsyncWorker"]
 
@@ -302,7 +302,7 @@ async def _wait(event: asyncio.Event, seconds: float) -> bool:
 
 
 class _HeldConnection:
-    """The asyncio twin of :class:`.statements.HeldConnection`: one autocommit connection kept
+    """The asyncio twin of :class:`._statements.HeldConnection`: one autocommit connection kept
     between statements, running the same statement functions through ``run_sync``."""
 
     def __init__(self, engine: AsyncEngine) -> None:

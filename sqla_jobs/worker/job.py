@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .._queries import Queries, batch_params, fail_params, snooze_params
 from .._settle import format_error
+from .._storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
+from .._tasks import json_problem, long_int_problem
 from ..errors import PermanentError, ResultError, Snooze
 from ..model import CHILDREN_KEY, KEEP_KEY
-from ..queries import Queries, batch_params, fail_params, snooze_params
-from ..storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
-from ..tasks import json_problem, long_int_problem
 
 if TYPE_CHECKING:
-    from ..tasks import Jobs, RetryPolicy, Task
+    from .._tasks import RetryPolicy, Task
+    from ..tasks import Jobs
 
 __all__ = ["CANCEL_PAYLOAD", "ClaimedJob", "Outcome", "OutcomeKind", "current_job"]
 
@@ -89,7 +90,7 @@ class ClaimedJob:
     #: Set by the worker once this claim's fate is decided (its outcome recorded, handed
     #: back, or committed by a transactional run): no later event may decide it again.
     settled: bool = field(default=False, repr=False)
-    #: The run started for this claim and not yet ended (a ``worker.core.Run``), so that a
+    #: The run started for this claim and not yet ended (a ``worker._core.Run``), so that a
     #: failure of the worker's own code around it can still close it (reset
     #: :func:`current_job`, exit the run hooks) in the executor's context.
     run: Any = field(default=None, repr=False)
@@ -290,7 +291,7 @@ def retry_delay(policy: RetryPolicy, job: ClaimedJob, name: str) -> float:
 
 def bounded_delay(seconds: float) -> float:
     """A retry or snooze delay the completer can write: at least 0, at most
-    :data:`~sqla_jobs.storable.DURATION_MAX_SECONDS`. A longer one (``Snooze(1e300)``, a
+    :data:`~sqla_jobs._storable.DURATION_MAX_SECONDS`. A longer one (``Snooze(1e300)``, a
     policy returning ``inf``) made the statement that records it fail, for its whole
     batch, until the worker gave up; a NaN waits a minute."""
     if not seconds <= DURATION_MAX_SECONDS:
@@ -313,7 +314,7 @@ def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
 
 
 #: Decodes ``args`` and ``meta``, which the claim returns as JSON text (see
-#: :func:`sqla_jobs.queries.claimed_columns`).
+#: :func:`sqla_jobs._queries.claimed_columns`).
 _decode_json = json.JSONDecoder().decode
 
 #: What an undecodable row's job shows for a time that could not be read.
@@ -323,7 +324,7 @@ _NO_TIME = datetime.min.replace(tzinfo=timezone.utc)
 def decode_rows(
     rows: Iterable[Sequence[Any]], worker: str
 ) -> tuple[list[ClaimedJob], list[Outcome]]:
-    """Claimed rows (:data:`~sqla_jobs.queries.CLAIMED_COLUMNS`, JSON as text) as the jobs
+    """Claimed rows (:data:`~sqla_jobs._queries.CLAIMED_COLUMNS`, JSON as text) as the jobs
     to run, and the failures of those that cannot be run.
 
     A row the worker cannot read (JSON that Python cannot decode, ``args`` that are not an

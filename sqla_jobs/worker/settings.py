@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from ..storable import QUEUE_MAX_BYTES, check_name
+from .._storable import QUEUE_MAX_BYTES, check_name
 
 __all__ = ["WorkerOptions", "WorkerSettings"]
 
@@ -200,7 +200,7 @@ def resolve(settings: WorkerSettings | None, options: Mapping[str, Any]) -> Work
 
 def check_queue_name(queue: object) -> str:
     """A queue name: a non-empty string that PostgreSQL can store and index (see
-    :mod:`sqla_jobs.storable`)."""
+    :mod:`sqla_jobs._storable`)."""
     if not isinstance(queue, str) or not queue:
         raise ValueError(f"queue names must be non-empty strings, got {queue!r}")
     check_name(queue, "queue name", QUEUE_MAX_BYTES)

@@ -8,7 +8,7 @@
 
 The thread that calls ``run`` runs the fetch loop; ``concurrency`` executor threads run
 handlers, outside any transaction; the completer, the heartbeat and the listener each have
-a thread of their own. What they do is decided in :mod:`.core`; this module only decides
+a thread of their own. What they do is decided in :mod:`._core`; this module only decides
 how to wait, how to run a handler, and how to stop.
 """
 
@@ -27,12 +27,12 @@ from sqlalchemy.orm import Session
 
 from ..db import create_engine
 from ..session import insert_pending
-from . import statements
-from . import steps as s
-from .core import Run
-from .driver import DriverBase, Wakeups, pool_size, run_session
+from . import _statements as statements
+from . import _steps as s
+from ._core import Run
+from ._driver import DriverBase, Wakeups, pool_size, run_session
+from ._signals import stopped_by_signals
 from .job import ClaimedJob, Outcome, OutcomeKind
-from .signals import stopped_by_signals
 
 __all__ = ["Worker"]
 

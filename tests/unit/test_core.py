@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from sqla_jobs import Backoff, Jobs, PermanentError, Snooze, WorkerError, WorkerSettings
-from sqla_jobs.worker import core as core_mod
-from sqla_jobs.worker import fetch as fetch_mod
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.core import WorkerCore
-from sqla_jobs.worker.duties import heartbeat as heartbeat_mod
-from sqla_jobs.worker.duties import maintenance as maintenance_mod
+from sqla_jobs.worker import _core as core_mod
+from sqla_jobs.worker import _fetch as fetch_mod
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._core import WorkerCore
+from sqla_jobs.worker._duties import heartbeat as heartbeat_mod
+from sqla_jobs.worker._duties import maintenance as maintenance_mod
 from sqla_jobs.worker.job import ClaimedJob, Outcome, OutcomeKind, outcome_of
 
 from .. import app
@@ -139,7 +139,7 @@ def test_shutdown_hands_back_unstarted_claims_then_late_ones() -> None:
 
 
 def _refresh(step: s.Step) -> Any:
-    from sqla_jobs.worker.statements import Refresh
+    from sqla_jobs.worker._statements import Refresh
 
     if isinstance(step, s.Io) and step.fn.__name__ == "refresh":
         return Refresh(None, frozenset())
@@ -331,7 +331,7 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
     """``Snooze(1e300)`` or a retry policy returning ``inf`` made the outcome's statement
     fail (an interval past what a timedelta holds), and with it every outcome of its
     batch, until the completer gave up and stopped the worker."""
-    from sqla_jobs.storable import DURATION_MAX_SECONDS
+    from sqla_jobs._storable import DURATION_MAX_SECONDS
     from sqla_jobs.worker.job import outcome_statements
 
     core, _, jobs = make()

@@ -1,4 +1,4 @@
-"""The completer duty (worker/duties/completer.py), without a database: batches of
+"""The completer duty (worker/_duties/completer.py), without a database: batches of
 outcomes, what a write frees and schedules, and its retries."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import steps as s
+from sqla_jobs.worker import _steps as s
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
 from .test_core import make, row, run_steps

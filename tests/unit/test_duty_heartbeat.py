@@ -1,4 +1,4 @@
-"""The heartbeat duty (worker/duties/heartbeat.py), without a database: timeouts, leases
+"""The heartbeat duty (worker/_duties/heartbeat.py), without a database: timeouts, leases
 kept or lost, failed beats, and claims held back from starting until a beat."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import core as core_mod
-from sqla_jobs.worker import steps as s
+from sqla_jobs.worker import _core as core_mod
+from sqla_jobs.worker import _steps as s
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
 from .test_core import FakeClock, _use_clock, make, row, run_steps

@@ -1,4 +1,4 @@
-"""The listener duty (worker/duties/listener.py), without a database: what each
+"""The listener duty (worker/_duties/listener.py), without a database: what each
 notification wakes. (Whether a LISTEN hears at all: test_pooling.py.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqla_jobs.worker import steps as s
+from sqla_jobs.worker import _steps as s
 
 from .test_core import make, run_steps
 

@@ -1,4 +1,4 @@
-"""The maintenance duty (worker/duties/maintenance.py), without a database: when the
+"""The maintenance duty (worker/_duties/maintenance.py), without a database: when the
 upkeep is due, what a refresh changes, retention in batches, and the due times that
 wake the fetch loop."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqla_jobs.worker import statements
-from sqla_jobs.worker import steps as s
+from sqla_jobs.worker import _statements as statements
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._statements import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
-from sqla_jobs.worker.statements import Refresh
 
 from .test_core import make, row, run_steps
 

@@ -1,4 +1,4 @@
-"""The presence duty (worker/duties/presence.py), without a database: the worker's row,
+"""The presence duty (worker/_duties/presence.py), without a database: the worker's row,
 its counts, and leaving at the end of a run."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.queries import interval
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.duties.presence import PRESENCE_MISSES
+from sqla_jobs._queries import interval
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._duties.presence import PRESENCE_MISSES
 
 from .test_core import make, row
 
 
 def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_error() -> None:
-    from sqla_jobs.worker import statements
+    from sqla_jobs.worker import _statements as statements
 
     core, _, _ = make(presence_interval=2.0)
     core.presence.count({"a": [3, 1, 0]})
@@ -38,7 +38,7 @@ def test_presence_reports_then_waits_and_keeps_its_counts_through_a_database_err
 
 
 def test_presence_ends_when_the_worker_stops_and_the_run_leaves_after_the_duties() -> None:
-    from sqla_jobs.worker import statements
+    from sqla_jobs.worker import _statements as statements
 
     core, _, _ = make()
     core.stopping = True

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin, Jobs, JobSession, Unique
-from sqla_jobs import tasks as t
+from sqla_jobs import _tasks as t
 from sqla_jobs.sharding import AsyncShardedJobSession, ShardedJobSession, ShardedManyOptions
 
 
@@ -49,8 +49,8 @@ NOT_OPTIONS = {"transactional", "shard", "shard_with"}
 TYPED = [
     (t.Task.with_options, "EnqueueOptions"),
     (t.ConfiguredTask.with_options, "EnqueueOptions"),
-    (t.Jobs.task, "TaskOptions"),
-    (t.Jobs.enqueue_many, "ManyOptions"),
+    (Jobs.task, "TaskOptions"),
+    (Jobs.enqueue_many, "ManyOptions"),
     (JobSession.enqueue_many, "ManyOptions"),
     (ShardedJobSession.enqueue_many, "ShardedManyOptions"),
     (AsyncShardedJobSession.enqueue_many, "ShardedManyOptions"),

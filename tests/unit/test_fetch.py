@@ -1,4 +1,4 @@
-"""The fetcher (worker/fetch.py), without a database: the claim order over the queues,
+"""The fetcher (worker/_fetch.py), without a database: the claim order over the queues,
 dry queues, the claim-ahead and the limited claim, and the idle fetch loop's polling."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from sqla_jobs import Jobs, WorkerSettings
-from sqla_jobs.worker import fetch as fetch_mod
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.core import WorkerCore
+from sqla_jobs.worker import _fetch as fetch_mod
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._core import WorkerCore
+from sqla_jobs.worker._statements import LimitedClaim, Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
-from sqla_jobs.worker.statements import LimitedClaim, Refresh
 
 from .. import app
 from .test_core import FakeClock, FakeDriver, _ids, _refresh, _use_clock, make, row, run_steps

@@ -12,10 +12,10 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.core import Run
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._core import Run
+from sqla_jobs.worker._statements import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
-from sqla_jobs.worker.statements import Refresh
 
 from .test_core import make, row, run_steps
 

@@ -1,4 +1,4 @@
-"""The launch plan of ``sqla-jobs worker`` (worker/launch.py), without a database: which
+"""The launch plan of ``sqla-jobs worker`` (worker/_launch.py), without a database: which
 flags mix, where the workers run, and what each child of the supervisor is given."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from sqla_jobs import Jobs, WorkerSettings
-from sqla_jobs.worker.launch import LaunchError, LaunchPlan
+from sqla_jobs.worker._launch import LaunchError, LaunchPlan
 
 from .. import app
 

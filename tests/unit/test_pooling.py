@@ -1,5 +1,5 @@
 """The worker core behind a pooler in transaction mode, without a database: a LISTEN that
-hears nothing is noticed from the claims and said once (sqla_jobs.worker.hearing), and a
+hears nothing is noticed from the claims and said once (sqla_jobs.worker._hearing), and a
 lost prepared statement is one ERROR line naming the fix, retried without backoff.
 Behind a real PgBouncer: tests/faults/test_pgbouncer.py."""
 
@@ -12,11 +12,11 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs.worker import hearing
-from sqla_jobs.worker import statements as db
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.hearing import ListenWatch
-from sqla_jobs.worker.outage import lost_prepared_statement, retry_pause
+from sqla_jobs.worker import _hearing as hearing
+from sqla_jobs.worker import _statements as db
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._hearing import ListenWatch
+from sqla_jobs.worker._outage import lost_prepared_statement, retry_pause
 
 from .test_core import make, row, run_steps
 

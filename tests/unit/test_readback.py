@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from sqla_jobs import EnqueueError, Jobs, ResultError
-from sqla_jobs.storable import INT_MAX_DIGITS
-from sqla_jobs.tasks import check_meta
+from sqla_jobs._storable import INT_MAX_DIGITS
+from sqla_jobs._tasks import check_meta
 from sqla_jobs.worker.job import ClaimedJob, result_json
 
 from .. import app

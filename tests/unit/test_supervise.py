@@ -1,5 +1,5 @@
-"""Supervision (worker/supervise.py) and the retry policy for database errors
-(worker/outage.py), without a database."""
+"""Supervision (worker/_supervise.py) and the retry policy for database errors
+(worker/_outage.py), without a database."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sqlalchemy as sa
 
 from sqla_jobs import WorkerError
 from sqla_jobs.errors import describe
-from sqla_jobs.worker import core as core_mod
-from sqla_jobs.worker import steps as s
-from sqla_jobs.worker.outage import retry_pause
+from sqla_jobs.worker import _core as core_mod
+from sqla_jobs.worker import _steps as s
+from sqla_jobs.worker._outage import retry_pause
 
 from .test_core import make, run_steps
 

@@ -3,10 +3,10 @@
 A duty is a ``run_once`` run again and again until it says it is done. When it raises,
 the supervisor decides (:func:`supervise`): database errors are waited out for ever;
 anything else (a bug, an exhausted resource) is logged with its traceback and retried
-with backoff, and after :data:`~.outage.MAX_DUTY_FAILURES` in a row the worker stops
+with backoff, and after :data:`~._outage.MAX_DUTY_FAILURES` in a row the worker stops
 loudly (:class:`~sqla_jobs.errors.WorkerError`), since a side duty that is dead for good
 would let leases lapse and jobs run twice. :func:`watched` notes which step each loop
-waits on, for the health report (:mod:`.vitals`).
+waits on, for the health report (:mod:`._vitals`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import WorkerError, describe
-from .outage import MAX_DUTY_FAILURES, is_database_error, retry_pause
-from .steps import Pause, Step, Steps, Unlisten
+from ._outage import MAX_DUTY_FAILURES, is_database_error, retry_pause
+from ._steps import Pause, Step, Steps, Unlisten
 
 if TYPE_CHECKING:
-    from .core import WorkerCore
+    from ._core import WorkerCore
 
 __all__ = ["DutyState", "supervise", "supervised", "watched"]
 
@@ -92,9 +92,9 @@ def supervised(core: WorkerCore, name: str, run_once: Callable[[], Steps]) -> St
 def supervise(core: WorkerCore, name: str, failures: int, exc: BaseException) -> float:
     """A duty raised: log it, and say how long to wait before running it again.
 
-    Database errors are waited out for ever (with the pause of :func:`~.outage.retry_pause`);
+    Database errors are waited out for ever (with the pause of :func:`~._outage.retry_pause`);
     anything else is logged with its traceback and retried with backoff, and after
-    :data:`~.outage.MAX_DUTY_FAILURES` in a row raises :class:`~sqla_jobs.errors.WorkerError`.
+    :data:`~._outage.MAX_DUTY_FAILURES` in a row raises :class:`~sqla_jobs.errors.WorkerError`.
     """
     if is_database_error(exc):
         pause = retry_pause(failures, exc)

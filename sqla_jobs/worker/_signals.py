@@ -15,7 +15,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .core import WorkerCore
+    from ._core import WorkerCore
 
 __all__ = ["signalled", "stopped_by_signals"]
 

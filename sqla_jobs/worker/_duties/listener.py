@@ -2,7 +2,7 @@
 
 A notification names a queue that has new ready jobs (the fetch loop wakes only for its
 own queues), or asks for a heartbeat now because a running job was cancelled. Whether the
-LISTEN hears what it should is judged by :mod:`..hearing` from the claims the fetch loop
+LISTEN hears what it should is judged by :mod:`.._hearing` from the claims the fetch loop
 makes anyway; a deaf LISTEN (behind a pooler in transaction mode) is said once and let go,
 and the worker polls.
 """
@@ -13,12 +13,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .._steps import Listen, Notifications, Steps
 from ..job import CANCEL_PAYLOAD
-from ..steps import Listen, Notifications, Steps
 
 if TYPE_CHECKING:
-    from ..core import WorkerCore
-    from ..hearing import ListenWatch
+    from .._core import WorkerCore
+    from .._hearing import ListenWatch
 
 __all__ = ["Listener"]
 
@@ -38,7 +38,7 @@ class Listener:
         """Hold a LISTEN connection and pass notifications on, until the worker stops or
         the connection fails (the supervisor then starts this again after a pause).
 
-        A LISTEN that turns out to hear nothing (see :mod:`..hearing`) is said once, and
+        A LISTEN that turns out to hear nothing (see :mod:`.._hearing`) is said once, and
         let go: the worker then polls, as with ``listen=False``."""
         core = self.core
         watch = core.listen_watch

@@ -1,6 +1,6 @@
 """What the two drivers share: the face a user sees, and the core's callbacks.
 
-A driver owns a :class:`~.core.WorkerCore` and carries out its steps. This base holds what
+A driver owns a :class:`~._core.WorkerCore` and carries out its steps. This base holds what
 does not depend on how the driver waits: the settings and the names a user reads
 (``name``, ``queues``, ``processed``, ``listening``), and the callbacks that only set an
 event or queue an item (``record``, ``wake``, ``poke``, ``written``). The events are
@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from .core import WorkerCore
+from ._core import WorkerCore
 from .settings import WorkerSettings as _Settings
 from .settings import resolve
 

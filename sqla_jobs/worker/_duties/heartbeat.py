@@ -15,14 +15,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...errors import describe, unreachable
-from .. import statements
+from .. import _statements as statements
+from .._outage import is_database_error, lost_prepared_statement
+from .._steps import Conn, Io, Steps, Tick
 from ..job import ClaimedJob, job_log, timed_out
-from ..outage import is_database_error, lost_prepared_statement
-from ..steps import Conn, Io, Steps, Tick
 
 if TYPE_CHECKING:
-    from ...tasks import Task
-    from ..core import WorkerCore
+    from ..._tasks import Task
+    from .._core import WorkerCore
 
 __all__ = ["PROGRESS_EVERY", "Heartbeat"]
 

@@ -6,7 +6,7 @@ until a NOTIFY names it or the next poll round; a limited queue (:mod:`sqla_jobs
 is never dry, but *held* until its slot or its rate window frees. Each claim asks for the
 free slots plus a claim-ahead estimated from how fast handlers finish and how long a claim
 takes (:meth:`Fetcher.estimate_ahead`). Between rounds the loop sleeps until woken, or
-until the maintenance (:mod:`.duties.maintenance`) is due.
+until the maintenance (:mod:`._duties.maintenance`) is due.
 
 Like the rest of the core, this does no I/O: it yields steps for a driver.
 """
@@ -17,14 +17,14 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .._queries import ClaimParams, claim_params, limited_claim_params
 from ..errors import describe
-from ..queries import ClaimParams, claim_params, limited_claim_params
-from . import statements
-from .outage import is_database_error, retry_pause
-from .steps import Conn, Io, Pause, Sleep, Step, Steps, WaitWritten
+from . import _statements as statements
+from ._outage import is_database_error, retry_pause
+from ._steps import Conn, Io, Pause, Sleep, Step, Steps, WaitWritten
 
 if TYPE_CHECKING:
-    from .core import WorkerCore
+    from ._core import WorkerCore
     from .job import Outcome
 
 __all__ = ["LIMIT_RECHECK", "Fetcher"]

@@ -15,15 +15,15 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
+from ..._queries import WorkerSeenParams, interval
 from ...errors import describe
-from ...queries import WorkerSeenParams, interval
-from .. import statements
-from ..outage import is_database_error
-from ..steps import Conn, Io, Pause, Steps
+from .. import _statements as statements
+from .._outage import is_database_error
+from .._steps import Conn, Io, Pause, Steps
 
 if TYPE_CHECKING:
-    from ..core import WorkerCore
-    from ..statements import Tally
+    from .._core import WorkerCore
+    from .._statements import Tally
 
 __all__ = ["PRESENCE_MISSES", "TIDY_EVERY", "Presence"]
 

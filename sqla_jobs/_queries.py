@@ -1650,7 +1650,7 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     )
 
 
-# Retention of <table>_unique_keys (see worker.statements.prune_unique_keys), through its primary
+# Retention of <table>_unique_keys (see worker._statements.prune_unique_keys), through its primary
 # key: first lock a batch of keys whose period has passed, skipping those an enqueue
 # holds; then, in a new snapshot, delete those whose job is no longer live.
 def _lock_stale_keys(k: sa.Table) -> sa.Select[Any]:

@@ -2,7 +2,7 @@
 
 An ``enqueue_many`` call writes one run of rows that differ only in their arguments. Past
 a few hundred rows, ``COPY ... FROM STDIN`` costs the server less per row than the
-``INSERT ... SELECT FROM unnest(...)`` of :func:`~sqla_jobs.queries.insert_rows`, and
+``INSERT ... SELECT FROM unnest(...)`` of :func:`~sqla_jobs._queries.insert_rows`, and
 costs Python less too: each row is one line of text, the shared values written once and
 repeated, the arguments' JSON (pure ASCII, see ``queries._dumps``) escaped with one
 ``str.replace``. Below :data:`COPY_MIN_ROWS` the INSERT wins: COPY has a round trip more

@@ -4,10 +4,10 @@
 slots, the unwritten outcomes, the health marks), the start and the end of each run of a
 handler (:class:`Run`), the stop policy, and ``run()``: the whole run, the fetch loop
 beside the side duties. The duties themselves are small classes over that state, one per
-concern: :class:`~.fetch.Fetcher` (what to claim, and when), and in :mod:`.duties` the
+concern: :class:`~._fetch.Fetcher` (what to claim, and when), and in :mod:`._duties` the
 completer, the heartbeat, presence, the listener and the maintenance. Supervision is in
-:mod:`.supervise`, health as data in :mod:`.vitals`, the retry policy for database errors
-in :mod:`.outage`.
+:mod:`._supervise`, health as data in :mod:`._vitals`, the retry policy for database errors
+in :mod:`._outage`.
 
 The core does no I/O and never waits. Its loops (the fetch loop and the side duties) are
 generators that *yield steps*: "run this statement function on the claim connection",
@@ -19,7 +19,7 @@ timeout means, what to hand back at shutdown: all of it lives here, and the two 
 cannot drift apart. A driver keeps only how it waits, how it runs a handler, and how it
 stops.
 
-The statement functions the steps name are in :mod:`.statements`; they take a plain
+The statement functions the steps name are in :mod:`._statements`; they take a plain
 ``Connection``, and the asyncio driver runs them through ``AsyncConnection.run_sync``
 (SQLAlchemy's own bridge, and the same greenlet switch that ``AsyncConnection.execute``
 makes anyway).
@@ -34,13 +34,35 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import periodic
+from .._queries import interval
 from .._settle import format_error, worker_name
 from ..errors import ResultError, WorkerError, describe, unreachable
-from ..queries import interval
-from . import statements, supervise
-from .duties import Completer, Heartbeat, Listener, Maintenance, Presence
-from .fetch import Fetcher
-from .hearing import ListenWatch
+from . import _statements as statements
+from . import _supervise as supervise
+from ._duties import Completer, Heartbeat, Listener, Maintenance, Presence
+from ._fetch import Fetcher
+from ._hearing import ListenWatch
+from ._outage import (
+    MAX_DUTY_FAILURES,
+    POOLING_ADVICE,
+    is_database_error,
+    lost_prepared_statement,
+)
+from ._steps import (
+    CallHandler,
+    Commit,
+    Conn,
+    Driver,
+    EndDuties,
+    Io,
+    OnSession,
+    Rollback,
+    StartDuties,
+    Step,
+    Steps,
+    WaitIdle,
+)
+from ._vitals import Health, diagnose
 from .job import (
     ClaimedJob,
     Outcome,
@@ -56,34 +78,14 @@ from .job import (
     set_current,
     unknown_task,
 )
-from .outage import (
-    MAX_DUTY_FAILURES,
-    POOLING_ADVICE,
-    is_database_error,
-    lost_prepared_statement,
-)
 from .settings import WorkerSettings, check_queue_name
-from .steps import (
-    CallHandler,
-    Commit,
-    Conn,
-    Driver,
-    EndDuties,
-    Io,
-    OnSession,
-    Rollback,
-    StartDuties,
-    Step,
-    Steps,
-    WaitIdle,
-)
-from .vitals import Health, diagnose
 
 if TYPE_CHECKING:
     import contextvars
 
+    from .._tasks import Task
     from ..events import RunHook
-    from ..tasks import Jobs, Task
+    from ..tasks import Jobs
 
 __all__ = ["Driver", "Health", "WorkerCore"]
 
@@ -136,7 +138,7 @@ class WorkerCore:
         self._poked = False
         #: Whether the worker said that a pooler loses its prepared statements (once).
         self.pooling_said = False
-        #: Whether the listener hears what it should (see :mod:`.hearing`); kept across
+        #: Whether the listener hears what it should (see :mod:`._hearing`); kept across
         #: runs, so that a deaf LISTEN is reported once.
         self.listen_watch = ListenWatch()
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
@@ -150,7 +152,7 @@ class WorkerCore:
         self._state = "starting"
         #: Runs in a row that the worker's own code failed around (see :meth:`crashed`).
         self._crashes = 0
-        #: The duties, each over this shared state (see :mod:`.duties`, :mod:`.fetch`).
+        #: The duties, each over this shared state (see :mod:`._duties`, :mod:`._fetch`).
         self.maintenance = Maintenance(self)
         self.fetcher = Fetcher(self)
         self.completer = Completer(self)
@@ -169,7 +171,7 @@ class WorkerCore:
         #: Claim-ahead (``settings.prefetch``): how many jobs past the free slots the next
         #: claim may take, and the room (free slots plus that) at which a finishing job
         #: wakes a fetch loop that had none. Estimated by the fetcher
-        #: (:meth:`.fetch.Fetcher.estimate_ahead`).
+        #: (:meth:`._fetch.Fetcher.estimate_ahead`).
         self._ahead = 0
         self._wake_at = 1
         self.completer.reset()
@@ -612,7 +614,7 @@ class WorkerCore:
 
     def supervise(self, name: str, failures: int, exc: BaseException) -> float:
         """A duty raised: how long to wait before running it again (see
-        :func:`.supervise.supervise`); raises WorkerError to stop the worker."""
+        :func:`._supervise.supervise`); raises WorkerError to stop the worker."""
         return supervise.supervise(self, name, failures, exc)
 
     # -- health ------------------------------------------------------------------------
@@ -624,7 +626,7 @@ class WorkerCore:
 
     def health(self, now: float | None = None) -> Health:
         """Whether this worker is alive and doing its work, and if not, why (see
-        :func:`.vitals.diagnose`)."""
+        :func:`._vitals.diagnose`)."""
         return diagnose(self, now)
 
     def db_warning(self, exc: BaseException, message: str, *args: Any) -> None:

@@ -16,12 +16,12 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from ...errors import describe
-from .. import statements
-from ..outage import is_database_error, retry_pause
-from ..steps import END, Conn, Io, Pause, Step, Steps, TakeOutcomes
+from .. import _statements as statements
+from .._outage import is_database_error, retry_pause
+from .._steps import END, Conn, Io, Pause, Step, Steps, TakeOutcomes
 
 if TYPE_CHECKING:
-    from ..core import WorkerCore
+    from .._core import WorkerCore
     from ..job import Outcome
 
 __all__ = ["Completer"]

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
+from .. import sharding
 from ..db import create_async_engine
 from ..health import serve_health
 from ..sharding import ShardedWorker
-from .driver import pool_size
+from ._driver import pool_size
 from .supervisor import supervise
 from .threaded import Worker
 
@@ -232,14 +233,13 @@ class LaunchPlan:
     def _run_async_sharded(
         self, shards: Mapping[str, Any], schema_drift: Sequence[str] | None
     ) -> None:
-        # Defined only with the extra: SQLAlchemy's asyncio support (greenlet).
-        from ..sharding import AsyncShardedWorker
-
         async def main() -> None:
             # Made from the URLs: each shard's engine is made, and disposed of, by its
             # worker; the application's own engines are disposed of here (their
             # connections belong to this loop).
-            worker = AsyncShardedWorker(self.jobs, dict(shards), self.settings)
+            # Defined only with the extra (SQLAlchemy's asyncio support, greenlet): looked
+            # up when called.
+            worker = sharding.AsyncShardedWorker(self.jobs, dict(shards), self.settings)
             try:
                 with self._endpoints(worker, shards=shards, schema_drift=schema_drift):
                     if self.until_empty:

@@ -15,14 +15,14 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .. import statements
+from .. import _statements as statements
+from .._steps import Conn, Io, Step, Steps
 from ..job import OutcomeKind
-from ..steps import Conn, Io, Step, Steps
 
 if TYPE_CHECKING:
-    from ..core import WorkerCore
+    from .._core import WorkerCore
+    from .._statements import Refresh
     from ..job import Outcome
-    from ..statements import Refresh
 
 __all__ = ["Maintenance"]
 

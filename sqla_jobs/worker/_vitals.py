@@ -1,6 +1,6 @@
 """A worker's health, as data: whether it is alive and doing its work, and if not, why.
 
-The supervisor (:func:`.supervise.watched`) notes which step each loop waits on and since
+The supervisor (:func:`._supervise.watched`) notes which step each loop waits on and since
 when; :func:`diagnose` compares that with what the step should take
 (:func:`step_budget`), and adds what the slots and the unwritten outcomes say.
 :mod:`sqla_jobs.health` serves the report over HTTP; sharded workers merge theirs.
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .steps import (
+from ._steps import (
     EndDuties,
     Io,
     Notifications,
@@ -27,7 +27,7 @@ from .steps import (
 )
 
 if TYPE_CHECKING:
-    from .core import WorkerCore
+    from ._core import WorkerCore
 
 __all__ = ["Health", "diagnose", "step_budget", "step_name"]
 
@@ -147,7 +147,7 @@ def idle_with_work(core: WorkerCore, now: float) -> str | None:
     """Why the worker runs nothing though it holds claims to run, or None.
 
     A claim waits to start only while every slot runs a handler (it was claimed
-    ahead), or, held by :meth:`~.core.WorkerCore.start`, for the heartbeat. One that has waited
+    ahead), or, held by :meth:`~._core.WorkerCore.start`, for the heartbeat. One that has waited
     longer than ``stuck_after`` while a slot runs no handler means the executors
     (threads or tasks) are gone: the heartbeat would keep its lease for ever, and the
     worker would look alive while running nothing."""

@@ -1,6 +1,6 @@
 """The steps of the worker core's loops, and what a driver does for the core.
 
-The core (:mod:`.core`) never waits and does no I/O: its loops are generators that yield
+The core (:mod:`._core`) never waits and does no I/O: its loops are generators that yield
 these steps, and a driver (:mod:`.threaded`, :mod:`.aio`) carries each one out, sends the
 result back in, or throws the error in. The steps are the whole vocabulary the two
 drivers must speak, so it is kept small.

@@ -2,7 +2,7 @@
 
 The threaded worker calls them directly; the asyncio worker calls the very same functions
 through ``AsyncConnection.run_sync``. Each runs one statement or a few from
-:class:`~sqla_jobs.queries.Queries` with the parameters its typed builders make.
+:class:`~sqla_jobs._queries.Queries` with the parameters its typed builders make.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._settle import settle_children
-from ..queries import (
+from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
     LimitedClaimParams,
@@ -30,8 +29,9 @@ from ..queries import (
 )
 
 # Named here for the drivers' listeners (``db.listen_sql``); they live with the statements.
-from ..queries import listen_sql as listen_sql
-from ..queries import unlisten_sql as unlisten_sql
+from .._queries import listen_sql as listen_sql
+from .._queries import unlisten_sql as unlisten_sql
+from .._settle import settle_children
 from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
 
 if TYPE_CHECKING:

@@ -1,9 +1,9 @@
 """The side duties a worker runs beside its fetch loop, one small class each.
 
 Each holds the state only it needs and works on the shared state of its
-:class:`~sqla_jobs.worker.core.WorkerCore` (the running set, the slots, the lock). Each
+:class:`~sqla_jobs.worker._core.WorkerCore` (the running set, the slots, the lock). Each
 has a ``run_once()`` that yields steps for a driver and returns whether to run again;
-the core's supervisor (:mod:`..supervise`) runs it again and again, and restarts it after
+the core's supervisor (:mod:`.._supervise`) runs it again and again, and restarts it after
 a failure.
 
 * :mod:`.completer`: writes the outcomes of finished runs, in batches.
