@@ -311,6 +311,12 @@ class WorkerCore:
         with self._lock:
             if job.settled:
                 return None
+            if self.stopping:
+                # Told to stop: a claim that has not started is not started now, whatever
+                # slot just freed; the shutdown hands it back with the other unstarted ones
+                # (an executor that finished a job between stop() and the shutdown's hand-
+                # back started the next one from its inbox).
+                return None
             confirm = (
                 job.renewed != 0.0
                 and now - job.renewed > self.settings.lease / 2

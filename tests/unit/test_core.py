@@ -138,6 +138,27 @@ def test_shutdown_hands_back_unstarted_claims_then_late_ones() -> None:
     assert running.is_cancelled and driver.interrupted == [running] and cancelled == [2]
 
 
+def test_a_claim_that_has_not_started_when_stop_is_asked_never_starts() -> None:
+    """stop() between a handler's end and the shutdown's hand-back: the executor that is
+    free again takes the next claim from its inbox, and must not start it (it started, and
+    ran, in a parallel test run); the shutdown hands it back with the other unstarted ones."""
+    core, driver, jobs = make(concurrency=1, grace_period=5)
+    (waiting,) = core.claimed([row(1)])
+    core.stopping = True  # what Worker.stop() and AsyncWorker.stop() set, from any thread
+    assert core.start(waiting) is None
+    assert not waiting.started and driver.recorded == []
+    handed: list[list[int]] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.Io):
+            handed.append([j.id for j in step.args[1]])
+            return len(step.args[1])
+        return isinstance(step, s.WaitIdle) or None  # nothing runs: idle at once
+
+    run_steps(core.shutdown(), answer)
+    assert handed == [[1]] and core.running == 0 and core.free == 1
+
+
 def _refresh(step: s.Step) -> Any:
     from sqla_jobs.worker._statements import Refresh
 
