@@ -142,7 +142,7 @@ def test_a_claim_that_has_not_started_when_stop_is_asked_never_starts() -> None:
     """stop() between a handler's end and the shutdown's hand-back: the executor that is
     free again takes the next claim from its inbox, and must not start it (it started, and
     ran, in a parallel test run); the shutdown hands it back with the other unstarted ones."""
-    core, driver, jobs = make(concurrency=1, grace_period=5)
+    core, driver, _ = make(concurrency=1, grace_period=5)
     (waiting,) = core.claimed([row(1)])
     core.stopping = True  # what Worker.stop() and AsyncWorker.stop() set, from any thread
     assert core.start(waiting) is None
