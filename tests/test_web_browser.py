@@ -167,7 +167,9 @@ def fill(db: sa.Engine) -> int:
             "failed": f,
             "dead": 0,
         }
-        for m in range(60)
+        # The last hour, and the next minute too: the page may be read in the minute after
+        # this one (the chart's hour then starts a minute later), and still has 60 bars.
+        for m in range(-1, 60)
         for q, s, f in (
             ("emails", 120 + (m * 37) % 90, (m * 7) % 5),
             ("webhooks", 40 + (m * 13) % 30, 1 if m % 9 == 0 else 0),
