@@ -1243,8 +1243,8 @@ def _check_unique_key(key: object) -> None:
 
 
 class UniqueScope(NamedTuple):
-    """How a unique job's key is held, beyond "one live job per key" (see the README's
-    unique section). Built by :func:`check_unique_scope`; None stands for the plain rule.
+    """How a unique job's key is held, beyond "one live job per key" (see
+    docs/howto/unique.md). Built by :func:`check_unique_scope`; None stands for the plain rule.
     """
 
     #: The key stays taken this long after the enqueue that took it, whatever becomes of

@@ -26,7 +26,7 @@
     that parent (``admin.retry_jobs``, the CLI, the dashboard) brings them back, waiting
     for it again.
 
-How it is stored (see the README's "Results and workflows" for why):
+How it is stored (docs/howto/workflows.md says why):
 
 * ``result jsonb``: the return value of a job enqueued with ``keep_result``; the row stays
   ``done`` until ``locked_until`` (its retention) and is pruned after.
