@@ -198,7 +198,8 @@ def job_fields(
 
 
 #: A queue's state as ``sqla-jobs stats --json`` writes it, key by key, in this order
-#: (docs/reference/json-output.md documents these keys; the pause time and limits are the dashboard's).
+#: (docs/reference/json-output.md documents these keys; the pause time and limits are
+#: the dashboard's).
 QUEUE_KEYS: tuple[str, ...] = (
     "queue",
     "paused",

@@ -44,6 +44,8 @@ from .model import (
 if TYPE_CHECKING:
     from sqlalchemy.sql.expression import CTE
 
+    from .throttle import QueueLimits
+
 __all__ = [
     "Queries",
     "batch_params",
@@ -614,6 +616,21 @@ def limited_claim_params(
         "key_rate": key_rate,
         "key_period": None if key_period is None else interval(key_period),
     }
+
+
+def queue_claim_params(params: ClaimParams, limits: QueueLimits) -> LimitedClaimParams:
+    """:func:`limited_claim_params` for a declared queue: its limits, as the worker's
+    fetcher and ``session.claim`` both ask them."""
+    return limited_claim_params(
+        params,
+        concurrency=limits.concurrency,
+        rate=limits.rate,
+        period=limits.rate_period,
+        key_limit=limits.key_concurrency,
+        keyed=limits.keyed,
+        key_rate=limits.key_rate,
+        key_period=limits.key_rate_period,
+    )
 
 
 # -- outcomes -----------------------------------------------------------------------------

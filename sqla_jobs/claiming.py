@@ -51,7 +51,7 @@ from ._queries import (
     claim_params,
     fail_params,
     interval,
-    limited_claim_params,
+    queue_claim_params,
     snooze_params,
 )
 from ._settle import cap_error, format_error, settle_children, worker_name
@@ -150,16 +150,7 @@ def _claim_limited(
     if session.execute(paused).first() is not None:
         return []
     session.execute(queries.limit_lock, {"queue_name": limits.name})
-    limited = limited_claim_params(
-        params,
-        concurrency=limits.concurrency,
-        rate=limits.rate,
-        period=limits.rate_period,
-        key_limit=limits.key_concurrency,
-        keyed=limits.keyed,
-        key_rate=limits.key_rate,
-        key_period=limits.key_rate_period,
-    )
+    limited = queue_claim_params(params, limits)
     statement = queries.key_rated_claim if limits.key_rate is not None else queries.limited_claim
     rows = session.execute(statement, dict(limited)).all()
     return [r.id for r in rows if r.id is not None]

@@ -17,7 +17,7 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._queries import ClaimParams, claim_params, limited_claim_params
+from .._queries import ClaimParams, claim_params, queue_claim_params
 from ..errors import describe
 from . import _statements as statements
 from ._outage import is_database_error, retry_pause
@@ -240,16 +240,7 @@ class Fetcher:
         NOTIFY announces (this worker's own completions end the wait at once)."""
         core = self.core
         limits = core.limits[queue]
-        limited = limited_claim_params(
-            params,
-            concurrency=limits.concurrency,
-            rate=limits.rate,
-            period=limits.rate_period,
-            key_limit=limits.key_concurrency,
-            keyed=limits.keyed,
-            key_rate=limits.key_rate,
-            key_period=limits.key_rate_period,
-        )
+        limited = queue_claim_params(params, limits)
         found: statements.LimitedClaim = yield Io(
             statements.claim_limited, (core.queries, limited), Conn.CLAIM
         )
