@@ -4,6 +4,7 @@ PostgreSQL, checked against the claim/complete statements the workers use."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -104,10 +105,10 @@ def test_stats_per_queue(db: sa.Engine, jobs: Jobs) -> None:
         admin.pause_queue(conn, jobs, "held")
 
     with db.connect() as conn:
-        by_queue = {s.queue: s for s in admin.stats(conn, jobs)}
+        by_queue = {s.queue: s for s in admin.queue_states(conn, jobs)}
         kept = Jobs(app.Job, keep_done=timedelta(days=1))
-        with_done = {s.queue: s for s in admin.stats(conn, kept, window=60)}
-        from_model = {s.queue: s for s in admin.stats(conn, app.Job)}
+        with_done = {s.queue: s for s in admin.queue_states(conn, kept, window=60)}
+        from_model = {s.queue: s for s in admin.queue_states(conn, app.Job)}
 
     assert sorted(by_queue) == ["held", "idle", "other", "q"]
     q = by_queue["q"]
@@ -123,6 +124,41 @@ def test_stats_per_queue(db: sa.Engine, jobs: Jobs) -> None:
     assert by_queue["other"].lag_seconds is None and by_queue["other"].dead == 1
     assert "idle" not in from_model, "only the registry knows its tasks' queues"
     assert q.to_dict()["lease_expired"] == 1
+
+
+def test_the_0_2_read_names_warn_and_answer_as_their_replacements(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """``admin.stats``, ``admin.overview``, ``QueueStats``, ``QueueSummary``,
+    ``QueueState.expired`` and ``sharding.stats`` stay for one release: each warns, naming
+    its replacement, and gives what the replacement gives."""
+    from sqla_jobs import sharding
+
+    add(db, 3)
+    add(db, 1, status="running", attempts=1, locked_until=sa.func.now() - timedelta(minutes=1))
+    with db.connect() as conn:
+        full = admin.queue_states(conn, jobs)
+        live = admin.queue_states(conn, jobs, finished=False)
+        with pytest.warns(DeprecationWarning, match="use admin.queue_states"):
+            assert admin.stats(conn, jobs) == full
+        with pytest.warns(DeprecationWarning, match="finished=False"):
+            assert admin.overview(conn, jobs) == live
+    with pytest.warns(DeprecationWarning, match="QueueState"):
+        assert admin.QueueStats is admin.QueueState
+    with pytest.warns(DeprecationWarning, match="QueueState"):
+        assert admin.QueueSummary is admin.QueueState
+    (q,) = (s for s in live if s.queue == "q")
+    with pytest.warns(DeprecationWarning, match="lease_expired"):
+        assert q.expired == q.lease_expired == 1
+    with pytest.warns(DeprecationWarning, match="sharding.queue_states"):
+        (old,) = sharding.stats({"one": db}, jobs)
+    (new,) = sharding.queue_states({"one": db}, jobs)
+    assert old.shard == new.shard == "one" and old.value and new.value
+    # Read a moment apart: the lag grew in between, everything else is the same.
+    def unlagged(states: list[admin.QueueState]) -> list[admin.QueueState]:
+        return [dataclasses.replace(s, lag_seconds=None) for s in states]
+
+    assert unlagged(old.value) == unlagged(new.value)
 
 
 def test_list_and_get_jobs(db: sa.Engine, jobs: Jobs) -> None:

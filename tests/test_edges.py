@@ -214,11 +214,11 @@ def test_stats_reads_through_the_partial_indexes(db: sa.Engine, jobs: Jobs) -> N
     from sqla_jobs import admin
 
     _fill(db)
-    plan = _plans(db, lambda conn: admin.stats(conn, jobs))
+    plan = _plans(db, lambda conn: admin.queue_states(conn, jobs))
     assert "Seq Scan on jobs " not in plan and "Seq Scan on jobs\n" not in plan, plan
     assert _used(plan) == PARTIAL, plan
     with db.connect() as conn:
-        q0 = admin.stats(conn, app.Job)[0]
+        q0 = admin.queue_states(conn, app.Job)[0]
     assert all(type(v) is int for v in (q0.ready, q0.done, q0.lease_expired))  # not Decimal
     assert (q0.queue, q0.ready, q0.done, q0.dead, q0.cancelled, q0.running) == (
         "q0",

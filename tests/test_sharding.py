@@ -305,7 +305,7 @@ def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) 
     _fill({"a": shards["a"]}, jobs, fetch, 2)
     _fill({"b": shards["b"]}, jobs, fetch, 3)
     engines = {**shards, "down": create_engine(DEAD_URL)}
-    results = sharding.stats(engines, jobs)
+    results = sharding.queue_states(engines, jobs)
     assert [r.shard for r in results] == ["a", "b", "down"]
     assert [(q.queue, q.ready) for q in results[0].value or ()] == [("links", 2)]
     assert results[2].value is None and results[2].error

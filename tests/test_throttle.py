@@ -316,7 +316,10 @@ def test_limits_are_listed(db: sa.Engine) -> None:
         "unlimited": "",
     }
     with db.connect() as conn:
-        summaries = {q.queue: q.limits for q in admin.overview(conn, app.limited_jobs)}
+        summaries = {
+            q.queue: q.limits
+            for q in admin.queue_states(conn, app.limited_jobs, finished=False)
+        }
     assert summaries == listed
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient

@@ -140,12 +140,12 @@ def test_overview_counts_queues_lag_pauses_and_outcomes(
             )
         )
     with db.connect() as conn:
-        found = {q.queue: q for q in admin.overview(conn, registry)}
+        found = {q.queue: q for q in admin.queue_states(conn, registry, finished=False)}
     assert set(found) == {"a", "b", "c"}
     a, b, c = found["a"], found["b"], found["c"]
     assert (a.ready, a.scheduled, a.running, a.dead, a.paused) == (2, 1, 0, 0, False)
     assert a.lag_seconds is not None and 170 < a.lag_seconds < 400
-    assert (b.ready, b.running, b.expired, b.dead, b.lag_seconds) == (0, 1, 1, 1, None)
+    assert (b.ready, b.running, b.lease_expired, b.dead, b.lag_seconds) == (0, 1, 1, 1, None)
     assert c.paused and c.paused_since is not None
     page = client.get("/").text
     assert "40 succeeded, 3 failed (1 dead)" in page
