@@ -72,3 +72,23 @@ def reaped(proc: subprocess.Popen[Any]) -> Iterator[subprocess.Popen[Any]]:
         raise
     finally:
         proc.kill()
+
+
+#: The modules documented as public API (docs/reference/modules.md), besides the package:
+#: the reference test checks each is documented, the layer test that none is underscored.
+PUBLIC_MODULES = (
+    "admin",
+    "testing",
+    "pytest_plugin",
+    "web",
+    "metrics",
+    "tracing",
+    "sharding",
+    "events",
+    "flow",
+    "throttle",
+    "periodic",
+    "worker",
+    "aio",
+    "flask",
+)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import PUBLIC_MODULES
 from .test_recipes import scratch  # noqa: F401  (the fixture: a database of its own)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,23 +31,6 @@ DOCS = ROOT / "docs"
 #: From scratch (-E), warnings as errors (-W), all of them reported (--keep-going).
 BUILD = ("-E", "-W", "--keep-going", "-q", "-b", "html")
 
-#: The modules documented as public API (docs/reference/modules.md), besides the package.
-PUBLIC_MODULES = (
-    "admin",
-    "testing",
-    "pytest_plugin",
-    "web",
-    "metrics",
-    "tracing",
-    "sharding",
-    "events",
-    "flow",
-    "throttle",
-    "periodic",
-    "worker",
-    "aio",
-    "flask",
-)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import sqla_jobs
 
+from ..helpers import PUBLIC_MODULES
+
 PACKAGE = Path(sqla_jobs.__file__).parent
 
 # Lowest first. Keys are module names below ``sqla_jobs`` ("" is the package itself).
@@ -203,20 +205,7 @@ def test_the_checker_sees_a_function_local_cycle(tmp_path: Path) -> None:
 #: import directly. Every other module is internal, and says so with a leading underscore.
 PUBLIC = {
     "",
-    "admin",
-    "testing",
-    "pytest_plugin",
-    "web",
-    "metrics",
-    "tracing",
-    "sharding",
-    "events",
-    "flow",
-    "throttle",
-    "periodic",
-    "worker",
-    "aio",
-    "flask",
+    *PUBLIC_MODULES,
     "model",
     "session",
     "tasks",
