@@ -441,12 +441,17 @@ def listen_for(engine: sa.Engine, jobs: Jobs) -> Any:
 def test_stop_lets_running_jobs_finish(
     Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
-    started = threading.Event()
+    # The handlers count their own starts: a row the database shows as running
+    # may be claimed ahead and not started yet, and such a claim is handed back
+    # at stop, so the row count alone cannot say three jobs are in their handler.
+    lock = threading.Lock()
+    started: list[int] = []
     release = threading.Event()
 
     @jobs.task(queue="q")
     def blocker() -> None:
-        started.set()
+        with lock:
+            started.append(1)
         release.wait(10)
 
     with Session.begin() as session:
@@ -455,7 +460,7 @@ def test_stop_lets_running_jobs_finish(
     worker = make_worker(jobs, db, queues=["q"], concurrency=3, listen=False, grace_period=5)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
-    wait_for(started.is_set)
+    wait_for(lambda: len(started) == 3)
     wait_for(lambda: count(db, status="running") == 3)
     worker.stop()
     time.sleep(0.05)
@@ -463,6 +468,7 @@ def test_stop_lets_running_jobs_finish(
     thread.join(10)
     assert not thread.is_alive()
     # The three that started finished; nothing is left running or waiting for a lease.
+    assert len(started) == 3
     assert count(db, status="running") == 0
     assert count(db, status="ready") == 3
 
