@@ -280,16 +280,23 @@ class PauseStorm:
                 now = time.monotonic()
                 for pid, since in list(self._paused.items()):
                     if now - since >= self.pause:
+                        # Read before the signal is sent: the process runs on from no
+                        # earlier than this (see explains()).
+                        continued = time.monotonic()
                         self._cont(pid)
-                        self.pauses.append((pid, since, time.monotonic()))
+                        self.pauses.append((pid, since, continued))
                 if len(self.pauses) >= self.count:
                     return
                 if started < self.count and now >= next_at and len(self._paused) < self.at_once:
                     free = [p for p in self.group.slots if p.alive and p.pid not in self._paused]
                     if free:
                         proc = self._rng.choice(free)
-                        os.kill(proc.pid, signal.SIGSTOP)
+                        # Read before the signal is sent: the process is stopped no
+                        # earlier than this, and runs on for a moment after kill()
+                        # returns (a run it started then was read at -0.0004 s of a
+                        # clock read after the kill, and looked unexplained).
                         self._paused[proc.pid] = time.monotonic()
+                        os.kill(proc.pid, signal.SIGSTOP)
                         started += 1
                     next_at = now + self._rng.uniform(*self.every)
         finally:
@@ -303,9 +310,19 @@ class PauseStorm:
             os.kill(pid, signal.SIGCONT)
 
     def explains(self, pid: int, start: float, end: float) -> bool:
-        """A pause of ``pid`` began within ``[start, end]``: what that process did in
-        between may have happened on either side of the pause."""
-        return any(p == pid and start <= stopped <= end for p, stopped, _ in self.pauses)
+        """``pid`` was frozen at some moment within ``[start, end]``, ``start`` being a
+        time that process read itself: what it did in between may have happened on either
+        side of the pause.
+
+        A pause is known only within the storm's own clock reads: taken before SIGSTOP is
+        sent (the process stops a moment later, once the signal lands) and before SIGCONT
+        is. So the test is that the pause overlaps ``[start, end]``: a process that read
+        ``start`` before the recorded end of a pause read it while it still ran, before it
+        stopped; and a pause recorded as beginning after ``end`` began after it."""
+        return any(
+            p == pid and stopped <= end and start <= continued
+            for p, stopped, continued in self.pauses
+        )
 
     def __enter__(self) -> PauseStorm:
         self._thread.start()
