@@ -57,7 +57,7 @@ from ._queries import listen_sql, unlisten_sql
 from ._tasks import ConfiguredTask, Task, TaskArgs
 from .errors import EnqueueError, JobFailedError
 from .model import KEEP_KEY, RESULTS_KEY, JobStatus
-from .session import EnqueueMixin, _announce, _boundary
+from .session import _announce, _boundary
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -91,7 +91,10 @@ def group(
     ``session`` (one transaction: the group is created whole or not at all). Returns the
     member jobs and the callback job. If a member ends dead, the callback is cancelled.
     """
-    if not isinstance(session, EnqueueMixin):
+    # Any session with enqueue: JobSession and its kin, or an AsyncJobSession (a proxy
+    # of one, whose enqueue does no I/O).
+    enqueue = getattr(session, "enqueue", None)
+    if not callable(enqueue):
         raise TypeError("jobs.group takes a session with enqueue (sqla_jobs.JobSession)")
     added = []
     for member in members:
@@ -101,7 +104,7 @@ def group(
         bound = task.options if isinstance(task, ConfiguredTask) else {}
         if not plain.keep_result and "keep_result" not in bound:
             options["keep_result"] = True
-        added.append(session.enqueue(task.with_options(**options), *args.args, **args.kwargs))
+        added.append(enqueue(task.with_options(**options), *args.args, **args.kwargs))
     if not added:
         raise EnqueueError("jobs.group needs at least one member job")
     cb_task, cb_args = _pair(then, "then")

@@ -14,12 +14,11 @@ it is INSERTed at the next flush, is visible to workers only once the caller com
 is gone if the transaction rolls back. Nothing here commits on the caller's behalf, or
 flushes the session's objects where the caller's own commit would not.
 
-``enqueue_many`` is for bulk: the rows are kept on the session and inserted by one
-``INSERT ... SELECT FROM unnest(...)`` statement, in the caller's transaction, at the first
-of: the session's next flush or autoflush (right after it, even when the session has
-nothing else to write); the start of a savepoint
-(``begin_nested()``: written before its ``SAVEPOINT``, as part of the enclosing
-transaction); the release of the savepoint they were enqueued in, or the commit.
+``enqueue_many`` is for bulk, and is a statement, like SQLAlchemy's own bulk INSERT
+(``session.execute(insert(Job), rows)``): its rows are written at the call, by one
+``INSERT ... SELECT FROM unnest(...)`` (a ``COPY`` for a big call), in the caller's
+transaction (the innermost savepoint), after a flush of the session when autoflush is on,
+as a query would flush it.
 
 Savepoints: a job shares the fate of the innermost transaction that was open when it was
 enqueued. Jobs enqueued inside ``begin_nested()`` are gone if that savepoint rolls back
@@ -30,29 +29,28 @@ committed; releasing a savepoint fires nothing.
 Like ``session.add``, both begin the session's transaction if none is begun (which does no
 I/O); a session made with ``autobegin=False`` refuses to enqueue until ``session.begin()``.
 
-Both work on ``AsyncSession`` (:class:`AsyncJobSession`) too: they only add to the
-unit of work, so they do no I/O and need no ``await``.
+On asyncio, :class:`AsyncJobSession` is a proxy of its sync session, as SQLAlchemy's
+``AsyncSession`` is: ``enqueue`` (no I/O) is a plain method, ``enqueue_many`` and
+``enqueue_unique`` (I/O) are awaited.
 
-When a row is written, per call and class (the same table is in
-``docs/design/pipeline.md``; the writing itself is :mod:`sqla_jobs._enqueue`'s):
+When a row is written: one rule per call name, on every session class (the same table is
+in ``docs/design/pipeline.md``; the writing itself is :mod:`sqla_jobs._enqueue`'s):
 
-=============================  ==================================  ======================
-call                           JobSession / AsyncJobSession        sharded sessions
-=============================  ==================================  ======================
-``enqueue`` (plain, after=)    at the flush                        at the flush
-``enqueue`` (unique, scoped)   at the call (``await                at the call (``await
-                               enqueue_unique`` on asyncio)        enqueue_unique``)
-``enqueue_many``               next flush, savepoint start,        at the call (awaited
-                               release or commit; at the call for  on asyncio)
-                               1,000+ rows (a list) on a sync
-                               session with autoflush
-``jobs.group``                 at the flush                        at the flush
-=============================  ==================================  ======================
+=============================  ============================================================
+call                           written
+=============================  ============================================================
+``enqueue`` (plain, after=)    at the flush (awaited on asyncio), like ``session.add``
+``enqueue`` (unique, scoped)   at the call (``await enqueue_unique`` on asyncio): the
+                               answer (new, or the live holder of the key) is needed now
+``enqueue_many``               at the call (awaited on asyncio), like a bulk INSERT
+``jobs.group``                 at the flush
+=============================  ============================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Sized
+import warnings
+from collections.abc import Generator, Iterable, Mapping, Sequence, Sized
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
@@ -278,33 +276,129 @@ class EnqueueMixin:
         /,
         **options: Unpack[ManyOptions],
     ) -> int:
-        """Add many jobs of one task, one per item of ``arguments``; return how many.
+        """Write many jobs of one task, one per item of ``arguments``; return how many were
+        inserted.
 
         An item is a mapping of keyword arguments (checked at run time only), or
         ``task.args(...)`` (also checked by a type checker). Every job is checked before
         any is kept: one bad item raises :class:`EnqueueError` and none of the batch is
-        added. The rows go to the database in one statement at the session's next flush,
-        when a savepoint begins, or at the release or commit of the transaction they were
-        enqueued in, whose fate they share; a call of :data:`WRITE_AT_CALL_MIN_ROWS` rows
-        or more (a list, not an iterator) on a sync session with autoflush on is written
-        at the call instead, after a flush (see :func:`_write_at_call`). With
-        ``unique=True`` each job gets a key derived from its task and arguments, and one
-        equal to a live job is silently skipped. ``meta`` is given to every job of the
-        call.
+        written. The rows are written at the call, in one statement (a ``COPY`` for a big
+        batch), into the transaction or savepoint innermost now, whose fate they share:
+        SQLAlchemy's own bulk INSERT (``session.execute(insert(Job), rows)``) does the
+        same. Like a query, the call flushes the session first when autoflush is on, so
+        that a job table with a foreign key to an application table finds its rows.
+        With ``unique=True`` each job gets a key derived from its task and arguments, and
+        one equal to a live job is silently skipped (and not counted). ``meta`` is given
+        to every job of the call.
+
+        On an ``AsyncSession`` the call is awaited: ``await session.enqueue_many(...)``
+        (see :class:`Enqueued`).
         """
         given = many_options(options)
-        if (
-            isinstance(self, Session)
-            # The session inside an AsyncJobSession may be called outside its greenlet
-            # (session.sync_session.enqueue_many): no I/O there.
-            and not isinstance(self, _FlushingSession)
-            and self.autoflush
-            and isinstance(arguments, Sized)
-            and len(arguments) >= WRITE_AT_CALL_MIN_ROWS
-        ):
-            return _write_at_call(self, task, arguments, given)
-        registry, rows = many_values(task, arguments, self, **given)
-        return _keep_for_flush(_sync(self), registry, rows)
+        if isinstance(self, Session) and not isinstance(self, _FlushingSession):
+            return _write_many(self, task, arguments, given)
+        # An AsyncSession of the application's own that mixes this class in, or the
+        # session inside an AsyncJobSession called outside its greenlet: no I/O here.
+        return _enqueued_later(self, task, arguments, given)
+
+
+def _write_many(
+    session: Session,
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    given: dict[str, Any],
+) -> int:
+    """``enqueue_many`` on a sync session: checked, then written now.
+
+    A list of :data:`CHECK_AS_WRITTEN_MIN_ROWS` rows or more is checked as it is written:
+    its first row whole at the call, the others as the ``COPY`` sends them, inside its
+    savepoint (see :func:`sqla_jobs._bulk.copy_run`), so the checks overlap the sending
+    (checked first, they were a fifth of the call at 100,000 rows). The error still comes
+    from this call, with nothing of it kept, though the session was flushed by then.
+    Smaller calls, and rows that need more than their JSON (unique or concurrency keys,
+    ``enqueued`` listeners), are checked whole before anything is flushed or written."""
+    texts = None
+    if isinstance(arguments, Sized) and len(arguments) >= CHECK_AS_WRITTEN_MIN_ROWS:
+        registry, rows, texts = many_json(task, arguments, session, **given)
+    else:
+        registry, rows = many_values(task, arguments, session, **given)
+    if not rows:
+        return 0
+    require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
+    boundary = _boundary(session)  # refuses a session with autobegin=False and no transaction
+    if texts is None:
+        _check_encoding(session, registry, rows)
+    if session.autoflush:
+        session.flush()
+    connection = session.connection(bind_arguments={"mapper": registry.model})
+    if texts is not None:
+        return insert_json(connection, registry.queries, rows[0], texts)
+    inserted = insert_rows(connection, registry.queries, rows)
+    if registry.events.wants("enqueued"):
+        _announce(session, registry, rows, boundary)
+    return inserted
+
+
+#: From how many rows (a list) a session's ``enqueue_many`` checks the rows after the
+#: first as it writes them, rather than all of them first: see :func:`_write_many`.
+CHECK_AS_WRITTEN_MIN_ROWS = 1_000
+
+
+class Enqueued(int):
+    """What ``enqueue_many`` returns on an ``AsyncSession``: how many jobs the call
+    enqueued, and an awaitable. ``await session.enqueue_many(...)`` writes them at the
+    call, as every session does (and returns how many were inserted).
+
+    Until 0.2 the call on an ``AsyncSession`` was a plain method whose rows waited for
+    the next flush, and code that does not await it still works: the rows are written at
+    the next flush (or savepoint, or commit), with a ``DeprecationWarning``. The rows are
+    checked at the call either way."""
+
+    _session: Any
+    _batch: Any
+
+    def __new__(cls, count: int, session: Any, batch: Any) -> Enqueued:
+        made = super().__new__(cls, count)
+        made._session, made._batch = session, batch
+        return made
+
+    def __await__(self) -> Generator[Any, None, int]:
+        return self._write().__await__()
+
+    async def _write(self) -> int:
+        if self._batch is None:
+            return int(self)
+        return int(await self._session.run_sync(_write_batch, self._batch))
+
+
+def _enqueued_later(
+    session: Any,
+    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+    given: dict[str, Any],
+) -> Enqueued:
+    """``enqueue_many`` where no I/O may happen at the call (an ``AsyncSession``, or its
+    sync session outside the greenlet): checked now, kept for the flush, and written at
+    once if the caller awaits what this returns."""
+    registry, rows = many_values(task, arguments, session, **given)
+    sync = _sync(session)
+    batch = _keep_for_flush(sync, registry, rows)
+    owner = session if hasattr(session, "run_sync") else None
+    return Enqueued(len(rows), owner, batch if owner is not None else None)
+
+
+def _write_batch(session: Session, batch: _Batch) -> int:
+    """An awaited ``enqueue_many`` on an async session: its batch, written now (through
+    the greenlet), unless a flush wrote it first."""
+    batches: list[_Batch] = session.info.get(_PENDING_KEY) or []
+    if not any(b is batch for b in batches):
+        return len(batch[2])
+    session.info[_PENDING_KEY] = [b for b in batches if b is not batch]
+    _, registry, rows = batch
+    if session.autoflush:
+        session.flush()  # earlier batches of calls that were not awaited go first
+    connection = session.connection(bind_arguments={"mapper": registry.model})
+    return insert_rows(connection, registry.queries, rows)
 
 
 def _check_encoding(
@@ -344,52 +438,22 @@ def _learn_encoding(session: Session, transaction: Any, connection: sa.Connectio
     database_encodings(connection)
 
 
-def _keep_for_flush(session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]) -> int:
+def _keep_for_flush(
+    session: Session, registry: Jobs, rows: Sequence[dict[str, Any]]
+) -> _Batch | None:
     """Checked rows wait for the next flush, tagged with the transaction whose fate they
-    share; the ``enqueued`` listeners hear of them when it commits. How many."""
-    if rows:
-        # Refused now, not at the flush: the rows are written with PostgreSQL's SQL.
-        require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
-        boundary = _boundary(session)
-        _check_encoding(session, registry, rows)
-        _pending(session).append((boundary, registry, rows))
-        if registry.events.wants("enqueued"):
-            _announce(session, registry, rows, boundary)
-    return len(rows)
-
-
-#: The smallest ``enqueue_many`` call a (sync, autoflushing) session writes at the call
-#: rather than at its next flush: see :func:`_write_at_call`.
-WRITE_AT_CALL_MIN_ROWS = 1_000
-
-
-def _write_at_call(
-    session: Session,
-    task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
-    arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
-    given: dict[str, Any],
-) -> int:
-    """A big ``enqueue_many`` on a session: written now, as on a connection.
-
-    Deferred to the flush, every row must be checked at the call (its ``EnqueueError`` is
-    promised there), and those checks (a fifth of the call at 100,000 rows) add to the
-    COPY's time. Written now, the rows after the first block are checked as the COPY
-    sends them, inside its savepoint (see :func:`sqla_jobs._bulk.copy_run`): the error
-    still comes from this call, with nothing of it kept and the transaction as it was.
-    The session is flushed first, as a query would autoflush it (its objects, and the
-    ``enqueue_many`` rows still waiting, keep their order before these), so a job table
-    with a foreign key to an application table finds its rows. The rows go into the
-    current transaction or savepoint: the same fate as when written at the flush.
-
-    Not for rows that need more than their JSON (unique or concurrency keys, ``enqueued``
-    listeners): those are checked now and wait for the flush, as smaller calls do."""
-    registry, rows, texts = many_json(task, arguments, session, **given)
-    if texts is None:
-        return _keep_for_flush(session, registry, rows)
-    _boundary(session)  # refuses a session with autobegin=False and no transaction
-    session.flush()
-    connection = session.connection(bind_arguments={"mapper": registry.model})
-    return insert_json(connection, registry.queries, rows[0], texts)
+    share; the ``enqueued`` listeners hear of them when it commits. Their batch."""
+    if not rows:
+        return None
+    # Refused now, not at the flush: the rows are written with PostgreSQL's SQL.
+    require_postgresql(session.get_bind(registry.model), "enqueue_many", EnqueueError)
+    boundary = _boundary(session)
+    _check_encoding(session, registry, rows)
+    batch: _Batch = (boundary, registry, rows)
+    _pending(session).append(batch)
+    if registry.events.wants("enqueued"):
+        _announce(session, registry, rows, boundary)
+    return batch
 
 
 class JobSession(EnqueueMixin, ClaimMixin, Session):
@@ -409,19 +473,29 @@ except ImportError:  # SQLAlchemy's asyncio needs greenlet: pip install 'sqla-jo
     pass
 else:
 
-    class AsyncJobSession(EnqueueMixin, AsyncClaimMixin, AsyncSession):
+    class AsyncJobSession(AsyncClaimMixin, AsyncSession):
         """An ``AsyncSession`` with ``enqueue`` and the claim helpers, awaited;
         ``async_sessionmaker(..., class_=AsyncJobSession, jobs=jobs)``.
 
-        ``enqueue`` and ``enqueue_many`` are plain methods, not coroutines: they only add to
-        the unit of work, and the INSERT happens at the (awaited) flush or commit. A unique
-        job must be inserted at once to know whether it is new, which on asyncio means
-        awaiting: use :meth:`enqueue_unique` for those.
+        A proxy of the session behind it (``sync_session``, a :class:`JobSession` kind),
+        as SQLAlchemy's ``AsyncSession`` is: what does no I/O is a plain method that calls
+        the sync session's (``enqueue``, which only adds to the unit of work, like
+        ``add``), and what writes is awaited, through the greenlet (``enqueue_many``,
+        ``enqueue_unique``, and ``flush``, ``commit``, which write the jobs ``enqueue``
+        added). A unique job must be inserted at once to know whether it is new: use
+        :meth:`enqueue_unique` for those. The rules are the sync session's: one code path.
         """
 
-        #: The session behind it writes waiting ``enqueue_many`` rows at every flush, an
-        #: autoflush (``await session.execute(select(Job))``) included.
+        #: The session behind it: a :class:`JobSession` whose flush also writes the rows
+        #: of ``enqueue_many`` calls that were not awaited (deprecated, see
+        #: :class:`Enqueued`).
         sync_session_class = _FlushingSession
+
+        def __init__(self, *args: Any, jobs: Jobs | None = None, **kw: Any) -> None:
+            # Kept on the session behind (``info`` is its), whatever its class.
+            super().__init__(*args, **kw)
+            if jobs is not None:
+                self.sync_session.info[_JOBS_KEY] = jobs
 
         # A plain enqueue is never unique here (refused), so it always returns the new job.
 
@@ -437,10 +511,51 @@ else:
         def enqueue(self, task: str, /, *args: Any, **kwargs: Any) -> JobMixin: ...
 
         def enqueue(self, task: Any, /, *args: Any, **kwargs: Any) -> JobMixin:
+            """:meth:`JobSession.enqueue <EnqueueMixin.enqueue>` on the session behind
+            this one (no I/O: the job is written at the next awaited flush or commit).
+
+            :raises EnqueueError: as there, and for a unique job (use
+                :meth:`enqueue_unique`)."""
             refuse_unique(task, kwargs)
-            job = super().enqueue(task, *args, **kwargs)
+            # Through the class: the sync session may be of a class of the caller's.
+            job = EnqueueMixin._enqueue_job(self.sync_session, task, args, kwargs)  # type: ignore[arg-type]
             assert job is not None  # only a scoped unique job gives None
             return job
+
+        @overload
+        def enqueue_many(
+            self, task: T, arguments: Iterable[TaskArgs[T]], /, **options: Unpack[ManyOptions]
+        ) -> Enqueued: ...
+
+        @overload
+        def enqueue_many(
+            self,
+            task: ConfiguredTask[P, R],
+            arguments: Iterable[TaskArgs[Task[P, R]]],
+            /,
+            **options: Unpack[ManyOptions],
+        ) -> Enqueued: ...
+
+        @overload
+        def enqueue_many(
+            self,
+            task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+            arguments: Iterable[Mapping[str, Any]],
+            /,
+            **options: Unpack[ManyOptions],
+        ) -> Enqueued: ...
+
+        def enqueue_many(
+            self,
+            task: Task[Any, Any] | ConfiguredTask[Any, Any] | str,
+            arguments: Iterable[TaskArgs[Any] | Mapping[str, Any]],
+            /,
+            **options: Unpack[ManyOptions],
+        ) -> Enqueued:
+            """:meth:`JobSession.enqueue_many <EnqueueMixin.enqueue_many>`, awaited:
+            ``await session.enqueue_many(task, rows)`` checks the rows at the call and
+            writes them then, in this session's transaction (see :class:`Enqueued`)."""
+            return _enqueued_later(self, task, arguments, many_options(options))
 
         @overload
         async def enqueue_unique(
@@ -466,6 +581,14 @@ else:
                 return EnqueueMixin.enqueue(sync_session, task, *args, **kwargs)
 
             return await self.run_sync(run)
+
+        async def flush(self, objects: Sequence[Any] | None = None) -> None:
+            """``AsyncSession.flush``; with a ``sync_session_class`` of the caller's that
+            lacks :class:`EnqueueMixin`, the waiting ``enqueue_many`` rows are written
+            after it, as :class:`JobSession`'s flush writes them."""
+            await super().flush(objects)
+            if self.sync_session.info.get(_PENDING_KEY):
+                await self.run_sync(_insert_pending)
 
 
 def refuse_unique(task: Any, kwargs: Mapping[str, Any]) -> None:
@@ -637,6 +760,14 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
     if not batches:
         return
     session.info[_PENDING_KEY] = []
+    warnings.warn(
+        "enqueue_many on an AsyncSession is awaited from sqla-jobs 0.2: "
+        "`await session.enqueue_many(...)` writes the rows at the call, as every session "
+        "does; these rows of a call that was not awaited were written at this flush, as "
+        "in 0.1",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     # Consecutive calls for one registry share one statement when their options agree:
     # runs (rows that differ only in their arguments) with runs whose first rows agree,
     # other rows with other rows (insert_rows groups those row by row). New lists and

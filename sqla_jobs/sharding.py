@@ -209,9 +209,8 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
     an argument positionally, or through ``enqueue_many`` (whose items are mappings of the
     handler's arguments, apart from its options); or rename the parameter.
 
-    ``enqueue_many`` writes its rows at once (one INSERT on the shard's connection, in the
-    caller's transaction), not at the next flush as on a plain session: the batch must go
-    through its shard's connection, and the flush only knows connections per object.
+    ``enqueue_many`` writes its rows at the call, as on every session (one INSERT on the
+    shard's connection, in the caller's transaction).
     A unique job (``unique=True``, ``unique_key=``) is INSERTed at once on its shard, as on
     a plain session; its key is unique per shard (as with ``enqueue_many(...,
     unique=True)``).

@@ -154,6 +154,7 @@ def test_the_0_2_read_names_warn_and_answer_as_their_replacements(
         (old,) = sharding.stats({"one": db}, jobs)
     (new,) = sharding.queue_states({"one": db}, jobs)
     assert old.shard == new.shard == "one" and old.value and new.value
+
     # Read a moment apart: the lag grew in between, everything else is the same.
     def unlagged(states: list[admin.QueueState]) -> list[admin.QueueState]:
         return [dataclasses.replace(s, lag_seconds=None) for s in states]

@@ -21,7 +21,7 @@ from psycopg.pq import TransactionStatus
 
 from sqla_jobs import EnqueueError, Jobs
 from sqla_jobs._bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, GC_PAUSE_MIN_ROWS, gc_paused
-from sqla_jobs.session import WRITE_AT_CALL_MIN_ROWS, pending_jobs
+from sqla_jobs.session import CHECK_AS_WRITTEN_MIN_ROWS, pending_jobs
 
 from . import app, test_bulk_copy
 from .helpers import count, rows
@@ -121,13 +121,13 @@ def test_keyword_rows_are_stored_as_given_through_a_session(
     flat, nested = keyword_rows(N, nested=False), keyword_rows(N + 1, nested=True)
     small = keyword_rows(COPY_MIN_ROWS, nested=True)
     with Session.begin() as session:
-        session.enqueue_many(send, small)  # waits for the flush
-        session.enqueue_many(send, flat)  # a big list: written at the call, after small
+        session.enqueue_many(send, small)  # every call is written at the call
+        session.enqueue_many(send, flat)  # a big list: checked as it is written
         log = sa.text(f"SELECT count(*) FROM {test_bulk_copy.LOG}")
         assert session.execute(log).scalar_one() == 2  # seen inside the transaction
         session.enqueue_many(send, (send.args(**kw) for kw in nested))  # an iterator
-        session.enqueue_many(send, small)  # alike: one run with the iterator's
-    assert statements() == ["COPY", "COPY", "COPY"]
+        session.enqueue_many(send, small)
+    assert statements() == ["COPY", "COPY", "COPY", "COPY"]
     assert stored_args(db) == small + flat + nested + small
 
 
@@ -149,7 +149,7 @@ def test_keyword_rows_are_stored_as_given_async(
         engine = create_async_engine(database_url)
         make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
         async with make() as session:
-            session.enqueue_many(send, flat)
+            assert await session.enqueue_many(send, flat) == N
             await session.commit()
         async with engine.begin() as conn:
             assert await jobs.enqueue_many(conn, send, nested) == N
@@ -597,20 +597,21 @@ def test_a_server_error_in_a_late_block_fails_the_transaction_as_an_insert_would
     assert count(db) == 0
 
 
-def test_a_sessions_calls_are_written_in_order_and_merged_only_when_alike(
+def test_a_sessions_calls_are_written_in_order_each_at_its_call(
     db: sa.Engine, jobs: Jobs, send: Any, Session: Any, statements: Callable[[], list[str]]
 ) -> None:
-    """At flush, consecutive calls whose rows share every column but the arguments are
-    one COPY; rows of another kind (unique keys) or other options are a statement of
-    their own, in the order of the calls."""
-    m = COPY_MIN_ROWS + 100  # COPY-sized, and small enough to wait for the flush
+    """Each call is its own statement, written at the call, in the order of the calls: a
+    COPY for a COPY-sized run of rows that share every column but the arguments, the
+    bulk INSERT for rows of another kind (unique keys). (Until 0.2 the calls waited for
+    the flush, where consecutive alike calls shared one COPY.)"""
+    m = COPY_MIN_ROWS + 100  # COPY-sized
     with Session.begin() as session:
         session.enqueue_many(send, good_rows("a", m))
-        session.enqueue_many(send, good_rows("b", m))  # alike: one run with a
+        session.enqueue_many(send, good_rows("b", m))
         session.enqueue_many(send, good_rows("u", 3), unique=True)
         session.enqueue_many(send, good_rows("p", m), priority=5)
-        session.enqueue_many(send, good_rows("q", m), priority=5)  # one run with p
-    assert statements() == ["COPY", "INSERT", "COPY"]
+        session.enqueue_many(send, good_rows("q", m), priority=5)
+    assert statements() == ["COPY", "COPY", "INSERT", "COPY", "COPY"]
     stored = rows(db)
     assert [r.args["to"][0] for r in stored] == list("a" * m + "b" * m + "uuu" + "p" * m + "q" * m)
     assert {r.args["to"][0] for r in stored if r.priority == 5} == {"p", "q"}
@@ -623,16 +624,16 @@ def test_a_sessions_calls_are_written_in_order_and_merged_only_when_alike(
 def test_a_sessions_big_call_is_written_at_the_call_after_its_objects(
     Session: Any, db: sa.Engine, send: Any
 ) -> None:
-    """From WRITE_AT_CALL_MIN_ROWS rows, a sync session writes the call's rows at once,
+    """From CHECK_AS_WRITTEN_MIN_ROWS rows, a sync session writes the call's rows at once,
     after flushing its own objects; they share the transaction's fate."""
     with Session() as session:
         session.add(app.Link(code="first", url="u"))
-        assert session.enqueue_many(send, good_rows("a", WRITE_AT_CALL_MIN_ROWS)) == 1_000
+        assert session.enqueue_many(send, good_rows("a", CHECK_AS_WRITTEN_MIN_ROWS)) == 1_000
         assert not session.new  # the object was flushed first
         assert pending_jobs(session) == {}
         jobs_table = app.Job.__table__
         assert session.execute(sa.select(sa.func.count()).select_from(jobs_table)).scalar() == (
-            WRITE_AT_CALL_MIN_ROWS
+            CHECK_AS_WRITTEN_MIN_ROWS
         )
         session.rollback()
     assert count(db) == 0
@@ -664,18 +665,21 @@ def test_a_bad_late_row_in_a_sessions_big_call_leaves_the_session_usable(
     assert count(db) == len(good_rows("")) * len(kept)
 
 
-def test_a_session_without_autoflush_waits_for_the_flush(
+def test_a_session_without_autoflush_writes_at_the_call_and_leaves_its_objects(
     Session: Any, db: sa.Engine, send: Any
 ) -> None:
-    """No autoflush: the session's objects are not flushed behind its back, so the rows
-    wait for the flush, checked at the call as smaller calls are."""
+    """No autoflush: the session's objects are not flushed behind its back, and the rows
+    are still written at the call (as a query would run without flushing them)."""
     with Session(autoflush=False) as session:
+        link = app.Link(code="later", url="u")
+        session.add(link)
         session.enqueue_many(send, good_rows("a"))
-        assert [len(rows) for rows in pending_jobs(session).values()] == [len(good_rows(""))]
+        assert pending_jobs(session) == {} and link in session.new
         with pytest.raises(EnqueueError, match="NUL"):
             session.enqueue_many(send, [*good_rows("b"), {"to": "\x00"}])
         session.commit()
     assert count(db) == len(good_rows(""))
+    assert count(db, app.Link) == 1
 
 
 def test_a_sessions_big_call_on_a_killed_backend_raises_and_the_session_recovers(
@@ -757,12 +761,13 @@ def test_arguments_that_are_not_many_jobs_are_refused_by_name(
     assert count(db) == 0
 
 
-def test_an_async_sessions_big_call_waits_for_the_flush_on_every_path(
+def test_an_async_sessions_big_call_is_written_when_awaited(
     db: sa.Engine, database_url: str, jobs: Jobs, send: Any
 ) -> None:
-    """``AsyncJobSession.enqueue_many`` is not awaited, so it does no I/O: a big call waits
-    for the flush, whether made on the async session or on the session inside it (even
-    outside ``run_sync``, where I/O would fail)."""
+    """``await AsyncJobSession.enqueue_many(...)`` writes a big call at the call, through
+    the greenlet; the session inside it, called outside ``run_sync`` (where I/O would
+    fail), keeps its rows for the flush, as does a call that is not awaited (0.1's way,
+    deprecated)."""
     from sqlalchemy.ext.asyncio import async_sessionmaker
 
     from sqla_jobs import create_async_engine
@@ -772,11 +777,15 @@ def test_an_async_sessions_big_call_waits_for_the_flush_on_every_path(
         engine = create_async_engine(database_url)
         make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
         async with make() as session:
-            session.enqueue_many(send, good_rows("a", WRITE_AT_CALL_MIN_ROWS))
-            session.sync_session.enqueue_many(send, good_rows("b", WRITE_AT_CALL_MIN_ROWS))
+            n = await session.enqueue_many(send, good_rows("a", CHECK_AS_WRITTEN_MIN_ROWS))
+            assert n == CHECK_AS_WRITTEN_MIN_ROWS
+            assert pending_jobs(session.sync_session) == {}
+            session.sync_session.enqueue_many(send, good_rows("b", CHECK_AS_WRITTEN_MIN_ROWS))
+            session.enqueue_many(send, good_rows("c", CHECK_AS_WRITTEN_MIN_ROWS))
             assert [len(r) for r in pending_jobs(session.sync_session).values()] == [2_000]
-            await session.commit()
+            with pytest.warns(DeprecationWarning, match="awaited"):
+                await session.commit()
         await engine.dispose()
 
     asyncio.run(main())
-    assert count(db) == 2 * WRITE_AT_CALL_MIN_ROWS
+    assert count(db) == 3 * CHECK_AS_WRITTEN_MIN_ROWS

@@ -32,7 +32,6 @@ DOCS = ROOT / "docs"
 BUILD = ("-E", "-W", "--keep-going", "-q", "-b", "html")
 
 
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("sphinx")

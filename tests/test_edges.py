@@ -37,41 +37,29 @@ def _inserts(db: sa.Engine) -> tuple[list[str], Any]:
 JOBS_SEEN = sa.select(sa.func.count()).select_from(app.Job)
 
 
-@pytest.mark.parametrize("how", ["flush", "autoflush"])
-def test_a_flush_with_only_enqueue_many_rows_writes_them(
-    Session: Any, db: sa.Engine, send: Any, how: str
+@pytest.mark.parametrize("autoflush", [True, False], ids=["autoflush", "no-autoflush"])
+def test_enqueue_many_rows_are_written_at_the_call_each_call_once(
+    Session: Any, db: sa.Engine, send: Any, autoflush: bool
 ) -> None:
+    """Written at the call, whatever the session's autoflush, one INSERT per call; the
+    flush and the commit write nothing more."""
     statements, spy = _inserts(db)
     sa.event.listen(db, "before_cursor_execute", spy)
     try:
-        with Session() as session:
+        with Session(autoflush=autoflush) as session:
             session.enqueue_many(send, [{"to": "x"}, {"to": "y"}])
+            assert len(statements) == 1
             session.enqueue_many(send, [{"to": "z"}])
-            if how == "flush":
-                session.flush()
-                assert len(statements) == 1  # the two calls share one INSERT
-                assert session.connection().execute(JOBS_SEEN).scalar() == 3
-            else:
+            assert len(statements) == 2
+            with session.no_autoflush:
                 assert session.scalar(JOBS_SEEN) == 3
             assert count(db) == 0  # written, not committed
-            session.flush()  # nothing left: no second INSERT
+            session.flush()
             session.commit()
     finally:
         sa.event.remove(db, "before_cursor_execute", spy)
-    assert len(statements) == 1
+    assert len(statements) == 2
     assert count(db) == 3
-
-
-def test_no_autoflush_keeps_enqueue_many_rows_waiting(
-    Session: Any, db: sa.Engine, send: Any
-) -> None:
-    with Session() as session:
-        session.enqueue_many(send, [{"to": "x"}])
-        with session.no_autoflush:
-            assert session.scalar(JOBS_SEEN) == 0
-        assert session.scalar(JOBS_SEEN) == 1
-        session.rollback()
-    assert count(db) == 0
 
 
 def test_a_flush_inside_a_savepoint_writes_into_it(Session: Any, db: sa.Engine, send: Any) -> None:
@@ -90,6 +78,8 @@ def test_a_flush_inside_a_savepoint_writes_into_it(Session: Any, db: sa.Engine, 
 def test_async_flush_with_only_enqueue_many_rows_writes_them(
     db: sa.Engine, database_url: str, jobs: Jobs, send: Any
 ) -> None:
+    """The rows of ``enqueue_many`` calls that were not awaited (0.1's way, deprecated)
+    are written by the next flush, an autoflush included, with a warning."""
     from sqlalchemy.ext.asyncio import async_sessionmaker
 
     from sqla_jobs import create_async_engine
@@ -109,7 +99,8 @@ def test_async_flush_with_only_enqueue_many_rows_writes_them(
             await session.rollback()
         await engine.dispose()
 
-    asyncio.run(main())
+    with pytest.warns(DeprecationWarning, match="awaited"):
+        asyncio.run(main())
     assert seen == [2, 3]
     assert count(db) == 0
 

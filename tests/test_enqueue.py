@@ -135,7 +135,7 @@ def test_a_session_without_registry_needs_a_task_object(db: sa.Engine, send: Any
     assert count(db) == 1
 
 
-def test_enqueue_many_inserts_in_one_statement_at_flush(
+def test_enqueue_many_inserts_in_one_statement_at_the_call(
     Session: Any, db: sa.Engine, send: Any
 ) -> None:
     statements: list[str] = []
@@ -145,18 +145,44 @@ def test_enqueue_many_inserts_in_one_statement_at_flush(
 
     # Below COPY_MIN_ROWS (tests/test_bulk_copy.py has the COPY of bigger calls).
     with Session() as session:
-        n = session.enqueue_many(send, [{"to": f"{i}@example.com"} for i in range(150)])
-        assert n == 150
-        assert count(db) == 0
         sa.event.listen(db, "before_cursor_execute", spy)
         try:
-            session.commit()
+            n = session.enqueue_many(send, [{"to": f"{i}@example.com"} for i in range(150)])
         finally:
             sa.event.remove(db, "before_cursor_execute", spy)
-    inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
-    assert len(inserts) == 1
+        assert n == 150
+        inserts = [s for s in statements if s.lstrip().upper().startswith("INSERT")]
+        assert len(inserts) == 1
+        # Written into the session's transaction: there, not yet for anyone else.
+        with session.no_autoflush:
+            seen = session.connection().execute(sa.select(sa.func.count()).select_from(app.Job))
+            assert seen.scalar() == 150
+        assert count(db) == 0
+        session.commit()
     assert count(db, status="ready") == 150
     assert sorted(r.args["to"] for r in rows(db))[:2] == ["0@example.com", "100@example.com"]
+
+
+def test_enqueue_many_flushes_first_like_a_query_and_not_without_autoflush(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    """The rule for when a row is written, per call: ``enqueue_many`` writes at the call,
+    after the session's own objects when autoflush is on (as a query would flush them);
+    with autoflush off, it leaves them unflushed."""
+    with Session() as session:
+        session.add(app.Link(code="a", url="u"))
+        session.enqueue_many(send, [{"to": "x"}])
+        assert not session.new  # the Link was flushed first
+        session.rollback()
+    with Session(autoflush=False) as session:
+        link = app.Link(code="b", url="u")
+        session.add(link)
+        session.enqueue_many(send, [{"to": "y"}])
+        assert link in session.new
+        jobs_now = session.connection().execute(sa.select(sa.func.count()).select_from(app.Job))
+        assert jobs_now.scalar() == 1
+        session.commit()
+    assert count(db) == 1
 
 
 def test_enqueue_many_rides_the_flush_and_the_rollback(
@@ -213,7 +239,7 @@ def test_async_session_enqueue(db: sa.Engine, database_url: str, jobs: Jobs, sen
         make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
         async with make() as session:
             session.enqueue(send, "async@example.com")
-            session.enqueue_many(send.name, [{"to": "bulk@example.com"}])
+            assert await session.enqueue_many(send.name, [{"to": "bulk@example.com"}]) == 1
             await session.commit()
         async with make() as session:
             session.enqueue(send, "rolled-back@example.com")

@@ -275,8 +275,10 @@ def test_unique_true_works_for_arguments_of_any_size(
         again = session.enqueue(store, payload=big, unique=True)
         other = session.enqueue(store, {**big, "text": "y"}, unique=True)
         assert first is again and other is not first
+        # The first row's key is held by ``first``: skipped, and not counted (the rows are
+        # written at the call, so the count is of the rows inserted).
         added = session.enqueue_many(store, [{"payload": big}, {"payload": [1]}], unique=True)
-        assert added == 2
+        assert added == 1
     keys = sorted(r.unique_key for r in rows(db))
     assert len(keys) == 3  # the enqueue_many copy of big was a live duplicate
     assert all(k.startswith("store:") and len(k) == len("store:") + 64 for k in keys)

@@ -14,6 +14,7 @@ at a savepoint's release).
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any
 
 import pytest
@@ -123,9 +124,14 @@ def test_jobs_share_their_savepoints_fate(
     assert sorted(fired) == survivors
 
 
+#: On asyncio, enqueue_many is awaited (written at the call); not awaited, as in 0.1, its
+#: rows wait for the next flush, savepoint or commit (deprecated, with a warning).
+ASYNC_KINDS = ("enqueue_many", "enqueue_many_unawaited", "enqueue", "unique")
+
+
 @pytest.mark.parametrize("links", [True, False], ids=["links", "jobs-only"])
 @pytest.mark.parametrize("flush", [False, True], ids=["no-flush", "flush"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ASYNC_KINDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_async_jobs_share_their_savepoints_fate(
     database_url: str,
@@ -149,6 +155,10 @@ def test_async_jobs_share_their_savepoints_fate(
     async def enqueue(session: Any, n: int) -> None:
         if kind == "unique":
             await session.enqueue_unique(numbered, n=n)
+        elif kind == "enqueue_many":
+            assert await session.enqueue_many(numbered, [{"n": n}]) == 1
+        elif kind == "enqueue_many_unawaited":
+            assert session.enqueue_many(numbered, [{"n": n}]) == 1
         else:
             _enqueue(session, numbered, kind, n)
 
@@ -183,31 +193,38 @@ def test_async_jobs_share_their_savepoints_fate(
         finally:
             await engine.dispose()
 
-    asyncio.run(main())
+    if kind == "enqueue_many_unawaited":
+        # Job 0 always survives, and is written at a flush: the warning always comes.
+        with pytest.warns(DeprecationWarning, match="awaited from sqla-jobs 0.2"):
+            asyncio.run(main())
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            asyncio.run(main())
     survivors = _survivors(depth, rollback_at)
     assert _committed(db) == _expected(survivors, links)
     assert sorted(fired) == survivors
 
 
-def test_outer_rows_written_before_the_savepoint_begins(
+def test_enqueue_many_rows_are_written_into_the_savepoint_innermost_at_the_call(
     Session: Any, db: sa.Engine, numbered: Any
 ) -> None:
-    """The rows waiting in the outer transaction go in before the SAVEPOINT statement."""
+    """Written at the call: the outer transaction's rows before the SAVEPOINT statement,
+    the savepoint's after it, so its rollback takes only its own."""
     statements: list[str] = []
 
     def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         statements.append(statement.split(None, 1)[0].upper())
 
     with Session() as session:
-        session.enqueue_many(numbered, [{"n": 0}, {"n": 1}])
         sa.event.listen(db, "before_cursor_execute", spy)
         try:
+            session.enqueue_many(numbered, [{"n": 0}, {"n": 1}])
+            assert statements == ["INSERT"], "written at the call"
             nested = session.begin_nested()
-            assert pending_jobs(session) == {}
-            assert statements == ["INSERT"], "written through the outer transaction"
             session.enqueue_many(numbered, [{"n": 2}])
-            insert_pending(session)  # the savepoint's own rows, after its SAVEPOINT
             assert statements == ["INSERT", "SAVEPOINT", "INSERT"]
+            assert pending_jobs(session) == {}
             nested.rollback()
         finally:
             sa.event.remove(db, "before_cursor_execute", spy)
@@ -224,8 +241,7 @@ def test_a_savepoint_with_nothing_waiting_costs_no_statement(
         statements.append(statement)
 
     with Session() as session:
-        session.enqueue_many(numbered, [{"n": 0}])
-        insert_pending(session)
+        session.enqueue_many(numbered, [{"n": 0}])  # written at the call
         sa.event.listen(db, "before_cursor_execute", spy)
         try:
             with session.begin_nested():
@@ -299,14 +315,31 @@ def test_a_rolled_back_root_leaves_nothing_for_the_next_transaction(
 
 
 def test_insert_pending_writes_into_the_current_savepoint(
-    Session: Any, db: sa.Engine, numbered: Any
+    database_url: str, jobs: Jobs, numbered: Any, db: sa.Engine
 ) -> None:
-    with Session.begin() as session:
-        session.enqueue_many(numbered, [{"n": 0}])
-        nested = session.begin_nested()
-        session.enqueue_many(numbered, [{"n": 1}])
-        assert [len(r) for r in pending_jobs(session).values()] == [1]
-        insert_pending(session)
-        assert pending_jobs(session) == {}
-        nested.rollback()
+    """The rows of async ``enqueue_many`` calls that were not awaited (0.1's way, kept
+    for one release) wait for the flush; ``insert_pending`` writes them into the current
+    savepoint, as the flush would."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        try:
+            make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+            async with make() as session, session.begin():
+                session.enqueue_many(numbered, [{"n": 0}])
+                nested = await session.begin_nested()
+                session.enqueue_many(numbered, [{"n": 1}])
+                assert [len(r) for r in pending_jobs(session.sync_session).values()] == [1]
+                await session.run_sync(insert_pending)
+                assert pending_jobs(session.sync_session) == {}
+                await nested.rollback()
+        finally:
+            await engine.dispose()
+
+    with pytest.warns(DeprecationWarning, match="awaited"):
+        asyncio.run(main())
     assert _committed(db)[0] == [0]

@@ -97,16 +97,18 @@ def test_failure_messages_list_what_was_enqueued(
     with Session() as session:
         with pytest.raises(AssertionError, match="Nothing is enqueued"):
             assert_enqueued(session, notify_owner, code="a")
-        # An enqueue_many row is counted before any flush inserts it (the helper's query
-        # autoflushes, which writes it: so, without autoflush).
+        # An enqueue_many row is written at the call; a job that enqueue added is listed
+        # before any flush writes it (the helper's query autoflushes: so, without).
         session.enqueue_many(notify_owner, [{"code": "b"}], delay=60)
         with session.no_autoflush:
-            [pending] = assert_enqueued(session, notify_owner, code="b")
-            assert pending.id is None and pending.status == "scheduled"
-            with pytest.raises(AssertionError, match=r"code='b'.*scheduled, not flushed yet"):
+            [written] = assert_enqueued(session, notify_owner, code="b")
+            assert written.id is not None and written.status == "scheduled"
+            session.enqueue(notify_owner, code="a", tags=["x"])
+            [pending] = assert_enqueued(session, notify_owner, code="a")
+            assert pending.id is None and pending.status == "ready"
+            with pytest.raises(AssertionError, match=r"code='a'.*ready, not flushed yet"):
                 assert_enqueued(session, notify_owner, code="c")
 
-        session.enqueue(notify_owner, code="a", tags=["x"])
         # An expected tuple is compared as the JSON list it would be.
         assert_enqueued(session, notify_owner, code="a", tags=["x"])
         assert_enqueued(session, notify_owner, code="a", tags=("x",))
@@ -115,8 +117,8 @@ def test_failure_messages_list_what_was_enqueued(
         message = str(failure.value)
         assert "no job notify_owner(code='c') was enqueued" in message
         assert "Enqueued (2):" in message
-        assert "notify_owner(code='a', tags=['x']) [queue 'mail', ready, id 1]" in message
-        assert "notify_owner(code='b') [queue 'mail', scheduled, id 2]" in message
+        assert "notify_owner(code='a', tags=['x']) [queue 'mail', ready, id 2]" in message
+        assert "notify_owner(code='b') [queue 'mail', scheduled, id 1]" in message
 
         with pytest.raises(AssertionError, match=r"on queue 'other'"):
             assert_enqueued(session, notify_owner, code="a", queue="other")
@@ -339,7 +341,7 @@ def test_an_async_session_uses_the_helpers_through_run_sync(
         make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
         try:
             async with make() as session:
-                session.enqueue_many("notify_owner", [{"code": "a"}])
+                await session.enqueue_many("notify_owner", [{"code": "a"}])
                 await session.run_sync(lambda s: assert_enqueued(s, "notify_owner", code="a"))
                 summary = await session.run_sync(lambda s: run_queued_jobs(s, jobs))
                 await session.rollback()

@@ -317,8 +317,7 @@ def test_limits_are_listed(db: sa.Engine) -> None:
     }
     with db.connect() as conn:
         summaries = {
-            q.queue: q.limits
-            for q in admin.queue_states(conn, app.limited_jobs, finished=False)
+            q.queue: q.limits for q in admin.queue_states(conn, app.limited_jobs, finished=False)
         }
     assert summaries == listed
     pytest.importorskip("starlette")

@@ -126,11 +126,16 @@ async def right_async(s: AsyncJobSession) -> None:
     assert_type(s.enqueue(send, "a@example.com"), JobMixin)  # never unique: always the job
     assert_type(s.enqueue(send, "a@example.com").id, int)
     assert_type(await s.enqueue_unique(bare, user_id=3), JobMixin | None)
+    # enqueue_many is awaited: written at the call, as on every session.
+    assert_type(await s.enqueue_many(send, [send.args(to="z")], meta={"batch": 7}), int)
+    assert_type(await s.enqueue_many(send, [{"to": "x"}], unique=Unique()), int)
 
 
 async def wrong_async(s: AsyncJobSession) -> None:
     s.enqueue(send, 1)  # E: call-overload
     await s.enqueue_unique(send, too="a")  # E: call-overload
+    await s.enqueue_many(send, [send.args(too="x")])  # E: call-arg
+    await s.enqueue_many(send, [{"to": "x"}], queu="q")  # E: call-overload
 
 
 def right_core(conn: Connection) -> None:
