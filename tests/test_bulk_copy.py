@@ -294,10 +294,10 @@ def test_async_session_and_connection_copy(
         engine = create_async_engine(database_url)
         make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
         async with make() as session:
-            session.enqueue_many(send, sent, meta=meta)
+            await session.enqueue_many(send, sent, meta=meta)
             await session.commit()
         async with make() as session:  # rolled back: nothing written
-            session.enqueue_many(send, sent)
+            await session.enqueue_many(send, sent)
             await session.flush()
             await session.rollback()
         async with engine.begin() as conn:

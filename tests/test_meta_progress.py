@@ -67,7 +67,7 @@ def test_meta_on_an_async_session(db: sa.Engine, database_url: str, jobs: Jobs) 
         try:
             async with make.begin() as session:
                 session.enqueue(work, 1, meta={"k": "one"})
-                session.enqueue_many(work, [{"n": 2}], meta={"k": "two"})
+                await session.enqueue_many(work, [{"n": 2}], meta={"k": "two"})
                 await session.enqueue_unique(work, 3, meta={"k": "three"})
         finally:
             await engine.dispose()
