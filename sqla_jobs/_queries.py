@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
@@ -1761,42 +1762,13 @@ def _delete_undeclared(s: sa.Table) -> sa.Delete:
 # -- worker presence and throughput (<table>_workers, <table>_throughput) ----------------
 
 
-# A worker says it is alive: insert or refresh its row (primary key), once every
-# presence_interval. started_at stays from the first insert.
-def _worker_seen(w: sa.Table) -> sa.Insert:
-    stmt = pg_insert(w).values(
-        name=sa.bindparam("name"),
-        host=sa.bindparam("host"),
-        pid=sa.bindparam("pid"),
-        kind=sa.bindparam("kind"),
-        queues=sa.bindparam("queues", type_=ARRAY(sa.Text)),
-        concurrency=sa.bindparam("concurrency"),
-        running=sa.bindparam("running"),
-        processed=sa.bindparam("processed"),
-        last_seen=sa.func.now(),
-        expires_at=sa.func.now() + sa.bindparam("ttl", type_=sa.Interval),
-    )
-    new = stmt.excluded
-    return stmt.on_conflict_do_update(
-        index_elements=[w.c.name],
-        set_={
-            name: new[name]
-            for name in (
-                "host",
-                "pid",
-                "kind",
-                "queues",
-                "concurrency",
-                "running",
-                "processed",
-                "last_seen",
-                "expires_at",
-            )
-        },
-    )
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker says of itself in its row of ``<table>_workers``: declared once, for
+    the statement that writes the row (:func:`_worker_seen`, whose columns these are), the
+    worker that fills it in, and :class:`sqla_jobs.admin.WorkerInfo`, which reads it back
+    with the times the database keeps."""
 
-
-class WorkerSeenParams(TypedDict):
     name: str
     host: str
     pid: int
@@ -1805,7 +1777,35 @@ class WorkerSeenParams(TypedDict):
     concurrency: int
     running: int
     processed: int
-    ttl: timedelta
+
+    def params(self, ttl: timedelta) -> WorkerSeenParams:
+        """The parameters of ``worker_seen``: this report, and how long the row counts as
+        alive without another."""
+        return {**asdict(self), "ttl": ttl}
+
+
+#: The parameters of ``Queries.worker_seen``: a :class:`WorkerReport`'s fields and ``ttl``.
+WorkerSeenParams: TypeAlias = dict[str, Any]
+
+_REPORTED = tuple(f.name for f in fields(WorkerReport))
+
+
+# A worker says it is alive: insert or refresh its row (primary key), once every
+# presence_interval. started_at stays from the first insert; the rest is the report's.
+def _worker_seen(w: sa.Table) -> sa.Insert:
+    types = {"queues": ARRAY(sa.Text)}
+    stmt = pg_insert(w).values(
+        {
+            **{name: sa.bindparam(name, type_=types.get(name)) for name in _REPORTED},
+            "last_seen": sa.func.now(),
+            "expires_at": sa.func.now() + sa.bindparam("ttl", type_=sa.Interval),
+        }
+    )
+    new = stmt.excluded
+    refreshed = [*_REPORTED[1:], "last_seen", "expires_at"]
+    return stmt.on_conflict_do_update(
+        index_elements=[w.c.name], set_={name: new[name] for name in refreshed}
+    )
 
 
 # Rows of workers that died without deleting theirs, an hour after they expired (the

@@ -666,19 +666,13 @@ def throughput(bind: Bind, jobs: JobSource, *, minutes: int = 60) -> Throughput:
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    """A worker's row of ``<table>_workers``. ``alive``: it reported within three of its
-    presence intervals; a worker that stopped cleanly deleted its row, so a row that is
-    not alive is a worker that died (or cannot reach the database)."""
+class WorkerInfo(_q.WorkerReport):
+    """A worker's row of ``<table>_workers``: what it reported (the fields of
+    :class:`~sqla_jobs._queries.WorkerReport`, first) and the times the database keeps.
+    ``alive``: it reported within three of its presence intervals; a worker that stopped
+    cleanly deleted its row, so a row that is not alive is a worker that died (or cannot
+    reach the database)."""
 
-    name: str
-    host: str
-    pid: int
-    kind: str
-    queues: list[str]
-    concurrency: int
-    running: int
-    processed: int
     started_at: datetime
     last_seen: datetime
     expires_at: datetime

@@ -51,7 +51,7 @@ from . import __version__, _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS
 from ._tasks import json_problem
 from .db import create_engine, normalize_url, url_connect_args
-from .errors import WorkerError, describe
+from .errors import WorkerError, describe, missing_extra
 from .model import STATUSES, job_table
 from .tasks import Jobs
 from .worker._launch import EndpointError, LaunchError, LaunchPlan
@@ -1150,7 +1150,7 @@ def _need_metrics() -> None:
         import prometheus_client  # noqa: F401
     except ImportError:
         raise CommandError(
-            "--metrics-port needs prometheus-client: pip install 'sqla-jobs[metrics]'"
+            missing_extra("--metrics-port", "prometheus-client", "metrics")
         ) from None
 
 
@@ -1244,9 +1244,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         from .web import create_app
         from .web._base import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
-        raise CommandError(
-            "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
-        ) from None
+        raise CommandError(missing_extra("sqla-jobs web", "the dashboard's extra", "web")) from None
     try:
         # The address it listens on, and the loopback names: a page that rebinds its own
         # name to this address (DNS rebinding) is refused.

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from ..._queries import WorkerSeenParams, interval
+from ..._queries import WorkerReport, WorkerSeenParams, interval
 from ...errors import describe
 from .. import _statements as statements
 from .._outage import is_database_error
@@ -68,17 +68,17 @@ class Presence:
     def row(self) -> WorkerSeenParams:
         """This worker's row of ``<table>_workers``, as of now."""
         core = self.core
-        return {
-            "name": core.name,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "kind": type(core.driver).__name__,
-            "queues": list(core.queues),
-            "concurrency": core.settings.concurrency,
-            "running": core.running,
-            "processed": core.processed,
-            "ttl": interval(core.settings.presence_interval * PRESENCE_MISSES),
-        }
+        report = WorkerReport(
+            name=core.name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            kind=type(core.driver).__name__,
+            queues=list(core.queues),
+            concurrency=core.settings.concurrency,
+            running=core.running,
+            processed=core.processed,
+        )
+        return report.params(interval(core.settings.presence_interval * PRESENCE_MISSES))
 
     def run_once(self) -> Steps:
         """Say that this worker is alive (its row in ``<table>_workers``) and add the
