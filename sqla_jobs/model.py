@@ -107,7 +107,16 @@ CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
 DEFAULT_RESULT_TTL = timedelta(days=1)
 
 
-class JobStatus(str, enum.Enum):
+class TextEnum(str, enum.Enum):
+    """A ``str`` enum that prints as its value (``str(JobStatus.DEAD)`` is ``dead``), as
+    :class:`enum.StrEnum` does from Python 3.11 on: the statuses and outcome kinds are
+    words written into rows, logs and messages."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class JobStatus(TextEnum):
     """The life of a job. The database checks that ``status`` is one of these.
 
     ``scheduled``
@@ -130,9 +139,6 @@ class JobStatus(str, enum.Enum):
     DONE = "done"
     DEAD = "dead"
     CANCELLED = "cancelled"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
