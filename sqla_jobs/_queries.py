@@ -35,6 +35,7 @@ from .model import (
     LIVE_STATUSES,
     RESULTS_KEY,
     RUN_ANYWAY_KEY,
+    THROUGHPUT_KINDS,
     UNIQUE_WHERE,
     JobStatus,
     companion_tables,
@@ -1477,16 +1478,20 @@ _BULK_COLUMNS: tuple[tuple[str, Any], ...] = (
 # arrays are built and sent (a third, concurrency_key, is NULLs unless the task declares
 # a key). ON CONFLICT skips rows whose unique key
 # belongs to a live job (<table>_unique).
+_BULK_ARRAYS = ("args", "unique_key", "concurrency_key")
+
+
+def _unnest(alias: str, arrays: Iterable[tuple[str, str, Any]]) -> Any:
+    """Rows made of parallel arrays sent as parameters: ``unnest(:p, :q, ...) AS alias(a,
+    b, ...)``, one ``(parameter, column, item type)`` an array. How a batch of any size is
+    one statement, compiled once, with a parameter a column rather than a row."""
+    arrays = list(arrays)
+    each = sa.func.unnest(*(sa.bindparam(param, type_=ARRAY(t)) for param, _, t in arrays))
+    return each.table_valued(*(column for _, column, _ in arrays)).render_derived(name=alias)
+
+
 def _bulk_insert(t: sa.Table) -> sa.Insert:
-    each = (
-        sa.func.unnest(
-            sa.bindparam("args", type_=ARRAY(sa.Text)),
-            sa.bindparam("unique_key", type_=ARRAY(sa.Text)),
-            sa.bindparam("concurrency_key", type_=ARRAY(sa.Text)),
-        )
-        .table_valued("args", "unique_key", "concurrency_key")
-        .render_derived(name="rows")
-    )
+    each = _unnest("rows", [(name, name, sa.Text) for name in _BULK_ARRAYS])
     shared = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
     return (
         pg_insert(t)
@@ -1818,33 +1823,16 @@ def _forget_workers(w: sa.Table) -> sa.Delete:
 # database's clock, so workers on skewed clocks agree). One row per (minute, queue): a
 # handful of workers adding to it every few seconds hold its lock for a moment each.
 def _add_throughput(t: sa.Table) -> sa.Insert:
-    rows = (
-        sa.func.unnest(
-            sa.bindparam("queues", type_=ARRAY(sa.Text)),
-            sa.bindparam("succeeded", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("failed", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("dead", type_=ARRAY(sa.BigInteger)),
-        )
-        .table_valued("queue", "succeeded", "failed", "dead")
-        .render_derived(name="counts")
-    )
+    kinds = THROUGHPUT_KINDS
+    arrays = [("queues", "queue", sa.Text), *((kind, kind, sa.BigInteger) for kind in kinds)]
+    rows = _unnest("counts", arrays)
+    minute = sa.func.date_trunc("minute", sa.func.now())
     stmt = pg_insert(t).from_select(
-        ["minute", "queue", "succeeded", "failed", "dead"],
-        sa.select(
-            sa.func.date_trunc("minute", sa.func.now()),
-            rows.c.queue,
-            rows.c.succeeded,
-            rows.c.failed,
-            rows.c.dead,
-        ),
+        ["minute", "queue", *kinds], sa.select(minute, rows.c.queue, *(rows.c[k] for k in kinds))
     )
     return stmt.on_conflict_do_update(
         index_elements=[t.c.minute, t.c.queue],
-        set_={
-            "succeeded": t.c.succeeded + stmt.excluded.succeeded,
-            "failed": t.c.failed + stmt.excluded.failed,
-            "dead": t.c.dead + stmt.excluded.dead,
-        },
+        set_={kind: t.c[kind] + stmt.excluded[kind] for kind in kinds},
     )
 
 
