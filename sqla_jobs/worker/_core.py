@@ -53,6 +53,7 @@ from ._steps import (
     Commit,
     Conn,
     Driver,
+    Duty,
     EndDuties,
     Io,
     OnSession,
@@ -159,6 +160,14 @@ class WorkerCore:
         self.heartbeat = Heartbeat(self)
         self.presence = Presence(self)
         self.listener = Listener(self)
+        self._loops: tuple[Duty, ...] = (
+            self.maintenance,
+            self.fetcher,
+            self.completer,
+            self.heartbeat,
+            self.presence,
+            self.listener,
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -174,9 +183,8 @@ class WorkerCore:
         #: (:meth:`._fetch.Fetcher.estimate_ahead`).
         self._ahead = 0
         self._wake_at = 1
-        self.completer.reset()
-        self.maintenance.reset()
-        self.fetcher.reset()
+        for duty in self._loops:
+            duty.reset()
 
     def reached(self) -> None:
         """For health: a statement went through, the database answers."""

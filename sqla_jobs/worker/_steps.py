@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from ._core import WorkerCore
     from .job import ClaimedJob, Outcome
 
 
@@ -196,6 +197,21 @@ class Stepper:
         except StopIteration as done:
             self.value = done.value
             return None
+
+
+class Duty:
+    """One of the core's loops that yield these steps (the fetch loop, and each duty of
+    :mod:`._duties`): it works on the shared state of its :class:`~._core.WorkerCore` and
+    holds only its own. What is fresh for each run of the worker (a worker may be run
+    more than once) it sets in :meth:`reset`, which the core calls before every run; what
+    outlives a run, in ``__init__``."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh state for a new run (nothing, unless the duty says otherwise)."""
 
 
 class Driver(Protocol):

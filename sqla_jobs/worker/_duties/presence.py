@@ -19,7 +19,7 @@ from ..._queries import WorkerReport, WorkerSeenParams, interval
 from ...errors import describe
 from .. import _statements as statements
 from .._outage import is_database_error
-from .._steps import Conn, Io, Pause, Steps
+from .._steps import Conn, Duty, Io, Pause, Steps
 
 if TYPE_CHECKING:
     from .._core import WorkerCore
@@ -37,11 +37,12 @@ PRESENCE_MISSES = 3
 TIDY_EVERY = 12
 
 
-class Presence:
-    """The worker's row, and the counts it reports."""
+class Presence(Duty):
+    """The worker's row, and the counts it reports (kept from one run to the next until
+    they are written)."""
 
     def __init__(self, core: WorkerCore) -> None:
-        self.core = core
+        super().__init__(core)
         #: Outcomes written (or committed by transactional runs) and not yet added to
         #: <table>_throughput: {queue: [succeeded, failed, dead]}.
         self.tally: Tally = {}
