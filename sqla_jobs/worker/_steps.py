@@ -3,7 +3,8 @@
 The core (:mod:`._core`) never waits and does no I/O: its loops are generators that yield
 these steps, and a driver (:mod:`.threaded`, :mod:`.aio`) carries each one out, sends the
 result back in, or throws the error in. The steps are the whole vocabulary the two
-drivers must speak, so it is kept small.
+drivers must speak, so it is kept small. :class:`Duty` is what each of those loops is to
+the core.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ class Listener(Duty):
     """LISTEN, and what a notification means."""
 
     def reset(self) -> None:
+        """A new run has not listened yet."""
         #: Whether this round got as far as its LISTEN (the supervisor then does not count
         #: a dropped connection as one more failure in a row).
         self.listened = False
