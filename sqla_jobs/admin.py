@@ -1267,7 +1267,7 @@ def purge_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return _run("purge", bind, jobs, ids, options, older_than)
+    return _run("purge", bind, jobs, ids, options, older_than=older_than)
 
 
 def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
@@ -1464,13 +1464,14 @@ def _run(
     jobs: JobSource,
     ids: Iterable[int] | None,
     options: Acting,
-    older_than: float | timedelta | None = None,
+    **extra: Any,
 ) -> int:
-    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on."""
+    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on.
+    ``extra``: the selectors of one action only (purge's ``older_than``)."""
     spec = ACTIONS[name]
-    selectors = dict(options)
+    selectors: dict[str, Any] = {**options, **extra}
     dry_run = bool(selectors.pop("dry_run", False))
-    selection = Selection(ids, older_than=older_than, **cast(Selectors, selectors))
+    selection = Selection(ids, **cast(Selectors, selectors))
     if dry_run:
         return spec.count(bind, jobs, selection)
     return spec.run(bind, jobs, selection).count
