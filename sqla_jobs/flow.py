@@ -242,6 +242,14 @@ class _Clock:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.pause = _POLL_FIRST
 
+    @classmethod
+    def of(
+        cls, job_id: int, *, timeout: float | None = None, listen: bool | None = None
+    ) -> tuple[_Clock, bool | None]:
+        """The clock of a wait given :class:`WaitOptions` (their defaults are these), and
+        its ``listen``; an unknown keyword is a ``TypeError`` here."""
+        return cls(job_id, timeout), listen
+
     def _left(self, most: float) -> float:
         if self.deadline is None:
             return most
@@ -264,7 +272,7 @@ class _Clock:
 
 def result(engine: sa.Engine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]) -> Any:
     """Wait for a result-keeping job and return its value (see :meth:`Jobs.result`)."""
-    queries, clock, listen = jobs.queries, _Clock(job_id, wait.get("timeout")), wait.get("listen")
+    queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine)
     if listen is None:
@@ -312,7 +320,7 @@ async def result_async(
     engine: AsyncEngine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]
 ) -> Any:
     """:func:`result` on an ``AsyncEngine``: the same wait, without blocking the loop."""
-    queries, clock, listen = jobs.queries, _Clock(job_id, wait.get("timeout")), wait.get("listen")
+    queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine.sync_engine)
     if listen is None:
