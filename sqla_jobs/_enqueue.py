@@ -76,12 +76,13 @@ JOBS_KEY = "sqla_jobs.jobs"
 
 
 class Placement(enum.Enum):
-    """How a pending job is written (see the module's picture)."""
+    """How a pending job is written (see the module's picture). Only compared by identity:
+    the members' values mean nothing and are never stored."""
 
-    PLAIN = "plain"
-    UNIQUE = "unique"
-    SCOPED = "scoped"
-    AFTER = "after"
+    PLAIN = enum.auto()
+    UNIQUE = enum.auto()
+    SCOPED = enum.auto()
+    AFTER = enum.auto()
 
 
 @dataclass(slots=True, eq=False)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
@@ -34,6 +35,7 @@ from .model import (
     LIVE_STATUSES,
     RESULTS_KEY,
     RUN_ANYWAY_KEY,
+    THROUGHPUT_KINDS,
     UNIQUE_WHERE,
     JobStatus,
     companion_tables,
@@ -1476,16 +1478,20 @@ _BULK_COLUMNS: tuple[tuple[str, Any], ...] = (
 # arrays are built and sent (a third, concurrency_key, is NULLs unless the task declares
 # a key). ON CONFLICT skips rows whose unique key
 # belongs to a live job (<table>_unique).
+_BULK_ARRAYS = ("args", "unique_key", "concurrency_key")
+
+
+def _unnest(alias: str, arrays: Iterable[tuple[str, str, Any]]) -> Any:
+    """Rows made of parallel arrays sent as parameters: ``unnest(:p, :q, ...) AS alias(a,
+    b, ...)``, one ``(parameter, column, item type)`` an array. How a batch of any size is
+    one statement, compiled once, with a parameter a column rather than a row."""
+    arrays = list(arrays)
+    each = sa.func.unnest(*(sa.bindparam(param, type_=ARRAY(t)) for param, _, t in arrays))
+    return each.table_valued(*(column for _, column, _ in arrays)).render_derived(name=alias)
+
+
 def _bulk_insert(t: sa.Table) -> sa.Insert:
-    each = (
-        sa.func.unnest(
-            sa.bindparam("args", type_=ARRAY(sa.Text)),
-            sa.bindparam("unique_key", type_=ARRAY(sa.Text)),
-            sa.bindparam("concurrency_key", type_=ARRAY(sa.Text)),
-        )
-        .table_valued("args", "unique_key", "concurrency_key")
-        .render_derived(name="rows")
-    )
+    each = _unnest("rows", [(name, name, sa.Text) for name in _BULK_ARRAYS])
     shared = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
     return (
         pg_insert(t)
@@ -1761,42 +1767,13 @@ def _delete_undeclared(s: sa.Table) -> sa.Delete:
 # -- worker presence and throughput (<table>_workers, <table>_throughput) ----------------
 
 
-# A worker says it is alive: insert or refresh its row (primary key), once every
-# presence_interval. started_at stays from the first insert.
-def _worker_seen(w: sa.Table) -> sa.Insert:
-    stmt = pg_insert(w).values(
-        name=sa.bindparam("name"),
-        host=sa.bindparam("host"),
-        pid=sa.bindparam("pid"),
-        kind=sa.bindparam("kind"),
-        queues=sa.bindparam("queues", type_=ARRAY(sa.Text)),
-        concurrency=sa.bindparam("concurrency"),
-        running=sa.bindparam("running"),
-        processed=sa.bindparam("processed"),
-        last_seen=sa.func.now(),
-        expires_at=sa.func.now() + sa.bindparam("ttl", type_=sa.Interval),
-    )
-    new = stmt.excluded
-    return stmt.on_conflict_do_update(
-        index_elements=[w.c.name],
-        set_={
-            name: new[name]
-            for name in (
-                "host",
-                "pid",
-                "kind",
-                "queues",
-                "concurrency",
-                "running",
-                "processed",
-                "last_seen",
-                "expires_at",
-            )
-        },
-    )
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker says of itself in its row of ``<table>_workers``: declared once, for
+    the statement that writes the row (:func:`_worker_seen`, whose columns these are), the
+    worker that fills it in, and :class:`sqla_jobs.admin.WorkerInfo`, which reads it back
+    with the times the database keeps."""
 
-
-class WorkerSeenParams(TypedDict):
     name: str
     host: str
     pid: int
@@ -1805,7 +1782,35 @@ class WorkerSeenParams(TypedDict):
     concurrency: int
     running: int
     processed: int
-    ttl: timedelta
+
+    def params(self, ttl: timedelta) -> WorkerSeenParams:
+        """The parameters of ``worker_seen``: this report, and how long the row counts as
+        alive without another."""
+        return {**asdict(self), "ttl": ttl}
+
+
+#: The parameters of ``Queries.worker_seen``: a :class:`WorkerReport`'s fields and ``ttl``.
+WorkerSeenParams: TypeAlias = dict[str, Any]
+
+_REPORTED = tuple(f.name for f in fields(WorkerReport))
+
+
+# A worker says it is alive: insert or refresh its row (primary key), once every
+# presence_interval. started_at stays from the first insert; the rest is the report's.
+def _worker_seen(w: sa.Table) -> sa.Insert:
+    types = {"queues": ARRAY(sa.Text)}
+    stmt = pg_insert(w).values(
+        {
+            **{name: sa.bindparam(name, type_=types.get(name)) for name in _REPORTED},
+            "last_seen": sa.func.now(),
+            "expires_at": sa.func.now() + sa.bindparam("ttl", type_=sa.Interval),
+        }
+    )
+    new = stmt.excluded
+    refreshed = [*_REPORTED[1:], "last_seen", "expires_at"]
+    return stmt.on_conflict_do_update(
+        index_elements=[w.c.name], set_={name: new[name] for name in refreshed}
+    )
 
 
 # Rows of workers that died without deleting theirs, an hour after they expired (the
@@ -1818,33 +1823,16 @@ def _forget_workers(w: sa.Table) -> sa.Delete:
 # database's clock, so workers on skewed clocks agree). One row per (minute, queue): a
 # handful of workers adding to it every few seconds hold its lock for a moment each.
 def _add_throughput(t: sa.Table) -> sa.Insert:
-    rows = (
-        sa.func.unnest(
-            sa.bindparam("queues", type_=ARRAY(sa.Text)),
-            sa.bindparam("succeeded", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("failed", type_=ARRAY(sa.BigInteger)),
-            sa.bindparam("dead", type_=ARRAY(sa.BigInteger)),
-        )
-        .table_valued("queue", "succeeded", "failed", "dead")
-        .render_derived(name="counts")
-    )
+    kinds = THROUGHPUT_KINDS
+    arrays = [("queues", "queue", sa.Text), *((kind, kind, sa.BigInteger) for kind in kinds)]
+    rows = _unnest("counts", arrays)
+    minute = sa.func.date_trunc("minute", sa.func.now())
     stmt = pg_insert(t).from_select(
-        ["minute", "queue", "succeeded", "failed", "dead"],
-        sa.select(
-            sa.func.date_trunc("minute", sa.func.now()),
-            rows.c.queue,
-            rows.c.succeeded,
-            rows.c.failed,
-            rows.c.dead,
-        ),
+        ["minute", "queue", *kinds], sa.select(minute, rows.c.queue, *(rows.c[k] for k in kinds))
     )
     return stmt.on_conflict_do_update(
         index_elements=[t.c.minute, t.c.queue],
-        set_={
-            "succeeded": t.c.succeeded + stmt.excluded.succeeded,
-            "failed": t.c.failed + stmt.excluded.failed,
-            "dead": t.c.dead + stmt.excluded.dead,
-        },
+        set_={kind: t.c[kind] + stmt.excluded[kind] for kind in kinds},
     )
 
 

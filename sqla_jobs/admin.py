@@ -61,7 +61,16 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    NamedTuple,
+    TypeAlias,
+    TypedDict,
+    TypeVar,
+    cast,
+)
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -657,19 +666,13 @@ def throughput(bind: Bind, jobs: JobSource, *, minutes: int = 60) -> Throughput:
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    """A worker's row of ``<table>_workers``. ``alive``: it reported within three of its
-    presence intervals; a worker that stopped cleanly deleted its row, so a row that is
-    not alive is a worker that died (or cannot reach the database)."""
+class WorkerInfo(_q.WorkerReport):
+    """A worker's row of ``<table>_workers``: what it reported (the fields of
+    :class:`~sqla_jobs._queries.WorkerReport`, first) and the times the database keeps.
+    ``alive``: it reported within three of its presence intervals; a worker that stopped
+    cleanly deleted its row, so a row that is not alive is a worker that died (or cannot
+    reach the database)."""
 
-    name: str
-    host: str
-    pid: int
-    kind: str
-    queues: list[str]
-    concurrency: int
-    running: int
-    processed: int
     started_at: datetime
     last_seen: datetime
     expires_at: datetime
@@ -1027,13 +1030,16 @@ class Selectors(TypedDict, total=False):
     up_to_id: int | None
 
 
+class Acting(Selectors, total=False):
+    """The keywords of :func:`retry_jobs`, :func:`cancel_jobs` and :func:`purge_jobs`: the
+    :class:`Selectors`, and ``dry_run`` (count the jobs that would be acted on, change
+    nothing; False by default)."""
+
+    dry_run: bool
+
+
 def retry_jobs(
-    bind: Bind,
-    jobs: JobSource,
-    ids: Iterable[int] | None = None,
-    *,
-    dry_run: bool = False,
-    **selectors: Unpack[Selectors],
+    bind: Bind, jobs: JobSource, ids: Iterable[int] | None = None, **options: Unpack[Acting]
 ) -> int:
     """Put dead or cancelled jobs back to ``ready`` now; return how many.
 
@@ -1060,7 +1066,7 @@ def retry_jobs(
     :param up_to_id: leave out jobs with a higher id: those enqueued after the operator
         counted the selection.
     """
-    return _run("retry", bind, jobs, Selection(ids, **selectors), dry_run)
+    return _run("retry", bind, jobs, ids, options)
 
 
 def retry_report(
@@ -1194,12 +1200,7 @@ def _queries(jobs: JobSource) -> Queries:
 
 
 def cancel_jobs(
-    bind: Bind,
-    jobs: JobSource,
-    ids: Iterable[int] | None = None,
-    *,
-    dry_run: bool = False,
-    **selectors: Unpack[Selectors],
+    bind: Bind, jobs: JobSource, ids: Iterable[int] | None = None, **options: Unpack[Acting]
 ) -> int:
     """Cancel scheduled, ready and running jobs; return how many.
 
@@ -1213,7 +1214,7 @@ def cancel_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return _run("cancel", bind, jobs, Selection(ids, **selectors), dry_run)
+    return _run("cancel", bind, jobs, ids, options)
 
 
 def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
@@ -1253,8 +1254,7 @@ def purge_jobs(
     ids: Iterable[int] | None = None,
     *,
     older_than: float | timedelta | None = None,
-    dry_run: bool = False,
-    **selectors: Unpack[Selectors],
+    **options: Unpack[Acting],
 ) -> int:
     """Delete finished jobs (done, dead, cancelled); return how many.
 
@@ -1267,7 +1267,7 @@ def purge_jobs(
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
-    return _run("purge", bind, jobs, Selection(ids, older_than=older_than, **selectors), dry_run)
+    return _run("purge", bind, jobs, ids, options, older_than=older_than)
 
 
 def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
@@ -1329,29 +1329,47 @@ class Action:
     pages and notices are drawn from it.
     """
 
+    # What most actions share is a default, so that the table below says only how each
+    # one differs: the command is the action's name, the page says what the command
+    # says, an action may be told only the statuses it acts on by default, and those are
+    # what ``--status`` lists. An empty string or tuple means "the default".
     name: str
-    #: The statuses it acts on unless told otherwise, and those it may be told to.
+    #: The statuses it acts on unless told otherwise, and those it may be told to
+    #: (default: the same).
     statuses: tuple[str, ...]
-    allowed: tuple[str, ...]
+    allowed: tuple[str, ...] = ()
     #: The command's words: ``purge``, ``purged`` (``sqla-jobs jobs purge``, its output).
-    verb: str
-    past: str
+    verb: str = field(default="", kw_only=True)
+    past: str = field(kw_only=True)
     #: The page's words, for people rather than scripts: ``delete``, ``deleted``.
-    label: str
-    label_past: str
+    label: str = field(default="", kw_only=True)
+    label_past: str = field(default="", kw_only=True)
     #: The button on one job's page.
-    button: str
+    button: str = field(kw_only=True)
     #: Whether it cannot be undone (the rows are deleted): a page asks first.
-    destroys: bool
+    destroys: bool = field(default=False, kw_only=True)
     #: One line on what it does (``--help``), the whole of it (the subcommand's
     #: description), what happens to each job (a confirm page), and what ``--status``
     #: may name.
-    summary: str
-    description: str
-    explanation: str
-    accepted: str
-    _run: Callable[[Bind, JobSource, Selection], ActionReport] = field(repr=False)
-    _count: Callable[[Bind, JobSource, Selection], int] = field(repr=False)
+    summary: str = field(kw_only=True)
+    description: str = field(kw_only=True)
+    explanation: str = field(kw_only=True)
+    accepted: str = field(default="", kw_only=True)
+    _run: Callable[[Bind, JobSource, Selection], ActionReport] = field(repr=False, kw_only=True)
+    _count: Callable[[Bind, JobSource, Selection], int] = field(repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        allowed = self.allowed or self.statuses
+        verb = self.verb or self.name
+        defaults = {
+            "allowed": allowed,
+            "verb": verb,
+            "label": self.label or verb,
+            "label_past": self.label_past or self.past,
+            "accepted": self.accepted or ", ".join(allowed),
+        }
+        for name, value in defaults.items():
+            object.__setattr__(self, name, value)
 
     def run(self, bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
         """Act on the selection (in the caller's transaction)."""
@@ -1384,13 +1402,8 @@ ACTIONS: dict[str, Action] = {
         Action(
             "retry",
             RETRYABLE,
-            RETRYABLE,
-            verb="retry",
             past="retried",
-            label="retry",
-            label_past="retried",
             button="Retry now",
-            destroys=False,
             summary="put dead or cancelled jobs back to ready",
             description="Put dead or cancelled jobs back to ready, due now, with one more "
             "attempt (attempts is kept, max_attempts raised to at least attempts + 1; "
@@ -1400,26 +1413,19 @@ ACTIONS: dict[str, Action] = {
             "cancelled.",
             explanation="Each goes back to ready, due now, with one more attempt; idle "
             "workers are woken.",
-            accepted="dead, cancelled",
             _run=_run_retry,
             _count=lambda bind, jobs, selection: _retry_count(bind, jobs, selection),
         ),
         Action(
             "cancel",
             CANCELLABLE,
-            CANCELLABLE,
-            verb="cancel",
             past="cancelled",
-            label="cancel",
-            label_past="cancelled",
             button="Cancel",
-            destroys=False,
             summary="cancel scheduled, ready or running jobs",
             description="Cancel scheduled, ready or running jobs. A running job's worker can "
             "no longer complete or retry it; its heartbeat notices and tells the handler.",
             explanation="Each is cancelled; a running one's worker is told to stop it (a "
             "handler is not interrupted, it checks between steps).",
-            accepted="scheduled, ready, running",
             _run=_run_cancel,
             _count=lambda bind, jobs, selection: len(_cancel(bind, jobs, selection, True)),
         ),
@@ -1427,7 +1433,6 @@ ACTIONS: dict[str, Action] = {
             "purge",
             PURGEABLE_BY_DEFAULT,
             PURGEABLE,
-            verb="purge",
             past="purged",
             label="delete",
             label_past="deleted",
@@ -1453,9 +1458,20 @@ def _action(name: str) -> Action:
     return found
 
 
-def _run(name: str, bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> int:
-    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on."""
+def _run(
+    name: str,
+    bind: Bind,
+    jobs: JobSource,
+    ids: Iterable[int] | None,
+    options: Acting,
+    **extra: Any,
+) -> int:
+    """What retry_jobs, cancel_jobs and purge_jobs return: how many (would be) acted on.
+    ``extra``: the selectors of one action only (purge's ``older_than``)."""
     spec = ACTIONS[name]
+    selectors: dict[str, Any] = {**options, **extra}
+    dry_run = bool(selectors.pop("dry_run", False))
+    selection = Selection(ids, **cast(Selectors, selectors))
     if dry_run:
         return spec.count(bind, jobs, selection)
     return spec.run(bind, jobs, selection).count

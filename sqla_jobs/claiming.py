@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -61,6 +61,7 @@ from .throttle import QueueLimits
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
+    from typing_extensions import Unpack
 
     from .tasks import Jobs
 
@@ -81,6 +82,31 @@ def _default_name() -> str:
     if not _NAMES:
         _NAMES.append(f"session:{worker_name()}")
     return _NAMES[0]
+
+
+# The keyword arguments of claim, fail and retry, declared once for the two mixins, which
+# only pass them on: the functions below hold the defaults and the checks.
+class ClaimOptions(TypedDict, total=False):
+    """The keywords of :func:`claim` after ``queue``."""
+
+    limit: int
+    lease: float | timedelta
+    name: str | None
+    jobs: Jobs | None
+
+
+class FailOptions(TypedDict, total=False):
+    """The keywords of :func:`fail` after ``error``."""
+
+    permanent: bool
+    jobs: Jobs | None
+
+
+class RetryOptions(TypedDict, total=False):
+    """The keywords of :func:`retry` after ``delay``."""
+
+    error: BaseException | str | None
+    jobs: Jobs | None
 
 
 def claim(
@@ -271,43 +297,25 @@ class ClaimMixin:
     """``claim``, ``complete``, ``fail``, ``retry`` and ``snooze`` as methods of a
     ``Session`` (:class:`~sqla_jobs.JobSession` has them). See :mod:`sqla_jobs.claiming`."""
 
-    def claim(
-        self,
-        queue: str,
-        *,
-        limit: int = 1,
-        lease: float | timedelta = 30.0,
-        name: str | None = None,
-        jobs: Jobs | None = None,
-    ) -> list[Any]:
+    def claim(self, queue: str, **options: Unpack[ClaimOptions]) -> list[Any]:
         """See :func:`sqla_jobs.claiming.claim`."""
-        return claim(_session(self), queue, limit=limit, lease=lease, name=name, jobs=jobs)
+        return claim(_session(self), queue, **options)
 
     def complete(self, job: Any, *, jobs: Jobs | None = None) -> bool:
         """See :func:`sqla_jobs.claiming.complete`."""
         return complete(_session(self), job, jobs=jobs)
 
     def fail(
-        self,
-        job: Any,
-        error: BaseException | str,
-        *,
-        permanent: bool = False,
-        jobs: Jobs | None = None,
+        self, job: Any, error: BaseException | str, **options: Unpack[FailOptions]
     ) -> JobStatus | None:
         """See :func:`sqla_jobs.claiming.fail`."""
-        return fail(_session(self), job, error, permanent=permanent, jobs=jobs)
+        return fail(_session(self), job, error, **options)
 
     def retry(
-        self,
-        job: Any,
-        delay: float | timedelta = 0.0,
-        *,
-        error: BaseException | str | None = None,
-        jobs: Jobs | None = None,
+        self, job: Any, delay: float | timedelta = 0.0, **options: Unpack[RetryOptions]
     ) -> JobStatus | None:
         """See :func:`sqla_jobs.claiming.retry`."""
-        return retry(_session(self), job, delay, error=error, jobs=jobs)
+        return retry(_session(self), job, delay, **options)
 
     def snooze(self, job: Any, delay: float | timedelta, *, jobs: Jobs | None = None) -> bool:
         """See :func:`sqla_jobs.claiming.snooze`."""
@@ -327,43 +335,25 @@ class AsyncClaimMixin:
         session: AsyncSession = self  # type: ignore[assignment]
         return await session.run_sync(fn, *args, **kw)
 
-    async def claim(
-        self,
-        queue: str,
-        *,
-        limit: int = 1,
-        lease: float | timedelta = 30.0,
-        name: str | None = None,
-        jobs: Jobs | None = None,
-    ) -> list[Any]:
+    async def claim(self, queue: str, **options: Unpack[ClaimOptions]) -> list[Any]:
         """See :func:`sqla_jobs.claiming.claim`."""
-        return await self._run(claim, queue, limit=limit, lease=lease, name=name, jobs=jobs)
+        return await self._run(claim, queue, **options)
 
     async def complete(self, job: Any, *, jobs: Jobs | None = None) -> bool:
         """See :func:`sqla_jobs.claiming.complete`."""
         return await self._run(complete, job, jobs=jobs)
 
     async def fail(
-        self,
-        job: Any,
-        error: BaseException | str,
-        *,
-        permanent: bool = False,
-        jobs: Jobs | None = None,
+        self, job: Any, error: BaseException | str, **options: Unpack[FailOptions]
     ) -> JobStatus | None:
         """See :func:`sqla_jobs.claiming.fail`."""
-        return await self._run(fail, job, error, permanent=permanent, jobs=jobs)
+        return await self._run(fail, job, error, **options)
 
     async def retry(
-        self,
-        job: Any,
-        delay: float | timedelta = 0.0,
-        *,
-        error: BaseException | str | None = None,
-        jobs: Jobs | None = None,
+        self, job: Any, delay: float | timedelta = 0.0, **options: Unpack[RetryOptions]
     ) -> JobStatus | None:
         """See :func:`sqla_jobs.claiming.retry`."""
-        return await self._run(retry, job, delay, error=error, jobs=jobs)
+        return await self._run(retry, job, delay, **options)
 
     async def snooze(self, job: Any, delay: float | timedelta, *, jobs: Jobs | None = None) -> bool:
         """See :func:`sqla_jobs.claiming.snooze`."""

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from . import __version__, _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS
 from ._tasks import json_problem
 from .db import create_engine, normalize_url, url_connect_args
-from .errors import WorkerError, describe
+from .errors import WorkerError, describe, missing_extra
 from .model import STATUSES, job_table
 from .tasks import Jobs
 from .worker._launch import EndpointError, LaunchError, LaunchPlan
@@ -519,7 +520,11 @@ _plural = _present.plural
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Compare the database with the schema this version declares; exit 1 if it differs."""
+    """Compare the jobs table and its companion tables in the database with what this version of
+    sqla-jobs declares (tables, columns, indexes, CHECK constraints, the notify trigger and
+    function, storage parameters), the way alembic revision --autogenerate compares them.
+    Prints each difference and the command that fixes it. Exit code 0 when they match, 1
+    when they differ."""
     target = load_target(args.target)
     table = admin.source_table(target)
     shards = shards_from(args)
@@ -703,7 +708,12 @@ def _shard_column(
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Per queue (and per shard, then summed as shard ``*``, over two or more)."""
+    """Per queue: jobs ready, scheduled, running (EXPIRED: running with a lease that has passed),
+    dead, cancelled and done; LAG, how long the oldest ready job has been due; and whether
+    the queue is paused. DONE/window is shown only when the registry keeps finished jobs
+    (Jobs(keep_done=...)): by default they are deleted, so there is nothing to count.
+    Counting reads the whole jobs table."""
+    # Per shard too, then summed as shard *, over two or more.
     target, engines = _databases(args)
     table = admin.source_table(target).fullname
     many = len(engines) > 1
@@ -824,7 +834,8 @@ def _span(value: float | None) -> str:
 
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
-    """The newest jobs (of every shard, with a SHARD column, over two or more)."""
+    """Jobs matching every given filter, newest (highest id) first."""
+    # Of every shard, with a SHARD column, over two or more.
     target, engines = _databases(args)
     many = len(engines) > 1
     try:
@@ -884,6 +895,8 @@ def _show_value(name: str, value: Any) -> str:
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
+    """One job: its arguments, status, attempts, times, worker and the traceback of its last
+    error. Exit code 1 if there is no such job."""
     target, engine = _prepare(args)
     with _database_errors(), engine.connect() as conn:
         job = admin.get_job(conn, target, args.id)
@@ -911,22 +924,22 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
     """``jobs retry|cancel|purge``: count (:func:`sqla_jobs.admin.preview`), confirm, act
     (:func:`sqla_jobs.admin.act`), as the dashboard does."""
     action = admin.ACTIONS[args.action]
-    ids: list[int] | None = list(dict.fromkeys(args.ids)) or None
-    older_than = getattr(args, "older_than", None)
-    selected = args.queue or args.task or args.status or older_than is not None
-    if ids is None and not (selected or args.all):
-        raise CommandError(
-            f"which jobs? give job IDs, or select with --queue/--task/--status "
-            f"(--all to {action.name} every {' or '.join(action.statuses)} job)"
-        )
     selection = admin.Selection(
-        ids=ids,
+        ids=list(dict.fromkeys(args.ids)) or None,
         queue=args.queue,
         task=args.task,
         status=args.status,
         all_jobs=args.all,
-        older_than=older_than,
+        older_than=getattr(args, "older_than", None),  # purge only
     )
+    # The flags the user gave, each a selector: none (and no --all) is refused here, in the
+    # command's words, before anything connects.
+    given = (selection.ids, args.queue, args.task, args.status, selection.older_than)
+    if all(value is None for value in given) and not args.all:
+        raise CommandError(
+            f"which jobs? give job IDs, or select with --queue/--task/--status "
+            f"(--all to {action.name} every {' or '.join(action.statuses)} job)"
+        )
     target, engine = _prepare(args)
     retry = action.name == "retry"
     with _database_errors():
@@ -1015,6 +1028,8 @@ def _report(
 
 
 def cmd_queues_list(args: argparse.Namespace) -> int:
+    """Every queue that has jobs, is named by a task of the registry, or was ever paused, with its
+    state and when that state last changed."""
     target, engine = _prepare(args)
     with _database_errors(), engine.connect() as conn:
         queues = admin.list_queues(conn, target)
@@ -1054,8 +1069,11 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Parse, plan, run: the flags and the engines make a
-    :class:`~sqla_jobs.worker._launch.LaunchPlan`, which knows what runs where."""
+    """Claim and run jobs until SIGINT or SIGTERM, then stop gracefully: no new claims, unstarted
+    jobs are handed back, running jobs get the grace period (then they are handed back
+    too). Exit code 1 if a duty of the worker kept failing."""
+    # Parse, plan, run: the flags and the engines make a LaunchPlan (worker._launch), which
+    # knows what runs where.
     if args.asyncio:
         _need_asyncio()
     jobs = load_registry(args.registry)
@@ -1150,7 +1168,7 @@ def _need_metrics() -> None:
         import prometheus_client  # noqa: F401
     except ImportError:
         raise CommandError(
-            "--metrics-port needs prometheus-client: pip install 'sqla-jobs[metrics]'"
+            missing_extra("--metrics-port", "prometheus-client", "metrics")
         ) from None
 
 
@@ -1238,15 +1256,16 @@ def _number(kind: type[int] | type[float]) -> Callable[[str], Any]:
 
 
 def cmd_web(args: argparse.Namespace) -> int:
+    """Serve the web dashboard (needs pip install 'sqla-jobs[web]'). It is read-only unless
+    --allow-actions or --authorize says otherwise, and listens on 127.0.0.1 unless --host
+    says otherwise."""
     try:
         import uvicorn
 
         from .web import create_app
         from .web._base import DEFAULT_ALLOWED_HOSTS, check_allowed_hosts
     except ImportError:
-        raise CommandError(
-            "sqla-jobs web needs the dashboard's extra: pip install 'sqla-jobs[web]'"
-        ) from None
+        raise CommandError(missing_extra("sqla-jobs web", "the dashboard's extra", "web")) from None
     try:
         # The address it listens on, and the loopback names: a page that rebinds its own
         # name to this address (DNS rebinding) is refused.
@@ -1286,14 +1305,7 @@ def cmd_web(args: argparse.Namespace) -> int:
 
 
 def _add_web(sub: Any) -> None:
-    web = sub.add_parser(
-        "web",
-        parents=[_common()],
-        help="serve the dashboard",
-        description="Serve the web dashboard (needs pip install 'sqla-jobs[web]'). It is "
-        "read-only unless --allow-actions or --authorize says otherwise, and listens on "
-        "127.0.0.1 unless --host says otherwise.",
-    )
+    web = _command(sub, "web", cmd_web, "serve the dashboard")
     web.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
@@ -1323,10 +1335,34 @@ def _add_web(sub: Any) -> None:
         "127.0.0.1 and [::1]); any other Host gets a 400",
     )
     _shard_option(web, ": a page of every shard's queues, and each shard's own dashboard")
-    web.set_defaults(func=cmd_web)
 
 
 # -- the parser ---------------------------------------------------------------------------
+
+
+def _command(
+    sub: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+    description: str | None = None,
+    *,
+    target: bool = True,
+    **kwargs: Any,
+) -> argparse.ArgumentParser:
+    """A subcommand that runs ``func``, with the common options (so that they may also come
+    after it). Its ``--help`` description is ``func``'s docstring unless given: what a user
+    reads about a command stays on the function that carries it out (argparse folds the
+    docstring's lines into its own)."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        parents=[_common(target)],
+        help=summary,
+        description=description or inspect.getdoc(func),
+        **kwargs,
+    )
+    parser.set_defaults(func=func)
+    return parser
 
 
 def _common(target: bool = True) -> argparse.ArgumentParser:
@@ -1403,14 +1439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_worker(sub: Any) -> None:
-    worker = sub.add_parser(
-        "worker",
-        parents=[_common(target=False)],
-        help="run a worker",
-        description="Claim and run jobs until SIGINT or SIGTERM, then stop gracefully: "
-        "no new claims, unstarted jobs are handed back, running jobs get the grace period "
-        "(then they are handed back too). Exit code 1 if a duty of the worker kept failing.",
-        argument_default=argparse.SUPPRESS,
+    worker = _command(
+        sub, "worker", cmd_worker, "run a worker", target=False, argument_default=argparse.SUPPRESS
     )
     worker.add_argument("registry", help="the Jobs registry, as module:attribute")
     _add_setting_flags(worker)
@@ -1478,20 +1508,10 @@ def _add_worker(sub: Any) -> None:
     )
     # A supervisor's child serving one shard of an --engine mapping.
     worker.add_argument("--engine-shard", metavar="NAME", help=argparse.SUPPRESS)
-    worker.set_defaults(func=cmd_worker)
 
 
 def _add_stats(sub: Any) -> None:
-    stats = sub.add_parser(
-        "stats",
-        parents=[_common()],
-        help="per-queue counts, lag and pause state",
-        description="Per queue: jobs ready, scheduled, running (EXPIRED: running with a "
-        "lease that has passed), dead, cancelled and done; LAG, how long the oldest ready "
-        "job has been due; and whether the queue is paused. DONE/window is shown only when "
-        "the registry keeps finished jobs (Jobs(keep_done=...)): by default they are "
-        "deleted, so there is nothing to count. Counting reads the whole jobs table.",
-    )
+    stats = _command(sub, "stats", cmd_stats, "per-queue counts, lag and pause state")
     stats.add_argument(
         "--json", action="store_true", help="one JSON object (keys: docs/reference/json-output.md)"
     )
@@ -1515,23 +1535,14 @@ def _add_stats(sub: Any) -> None:
         stats,
         ": a row per shard and queue, then their sums (SHARD *)",
     )
-    stats.set_defaults(func=cmd_stats)
 
 
 def _add_check(sub: Any) -> None:
-    check = sub.add_parser(
-        "check",
-        parents=[_common()],
-        help="compare the database with the schema this version declares",
-        description="Compare the jobs table and its companion tables in the database with "
-        "what this version of sqla-jobs declares (tables, columns, indexes, CHECK "
-        "constraints, the notify trigger and function, storage parameters), the way "
-        "alembic revision --autogenerate compares them. Prints each difference and the "
-        "command that fixes it. Exit code 0 when they match, 1 when they differ.",
+    check = _command(
+        sub, "check", cmd_check, "compare the database with the schema this version declares"
     )
     check.add_argument("--json", action="store_true", help="one JSON object")
     _shard_option(check, ": each shard's database")
-    check.set_defaults(func=cmd_check)
 
 
 def _add_jobs(sub: Any) -> None:
@@ -1542,12 +1553,7 @@ def _add_jobs(sub: Any) -> None:
     )
     jobs_sub = jobs.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
 
-    listing = jobs_sub.add_parser(
-        "list",
-        parents=[_common()],
-        help="list jobs, newest first",
-        description="Jobs matching every given filter, newest (highest id) first.",
-    )
+    listing = _command(jobs_sub, "list", cmd_jobs_list, "list jobs, newest first")
     _filter_options(listing, ", ".join(STATUSES), "any")
     listing.add_argument(
         "--meta",
@@ -1565,18 +1571,10 @@ def _add_jobs(sub: Any) -> None:
         listing,
         ": the newest jobs of all of them, with their shard",
     )
-    listing.set_defaults(func=cmd_jobs_list)
 
-    show = jobs_sub.add_parser(
-        "show",
-        parents=[_common()],
-        help="one job in full, with its last error",
-        description="One job: its arguments, status, attempts, times, worker and the "
-        "traceback of its last error. Exit code 1 if there is no such job.",
-    )
+    show = _command(jobs_sub, "show", cmd_jobs_show, "one job in full, with its last error")
     show.add_argument("id", type=_job_id, metavar="ID", help="the job id")
     show.add_argument("--json", action="store_true", help="a JSON object")
-    show.set_defaults(func=cmd_jobs_show)
 
     common_help = (
         " Act on the given IDs, or on every job matching --queue/--task/--status (or --all)."
@@ -1584,11 +1582,8 @@ def _add_jobs(sub: Any) -> None:
         " terminal to ask on and no --yes it refuses (exit 2)."
     )
     for action in admin.ACTIONS.values():
-        p = jobs_sub.add_parser(
-            action.name,
-            parents=[_common()],
-            help=action.summary,
-            description=action.description + common_help,
+        p = _command(
+            jobs_sub, action.name, cmd_jobs_action, action.summary, action.description + common_help
         )
         p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="job ids")
         default = " or ".join(action.statuses)
@@ -1609,7 +1604,7 @@ def _add_jobs(sub: Any) -> None:
         p.add_argument(
             "--json", action="store_true", help='print {"action", "dry_run", "count"} as JSON'
         )
-        p.set_defaults(func=cmd_jobs_action, action=action.name)
+        p.set_defaults(action=action.name)
 
 
 def _add_queues(sub: Any) -> None:
@@ -1620,27 +1615,17 @@ def _add_queues(sub: Any) -> None:
         "poll interval.",
     )
     queues_sub = queues.add_subparsers(dest="queues_command", metavar="ACTION", required=True)
-    listing = queues_sub.add_parser(
-        "list",
-        parents=[_common()],
-        help="every known queue and whether it is paused",
-        description="Every queue that has jobs, is named by a task of the registry, or was "
-        "ever paused, with its state and when that state last changed.",
+    listing = _command(
+        queues_sub, "list", cmd_queues_list, "every known queue and whether it is paused"
     )
     listing.add_argument("--json", action="store_true", help="a JSON array of queues")
-    listing.set_defaults(func=cmd_queues_list)
     for action, text in (
         ("pause", "stop workers claiming from a queue (running jobs finish)"),
         ("resume", "let workers claim from a paused queue again"),
     ):
-        p = queues_sub.add_parser(
-            action,
-            parents=[_common()],
-            help=text,
-            description=text.capitalize() + ". Workers see the change within their poll interval.",
-        )
+        then = ". Workers see the change within their poll interval."
+        p = _command(queues_sub, action, cmd_queues_pause, text, text.capitalize() + then)
         p.add_argument("name", metavar="NAME", help="the queue")
-        p.set_defaults(func=cmd_queues_pause)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

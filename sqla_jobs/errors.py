@@ -78,6 +78,12 @@ class JobFailedError(JobsError):
         self.last_error = last_error
 
 
+def missing_extra(what: str, needs: str, extra: str) -> str:
+    """What to say when ``what`` (a module, a flag) is used without the optional dependency
+    it ``needs``: the one wording of the hint, which names the extra that installs it."""
+    return f"{what} needs {needs}: pip install 'sqla-jobs[{extra}]'"
+
+
 def describe(exc: BaseException) -> str:
     """One line about an error, without the SQL statement SQLAlchemy puts in its message."""
     if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:

@@ -58,10 +58,12 @@ import contextlib
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from .errors import missing_extra
+
 try:
     from flask import Flask, current_app, has_app_context
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise ImportError("sqla_jobs.flask needs Flask: pip install 'sqla-jobs[flask]'") from exc
+    raise ImportError(missing_extra(__name__, "Flask", "flask")) from exc
 
 if TYPE_CHECKING:
     from flask_sqlalchemy import SQLAlchemy

@@ -48,7 +48,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -62,6 +62,7 @@ from .session import _announce, _boundary
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
     from sqlalchemy.orm import Session
+    from typing_extensions import Unpack
 
     from ._queries import Queries
     from .tasks import Jobs
@@ -222,28 +223,59 @@ def _direct(conn: sa.Connection) -> bool:
     return bool(announced == conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
 
 
-def _pause(pause: float, deadline: float | None, job_id: int, timeout: float | None) -> float:
-    """How long to wait before the next look at the row, at most ``pause``; raises
-    :class:`TimeoutError` once ``deadline`` has passed."""
-    if deadline is None:
+class WaitOptions(TypedDict, total=False):
+    """How :func:`result` and :func:`result_async` wait (see :meth:`Jobs.result
+    <sqla_jobs.Jobs.result>`): ``timeout``, seconds at most (None, the default: as long as
+    it takes); ``listen``, whether to LISTEN rather than poll (None, the default: LISTEN
+    where the engine reaches PostgreSQL itself, not through a pooler)."""
+
+    timeout: float | None
+    listen: bool | None
+
+
+class _Clock:
+    """The timing of one wait for a result, the same whether it is awaited or not: when
+    to look at the row again, and when to give up (``TimeoutError``)."""
+
+    __slots__ = ("deadline", "job_id", "pause", "timeout")
+
+    def __init__(self, job_id: int, timeout: float | None) -> None:
+        self.job_id = job_id
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.pause = _POLL_FIRST
+
+    @classmethod
+    def of(
+        cls, job_id: int, *, timeout: float | None = None, listen: bool | None = None
+    ) -> tuple[_Clock, bool | None]:
+        """The clock of a wait given :class:`WaitOptions` (their defaults are these), and
+        its ``listen``; an unknown keyword is a ``TypeError`` here."""
+        return cls(job_id, timeout), listen
+
+    def _left(self, most: float) -> float:
+        if self.deadline is None:
+            return most
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _timeout(self.job_id, self.timeout or 0.0)
+        return min(most, left)
+
+    def poll(self) -> float:
+        """How long to sleep before the next look, when polling: a pause that grows from
+        a few milliseconds to ``_POLL_MAX``."""
+        pause = self._left(self.pause)
+        self.pause = min(_POLL_MAX, self.pause * _POLL_GROWTH)
         return pause
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _timeout(job_id, timeout or 0.0)
-    return min(pause, left)
+
+    def notified(self) -> float:
+        """How long to wait for a notification before looking anyway, when listening."""
+        return self._left(_RECHECK)
 
 
-def result(
-    engine: sa.Engine,
-    jobs: Jobs,
-    job_id: int,
-    *,
-    timeout: float | None = None,
-    listen: bool | None = None,
-) -> Any:
+def result(engine: sa.Engine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]) -> Any:
     """Wait for a result-keeping job and return its value (see :meth:`Jobs.result`)."""
-    queries = jobs.queries
-    deadline = None if timeout is None else time.monotonic() + timeout
+    queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine)
     if listen is None:
@@ -251,14 +283,12 @@ def result(
             listen = _DIRECT[engine] = _direct(conn)
     if not listen:
         # Each look takes a pooled connection of its own: the wait holds none.
-        pause = _POLL_FIRST
         while True:
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 seen = _look(conn, queries, job_id)
             if seen.done:
                 return seen.value
-            time.sleep(_pause(pause, deadline, job_id, timeout))
-            pause = min(_POLL_MAX, pause * _POLL_GROWTH)
+            time.sleep(clock.poll())
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.exec_driver_sql(listen_sql(queries.results_channel))
         raw: Any = conn.connection.driver_connection
@@ -268,10 +298,7 @@ def result(
                 seen = _look(conn, queries, job_id)
                 if seen.done:
                     return seen.value
-                left = _RECHECK if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise _timeout(job_id, timeout or 0.0)
-                _wait_notify(raw, mine, min(left, _RECHECK))
+                _wait_notify(raw, mine, clock.notified())
         finally:
             # The connection goes back to the pool: it must not keep listening (nor keep
             # notifications queued) for whoever takes it next.
@@ -293,31 +320,23 @@ def _wait_notify(raw: Any, payload: str, seconds: float) -> None:
 
 
 async def result_async(
-    engine: AsyncEngine,
-    jobs: Jobs,
-    job_id: int,
-    *,
-    timeout: float | None = None,
-    listen: bool | None = None,
+    engine: AsyncEngine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]
 ) -> Any:
     """:func:`result` on an ``AsyncEngine``: the same wait, without blocking the loop."""
-    queries = jobs.queries
-    deadline = None if timeout is None else time.monotonic() + timeout
+    queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine.sync_engine)
     if listen is None:
         async with engine.connect() as conn:
             listen = _DIRECT[engine.sync_engine] = await conn.run_sync(_direct)
     if not listen:
-        pause = _POLL_FIRST
         while True:
             async with engine.connect() as conn:
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 seen = await conn.run_sync(_look, queries, job_id)
             if seen.done:
                 return seen.value
-            await asyncio.sleep(_pause(pause, deadline, job_id, timeout))
-            pause = min(_POLL_MAX, pause * _POLL_GROWTH)
+            await asyncio.sleep(clock.poll())
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
         await conn.exec_driver_sql(listen_sql(queries.results_channel))
@@ -328,11 +347,8 @@ async def result_async(
                 seen = await conn.run_sync(_look, queries, job_id)
                 if seen.done:
                     return seen.value
-                left = _RECHECK if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise _timeout(job_id, timeout or 0.0)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(_next_note(raw, mine), min(left, _RECHECK))
+                    await asyncio.wait_for(_next_note(raw, mine), clock.notified())
         finally:
             try:
                 await conn.exec_driver_sql(unlisten_sql(queries.results_channel))

@@ -71,17 +71,16 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from .errors import describe, missing_extra
+
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
     from prometheus_client.core import GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        "sqla_jobs.metrics needs prometheus-client: pip install 'sqla-jobs[metrics]'"
-    ) from exc
+    raise ImportError(missing_extra(__name__, "prometheus-client", "metrics")) from exc
 
 from .db import create_engine
-from .errors import describe
 from .events import EVENTS, JobEvent
 
 if TYPE_CHECKING:

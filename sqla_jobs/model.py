@@ -107,7 +107,16 @@ CANCELLED_BY_PARENT_KEY = "sqla_jobs.cancelled_by_parent"
 DEFAULT_RESULT_TTL = timedelta(days=1)
 
 
-class JobStatus(str, enum.Enum):
+class TextEnum(str, enum.Enum):
+    """A ``str`` enum that prints as its value (``str(JobStatus.DEAD)`` is ``dead``), as
+    :class:`enum.StrEnum` does from Python 3.11 on: the statuses and outcome kinds are
+    words written into rows, logs and messages."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class JobStatus(TextEnum):
     """The life of a job. The database checks that ``status`` is one of these.
 
     ``scheduled``
@@ -130,9 +139,6 @@ class JobStatus(str, enum.Enum):
     DONE = "done"
     DEAD = "dead"
     CANCELLED = "cancelled"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
@@ -208,6 +214,11 @@ def _status_list(statuses: tuple[str, ...]) -> str:
 
 def _jsonb() -> sa.types.TypeEngine[Any]:
     return JSONB().with_variant(sa.JSON(), "sqlite")
+
+
+def _moment() -> sa.DateTime:
+    """A point in time: every timestamp column is ``timestamptz``."""
+    return sa.DateTime(timezone=True)
 
 
 def _array(item: sa.types.TypeEngine[Any] | type[sa.types.TypeEngine[Any]]) -> Any:
@@ -458,62 +469,31 @@ def add_constraints(table: sa.Table) -> None:
         check = sa.CheckConstraint(sql, name=derived_name(name, suffix))
         table.append_constraint(_postgresql_only(check) if suffix in _POSTGRESQL_CHECKS else check)
     before = set(table.indexes)
-    # Index() given Column objects attaches itself to their table.
-    sa.Index(
-        derived_name(name, "claim"),
-        c.queue,
-        sa.text("priority DESC"),
-        c.run_at,
-        c.id,
-        postgresql_where=sa.text("status = 'ready'"),
-    )
-    sa.Index(
-        derived_name(name, "scheduled"), c.run_at, postgresql_where=sa.text("status = 'scheduled'")
-    )
-    sa.Index(
-        derived_name(name, "running"),
-        c.locked_until,
-        postgresql_where=sa.text("status = 'running'"),
-    )
-    sa.Index(
-        derived_name(name, "finished"),
-        c.finished_at,
-        postgresql_where=sa.text("status IN ('done', 'dead', 'cancelled')"),
-    )
-    sa.Index(derived_name(name, "unique"), c.unique_key, unique=True, postgresql_where=UNIQUE_WHERE)
-    sa.Index(
-        derived_name(name, "dead"),
-        c.queue,
-        c.task,
-        c.id,
-        postgresql_where=sa.text("status = 'dead'"),
-    )
+
+    def partial(suffix: str, *columns: Any, where: str | sa.TextClause, **kw: Any) -> None:
+        # Every index of the jobs table is partial, over the rows of the status it serves,
+        # and named after the table; given Column objects, Index() attaches itself to it.
+        clause = sa.text(where) if isinstance(where, str) else where
+        sa.Index(derived_name(name, suffix), *columns, postgresql_where=clause, **kw)
+
+    partial("claim", c.queue, sa.text("priority DESC"), c.run_at, c.id, where="status = 'ready'")
+    partial("scheduled", c.run_at, where="status = 'scheduled'")
+    partial("running", c.locked_until, where="status = 'running'")
+    partial("finished", c.finished_at, where="status IN ('done', 'dead', 'cancelled')")
+    partial("unique", c.unique_key, unique=True, where=UNIQUE_WHERE)
+    partial("dead", c.queue, c.task, c.id, where="status = 'dead'")
     # jsonb_path_ops: smaller and faster than the default GIN operator class, and it serves
     # the one operator a tag filter needs (@>, containment).
-    sa.Index(
-        derived_name(name, "meta"),
-        c.meta,
-        postgresql_using="gin",
-        postgresql_ops={"meta": "jsonb_path_ops"},
-        postgresql_where=sa.text("meta IS NOT NULL"),
-    )
+    paths = {"meta": "jsonb_path_ops"}
+    partial("meta", c.meta, postgresql_using="gin", postgresql_ops=paths, where="meta IS NOT NULL")
     # The limited claim counts the running jobs of each key (sqla_jobs.throttle). Only
     # running rows that have a key are in it: nothing for queues without keys, and a
     # handful of rows at any time for those with.
-    sa.Index(
-        derived_name(name, "keys"),
-        c.queue,
-        c.concurrency_key,
-        postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
-    )
+    keyed = "status = 'running' AND concurrency_key IS NOT NULL"
+    partial("keys", c.queue, c.concurrency_key, where=keyed)
     # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.
     # Partial: the jobs that wait for nothing (nearly all) add nothing to it.
-    sa.Index(
-        derived_name(name, "parents"),
-        c.parents,
-        postgresql_using="gin",
-        postgresql_where=sa.text("parents IS NOT NULL"),
-    )
+    partial("parents", c.parents, postgresql_using="gin", where="parents IS NOT NULL")
     # On SQLite the partial indexes would index every row without their predicate (a
     # unique key held by finished jobs too), and the GIN ones cannot be made: all of them
     # are created on PostgreSQL only.
@@ -617,6 +597,11 @@ def attach_ddl(table: sa.Table) -> None:
     event.listen(table, "after_drop", _after_drop)
 
 
+#: What ``<table>_throughput`` counts per minute and queue: the outcomes written, in this
+#: order (its columns, and the arrays a worker adds to them).
+THROUGHPUT_KINDS: tuple[str, ...] = ("succeeded", "failed", "dead")
+
+
 class Companions(NamedTuple):
     """The small tables that live beside a jobs table (see :func:`companion_tables`)."""
 
@@ -668,40 +653,48 @@ def companion_tables(table: sa.Table) -> Companions:
     if existing is not None:
         return existing  # type: ignore[no-any-return]
     metadata, schema, name = table.metadata, table.schema, table.name
-    queues = sa.Table(
-        derived_name(name, "queues"),
-        metadata,
-        sa.Column("name", sa.Text, primary_key=True),
-        sa.Column("paused", sa.Boolean, nullable=False, server_default=sa.false()),
+
+    def companion(suffix: str, *items: Any) -> sa.Table:
+        # Named after the jobs table, in its schema and on its MetaData.
+        return sa.Table(derived_name(name, suffix), metadata, *items, schema=schema)
+
+    def key(column: str, type_: Any = sa.Text) -> sa.Column[Any]:
+        return sa.Column(column, type_, primary_key=True)
+
+    def required(column: str, type_: Any, **kw: Any) -> sa.Column[Any]:
+        return sa.Column(column, type_, nullable=False, **kw)
+
+    def since(column: str) -> sa.Column[Any]:
+        # When the row was written first (or last): the database's clock, not a worker's.
+        return required(column, _moment(), server_default=sa.func.now())
+
+    queues = companion(
+        "queues",
+        key("name"),
+        required("paused", sa.Boolean, server_default=sa.false()),
         # A rate-limited queue's sliding log: when each job started within the last
         # period (at most the rate's count of them), written by the limited claim.
-        sa.Column("rate_log", _array(sa.DateTime(timezone=True))),
-        sa.Column(
-            "updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
-        ),
-        schema=schema,
+        sa.Column("rate_log", _array(_moment())),
+        since("updated_at"),
     )
-    schedules = sa.Table(
-        derived_name(name, "schedules"),
-        metadata,
-        sa.Column("name", sa.Text, primary_key=True),
-        sa.Column("task", sa.Text, nullable=False),
-        sa.Column("args", _jsonb(), nullable=False, server_default=EmptyObject()),
-        sa.Column("cron", sa.Text, nullable=False),
+    schedules = companion(
+        "schedules",
+        key("name"),
+        required("task", sa.Text),
+        required("args", _jsonb(), server_default=EmptyObject()),
+        required("cron", sa.Text),
         # The IANA time zone the expression is read in; NULL is UTC.
         sa.Column("tz", sa.Text),
         sa.Column("queue", sa.Text),
         sa.Column("priority", sa.SmallInteger),
-        sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.true()),
-        sa.Column("next_run_at", sa.DateTime(timezone=True)),
-        sa.Column("last_run_at", sa.DateTime(timezone=True)),
+        required("enabled", sa.Boolean, server_default=sa.true()),
+        sa.Column("next_run_at", _moment()),
+        sa.Column("last_run_at", _moment()),
         sa.Column("last_error", sa.Text),
         # 'code' for schedules declared with @jobs.periodic (workers keep them in step with
         # the code), 'runtime' for rows added through sqla_jobs.periodic.add_schedule.
-        sa.Column("origin", sa.Text, nullable=False, server_default="runtime"),
-        sa.Column(
-            "created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
-        ),
+        required("origin", sa.Text, server_default="runtime"),
+        since("created_at"),
         sa.Index(
             derived_name(name, "schedules_due"), "next_run_at", postgresql_where=sa.text("enabled")
         ),
@@ -711,66 +704,52 @@ def companion_tables(table: sa.Table) -> Companions:
                 CHECKS["args_object"], name=derived_name(name, "schedules_args_object")
             )
         ),
-        schema=schema,
     )
-    workers = sa.Table(
-        derived_name(name, "workers"),
-        metadata,
-        sa.Column("name", sa.Text, primary_key=True),
-        sa.Column("host", sa.Text, nullable=False),
-        sa.Column("pid", sa.Integer, nullable=False),
-        sa.Column("kind", sa.Text, nullable=False),
-        sa.Column("queues", _array(sa.Text), nullable=False),
-        sa.Column("concurrency", sa.Integer, nullable=False),
-        sa.Column("running", sa.Integer, nullable=False),
-        sa.Column("processed", sa.BigInteger, nullable=False),
-        sa.Column(
-            "started_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
-        ),
-        sa.Column(
-            "last_seen", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
-        ),
-        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-        schema=schema,
+    workers = companion(
+        "workers",
+        key("name"),
+        # What the worker reports of itself (sqla_jobs._queries.WorkerReport), then when.
+        required("host", sa.Text),
+        required("pid", sa.Integer),
+        required("kind", sa.Text),
+        required("queues", _array(sa.Text)),
+        required("concurrency", sa.Integer),
+        required("running", sa.Integer),
+        required("processed", sa.BigInteger),
+        since("started_at"),
+        since("last_seen"),
+        required("expires_at", _moment()),
     )
-    throughput = sa.Table(
-        derived_name(name, "throughput"),
-        metadata,
-        sa.Column("minute", sa.DateTime(timezone=True), primary_key=True),
-        sa.Column("queue", sa.Text, primary_key=True),
-        sa.Column("succeeded", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("failed", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column("dead", sa.BigInteger, nullable=False, server_default="0"),
-        schema=schema,
+    throughput = companion(
+        "throughput",
+        key("minute", _moment()),
+        key("queue"),
+        *(required(kind, sa.BigInteger, server_default="0") for kind in THROUGHPUT_KINDS),
     )
-    unique_keys = sa.Table(
-        derived_name(name, "unique_keys"),
-        metadata,
-        sa.Column("key", sa.Text, primary_key=True),
+    unique_keys = companion(
+        "unique_keys",
+        key("key"),
         # The job that took the key last; it may since have finished and been deleted.
         sa.Column("job_id", sa.BigInteger),
         # The key stays taken until then (``unique_for``), even once the job is gone.
-        sa.Column("until", sa.DateTime(timezone=True)),
-        schema=schema,
+        sa.Column("until", _moment()),
     )
-    key_starts = sa.Table(
-        derived_name(name, "key_starts"),
-        metadata,
-        sa.Column("queue", sa.Text, primary_key=True),
-        sa.Column("key", sa.Text, primary_key=True),
+    key_starts = companion(
+        "key_starts",
+        key("queue"),
+        key("key"),
         # The starts within the key's last period, oldest first (at most the rate's count).
-        sa.Column("log", _array(sa.DateTime(timezone=True)), nullable=False),
+        required("log", _array(_moment())),
         # Set while the log is full: the oldest start plus the period.
-        sa.Column("full_until", sa.DateTime(timezone=True)),
+        sa.Column("full_until", _moment()),
         # The newest start plus the period: from then on the row only takes room.
-        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        required("expires_at", _moment()),
         sa.Index(
             derived_name(name, "key_starts_full"),
             "queue",
             "full_until",
             postgresql_where=sa.text("full_until IS NOT NULL"),
         ),
-        schema=schema,
     )
     companions = Companions(queues, schedules, workers, throughput, unique_keys, key_starts)
     table.info["sqla_jobs_companions"] = companions

@@ -74,7 +74,7 @@ from .cron import Schedule, check_cron, check_timezone
 from .errors import EnqueueError, UnknownTaskError
 from .events import Around, Events, RunWrapper
 from .model import KEEP_KEY, RUN_ANYWAY_KEY, JobStatus, check_complete
-from .throttle import ConcurrencyKey, QueueLimits, concurrency_key_of
+from .throttle import ConcurrencyKey, QueueLimits, QueueOptions, concurrency_key_of
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
@@ -337,15 +337,7 @@ class Jobs(Registry):
 
         return register(fn) if fn is not None else register
 
-    def queue(
-        self,
-        name: str,
-        *,
-        concurrency: int | None = None,
-        rate: str | None = None,
-        key_concurrency: int | None = None,
-        key_rate: str | None = None,
-    ) -> QueueLimits:
+    def queue(self, name: str, **limits: Unpack[QueueOptions]) -> QueueLimits:
         """Declare a queue's limits, enforced by every worker of this registry.
 
         :param concurrency: most jobs of the queue running at once, across all workers.
@@ -367,15 +359,9 @@ class Jobs(Registry):
             raise ValueError(str(exc)) from None
         if name in self.queue_limits:
             raise ValueError(f"queue {name!r} is already declared")
-        limits = QueueLimits.declare(
-            name,
-            concurrency=concurrency,
-            rate=rate,
-            key_concurrency=key_concurrency,
-            key_rate=key_rate,
-        )
-        self.queue_limits[name] = limits
-        return limits
+        declared = QueueLimits.declare(name, **limits)
+        self.queue_limits[name] = declared
+        return declared
 
     def around_run(self, wrapper: RunWrapper) -> RunWrapper:
         """Run every handler of this registry inside ``wrapper(job)``, a context manager:

@@ -55,7 +55,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ._storable import UNIQUE_KEY_MAX_BYTES, check_name
 from .errors import EnqueueError
@@ -118,6 +118,16 @@ def _positive(name: str, value: object, what: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"queue {name!r}: {what} must be an integer >= 1, got {value!r}")
     return value
+
+
+class QueueOptions(TypedDict, total=False):
+    """The limits :meth:`Jobs.queue <sqla_jobs.Jobs.queue>` takes (its docstring says what
+    each means), passed on as they are to :meth:`QueueLimits.declare`, which checks them."""
+
+    concurrency: int | None
+    rate: str | None
+    key_concurrency: int | None
+    key_rate: str | None
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .errors import describe, missing_extra
+
 try:
     from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
     from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 except ImportError as exc:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        "sqla_jobs.tracing needs opentelemetry-api: pip install 'sqla-jobs[tracing]'"
-    ) from exc
+    raise ImportError(missing_extra(__name__, "opentelemetry-api", "tracing")) from exc
 
 from . import __version__
-from .errors import describe
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator

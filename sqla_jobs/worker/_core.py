@@ -53,6 +53,7 @@ from ._steps import (
     Commit,
     Conn,
     Driver,
+    Duty,
     EndDuties,
     Io,
     OnSession,
@@ -152,13 +153,25 @@ class WorkerCore:
         self._state = "starting"
         #: Runs in a row that the worker's own code failed around (see :meth:`crashed`).
         self._crashes = 0
-        #: The duties, each over this shared state (see :mod:`._duties`, :mod:`._fetch`).
-        self.maintenance = Maintenance(self)
-        self.fetcher = Fetcher(self)
-        self.completer = Completer(self)
-        self.heartbeat = Heartbeat(self)
-        self.presence = Presence(self)
-        self.listener = Listener(self)
+        #: The duties, each over this shared state (see :mod:`._duties`, :mod:`._fetch`),
+        #: by name and all together (:meth:`reset` resets every one).
+        loops = (
+            Maintenance(self),
+            Fetcher(self),
+            Completer(self),
+            Heartbeat(self),
+            Presence(self),
+            Listener(self),
+        )
+        (
+            self.maintenance,
+            self.fetcher,
+            self.completer,
+            self.heartbeat,
+            self.presence,
+            self.listener,
+        ) = loops
+        self._loops: tuple[Duty, ...] = loops
         self.reset()
 
     def reset(self) -> None:
@@ -174,9 +187,8 @@ class WorkerCore:
         #: (:meth:`._fetch.Fetcher.estimate_ahead`).
         self._ahead = 0
         self._wake_at = 1
-        self.completer.reset()
-        self.maintenance.reset()
-        self.fetcher.reset()
+        for duty in self._loops:
+            duty.reset()
 
     def reached(self) -> None:
         """For health: a statement went through, the database answers."""

@@ -21,10 +21,9 @@ from .._queries import ClaimParams, claim_params, queue_claim_params
 from ..errors import describe
 from . import _statements as statements
 from ._outage import is_database_error, retry_pause
-from ._steps import Conn, Io, Pause, Sleep, Step, Steps, WaitWritten
+from ._steps import Conn, Duty, Io, Pause, Sleep, Step, Steps, WaitWritten
 
 if TYPE_CHECKING:
-    from ._core import WorkerCore
     from .job import Outcome
 
 __all__ = ["LIMIT_RECHECK", "Fetcher"]
@@ -36,12 +35,8 @@ __all__ = ["LIMIT_RECHECK", "Fetcher"]
 LIMIT_RECHECK = 0.2
 
 
-class Fetcher:
+class Fetcher(Duty):
     """The fetch loop over a worker's shared state (slots, the running set, the lock)."""
-
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
-        self.reset()
 
     def reset(self) -> None:
         """Fresh state for a new run."""

@@ -3,7 +3,8 @@
 The core (:mod:`._core`) never waits and does no I/O: its loops are generators that yield
 these steps, and a driver (:mod:`.threaded`, :mod:`.aio`) carries each one out, sends the
 result back in, or throws the error in. The steps are the whole vocabulary the two
-drivers must speak, so it is kept small.
+drivers must speak, so it is kept small. :class:`Duty` is what each of those loops is to
+the core.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from ._core import WorkerCore
     from .job import ClaimedJob, Outcome
 
 
@@ -196,6 +198,21 @@ class Stepper:
         except StopIteration as done:
             self.value = done.value
             return None
+
+
+class Duty:
+    """One of the core's loops that yield these steps (the fetch loop, and each duty of
+    :mod:`._duties`): it works on the shared state of its :class:`~._core.WorkerCore` and
+    holds only its own. What is fresh for each run of the worker (a worker may be run
+    more than once) it sets in :meth:`reset`, which the core calls before every run; what
+    outlives a run, in ``__init__``."""
+
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+        self.reset()
+
+    def reset(self) -> None:
+        """Fresh state for a new run (nothing, unless the duty says otherwise)."""
 
 
 class Driver(Protocol):

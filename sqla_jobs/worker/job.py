@@ -10,7 +10,6 @@ A worker claims rows; each becomes a :class:`ClaimedJob`. Running it yields an
 from __future__ import annotations
 
 import contextvars
-import enum
 import json
 import logging
 import threading
@@ -26,7 +25,7 @@ from .._settle import format_error
 from .._storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
 from .._tasks import json_problem, long_int_problem
 from ..errors import PermanentError, ResultError, Snooze
-from ..model import CHILDREN_KEY, KEEP_KEY
+from ..model import CHILDREN_KEY, KEEP_KEY, TextEnum
 
 if TYPE_CHECKING:
     from .._tasks import RetryPolicy, Task
@@ -41,7 +40,7 @@ log = logging.getLogger("sqla_jobs.worker")
 CANCEL_PAYLOAD = "!cancel"
 
 
-class OutcomeKind(str, enum.Enum):
+class OutcomeKind(TextEnum):
     """How a run ended, as the completer records it."""
 
     #: The handler returned: the job is done.
@@ -53,9 +52,6 @@ class OutcomeKind(str, enum.Enum):
     #: Nothing left to write: a transactional run committed (or rolled back) its own
     #: completion, or the run was cancelled and its row is no longer this worker's.
     SETTLED = "settled"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(eq=False, slots=True)
@@ -160,13 +156,8 @@ class ClaimedJob:
             text = _progress_json(entry)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"progress is not JSON-serialisable ({exc})") from None
-        # What JSON takes and PostgreSQL does not (NUL, surrogates, non-string keys): only
-        # looked for when the text shows a reason to.
-        if not text.isascii() or "\\u0000" in text or "{" in text[1:]:
-            problem = json_problem(entry, "progress")
-            if problem is not None:
-                raise ValueError(problem)
-        problem = long_int_problem(value, "progress", text)
+        # The entry is a dict itself: only a dict within it is a reason to look at keys.
+        problem = _storage_problem(text, entry, value, ("progress", "progress"), start=1)
         if problem is not None:
             raise ValueError(problem)
         if len(text.encode()) > PROGRESS_MAX_BYTES:
@@ -500,16 +491,26 @@ def result_json(value: Any) -> str:
             f"the handler returned a {type(value).__qualname__}, which is not "
             f"JSON-serialisable ({exc}); a task that keeps its result must return JSON"
         ) from None
-    if not text.isascii() or "\\u0000" in text or "{" in text:
-        problem = json_problem(value, "result")
-        if problem is not None:
-            raise ResultError(problem)
     # A result is read back by Jobs.result and by the jobs that wait for it (a group's
-    # callback gets it in its arguments).
-    problem = long_int_problem(value, "the result", text)
+    # callback gets it in its arguments): it must decode, long ints included.
+    problem = _storage_problem(text, value, value, ("result", "the result"), start=0)
     if problem is not None:
         raise ResultError(problem)
     return text
+
+
+def _storage_problem(
+    text: str, whole: Any, value: Any, names: tuple[str, str], *, start: int
+) -> str | None:
+    """Why ``text`` (``whole`` as JSON) cannot be stored and read back, or None: what JSON
+    takes and PostgreSQL does not (NUL, surrogates, non-string keys), looked for only when
+    the text shows a reason to (escapes, or a dict from ``start`` on), then an int in
+    ``value`` too long for a reader to decode. ``names`` begin the two messages."""
+    if not text.isascii() or "\\u0000" in text or "{" in text[start:]:
+        problem = json_problem(whole, names[0])
+        if problem is not None:
+            return problem
+    return long_int_problem(value, names[1], text)
 
 
 _result_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import describe
 from .. import _statements as statements
 from .._outage import is_database_error, retry_pause
-from .._steps import END, Conn, Io, Pause, Step, Steps, TakeOutcomes
+from .._steps import END, Conn, Duty, Io, Pause, Step, Steps, TakeOutcomes
 
 if TYPE_CHECKING:
     from .._core import WorkerCore
@@ -29,14 +29,13 @@ __all__ = ["Completer"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
-class Completer:
+class Completer(Duty):
     """Batches of outcomes, written."""
 
     def __init__(self, core: WorkerCore) -> None:
-        self.core = core
         #: A batch whose write failed with a bug (not the database): written next time.
         self.batch: list[Outcome] = []
-        self.ended = False
+        super().__init__(core)
 
     def reset(self) -> None:
         """A new run: its outcomes have not ended (a batch left by a bug stays)."""

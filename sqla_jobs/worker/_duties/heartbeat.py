@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 from ...errors import describe, unreachable
 from .. import _statements as statements
 from .._outage import is_database_error, lost_prepared_statement
-from .._steps import Conn, Io, Steps, Tick
+from .._steps import Conn, Duty, Io, Steps, Tick
 from ..job import ClaimedJob, job_log, timed_out
 
 if TYPE_CHECKING:
     from ..._tasks import Task
-    from .._core import WorkerCore
 
 __all__ = ["PROGRESS_EVERY", "Heartbeat"]
 
@@ -31,11 +30,11 @@ __all__ = ["PROGRESS_EVERY", "Heartbeat"]
 PROGRESS_EVERY = 1.0
 
 
-class Heartbeat:
+class Heartbeat(Duty):
     """Leases kept, timeouts enforced, lost claims stopped."""
 
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
+    def reset(self) -> None:
+        """A new run beats at its first tick."""
         #: When the last beat began (monotonic; 0: beat at the next tick).
         self.last_beat = 0.0
 

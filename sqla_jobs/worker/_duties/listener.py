@@ -13,11 +13,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .._steps import Listen, Notifications, Steps
+from .._steps import Duty, Listen, Notifications, Steps
 from ..job import CANCEL_PAYLOAD
 
 if TYPE_CHECKING:
-    from .._core import WorkerCore
     from .._hearing import ListenWatch
 
 __all__ = ["Listener"]
@@ -25,11 +24,11 @@ __all__ = ["Listener"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
-class Listener:
+class Listener(Duty):
     """LISTEN, and what a notification means."""
 
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
+    def reset(self) -> None:
+        """A new run has not listened yet."""
         #: Whether this round got as far as its LISTEN (the supervisor then does not count
         #: a dropped connection as one more failure in a row).
         self.listened = False

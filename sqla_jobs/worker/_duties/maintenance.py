@@ -16,11 +16,10 @@ from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .. import _statements as statements
-from .._steps import Conn, Io, Step, Steps
+from .._steps import Conn, Duty, Io, Step, Steps
 from ..job import OutcomeKind
 
 if TYPE_CHECKING:
-    from .._core import WorkerCore
     from .._statements import Refresh
     from ..job import Outcome
 
@@ -29,12 +28,8 @@ __all__ = ["Maintenance"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
-class Maintenance:
+class Maintenance(Duty):
     """When the upkeep is due, and carrying it out."""
-
-    def __init__(self, core: WorkerCore) -> None:
-        self.core = core
-        self.reset()
 
     def reset(self) -> None:
         """Fresh schedule for a new run: everything is due at once."""

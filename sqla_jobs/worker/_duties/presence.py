@@ -15,11 +15,11 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from ..._queries import WorkerSeenParams, interval
+from ..._queries import WorkerReport, WorkerSeenParams, interval
 from ...errors import describe
 from .. import _statements as statements
 from .._outage import is_database_error
-from .._steps import Conn, Io, Pause, Steps
+from .._steps import Conn, Duty, Io, Pause, Steps
 
 if TYPE_CHECKING:
     from .._core import WorkerCore
@@ -37,11 +37,12 @@ PRESENCE_MISSES = 3
 TIDY_EVERY = 12
 
 
-class Presence:
-    """The worker's row, and the counts it reports."""
+class Presence(Duty):
+    """The worker's row, and the counts it reports (kept from one run to the next until
+    they are written)."""
 
     def __init__(self, core: WorkerCore) -> None:
-        self.core = core
+        super().__init__(core)
         #: Outcomes written (or committed by transactional runs) and not yet added to
         #: <table>_throughput: {queue: [succeeded, failed, dead]}.
         self.tally: Tally = {}
@@ -68,17 +69,17 @@ class Presence:
     def row(self) -> WorkerSeenParams:
         """This worker's row of ``<table>_workers``, as of now."""
         core = self.core
-        return {
-            "name": core.name,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "kind": type(core.driver).__name__,
-            "queues": list(core.queues),
-            "concurrency": core.settings.concurrency,
-            "running": core.running,
-            "processed": core.processed,
-            "ttl": interval(core.settings.presence_interval * PRESENCE_MISSES),
-        }
+        report = WorkerReport(
+            name=core.name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            kind=type(core.driver).__name__,
+            queues=list(core.queues),
+            concurrency=core.settings.concurrency,
+            running=core.running,
+            processed=core.processed,
+        )
+        return report.params(interval(core.settings.presence_interval * PRESENCE_MISSES))
 
     def run_once(self) -> Steps:
         """Say that this worker is alive (its row in ``<table>_workers``) and add the
