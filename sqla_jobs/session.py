@@ -349,10 +349,11 @@ class Enqueued(int):
     enqueued, and an awaitable. ``await session.enqueue_many(...)`` writes them at the
     call, as every session does (and returns how many were inserted).
 
-    Until 0.2 the call on an ``AsyncSession`` was a plain method whose rows waited for
-    the next flush, and code that does not await it still works: the rows are written at
-    the next flush (or savepoint, or commit), with a ``DeprecationWarning``. The rows are
-    checked at the call either way."""
+    In 0.1 the call on an ``AsyncSession`` was a plain method whose rows waited for the
+    next flush, and code that does not await it still works in 0.2: the rows are written
+    at the next flush (or savepoint, or commit), with a ``DeprecationWarning``. The rows
+    are checked at the call either way. Awaited after the savepoint it was made in rolled
+    back, it writes nothing (the rows went with it)."""
 
     _session: Any
     _batch: Any
