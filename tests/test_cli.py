@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqla_jobs import JobSession
 from sqla_jobs.model import companion_tables, job_table
 
-from . import app
+from . import app, cli_fork
 from .helpers import count, reaped, rows, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,15 +44,9 @@ def environment(extra: dict[str, str] | None = None, drop: str | None = None) ->
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command(*args),
-        cwd=ROOT,
-        env=env or environment(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """``sqla-jobs *args`` run to completion, in a process of its own (a fork of a process
+    that has imported the CLI: see tests/cli_fork.py)."""
+    return cli_fork.run(args, env=env or environment(), cwd=ROOT, timeout=60)
 
 
 def in_parallel(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:

@@ -24,21 +24,15 @@ import sqlalchemy as sa
 from sqla_jobs import JobSession
 from sqla_jobs.model import companion_tables, job_table
 
-from . import app
+from . import app, cli_fork
 from .helpers import count, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sqla_jobs.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return cli_fork.run(
+        args, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=timeout
     )
 
 

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from sqla_jobs import JobSession
 
-from . import app
+from . import app, cli_fork
 from .helpers import count, rows, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,13 +35,8 @@ def start_worker(*args: str) -> subprocess.Popen[str]:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sqla_jobs.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    return cli_fork.run(
+        args, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT, timeout=60
     )
 
 

@@ -34,17 +34,36 @@ BUILD = ("-E", "-W", "--keep-going", "-q", "-b", "html")
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once per run even when its tests land on several xdist workers.
+
+    The build takes half a minute of CPU, and worksteal spreads this module's tests over
+    the workers. The first worker to get here builds into the run's shared temporary
+    directory under a file lock; the others wait for the lock and read what it built (or
+    its failure, reported by each test that needed the pages)."""
     pytest.importorskip("sphinx")
-    out = tmp_path_factory.mktemp("docs") / "html"
-    result = subprocess.run(
-        [sys.executable, "-m", "sphinx", *BUILD, str(DOCS), str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert not result.stderr.strip(), result.stderr  # -q: only warnings would print
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's directory, above each worker's own
+    out = shared / "docs-html"
+    report = shared / "docs-build.txt"
+    with open(shared / "docs-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not report.exists():
+            result = subprocess.run(
+                [sys.executable, "-m", "sphinx", *BUILD, str(DOCS), str(out)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            report.write_text(f"{result.returncode}\n{result.stdout}{result.stderr}")
+            (shared / "docs-build.stderr").write_text(result.stderr)
+    code, _, output = report.read_text().partition("\n")
+    assert code == "0", output
+    stderr = (shared / "docs-build.stderr").read_text()
+    assert not stderr.strip(), stderr  # -q: only warnings would print
     return out
 
 
