@@ -34,6 +34,7 @@ from ..db import create_async_engine
 from ..health import serve_health
 from ..sharding import ShardedWorker
 from ._driver import pool_size
+from ._signals import EarlyStop
 from .supervisor import supervise
 from .threaded import Worker
 
@@ -94,6 +95,8 @@ class LaunchPlan:
     log_argv: Sequence[str] = field(default=())
     #: ``--engine MODULE:ATTR``, handed on to the children (each loads its own).
     engine_path: str | None = None
+    #: Stop signals that arrive while the endpoints start, before the worker's own handlers.
+    _early: EarlyStop = field(default_factory=EarlyStop, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.shards is None:
@@ -184,11 +187,18 @@ class LaunchPlan:
                 grace_period=self.settings.grace_period,
                 child_args=self._own_argv,
             )
+        with self._early.installed():
+            self._run_here(schema_drift)
+        return 0
+
+    def _run_here(self, schema_drift: Sequence[str] | None) -> None:
+        """The worker of this process, with its endpoints."""
         if self.shards is not None:
             if self.asyncio:
                 self._run_async_sharded(self.shards, schema_drift)
             else:
                 worker = ShardedWorker(self.jobs, self.shards, self.settings)
+                self._early.attach(worker)
                 with self._endpoints(worker, shards=self.shards, schema_drift=schema_drift):
                     if self.until_empty:
                         worker.run_until_empty()
@@ -198,12 +208,12 @@ class LaunchPlan:
             self._run_async_worker(self.bind, schema_drift)
         else:
             one = Worker(self.jobs, self.bind, self.settings)
+            self._early.attach(one)
             with self._endpoints(one, self.bind, schema_drift=schema_drift):
                 if self.until_empty:
                     one.run_until_empty()
                 else:
                     one.run()
-        return 0
 
     def _run_async_worker(self, bind: Any, schema_drift: Sequence[str] | None) -> None:
         """The asyncio worker on the application's ``AsyncEngine``, or on one made from the
@@ -219,6 +229,7 @@ class LaunchPlan:
             )
             try:
                 worker = AsyncWorker(self.jobs, engine, self.settings)
+                self._early.attach(worker)
                 url = bind if _is_url(bind) else engine.url
                 with self._endpoints(worker, url, schema_drift=schema_drift):
                     if self.until_empty:
@@ -240,6 +251,7 @@ class LaunchPlan:
             # Defined only with the extra (SQLAlchemy's asyncio support, greenlet): looked
             # up when called.
             worker = sharding.AsyncShardedWorker(self.jobs, dict(shards), self.settings)
+            self._early.attach(worker)
             try:
                 with self._endpoints(worker, shards=shards, schema_drift=schema_drift):
                     if self.until_empty:

@@ -8,16 +8,17 @@ ones call :func:`signalled` from the event loop's own signal handler.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._core import WorkerCore
 
-__all__ = ["signalled", "stopped_by_signals"]
+__all__ = ["EarlyStop", "signalled", "stopped_by_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -50,3 +51,46 @@ def stopped_by_signals(
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class EarlyStop:
+    """Stop signals that arrive before the worker has installed its own handlers.
+
+    ``sqla-jobs worker`` starts its metrics and health endpoints before the worker runs,
+    so ``/healthz`` can answer while SIGTERM still has its default action and would kill
+    the process (a supervisor or an orchestrator that stops a worker as soon as it is
+    healthy saw exit -15, not 0). While :meth:`installed` holds, such a signal is kept
+    and stops the worker given to :meth:`attach` gracefully (at once if it is attached
+    later); once the worker runs, its own handlers take over, as before.
+    """
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+        self._signum: int | None = None
+
+    def attach(self, worker: Any) -> None:
+        """The worker a kept (or later) signal stops; stopped now if one came already."""
+        self._worker = worker
+        if self._signum is not None:
+            worker.stop()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        logging.getLogger("sqla_jobs.worker").info(
+            "received %s while starting, stopping", signal.Signals(signum).name
+        )
+        self._signum = signum
+        if self._worker is not None:
+            self._worker.stop()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Keep stop signals for :meth:`attach` while the block runs (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handler) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)

@@ -3,6 +3,7 @@ flags mix, where the workers run, and what each child of the supervisor is given
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -97,3 +98,30 @@ def test_child_i_of_a_sharded_plan_serves_shard_i_mod_the_shards() -> None:
         ["--engine", "app:engines", "--engine-shard", "b", "--health-port", "h:8003"],
     ]
     assert all(launch.child_argv(i)[: len(common)] == common for i in range(4))
+
+
+class _Stoppable:
+    def __init__(self) -> None:
+        self.stops = 0
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def test_a_stop_signal_before_the_worker_runs_stops_it_gracefully() -> None:
+    """``/healthz`` answers before the worker installs its handlers: a SIGTERM in that
+    window must not kill the process (exit -15), it must stop the worker once it exists."""
+    import signal as signals
+
+    from sqla_jobs.worker._signals import EarlyStop
+
+    early = EarlyStop()
+    before = signals.getsignal(signals.SIGTERM)
+    with early.installed():
+        os.kill(os.getpid(), signals.SIGTERM)  # would end this process without the guard
+        worker = _Stoppable()
+        early.attach(worker)
+        assert worker.stops == 1
+        os.kill(os.getpid(), signals.SIGINT)  # later ones reach the attached worker
+        assert worker.stops == 2
+    assert signals.getsignal(signals.SIGTERM) is before
