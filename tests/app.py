@@ -105,6 +105,9 @@ class Span(Base):
     pid: Mapped[int] = mapped_column(sa.Integer)
     started: Mapped[float] = mapped_column(sa.Float)
     ended: Mapped[float | None] = mapped_column(sa.Float)
+    #: When the worker sent the claim, on the same clock as ``started`` (``time.time()``):
+    #: a limit is enforced when jobs are claimed, and a handler may start a while later.
+    claimed: Mapped[float | None] = mapped_column(sa.Float)
 
 
 #: The limited queues' registry, on the same table: tests of other features list the
@@ -119,11 +122,17 @@ def span(key: str | None, seconds: float) -> None:
     """Record the start, work for ``seconds``, record the end."""
     job = current_job()
     started = time.time()
+    claimed = started - (time.monotonic() - job.claimed_at) if job.claimed_at else None
     time.sleep(seconds)
     with _engine().begin() as conn:
         conn.execute(
             sa.insert(Span).values(
-                job_id=job.id, key=key, pid=os.getpid(), started=started, ended=time.time()
+                job_id=job.id,
+                key=key,
+                pid=os.getpid(),
+                started=started,
+                ended=time.time(),
+                claimed=claimed,
             )
         )
 

@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _STARTUP = ("PYTHON", "LANG", "LC_")
 
 _lock = threading.Lock()
-_zygote: tuple[subprocess.Popen[bytes], str] | None = None
+#: The zygote of this process: its process, its socket, and the start-up variables it was
+#: started with (what a run must match to be forked from it).
+_zygote: tuple[subprocess.Popen[bytes], str, dict[str, str]] | None = None
 
 
 def _zygote_env() -> dict[str, str]:
@@ -55,17 +57,19 @@ def _startup(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_STARTUP)}
 
 
-def _ensure_zygote() -> str:
-    """The socket path of this process's zygote, started on first use."""
+def _ensure_zygote() -> tuple[str, dict[str, str]]:
+    """This process's zygote (started on first use, or again if it died): its socket path
+    and the start-up variables it runs with."""
     global _zygote
     with _lock:
         if _zygote is not None and _zygote[0].poll() is None:
-            return _zygote[1]
+            return _zygote[1], _zygote[2]
         path = os.path.join(tempfile.mkdtemp(prefix="sqla-jobs-cli-"), "zygote.sock")
+        env = _zygote_env()
         proc = subprocess.Popen(
             [sys.executable, __file__, path],
             cwd=ROOT,
-            env=_zygote_env(),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
         )
@@ -73,9 +77,9 @@ def _ensure_zygote() -> str:
         ready = proc.stdout.readline()
         if ready != b"ready\n":
             raise RuntimeError(f"the CLI zygote did not start: {ready!r}")
-        _zygote = (proc, path)
+        _zygote = (proc, path, _startup(env))
         atexit.register(_stop, proc)
-        return path
+        return path, _zygote[2]
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -95,7 +99,8 @@ def run(
     run it (stdin from ``/dev/null``), and raise :class:`subprocess.TimeoutExpired` the
     same way."""
     command = [sys.executable, "-m", "sqla_jobs.cli", *args]
-    if _startup(env) != _startup(_zygote_env()) or not hasattr(socket, "send_fds"):
+    path, startup = _ensure_zygote()
+    if _startup(env) != startup:
         return subprocess.run(
             command,
             cwd=cwd,
@@ -105,7 +110,6 @@ def run(
             text=True,
             timeout=timeout,
         )
-    path = _ensure_zygote()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()

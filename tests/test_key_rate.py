@@ -208,11 +208,13 @@ def test_two_keys_at_ten_per_second_across_workers(
     spans = [s for s in _spans(db) if s.started < first + 3.0]
     for key in ("a", "b"):
         starts = [s.started for s in spans if s.key == key]
-        # Handlers start a moment after their claim: windows a fifth of a second short of
-        # the period allow for that jitter on a busy machine.
-        for i, at in enumerate(starts):
-            within = sum(1 for other in starts[i:] if other < at + 0.8)
-            assert within <= 10, f"key {key}: {within} jobs started within 0.8s"
+        # The rate holds at the claim, where it is enforced (a handler may start a long
+        # while after its claim on a busy machine): windows a fifth of a second short of
+        # the period allow for the time between sending a claim and the server running it.
+        claims = sorted(s.claimed for s in spans if s.key == key)
+        for i, at in enumerate(claims):
+            within = sum(1 for other in claims[i:] if other < at + 0.8)
+            assert within <= 10, f"key {key}: {within} jobs claimed within 0.8s"
         # ... and it is a rate, not a stall: about ten a second got through.
         assert 20 <= len(starts) <= 40, (key, len(starts))
     assert len({s.pid for s in spans}) > 1

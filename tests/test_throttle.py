@@ -482,12 +482,16 @@ def test_a_rate_of_twenty_per_second_across_workers(
     wait_for(lambda: count(db, app.Span) >= 1, timeout=30)
     first = min(s.started for s in _spans(db))
     wait_for(lambda: time.time() > first + 5.0, timeout=30, interval=0.05)
-    starts = [s.started for s in _spans(db) if s.started < first + 5.0]
-    # Handlers start a moment after their claim, each after its own delay: windows a
-    # fifth of a second short of the period allow for that jitter on a busy machine.
-    for i, at in enumerate(starts):
-        within = sum(1 for other in starts[i:] if other < at + 0.8)
-        assert within <= 20, f"{within} jobs started within 0.8s of {at - first:.2f}s"
+    spans = [s for s in _spans(db) if s.started < first + 5.0]
+    starts = [s.started for s in spans]
+    # The rate holds where it is enforced, at the claim: the moment each worker sent its
+    # claim (a handler can start a long while after it on a busy machine, which made
+    # handler starts bunch up). Windows a fifth of a second short of the period allow for
+    # the time between sending a claim and the server running it.
+    claims = sorted(s.claimed for s in spans)
+    for i, at in enumerate(claims):
+        within = sum(1 for other in claims[i:] if other < at + 0.8)
+        assert within <= 20, f"{within} jobs claimed within 0.8s of {at - first:.2f}s"
     # ... and the limit is a rate, not a stall: about 20 a second got through. At most
     # 100 were *claimed* in any 5 s; the first handler may start a while after its claim
     # (a loaded machine), which stretches the claims whose handlers start in the 5 s
