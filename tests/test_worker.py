@@ -79,7 +79,18 @@ def test_2000_jobs_8_workers_each_job_runs_exactly_once(
         )
         for i, e in enumerate(engines)
     ]
-    threads = [threading.Thread(target=w.run_until_empty) for w in workers]
+    # Each worker's engine connects before the start line, and all cross it together: on a
+    # loaded machine, a worker still connecting while the others drain would get a share
+    # far below the rest, whatever SKIP LOCKED does.
+    for e in engines:
+        e.connect().close()
+    start_line = threading.Barrier(len(workers))
+
+    def run(worker: Any) -> None:
+        start_line.wait(30)
+        worker.run_until_empty()
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
