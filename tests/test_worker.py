@@ -66,7 +66,10 @@ def test_2000_jobs_8_workers_each_job_runs_exactly_once(
         with lock:
             ran[job.id] += 1
             by_worker[job.worker] += 1
-        time.sleep(0.001)  # long enough that no single worker can take everything
+        # Long enough that no single worker can take everything, and that the drain (about
+        # a second) outlasts the skew of 8 workers starting on a loaded machine: with 1 ms,
+        # the drain took a few tenths of a second and a worker that started late got 50.
+        time.sleep(0.01)
 
     with Session.begin() as session:
         session.enqueue_many(work, [{"n": i} for i in range(2000)])
