@@ -39,7 +39,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -707,6 +709,52 @@ def _shard_column(
     return ["SHARD", *headers], rows, {i + 1 for i in right}
 
 
+class _CtrlC:
+    """Ctrl-C ends ``stats --watch`` between two refreshes, wherever it lands.
+
+    A KeyboardInterrupt raised at a random point can land inside the driver or the pool
+    (a query being cancelled, a connection being returned), where it may be logged and
+    dropped rather than reach the loop, and the watch then never ends. While
+    :meth:`deferred` holds, the first SIGINT is only noted (:attr:`pressed`) and ends the
+    watch after the refresh under way, or at once when it arrives during the pause between
+    refreshes, which is our own code; a second one interrupts at once, in case a query hangs.
+    """
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._sleeping = False
+
+    @contextlib.contextmanager
+    def deferred(self, install: bool) -> Iterator[None]:
+        """The handler, for the block (only in the main thread, where Python delivers
+        signals); the previous one is put back after."""
+        if not install or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.pressed or self._sleeping:
+            self.pressed = True
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def sleep(self, seconds: float) -> None:
+        """The pause between refreshes; Ctrl-C ends it (and the watch) at once."""
+        if self.pressed:
+            return
+        self._sleeping = True
+        try:
+            if not self.pressed:  # it may have come just before the line above
+                time.sleep(seconds)
+        finally:
+            self._sleeping = False
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     """Per queue: jobs ready, scheduled, running (EXPIRED: running with a lease that has passed),
     dead, cancelled and done; LAG, how long the oldest ready job has been due; and whether
@@ -719,53 +767,57 @@ def cmd_stats(args: argparse.Namespace) -> int:
     many = len(engines) > 1
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
     failed = False
+    ctrl_c = _CtrlC()
     try:
-        while True:
-            try:
-                results = _read_all(
-                    engines, lambda conn: admin.queue_states(conn, target, window=args.window)
-                )
-            except CommandError as exc:
-                if args.watch is None or exc.code != EXIT_FAILURE:
-                    raise
-                # A database restart should not end a watch: say so, and try again.
-                print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
-            else:
-                failed = any(r.error is not None for r in results)
-                totals = sharding.total(results)
-                now = datetime.now(timezone.utc)
-                if args.json:
-                    out: dict[str, Any] = {
-                        "time": now.isoformat(),
-                        "table": table,
-                        "window_seconds": args.window,
-                    }
-                    if many:
-                        out["shards"] = [
-                            {"shard": r.shard, "error": r.error}
-                            | {"queues": [_present.queue_json(q) for q in r.value or ()]}
-                            for r in results
-                        ]
-                    out["queues"] = [_present.queue_json(q) for q in totals]
-                    _print_json(out)
-                else:
-                    if clear:
-                        print("\x1b[H\x1b[2J", end="")
-                    elif args.watch is not None:
-                        print()
-                    rows = [(r.shard, q) for r in results for q in r.value or ()] if many else []
-                    rows += [("*" if many else "", q) for q in totals]
-                    _print_stats(
-                        table,
-                        [q for _, q in rows],
-                        args.window,
-                        now,
-                        args.watch,
-                        shard_names=[name for name, _ in rows] if many else None,
+        with ctrl_c.deferred(args.watch is not None):
+            while not ctrl_c.pressed:
+                try:
+                    results = _read_all(
+                        engines, lambda conn: admin.queue_states(conn, target, window=args.window)
                     )
-            if args.watch is None:
-                break
-            time.sleep(args.watch)
+                except CommandError as exc:
+                    if args.watch is None or exc.code != EXIT_FAILURE:
+                        raise
+                    # A database restart should not end a watch: say so, and try again.
+                    print(f"sqla-jobs: error: {exc}", file=sys.stderr, flush=True)
+                else:
+                    failed = any(r.error is not None for r in results)
+                    totals = sharding.total(results)
+                    now = datetime.now(timezone.utc)
+                    if args.json:
+                        out: dict[str, Any] = {
+                            "time": now.isoformat(),
+                            "table": table,
+                            "window_seconds": args.window,
+                        }
+                        if many:
+                            out["shards"] = [
+                                {"shard": r.shard, "error": r.error}
+                                | {"queues": [_present.queue_json(q) for q in r.value or ()]}
+                                for r in results
+                            ]
+                        out["queues"] = [_present.queue_json(q) for q in totals]
+                        _print_json(out)
+                    else:
+                        if clear:
+                            print("\x1b[H\x1b[2J", end="")
+                        elif args.watch is not None:
+                            print()
+                        rows = (
+                            [(r.shard, q) for r in results for q in r.value or ()] if many else []
+                        )
+                        rows += [("*" if many else "", q) for q in totals]
+                        _print_stats(
+                            table,
+                            [q for _, q in rows],
+                            args.window,
+                            now,
+                            args.watch,
+                            shard_names=[name for name, _ in rows] if many else None,
+                        )
+                if args.watch is None:
+                    break
+                ctrl_c.sleep(args.watch)
     except KeyboardInterrupt:
         # Ctrl-C is how a watch ends; it is not a failure.
         return EXIT_OK

@@ -181,6 +181,36 @@ def test_stats_watch_json_prints_a_line_per_refresh_until_ctrl_c(db: sa.Engine) 
     assert "Traceback" not in err
 
 
+def test_ctrl_c_during_a_refresh_ends_the_watch_after_it_and_in_the_pause_at_once() -> None:
+    """A KeyboardInterrupt raised inside the driver or the pool can be dropped there, and a
+    watch then never ends: the first Ctrl-C is only noted while a refresh runs."""
+    from sqla_jobs.cli import _CtrlC
+
+    before = signal.getsignal(signal.SIGINT)
+    ctrl_c = _CtrlC()
+    with ctrl_c.deferred(True):
+        os.kill(os.getpid(), signal.SIGINT)  # "during a refresh": noted, nothing raised
+        assert ctrl_c.pressed
+        started = time.monotonic()
+        ctrl_c.sleep(30)  # the watch ends before its pause
+        assert time.monotonic() - started < 5
+        with pytest.raises(KeyboardInterrupt):  # a second one interrupts at once
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+    pausing = _CtrlC()
+    with pytest.raises(KeyboardInterrupt), pausing.deferred(True):
+        previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        try:
+            started = time.monotonic()
+            pausing.sleep(30)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_jobs_list_and_show(db: sa.Engine) -> None:
     ready = add(db, 2)
     [failed] = dead(db, 1, args={"n": 7})
