@@ -267,7 +267,9 @@ class JobMixin:
     Any declarative style works: a :class:`~sqlalchemy.orm.DeclarativeBase` (with or without
     :class:`~sqlalchemy.orm.MappedAsDataclass`, or a ``DeclarativeBaseNoMeta``), the legacy
     ``declarative_base()`` and ``registry.generate_base()``, ``@registry.mapped``, and bases
-    built on them such as Flask-SQLAlchemy's ``db.Model``. The indexes, CHECK constraints,
+    built on them such as Flask-SQLAlchemy's ``db.Model``; not ``@registry.mapped_as_dataclass``,
+    which makes the class a dataclass too late for the mixin to give it its own fields (use a
+    ``MappedAsDataclass`` base). The indexes, CHECK constraints,
     notify trigger and companion tables are added when the class is mapped (the
     ``after_mapper_constructed`` event), which is the one moment every style shares: a
     metaclass-based base builds the Table only after ``__init_subclass__`` has run. A Table

@@ -171,6 +171,25 @@ def test_a_dataclass_job_takes_its_server_defaults() -> None:
         models.Job("positional")  # keyword-only: no field order to get wrong
 
 
+def test_the_mapped_as_dataclass_decorator_is_refused_naming_the_mixin() -> None:
+    """``@registry.mapped_as_dataclass`` turns the class into a dataclass only after it is
+    created, so the mixin cannot give it its own copies of the columns (as it does for a
+    MappedAsDataclass base) and SQLAlchemy refuses the inherited ones at mapping time:
+    loudly, naming JobMixin, never a half-mapped table. The docs point to the base."""
+    from sqlalchemy.orm import registry
+
+    from sqla_jobs import JobMixin
+
+    reg = registry(metadata=sa.MetaData(schema="dataclass_decorator"))
+    with pytest.raises(sa.exc.InvalidRequestError, match=r"JobMixin.*not a dataclass"):
+
+        @reg.mapped_as_dataclass
+        class Job(JobMixin):
+            __tablename__ = "jobs"
+
+    assert not reg.metadata.tables
+
+
 def test_a_table_the_app_maps_itself_is_refused_with_what_it_lacks() -> None:
     """A Table the application builds and maps is left as it is (changing it could
     duplicate what it declares), and ``Jobs(model)`` says what it lacks at once."""
