@@ -723,6 +723,47 @@ def test_an_async_copy_on_a_killed_backend_raises_and_the_engine_recovers(
     assert {a["to"].split("-")[0] for a in stored_args(db)} == {"kept"}
 
 
+@pytest.mark.parametrize("size", ["small", "big"])
+def test_an_awaited_async_session_call_refuses_a_bad_row_and_survives_a_killed_backend(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any, size: str
+) -> None:
+    """``await AsyncJobSession.enqueue_many(...)`` as its sync session does: a bad row
+    anywhere is an EnqueueError that keeps nothing of the call and leaves the session
+    usable, with its other work; a connection the server ended raises SQLAlchemy's error,
+    nothing is committed, and after a rollback the session works on a new connection."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    n = 3 if size == "small" else len(good_rows(""))
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            session.add(app.Link(code="kept", url="u"))
+            with pytest.raises(EnqueueError, match="NUL"):
+                await session.enqueue_many(send, [*good_rows("bad-", n - 1), {"to": "\x00"}])
+            assert await session.enqueue_many(send, good_rows("kept-", n)) == n
+            await session.commit()
+
+            pid = (await session.execute(sa.text("SELECT pg_backend_pid()"))).scalar_one()
+            with db.connect() as other:
+                other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            with pytest.raises(sa.exc.DBAPIError):
+                await session.enqueue_many(send, good_rows("lost-", n))
+            await session.rollback()
+            assert await session.enqueue_many(send, good_rows("after-", n)) == n
+            await session.commit()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert sorted({a["to"].split("-")[0] for a in stored_args(db)}) == ["after", "kept"]
+    assert count(db) == 2 * n
+    assert [r.code for r in rows(db, app.Link)] == ["kept"]
+
+
 @pytest.mark.parametrize("bad", [5, None, "to", [("to", "x")]], ids=repr)
 @pytest.mark.parametrize("where", ["first", "late"])
 def test_an_item_that_is_not_arguments_is_refused_by_name_on_every_path(
