@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
@@ -78,13 +79,16 @@ def _ensure_zygote() -> tuple[str, dict[str, str]]:
         if ready != b"ready\n":
             raise RuntimeError(f"the CLI zygote did not start: {ready!r}")
         _zygote = (proc, path, _startup(env))
-        atexit.register(_stop, proc)
+        atexit.register(_stop, proc, path)
         return path, _zygote[2]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[bytes], path: str) -> None:
+    """End the zygote, and remove its socket's directory (one per test process per run
+    was left in the temporary directory)."""
     proc.kill()
     proc.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def run(
