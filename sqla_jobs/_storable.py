@@ -17,6 +17,7 @@ not UTF-8 (:class:`Encodings`).
 from __future__ import annotations
 
 import codecs
+import re
 import sys
 import weakref
 from collections import Counter
@@ -47,6 +48,7 @@ __all__ = [
     "database_encodings",
     "digits_unbounded",
     "int_problem",
+    "json_text_depth",
     "jsonb_problem",
     "known_encodings",
     "text_problem",
@@ -125,6 +127,28 @@ def text_problem(text: str) -> str | None:
             "valid Unicode text (PostgreSQL stores UTF-8)"
         )
     return None
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply the brackets of a JSON text nest, outside its strings (an unclosed one
+    counts): told before ``json.loads`` reads a text from outside. Python's decoder has
+    no depth limit of its own, only the interpreter's recursion, which moved between
+    versions (3.11 stops near 1,000 levels, 3.12 reads 1,200, 3.13 5,000), so a
+    RecursionError alone would refuse a text on one Python and read it on another."""
+    if "[" not in text and "{" not in text:
+        return 0
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_JSON_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def int_problem(value: int, max_digits: int = INT_MAX_DIGITS) -> str | None:

@@ -412,9 +412,10 @@ class Task(Generic[P, R]):
                 try:
                     _check_json(value)
                 except RecursionError:
+                    # Worded as the walk words a nesting the encoder took (Python 3.13's
+                    # encoder takes deeper ones): one message, whichever Python runs.
                     raise EnqueueError(
-                        f"task {self.name!r}: argument {key!r} is nested too deeply to encode "
-                        f"(at most {JSON_MAX_DEPTH} levels)"
+                        f"task {self.name!r}: argument {key!r} {_too_deep()}"
                     ) from None
                 except (TypeError, ValueError) as exc:
                     raise EnqueueError(
@@ -1059,7 +1060,7 @@ def json_problem(value: Any, name: str = "value") -> str | None:
     try:
         text = _check_json(value)
     except RecursionError:
-        return f"{name} is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
+        return f"{name} {_too_deep()}"
     except (TypeError, ValueError) as exc:
         return f"{name} is not JSON-serialisable ({exc})"
     if _suspect(text) or text.startswith("{"):
@@ -1088,9 +1089,7 @@ def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     try:
         text = _check_json(checked)
     except RecursionError:
-        raise EnqueueError(
-            f"meta is nested too deeply to encode (at most {JSON_MAX_DEPTH} levels)"
-        ) from None
+        raise EnqueueError(f"meta {_too_deep()}") from None
     except (TypeError, ValueError) as exc:
         raise EnqueueError(f"meta is not JSON-serialisable ({exc})") from None
     if _suspect(text):

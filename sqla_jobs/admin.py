@@ -82,7 +82,7 @@ from . import _queries as _q
 from ._queries import Queries
 from ._queries import status_literal as _lit
 from ._settle import settle_children
-from ._storable import QUEUE_MAX_BYTES, check_name, text_problem
+from ._storable import QUEUE_MAX_BYTES, check_name, json_text_depth, text_problem
 from ._tasks import json_problem
 from .model import (
     CHILDREN_KEY,
@@ -782,6 +782,8 @@ def parse_search(text: str | None) -> tuple[str, Any] | None:
             raise ValueError(f"not a job id: {text!r}")
         return ("id", value)
     if text.startswith("{"):
+        if json_text_depth(text) > SEARCH_MAX_DEPTH:
+            raise ValueError(_TOO_DEEP)
         try:
             obj = json.loads(text)
         except RecursionError:
@@ -822,6 +824,8 @@ def _search_pairs(text: str) -> dict[str, Any] | None:
         key, equals, raw = word.partition("=")
         if not equals or not raw or _SEARCH_KEY.fullmatch(key) is None:
             return None
+        if json_text_depth(raw) > SEARCH_MAX_DEPTH:
+            raise ValueError(_TOO_DEEP)
         try:
             found[key] = json.loads(raw)
         except RecursionError:

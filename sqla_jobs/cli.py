@@ -51,7 +51,7 @@ from typing import Any, NoReturn
 import sqlalchemy as sa
 
 from . import __version__, _present, admin, logs, sharding
-from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS
+from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS, JSON_MAX_DEPTH, json_text_depth
 from ._tasks import json_problem
 from .db import create_engine, normalize_url, url_connect_args
 from .errors import WorkerError, describe, missing_extra
@@ -494,10 +494,13 @@ def _meta_pair(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text[:60]!r}")
+    too_deep = argparse.ArgumentTypeError(f"--meta {key}: the JSON is nested too deeply")
+    if json_text_depth(value) > JSON_MAX_DEPTH:
+        raise too_deep
     try:
         parsed = json.loads(value)
     except RecursionError:
-        raise argparse.ArgumentTypeError(f"--meta {key}: the JSON is nested too deeply") from None
+        raise too_deep from None
     except ValueError:
         return key, value
     problem = json_problem(parsed, f"--meta {key}")  # NaN, a NUL, a surrogate...
