@@ -272,8 +272,9 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         )
         # A unique job is INSERTed now, on the shard's connection, and read back from it.
         job = self._enqueue_job(task, args, kwargs, shard=target)
-        if inspect(job).key is None:
-            inspect(job).info[_SHARD_KEY] = target
+        state = inspect(job)
+        if state is not None and state.key is None:  # SQLAlchemy 2.0 types it Optional
+            state.info[_SHARD_KEY] = target
         return job
 
     def enqueue_many(
