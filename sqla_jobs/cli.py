@@ -585,16 +585,73 @@ def _schema_differences(engine: Any, table: sa.Table) -> list[Any]:
         alembic_log.setLevel(level)
 
 
+#: How long after a worker starts it compares the whole schema with this version's: not
+#: before its first claims (the comparison is Alembic's autogenerate, about a quarter of a
+#: second of this process's time, mostly importing Alembic), but soon enough for the log
+#: and ``/healthz`` of any worker that keeps running.
+SCHEMA_CHECK_DELAY = 1.0
+
+#: The tables (and their columns) of a jobs table and its companions that a database has:
+#: one catalog query (``sqla_jobs.cli._required_missing``).
+_PRESENT_COLUMNS = sa.text(
+    "SELECT c.relname, a.attname FROM pg_catalog.pg_class c "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+    "LEFT JOIN pg_catalog.pg_attribute a "
+    "ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+    "WHERE n.nspname = coalesce(CAST(:schema AS text), current_schema()) "
+    "AND c.relname = ANY(CAST(:names AS text[])) AND c.relkind IN ('r', 'p')"
+)
+
+
+def _required_missing(conn: sa.Connection, table: sa.Table) -> list[str]:
+    """The tables and columns of ``table`` and its companion tables that the database
+    lacks, worded as :func:`alembic_ext.check.schema_differences` words them: what the
+    worker's statements need, read with one catalog query (no Alembic)."""
+    tables = [table, *(table.info.get("sqla_jobs_companions") or ())]
+    rows = conn.execute(
+        _PRESENT_COLUMNS, {"schema": table.schema, "names": [t.name for t in tables]}
+    ).all()
+    present: dict[str, set[str]] = {}
+    for relname, column in rows:
+        present.setdefault(relname, set()).add(column)
+    missing = []
+    for t in tables:
+        name = f"{t.schema}.{t.name}" if t.schema else t.name
+        have = present.get(t.name)
+        if have is None:
+            missing.append(f"table {name!r} is missing")
+            continue
+        missing.extend(f"column {name}.{c.name} is missing" for c in t.c if c.name not in have)
+    return missing
+
+
 def _check_schema(engine: Any, jobs: Jobs, args: argparse.Namespace) -> None:
     """At worker start: refuse to start (one line) when a table or column is missing, since
     the worker's statements would fail on it (over and over, under a supervisor that
-    restarts it); log a warning for any other difference, which makes the queue slower or
-    less guarded but not wrong, and must not take a running queue down on a deploy. The
-    warnings also go into ``/healthz`` (``args.schema_drift``). One comparison of seven
-    tables' catalogs: tens of milliseconds."""
-    found = _checked(engine, jobs.table, "")
-    if found is not None:
-        _schema_gate({"": found}, args)
+    restarts it). That takes one catalog query. The rest of the comparison (indexes, CHECK
+    constraints, the trigger, storage parameters: what makes the queue slower or less
+    guarded, not wrong, and must not take a running queue down on a deploy) runs in the
+    background :data:`SCHEMA_CHECK_DELAY` after start (:class:`_LaterCheck`): a warning in
+    the log, and in ``/healthz`` (``args.schema_drift``)."""
+    found = _probed(engine, jobs.table, "")
+    _refuse_missing({"": found}, args)
+    args.schema_drift = _LaterCheck(
+        jobs.table, {"": engine} if found is not None else {}, args, unchecked=found is None
+    )
+
+
+def _probed(engine: Any, table: sa.Table, shard: str) -> list[str] | None:
+    """:func:`_required_missing`, or None (a warning) when it could not be read: the check
+    is there to explain a schema, never to be the reason a worker does not run."""
+    log = logging.getLogger("sqla_jobs.cli")
+    try:
+        with _database_errors():
+            return _on_connection(engine, lambda conn: _required_missing(conn, table))
+    except CommandError as exc:
+        log.warning("schema: %s not checked: %s", f"shard {shard}" if shard else "database", exc)
+    except Exception as exc:
+        log.warning("schema: not checked (%s: %s)", type(exc).__name__, exc)
+    return None
 
 
 def _checked(engine: Any, table: sa.Table, shard: str) -> list[Any] | None:
@@ -615,49 +672,129 @@ def _check_shard_schemas(jobs: Jobs, shards: Mapping[str, Any], args: argparse.N
     app's own engine from ``--engine``). A shard that cannot be reached is not checked (a
     warning): its worker waits for it, as for any shard that is down, and the others
     start."""
-    found: dict[str, list[Any] | None] = {}
+    found: dict[str, list[str] | None] = {}
     for name, bind in shards.items():
         if isinstance(bind, (str, sa.URL)):
             engine = create_engine(bind)
             try:
-                found[name] = _checked(engine, jobs.table, name)
+                found[name] = _probed(engine, jobs.table, name)
             finally:
                 engine.dispose()
         else:
-            found[name] = _checked(bind, jobs.table, name)
-    _schema_gate(found, args)
+            found[name] = _probed(bind, jobs.table, name)
+    _refuse_missing(found, args)
+    reachable = {name: shards[name] for name, missing in found.items() if missing is not None}
+    unchecked = [name for name, missing in found.items() if missing is None]
+    args.schema_drift = _LaterCheck(jobs.table, reachable, args, unchecked=unchecked)
 
 
-def _schema_gate(found: dict[str, list[Any] | None], args: argparse.Namespace) -> None:
-    """Refuse or warn, from the differences found per shard (``""``: the one database;
-    None: not checked)."""
-    from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+def _named(shard: str, message: str) -> str:
+    return f"shard {shard}: {message}" if shard else message
 
-    def named(shard: str, message: str) -> str:
-        return f"shard {shard}: {message}" if shard else message
 
-    checked = {shard: ds for shard, ds in found.items() if ds is not None}
-    differences = [named(shard, d.message) for shard, ds in checked.items() for d in ds]
-    fatal = [named(shard, d.message) for shard, ds in checked.items() for d in ds if d.fatal]
+def _refuse_missing(found: dict[str, list[str] | None], args: argparse.Namespace) -> None:
+    """Refuse to start, from the missing tables and columns found per shard (``""``: the
+    one database; None: not checked)."""
+    fatal = [_named(shard, m) for shard, missing in found.items() for m in missing or ()]
     if fatal:
+        # Worded as alembic_ext.check words it; its FIX, without importing Alembic here.
+        fix = (
+            "apply the migration that adds it (alembic upgrade head) or, if there is none, "
+            "write it with alembic revision --autogenerate (env.py must import alembic_ext), "
+            "then upgrade"
+        )
         raise CommandError(
             f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
-            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {FIX}",
+            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {fix}",
             EXIT_FAILURE,
         )
-    # For /healthz: what differs, and which shards went unchecked.
-    unchecked = [named(shard, "not checked") for shard, ds in found.items() if ds is None]
-    args.schema_drift = differences + unchecked
-    if differences:
-        log = logging.getLogger("sqla_jobs.cli")
-        for message in differences:
-            log.warning("schema: %s", message)
-        log.warning(
-            "schema: the worker runs, but the database is not this version's "
-            "(sqla-jobs check %s). Fix: %s",
-            args.registry,
-            FIX,
+
+
+class _LaterCheck:
+    """The whole schema comparison (:func:`alembic_ext.check.schema_differences`), run
+    once in a daemon thread :data:`SCHEMA_CHECK_DELAY` after the worker starts; its
+    differences are logged as warnings and read by ``/healthz`` (called: None until the
+    comparison has run, which ``/healthz`` shows as ``"checking"``).
+
+    Why later: at start it was a quarter of a second before the first claim (a fifth of a
+    25,000-job drain with the start-up inside the clock, benchmarks/peers.py), for warnings
+    that never stop a worker; what would stop one (a missing table or column) is still
+    refused at start. A worker that ends before the comparison ran (``--until-empty``)
+    skips it: ``sqla-jobs check`` is the full report for a deploy step."""
+
+    def __init__(
+        self,
+        table: sa.Table,
+        binds: Mapping[str, Any],
+        args: argparse.Namespace,
+        *,
+        unchecked: Sequence[str] | bool = (),
+    ) -> None:
+        self.table = table
+        self.binds = dict(binds)
+        self.registry = args.registry
+        if unchecked is True:
+            self.unchecked = [_named("", "not checked")]
+        else:
+            self.unchecked = [_named(s, "not checked") for s in unchecked or ()]
+        self.found: list[str] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self) -> list[str] | None:
+        return self.found
+
+    def start(self) -> None:
+        if not self.binds:
+            self.found = list(self.unchecked)
+            return
+        if any(hasattr(bind, "sync_engine") for bind in self.binds.values()):
+            # The app's own AsyncEngine: its connections belong to the worker's event loop,
+            # which a thread must not share; compared now, before the worker starts.
+            self._compare()
+            return
+        self._thread = threading.Thread(
+            target=self._run, name="sqla-jobs schema check", daemon=True
         )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Skip the comparison if it has not begun; else let it finish (an interpreter
+        that exits under a thread importing Alembic would print noise)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        if not self._stop.wait(SCHEMA_CHECK_DELAY):
+            self._compare()
+
+    def _compare(self) -> None:
+        found: dict[str, list[Any] | None] = {}
+        for shard, bind in self.binds.items():
+            if isinstance(bind, (str, sa.URL)):
+                engine = create_engine(bind)
+                try:
+                    found[shard] = _checked(engine, self.table, shard)
+                finally:
+                    engine.dispose()
+            else:
+                found[shard] = _checked(bind, self.table, shard)
+        differences = [_named(shard, d.message) for shard, ds in found.items() for d in ds or ()]
+        unchecked = [_named(shard, "not checked") for shard, ds in found.items() if ds is None]
+        if differences:
+            from alembic_ext.check import FIX  # imported (quietly) by _schema_differences
+
+            log = logging.getLogger("sqla_jobs.cli")
+            for message in differences:
+                log.warning("schema: %s", message)
+            log.warning(
+                "schema: the worker runs, but the database is not this version's "
+                "(sqla-jobs check %s). Fix: %s",
+                self.registry,
+                FIX,
+            )
+        self.found = differences + self.unchecked + unchecked
 
 
 # -- stats --------------------------------------------------------------------------------
@@ -1183,14 +1320,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
         _check_schema(engine, jobs, args)
     elif plan.in_process:
         _check_shard_schemas(jobs, shards, args)
+    later: _LaterCheck | None = getattr(args, "schema_drift", None)
+    if later is not None:
+        later.start()
     try:
-        return plan.run(schema_drift=getattr(args, "schema_drift", None))
+        return plan.run(schema_drift=later)
     except (WorkerError, EndpointError) as exc:
         raise CommandError(str(exc), EXIT_FAILURE) from None
     except sa.exc.DBAPIError as exc:
         # What the start does before the loops that survive errors (the schedule sync, a
         # role without rights on the tables): one line, as every other command.
         raise CommandError(_describe(exc), EXIT_FAILURE) from None
+    finally:
+        if later is not None:
+            later.stop()
 
 
 def _url(args: argparse.Namespace) -> str:

@@ -24,9 +24,10 @@ The body is the report as JSON::
      "running": 3, "concurrency": 16, "unwritten_outcomes": 0, "database": "ok",
      "schema": "ok"}
 
-``schema`` is there when ``sqla-jobs worker`` checked the schema at start: ``"ok"``, or
-the differences it found that let the worker start (a missing index, another storage
-parameter, the trigger; see ``sqla-jobs check``).
+``schema`` is there when ``sqla-jobs worker`` checks the schema: ``"ok"``, or the
+differences it found that let the worker start (a missing index, another storage
+parameter, the trigger; see ``sqla-jobs check``), or ``"checking"`` in the second after
+start before the comparison has run (a missing table or column is refused at start).
 
 An HTTP endpoint rather than a file that a probe script compares timestamps of: a
 Kubernetes ``httpGet`` probe (or ``curl -f`` in a Docker ``HEALTHCHECK``) reads it as is, and
@@ -48,6 +49,10 @@ from typing import Any
 
 __all__ = ["HealthServer", "serve_health"]
 
+#: What ``/healthz`` says of the schema: the differences found (``[]``: "ok"), or a callable
+#: that returns them, None while the comparison has not run; None: nothing (no check).
+Schema = Sequence[str] | Callable[[], Sequence[str] | None] | None
+
 PATHS = ("/healthz", "/livez", "/")
 
 
@@ -60,7 +65,7 @@ class HealthServer:
         port: int = 0,
         host: str = "0.0.0.0",
         *,
-        schema: Sequence[str] | None = None,
+        schema: Schema = None,
     ) -> None:
         read = _with_schema(_reader(worker), schema)
 
@@ -106,14 +111,15 @@ class _Server6(ThreadingHTTPServer):
 
 
 def serve_health(
-    worker: Any, port: int, host: str = "0.0.0.0", *, schema: Sequence[str] | None = None
+    worker: Any, port: int, host: str = "0.0.0.0", *, schema: Schema = None
 ) -> HealthServer:
     """Start serving ``/healthz`` for ``worker``: a ``Worker`` or an ``AsyncWorker``, or a
     :class:`~sqla_jobs.sharding.ShardedWorker` or ``AsyncShardedWorker`` (every shard on
     one port: see their ``health()``).
 
-    ``schema``: what the schema check at start found different in the database (see
-    :mod:`alembic_ext.check`), shown as the body's ``"schema"`` (``"ok"``, or the list).
+    ``schema``: what the schema check found different in the database (see
+    :mod:`alembic_ext.check`), shown as the body's ``"schema"`` (``"ok"``, or the list);
+    or a callable that returns it, or None while the check has not run (``"checking"``).
     It does not make the worker unhealthy: a worker that started can run its statements
     (a missing table or column stops it at start), and a restart would not change the
     schema; the body says what to fix."""
@@ -121,11 +127,19 @@ def serve_health(
 
 
 def _with_schema(
-    read: Callable[[], dict[str, Any]], schema: Sequence[str] | None
+    read: Callable[[], dict[str, Any]], schema: Schema
 ) -> Callable[[], dict[str, Any]]:
-    """The report, with the start-up schema check's result when there was one."""
+    """The report, with the schema check's result when there is one."""
     if schema is None:
         return read
+    if callable(schema):
+        later = schema
+
+        def with_later() -> dict[str, Any]:
+            found = later()
+            return {**read(), "schema": "checking" if found is None else list(found) or "ok"}
+
+        return with_later
     found: str | list[str] = list(schema) or "ok"
     return lambda: {**read(), "schema": found}
 

@@ -14,6 +14,7 @@ The commands are run as a user runs them (``python -m sqla_jobs.cli``), with
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -60,6 +62,14 @@ def start_worker(schema: str, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def checked_health(port: int) -> tuple[int, str] | None:
+    """``/healthz`` once the worker's schema comparison has run (None before)."""
+    status, body = get(port, "/healthz")
+    if not status or json.loads(body).get("schema") == "checking":
+        return None
+    return status, body
 
 
 def alter(engine: sa.Engine, schema: str, *statements: str) -> None:
@@ -142,7 +152,8 @@ def test_other_differences_are_warned_and_shown_in_healthz(engine: sa.Engine, sc
     port = free_ports()
     proc = start_worker(schema, "--health-port", f"127.0.0.1:{port}")
     try:
-        status, body = wait_for(lambda: (r := get(port, "/healthz"))[0] and r, timeout=30)
+        # The comparison runs a second after start (SCHEMA_CHECK_DELAY): "checking" until then.
+        status, body = wait_for(lambda: (r := checked_health(port)) and r, timeout=30)
         report = json.loads(body)
         assert status == 200 and report["healthy"], report
         assert sorted(report["schema"]) == [
@@ -162,7 +173,7 @@ def test_healthz_says_ok_when_the_schema_is_this_version_s(schema: str) -> None:
     port = free_ports()
     proc = start_worker(schema, "--health-port", f"127.0.0.1:{port}")
     try:
-        status, body = wait_for(lambda: (r := get(port, "/healthz"))[0] and r, timeout=30)
+        status, body = wait_for(lambda: (r := checked_health(port)) and r, timeout=30)
         assert status == 200 and json.loads(body)["schema"] == "ok"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
@@ -195,3 +206,69 @@ def test_shards_are_checked_each(engine: sa.Engine, schema: str, database_url: s
     assert worker.returncode == 1
     assert "schema: shard b not checked: cannot connect to the database" in worker.stderr
     assert f"needs: shard a: table '{schema}.jobs_throughput' is missing." in worker.stderr
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        (),
+        ("DROP TABLE {s}.jobs_schedules", "ALTER TABLE {s}.jobs DROP COLUMN progress"),
+        ("ALTER TABLE {s}.jobs_queues DROP COLUMN paused", "DROP TABLE {s}.jobs_workers"),
+        ("DROP TABLE {s}.jobs CASCADE",),
+    ],
+)
+def test_the_start_probe_finds_what_the_whole_comparison_calls_fatal(
+    engine: sa.Engine, schema: str, damage: tuple[str, ...]
+) -> None:
+    """The worker refuses at start from one catalog query (no Alembic): it must find the
+    same missing tables and columns as the comparison, in the same words."""
+    from sqla_jobs.cli import _required_missing
+
+    alter(engine, schema, *damage)
+    table = reference_table("jobs", schema)
+    with engine.connect() as conn:
+        fatal = [d.message for d in schema_differences(conn, table) if d.fatal]
+        probed = _required_missing(conn, table)
+    assert sorted(probed) == sorted(fatal)
+    assert bool(probed) == bool(damage)
+
+
+def test_the_whole_comparison_runs_later_in_the_background_or_not_at_all(
+    engine: sa.Engine, schema: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The comparison (Alembic's) waits SCHEMA_CHECK_DELAY in a thread of its own, so the
+    worker claims first; a worker that stops before then skips it (``sqla-jobs check``
+    reports it, as ever); once it has run, the log and ``/healthz`` have its warnings."""
+    from sqla_jobs import cli
+
+    alter(engine, schema, "DROP INDEX {s}.jobs_dead")
+    table = reference_table("jobs", schema)
+    args = argparse.Namespace(registry=JOBS)
+    monkeypatch.setattr(cli, "SCHEMA_CHECK_DELAY", 3600.0)
+    skipped = cli._LaterCheck(table, {"": engine}, args)
+    skipped.start()
+    skipped.stop()  # at once: the worker ended first
+    assert skipped() is None and "schema:" not in caplog.text
+
+    monkeypatch.setattr(cli, "SCHEMA_CHECK_DELAY", 0.0)
+    later = cli._LaterCheck(table, {"": engine}, args, unchecked=["b"])
+    later.start()
+    found = wait_for(later, timeout=30)
+    later.stop()
+    assert found == [f"index 'jobs_dead' on '{schema}.jobs' is missing", "shard b: not checked"]
+    assert f"schema: index 'jobs_dead' on '{schema}.jobs' is missing" in caplog.text
+
+
+def test_healthz_says_checking_until_the_comparison_has_run() -> None:
+    """``/healthz`` reads the comparison's result when asked: "checking", then the list."""
+    from sqla_jobs.health import _with_schema
+
+    found: list[str] | None = None
+    read = _with_schema(lambda: {"healthy": True}, lambda: found)
+    assert read() == {"healthy": True, "schema": "checking"}
+    found = []
+    assert read()["schema"] == "ok"
+    found = ["index 'jobs_dead' on 'jobs' is missing"]
+    assert read()["schema"] == found
+    assert _with_schema(lambda: {}, ["x"])() == {"schema": ["x"]}
+    assert _with_schema(lambda: {}, None)() == {}

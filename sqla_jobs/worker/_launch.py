@@ -31,7 +31,7 @@ import sqlalchemy as sa
 
 from .. import sharding
 from ..db import create_async_engine
-from ..health import serve_health
+from ..health import Schema, serve_health
 from ..sharding import ShardedWorker
 from ._driver import pool_size
 from ._signals import EarlyStop
@@ -172,10 +172,10 @@ class LaunchPlan:
 
     # -- running -----------------------------------------------------------------------
 
-    def run(self, *, schema_drift: Sequence[str] | None = None) -> int:
+    def run(self, *, schema_drift: Schema = None) -> int:
         """Run the plan until it is done (signalled, or empty); the exit code.
 
-        ``schema_drift`` is what the schema check at start found, for ``/healthz``.
+        ``schema_drift`` is what the schema check found (or will find), for ``/healthz``.
 
         :raises ~sqla_jobs.errors.WorkerError: a worker stopped because a duty kept failing.
         :raises EndpointError: an endpoint could not listen.
@@ -191,7 +191,7 @@ class LaunchPlan:
             self._run_here(schema_drift)
         return 0
 
-    def _run_here(self, schema_drift: Sequence[str] | None) -> None:
+    def _run_here(self, schema_drift: Schema) -> None:
         """The worker of this process, with its endpoints."""
         if self.shards is not None:
             if self.asyncio:
@@ -215,7 +215,7 @@ class LaunchPlan:
                 else:
                     one.run()
 
-    def _run_async_worker(self, bind: Any, schema_drift: Sequence[str] | None) -> None:
+    def _run_async_worker(self, bind: Any, schema_drift: Schema) -> None:
         """The asyncio worker on the application's ``AsyncEngine``, or on one made from the
         URL ``bind`` on this loop. (The metrics' engine is made from the URL either way: an
         ``AsyncEngine`` cannot serve the exporter's thread.)"""
@@ -242,7 +242,7 @@ class LaunchPlan:
         asyncio.run(main())
 
     def _run_async_sharded(
-        self, shards: Mapping[str, Any], schema_drift: Sequence[str] | None
+        self, shards: Mapping[str, Any], schema_drift: Schema
     ) -> None:
         async def main() -> None:
             # Made from the URLs: each shard's engine is made, and disposed of, by its
@@ -272,7 +272,7 @@ class LaunchPlan:
         engine: sa.Engine | sa.URL | str | None = None,
         *,
         shards: Mapping[str, Any] | None = None,
-        schema_drift: Sequence[str] | None = None,
+        schema_drift: Schema = None,
     ) -> Iterator[None]:
         """Serve the metrics and health endpoints while the worker runs.
 
