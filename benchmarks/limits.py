@@ -18,7 +18,11 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
    * with ``rate="10000/s"``: the sliding log rewritten at every claim;
    * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each);
    * keyed by the same 1,000 keys, ``key_rate="10000/s"`` and no key concurrency: each
-     claimed key's log upserted in ``<table>_key_starts`` at every claim.
+     claimed key's log upserted in ``<table>_key_starts`` at every claim;
+   * ``key_order="fifo"`` (strict order per key) over 1,000 keys (20 jobs each) and over 10
+     (2,000 each): each candidate probed for an earlier job of its key
+     (``<table>_key_order``); with 10 keys, at most 10 jobs run at once, whatever the
+     worker's slots, so that row is bound by the keys, not by the claim.
 
 B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 jobs each,
    on one held autocommit connection, each claim's jobs deleted after it untimed): the
@@ -52,26 +56,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench
 
 from sqla_jobs import Worker, WorkerSettings, create_engine
-from sqla_jobs._queries import claim_params, interval, limited_claim_params
+from sqla_jobs._queries import claim_params, interval, limited_claim_params, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 
-#: name -> (queue, jobs.queue(...) keywords, keyed)
-VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "no limits (plain claim)": ("default", {}, False),
-    "concurrency=1,000,000 (never binds)": ("roomy", {"concurrency": 1_000_000}, False),
-    "concurrency=64 (binds)": ("capped", {"concurrency": 64}, False),
-    'rate="10000/s"': ("rated", {"rate": "10000/s"}, False),
-    "keyed, 1 per key, 1,000 keys": ("keyed", {}, True),
-    'key_rate="10000/s" (never binds), 1,000 keys': ("key_rated", {"key_rate": "10000/s"}, True),
+#: name -> (queue, jobs.queue(...) keywords, how many keys the jobs spread over: 0, none)
+VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "no limits (plain claim)": ("default", {}, 0),
+    "concurrency=1,000,000 (never binds)": ("roomy", {"concurrency": 1_000_000}, 0),
+    "concurrency=64 (binds)": ("capped", {"concurrency": 64}, 0),
+    'rate="10000/s"': ("rated", {"rate": "10000/s"}, 0),
+    "keyed, 1 per key, 1,000 keys": ("keyed", {}, 1_000),
+    'key_rate="10000/s" (never binds), 1,000 keys': ("key_rated", {"key_rate": "10000/s"}, 1_000),
+    'key_order="fifo", 1,000 keys': ("fifo", {"key_order": "fifo"}, 1_000),
+    'key_order="fifo", 10 keys': ("fifo10", {"key_order": "fifo"}, 10),
 }
-KEYS = 1_000
 
 
 def declare(app: bench.App) -> None:
-    for queue, limits, keyed in VARIANTS.values():
+    for queue, limits, keys in VARIANTS.values():
         if limits:
             app.jobs.queue(queue, **limits)
-        if keyed:
+        if keys:
 
             def keyed_noop(i: int, account: str) -> None:
                 """A no-op with a key."""
@@ -85,8 +90,8 @@ def declare(app: bench.App) -> None:
 
 
 def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str) -> None:
-    queue, _, keyed = VARIANTS[variant]
-    if not keyed:
+    queue, _, keys = VARIANTS[variant]
+    if not keys:
         bench.preload(admin, app, n, queue=queue)
         return
     bench.reset(admin, app)
@@ -97,7 +102,7 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
             "jsonb_build_object('i', g, 'account', 'k' || g %% %s), "
             "'k' || g %% %s FROM generate_series(1, %s) AS g"
         ).format(app.qualified),
-        (queue, queue, KEYS, KEYS, n),
+        (queue, queue, keys, keys, n),
     )
     admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
 
@@ -119,7 +124,7 @@ def claim_micros(
     app: bench.App, engine: sa.Engine, admin: psycopg.Connection[Any], claims: int, variant: str
 ) -> float:
     """Median microseconds of one claim of 10 jobs (the deletes between claims untimed)."""
-    queue, limits, keyed = VARIANTS[variant]
+    queue, limits, keys = VARIANTS[variant]
     preload(admin, app, claims * 10 + 100, variant)
     queries = app.jobs.queries
     declared = app.jobs.limits(queue)
@@ -130,21 +135,8 @@ def claim_micros(
         for _ in range(claims):
             params = claim_params(queue, 10, interval(30), "bench")
             start = time.perf_counter()
-            if limits or keyed:
-                found = worker_db.claim_limited(
-                    conn,
-                    queries,
-                    limited_claim_params(
-                        params,
-                        concurrency=declared.concurrency,
-                        rate=declared.rate,
-                        period=declared.rate_period,
-                        key_limit=declared.key_concurrency,
-                        keyed=declared.keyed,
-                        key_rate=declared.key_rate,
-                        key_period=declared.key_rate_period,
-                    ),
-                )
+            if limits or keys:
+                found = worker_db.claim_limited(conn, queries, queue_claim_params(params, declared))
                 ids = [r[0] for r in found.rows]
             else:
                 ids = [r[0] for r in worker_db.claim(conn, queries, params)]
@@ -279,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
-        picked = [names[0], names[1], names[4], names[5]]
+        picked = [names[0], names[1], names[4], names[5], names[6]]
         micros: dict[str, list[float]] = {name: [] for name in picked}
         for r in range(repeat):
             for name in picked[r % len(picked) :] + picked[: r % len(picked)]:

@@ -40,7 +40,9 @@ drift of the machine hits all alike; a cell is the median of ``--repeat``, min-m
    one has started, 2-5 ms after. sqla-jobs runs twice: the threaded worker and
    ``--asyncio``. Plain: a process blocked in ``LISTEN`` that, on a notification, claims
    with the same ``DELETE ... RETURNING``; its producer sends ``pg_notify`` with its
-   INSERT. Lower is better on this row, so its ratio is the peer's time over ours.
+   INSERT. Lower is better on this row, so its ratio is the peer's time over ours. The
+   sqla-jobs workers are sampled once ``/healthz`` no longer says ``"checking"`` (the
+   schema comparison they run in the background a second after start is done).
 
 The ratio columns are sqla-jobs against PGQueuer and against plain SQL (above 1: sqla-jobs
 is faster), computed from the medians of the same run.
@@ -121,6 +123,26 @@ def started(n: int) -> None:
     if _udp is None:
         _udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     _udp.sendto(f"{n} {now!r}".encode(), ("127.0.0.1", int(os.environ["PEERS_UDP_PORT"])))
+
+
+def worker_up(proc: subprocess.Popen[bytes], port: int) -> None:
+    """Wait until the sqla-jobs worker has done what it does once after start (its schema
+    comparison, in the background: ``/healthz`` says ``"checking"`` until then), so that
+    the idle pickup row measures a running worker, not its start (the drain row has it)."""
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the sqla-jobs worker exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if json.loads(r.read()).get("schema") != "checking":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("the sqla-jobs worker did not finish starting within 60 s")
 
 
 # -- the worker processes of plain SQL and PGQueuer ---------------------------------------
@@ -491,12 +513,17 @@ class Bench:
     @contextmanager
     def listening(self, system: str, port: int) -> Iterator[None]:
         py = sys.executable
+        health = None
         if system.startswith("sqla-jobs"):
             asyncio_worker = system.endswith("asyncio")
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                health = free.getsockname()[1]
             command = [
                 py, "-m", "sqla_jobs.cli", "worker", "peers:jobs", "--log-level", "WARNING",
                 "--queues", "alatency" if asyncio_worker else "latency",
                 *(["--asyncio"] if asyncio_worker else []),
+                "--health-port", f"127.0.0.1:{health}",
             ]  # fmt: skip
         elif system == "plain":
             command = [py, "-m", "peers", "_plain", self.url, "listen"]
@@ -512,6 +539,8 @@ class Bench:
             command, cwd=HERE, env=self.env(PEERS_UDP_PORT=str(port)), stdout=subprocess.DEVNULL
         )
         try:
+            if health is not None:
+                worker_up(proc, health)
             yield
         finally:
             proc.send_signal(signal.SIGINT if system.startswith("sqla-jobs") else signal.SIGTERM)

@@ -330,10 +330,11 @@ def _limit_lock(t: sa.Table) -> sa.Select[Any]:
 LIMITED_COLUMNS = ("ready_seen", "rate_free_in", "key_free_in")
 
 
-def _limited_claim(t: sa.Table, *, key_rated: bool = False) -> sa.Select[Any]:
+def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) -> sa.Select[Any]:
     """The limited claim; ``key_rated``: the variant for queues with a ``key_rate``, which
     reads and writes <table>_key_starts (a queue without one keeps the statement it had,
-    and does not pay for that table's CTEs)."""
+    and does not pay for that table's CTEs); ``fifo``: for queues with
+    ``key_order="fifo"``, where a keyed job is a candidate only at the head of its key."""
     c = t.c
     queues = companion_tables(t).queues
     queue_name = sa.bindparam("queue_name", type_=sa.Text)
@@ -393,6 +394,25 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False) -> sa.Select[Any]:
     room: sa.ColumnElement[bool] = c.concurrency_key.not_in(full_keys)
     if key_rated:
         room = sa.and_(room, c.concurrency_key.not_in(sa.select(key_full.c.key)))
+    if fifo:
+        # The head of its key: no earlier job of the key that waits (scheduled: a delay or
+        # a retry), is ready or runs, nor, when failed heads hold (:hold), one that ended
+        # dead or cancelled. Literal statuses: <table>_key_order serves each probe.
+        earlier = t.alias("earlier")
+        e = earlier.c
+        waiting = [status_literal(s) for s in LIVE_STATUSES]
+        failed = [status_literal(s) for s in (JobStatus.DEAD, JobStatus.CANCELLED)]
+        ahead = sa.exists().where(
+            e.queue == queue_name,
+            e.concurrency_key.is_not(None),
+            e.concurrency_key == c.concurrency_key,
+            e.id < c.id,
+            sa.or_(
+                e.status.in_(waiting),
+                sa.and_(sa.bindparam("hold", type_=sa.Boolean), e.status.in_(failed)),
+            ),
+        )
+        room = sa.and_(room, ~ahead)
     head = (
         sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
         .where(*ready, c.run_at <= sa.func.now(), sa.or_(c.concurrency_key.is_(None), room))
@@ -590,6 +610,10 @@ class LimitedClaimParams(ClaimParams):
     scan: int
     key_rate: int | None
     key_period: timedelta | None
+    #: The queue's key_order is "fifo" (the statement is the fifo variant).
+    fifo: bool
+    #: With fifo: a dead or cancelled head holds its key.
+    hold: bool
 
 
 def limited_claim_params(
@@ -602,6 +626,8 @@ def limited_claim_params(
     keyed: bool = True,
     key_rate: int | None = None,
     key_period: float | None = None,
+    fifo: bool = False,
+    hold: bool = True,
 ) -> LimitedClaimParams:
     """The plain claim's parameters and the queue's limits. ``scan``: how many ready rows
     the per-key choice looks at: for a keyed queue, enough that a few busy keys at the
@@ -617,7 +643,19 @@ def limited_claim_params(
         "scan": max(limit * 4, 64) if keyed else limit,
         "key_rate": key_rate,
         "key_period": None if key_period is None else interval(key_period),
+        "fifo": fifo,
+        "hold": hold,
     }
+
+
+def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
+    """The limited claim for these limits: the key-rated variant only for a queue with a
+    ``key_rate``, the fifo one only for a queue with ``key_order="fifo"``, so the other
+    limited queues keep their statement (and its cost)."""
+    key_rated = params.get("key_rate") is not None
+    if params.get("fifo"):
+        return queries.fifo_claim(key_rated=key_rated)
+    return queries.key_rated_claim if key_rated else queries.limited_claim
 
 
 def queue_claim_params(params: ClaimParams, limits: QueueLimits) -> LimitedClaimParams:
@@ -632,6 +670,8 @@ def queue_claim_params(params: ClaimParams, limits: QueueLimits) -> LimitedClaim
         keyed=limits.keyed,
         key_rate=limits.key_rate,
         key_period=limits.key_rate_period,
+        fifo=limits.key_order == "fifo",
+        hold=limits.on_head_failure == "hold",
     )
 
 
@@ -1880,6 +1920,8 @@ class Queries:
         self.limit_lock = _limit_lock(t)
         self.limited_claim = _limited_claim(t)
         self.key_rated_claim = _limited_claim(t, key_rated=True)
+        # Queues with key_order="fifo" (two more variants, built when first used).
+        self._fifo_claims: dict[bool, sa.Select[Any]] = {}
         self.complete = _complete(t, keep_done=keep_done)
         self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
@@ -1947,3 +1989,14 @@ class Queries:
 
     def __repr__(self) -> str:
         return f"<Queries of {self.table.fullname}>"
+
+    def fifo_claim(self, *, key_rated: bool) -> sa.Select[Any]:
+        """The limited claim of a queue with ``key_order="fifo"`` (see
+        :func:`_limited_claim`), built the first time a worker or a session asks: most
+        applications have no such queue, and every statement built here is start-up time."""
+        statement = self._fifo_claims.get(key_rated)
+        if statement is None:
+            statement = self._fifo_claims[key_rated] = _limited_claim(
+                self.table, key_rated=key_rated, fifo=True
+            )
+        return statement

@@ -109,6 +109,7 @@ __all__ = [
     "Action",
     "ActionName",
     "ActionReport",
+    "BlockedKey",
     "JobFilters",
     "JobInfo",
     "JobPage",
@@ -123,6 +124,7 @@ __all__ = [
     "Throughput",
     "WorkerInfo",
     "act",
+    "blocked_keys",
     "browse_jobs",
     "cancel_jobs",
     "get_job",
@@ -1681,6 +1683,80 @@ def list_queues(bind: Bind, jobs: JobSource) -> list[QueueInfo]:
             jobs.limits(n).describe() if isinstance(jobs, Jobs) else "",
         )
         for n in sorted(names)
+    ]
+
+
+@dataclass(frozen=True)
+class BlockedKey:
+    """A key of a queue with ``key_order="fifo"`` whose head ended dead or cancelled: the
+    jobs behind it wait (``on_head_failure="hold"``) until an operator retries the head
+    (it runs first, then the rest of its key) or deletes it (``purge``; then the key goes
+    on with its next job)."""
+
+    queue: str
+    key: str
+    #: The job that holds the key, and how it ended.
+    head_id: int
+    head_status: str
+    finished_at: datetime | None
+    #: Jobs of the key behind it (scheduled or ready).
+    waiting: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_value(v) for k, v in asdict(self).items()}
+
+
+def blocked_keys(bind: Bind, jobs: Jobs, *, queue: str | None = None) -> list[BlockedKey]:
+    """The keys held by a dead or cancelled head, in the queues that ``jobs`` declares with
+    ``key_order="fifo"`` and ``on_head_failure="hold"`` (or in ``queue`` alone), by queue
+    and key. Read through ``<table>_key_order``: the keyed jobs that wait or failed in
+    those queues, not the rest of the table."""
+    if not isinstance(jobs, Jobs):
+        raise TypeError("blocked_keys needs the Jobs registry: key order is declared in code")
+    held = [
+        name
+        for name, limits in jobs.queue_limits.items()
+        if limits.key_order == "fifo" and limits.on_head_failure == "hold"
+    ]
+    if queue is not None:
+        held = [name for name in held if name == queue]
+    if not held:
+        return []
+    c = jobs.table.c
+    statuses = [_lit(s) for s in (*LIVE_STATUSES, *RETRYABLE)]
+    keyed = sa.and_(c.queue.in_(held), c.concurrency_key.is_not(None), c.status.in_(statuses))
+    # The first of each key (a window, not DISTINCT ON: SQLAlchemy 2.0 and 2.1 spell that
+    # differently).
+    nth = sa.func.row_number().over(partition_by=(c.queue, c.concurrency_key), order_by=c.id)
+    ranked = (
+        sa.select(c.queue, c.concurrency_key, c.id, c.status, c.finished_at, nth.label("nth"))
+        .where(keyed)
+        .subquery("ranked")
+    )
+    heads = sa.select(ranked).where(ranked.c.nth == 1).subquery("heads")
+    behind = (
+        sa.select(c.queue, c.concurrency_key, sa.func.count().label("n"))
+        .where(keyed, c.status.in_([_lit(s) for s in LIVE_STATUSES]))
+        .group_by(c.queue, c.concurrency_key)
+        .subquery("behind")
+    )
+    stmt = (
+        sa.select(heads, sa.func.coalesce(behind.c.n, 0).label("waiting"))
+        .select_from(
+            heads.outerjoin(
+                behind,
+                sa.and_(
+                    behind.c.queue == heads.c.queue,
+                    behind.c.concurrency_key == heads.c.concurrency_key,
+                ),
+            )
+        )
+        .where(heads.c.status.in_([_lit(s) for s in RETRYABLE]))
+        .order_by(heads.c.queue, heads.c.concurrency_key)
+    )
+    return [
+        BlockedKey(r.queue, r.concurrency_key, r.id, r.status, r.finished_at, int(r.waiting))
+        for r in _execute(bind, stmt)
     ]
 
 

@@ -51,6 +51,7 @@ from ._queries import (
     claim_params,
     fail_params,
     interval,
+    limited_statement,
     queue_claim_params,
     snooze_params,
 )
@@ -177,8 +178,7 @@ def _claim_limited(
         return []
     session.execute(queries.limit_lock, {"queue_name": limits.name})
     limited = queue_claim_params(params, limits)
-    statement = queries.key_rated_claim if limits.key_rate is not None else queries.limited_claim
-    rows = session.execute(statement, dict(limited)).all()
+    rows = session.execute(limited_statement(queries, limited), dict(limited)).all()
     return [r.id for r in rows if r.id is not None]
 
 

@@ -1239,6 +1239,29 @@ def cmd_queues_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_queues_blocked(args: argparse.Namespace) -> int:
+    """The keys of queues with key_order="fifo" whose head ended dead or cancelled, which
+    holds the jobs behind it (on_head_failure="hold"): retry the head (`sqla-jobs jobs
+    retry ID`) to run it again first, or purge it to let the key go on. Exit code 1 when
+    any key is blocked, so that a script can alert on it."""
+    target, engine = _prepare(args)
+    if not isinstance(target, Jobs):
+        raise CommandError("queues blocked needs the Jobs registry: key order is declared in code")
+    with _database_errors(), engine.connect() as conn:
+        blocked = admin.blocked_keys(conn, target, queue=args.queue)
+    if args.json:
+        _print_json([b.to_dict() for b in blocked])
+    elif not blocked:
+        print("no blocked keys")
+    else:
+        rows = [
+            [b.queue, b.key, str(b.head_id), b.head_status, _when(b.finished_at), str(b.waiting)]
+            for b in blocked
+        ]
+        _print_table(["QUEUE", "KEY", "HEAD", "STATUS", "SINCE", "WAITING"], rows, right={2, 5})
+    return EXIT_FAILURE if blocked else EXIT_OK
+
+
 def cmd_queues_pause(args: argparse.Namespace) -> int:
     target, engine = _prepare(args)
     paused = args.queues_command == "pause"
@@ -1817,6 +1840,14 @@ def _add_queues(sub: Any) -> None:
         queues_sub, "list", cmd_queues_list, "every known queue and whether it is paused"
     )
     listing.add_argument("--json", action="store_true", help="a JSON array of queues")
+    blocked = _command(
+        queues_sub,
+        "blocked",
+        cmd_queues_blocked,
+        "keys held behind a dead or cancelled head (key_order='fifo')",
+    )
+    blocked.add_argument("--queue", help="only this queue")
+    blocked.add_argument("--json", action="store_true", help="a JSON array of blocked keys")
     for action, text in (
         ("pause", "stop workers claiming from a queue (running jobs finish)"),
         ("resume", "let workers claim from a paused queue again"),

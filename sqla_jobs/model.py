@@ -493,6 +493,14 @@ def add_constraints(table: sa.Table) -> None:
     # handful of rows at any time for those with.
     keyed = "status = 'running' AND concurrency_key IS NOT NULL"
     partial("keys", c.queue, c.concurrency_key, where=keyed)
+    # Queues with key_order="fifo": the claim takes a keyed job only when no earlier job
+    # of its key waits, runs or (held) failed, one probe of this index per candidate. Keyed
+    # rows only, and not the finished ones (a dead or cancelled one can hold its key).
+    fifo = (
+        "concurrency_key IS NOT NULL AND status IN "
+        "('scheduled', 'ready', 'running', 'dead', 'cancelled')"
+    )
+    partial("key_order", c.queue, c.concurrency_key, c.id, where=fifo)
     # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.
     # Partial: the jobs that wait for nothing (nearly all) add nothing to it.
     partial("parents", c.parents, postgresql_using="gin", where="parents IS NOT NULL")

@@ -349,6 +349,15 @@ class Jobs(Registry):
         :param key_rate: most jobs with the same ``concurrency_key`` started per period, in
             any window of it (``"10/minute"``, as ``rate``); jobs without a key are not
             counted. Given alone, it is the key's only limit (no ``key_concurrency``).
+        :param key_order: ``"fifo"``: the jobs of one key start in the order they were
+            enqueued (by id), one at a time, across every worker; other keys run in
+            parallel. A job waits while an earlier job of its key is scheduled (a delay, or
+            a retry: a retrying head holds its key), ready or running. Priority orders the
+            heads of different keys, never the jobs of one key.
+        :param on_head_failure: with ``key_order``, what a head that ends dead or
+            cancelled does to the rest of its key: ``"hold"`` them (the default) until an
+            operator retries or deletes it (``admin.blocked_keys`` and ``sqla-jobs queues
+            blocked`` list such keys), or ``"continue"`` with the next job of the key.
 
         Raises ``ValueError`` for a bad limit or a queue declared twice. See
         :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.

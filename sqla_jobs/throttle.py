@@ -55,15 +55,31 @@ import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from ._storable import UNIQUE_KEY_MAX_BYTES, check_name
 from .errors import EnqueueError
 
-__all__ = ["ConcurrencyKey", "QueueLimits", "concurrency_key_of", "parse_rate"]
+__all__ = [
+    "ConcurrencyKey",
+    "HeadFailure",
+    "KeyOrder",
+    "QueueLimits",
+    "concurrency_key_of",
+    "parse_rate",
+]
 
 #: A task's key function: its arguments, as keywords, to the key (None: no key, no limit).
 ConcurrencyKey = Callable[..., "str | None"]
+
+#: ``"fifo"``: the jobs of one key start one at a time, in the order of their ids.
+KeyOrder = Literal["fifo"]
+#: What a dead or cancelled job at the head of its key does to the jobs behind it, in a
+#: queue with ``key_order="fifo"``: ``"hold"`` them until an operator retries or deletes
+#: it, or ``"continue"`` with the next.
+HeadFailure = Literal["hold", "continue"]
+_KEY_ORDERS = ("fifo",)
+_HEAD_FAILURES = ("hold", "continue")
 
 #: A concurrency key sits in an index (``<table>_keys``), like a unique key.
 CONCURRENCY_KEY_MAX_BYTES = UNIQUE_KEY_MAX_BYTES
@@ -128,6 +144,8 @@ class QueueOptions(TypedDict, total=False):
     rate: str | None
     key_concurrency: int | None
     key_rate: str | None
+    key_order: KeyOrder | None
+    on_head_failure: HeadFailure
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,10 @@ class QueueLimits:
     #: in any window; None: no per-key rate.
     key_rate: int | None = None
     key_rate_period: float | None = None
+    #: ``"fifo"``: the jobs of one key start in the order of their ids, one at a time.
+    key_order: KeyOrder | None = None
+    #: With ``key_order="fifo"``: whether a dead or cancelled head holds its key.
+    on_head_failure: HeadFailure = "hold"
 
     @classmethod
     def declare(
@@ -160,26 +182,49 @@ class QueueLimits:
         rate: str | None = None,
         key_concurrency: int | None = None,
         key_rate: str | None = None,
+        key_order: KeyOrder | None = None,
+        on_head_failure: HeadFailure | None = None,
     ) -> QueueLimits:
-        """Checked limits; ``ValueError`` names the bad one. Giving ``key_concurrency``
-        or ``key_rate`` makes the queue keyed (it takes keyed jobs of any task). A
-        ``key_rate`` without ``key_concurrency`` limits the key's starts only; without
-        either, a keyed queue runs one job per key at a time."""
+        """Checked limits; ``ValueError`` names the bad one. Giving ``key_concurrency``,
+        ``key_rate`` or ``key_order`` makes the queue keyed (it takes keyed jobs of any
+        task). A ``key_rate`` without ``key_concurrency`` limits the key's starts only;
+        without either, a keyed queue runs one job per key at a time, which
+        ``key_order="fifo"`` requires."""
         count, period = parse_rate(rate) if rate is not None else (None, None)
         key_limit = _positive(name, key_concurrency, "key_concurrency")
         try:
             key_count, key_period = parse_rate(key_rate) if key_rate is not None else (None, None)
         except ValueError as exc:
             raise ValueError(f"queue {name!r}: key_{exc}") from None
+        if key_order is not None and key_order not in _KEY_ORDERS:
+            raise ValueError(f"queue {name!r}: key_order must be 'fifo' or None, got {key_order!r}")
+        if key_order is not None and key_limit not in (None, 1):
+            raise ValueError(
+                f"queue {name!r}: key_order='fifo' runs the jobs of a key one at a time; "
+                f"key_concurrency={key_limit} cannot go with it"
+            )
+        if on_head_failure is not None:
+            if key_order is None:
+                raise ValueError(f"queue {name!r}: on_head_failure is for key_order='fifo'")
+            if on_head_failure not in _HEAD_FAILURES:
+                raise ValueError(
+                    f"queue {name!r}: on_head_failure must be 'hold' or 'continue', "
+                    f"got {on_head_failure!r}"
+                )
+        keyed = key_limit is not None or key_count is not None or key_order is not None
+        if key_limit is None and (key_count is None or key_order is not None):
+            key_limit = 1  # a keyed queue runs one job per key, unless only its rate is given
         return cls(
             name,
             _positive(name, concurrency, "concurrency"),
             count,
             period,
-            key_limit if key_limit is not None or key_count is not None else 1,
-            keyed=key_limit is not None or key_count is not None,
+            key_limit,
+            keyed=keyed,
             key_rate=key_count,
             key_rate_period=key_period,
+            key_order=key_order,
+            on_head_failure=on_head_failure or "hold",
         )
 
     @property
@@ -198,6 +243,8 @@ class QueueLimits:
             parts.append(f"{self.key_concurrency} per key")
         if self.key_rate is not None:
             parts.append(f"{self.key_rate}/{self.key_rate_period:g}s per key")
+        if self.key_order is not None:
+            parts.append(f"in order per key ({self.on_head_failure} on a failed head)")
         return ", ".join(parts)
 
 

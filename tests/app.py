@@ -116,6 +116,9 @@ limited_jobs = Jobs(Job, retry=Backoff(base=0.05, cap=0.05, jitter=0))
 limited_jobs.queue("limited", concurrency=3)
 limited_jobs.queue("rated", rate="20/s")
 limited_jobs.queue("key_rated", key_rate="10/s")
+# Strict order per key (tests/test_key_order.py): a failed head holds its key, or not.
+limited_jobs.queue("ordered", key_order="fifo")
+limited_jobs.queue("ordered_on", key_order="fifo", on_head_failure="continue")
 
 
 def span(key: str | None, seconds: float) -> None:
@@ -155,6 +158,13 @@ def rated_work() -> None:
 @limited_jobs.task(queue="key_rated", concurrency_key=lambda account, **_: account)
 def key_rated_work(account: str) -> None:
     span(account, 0.0)
+
+
+@limited_jobs.task(queue="ordered", concurrency_key=lambda account, **_: account)
+def ordered_work(account: str, seconds: float = 0.0, fail: bool = False) -> None:
+    span(account, seconds)
+    if fail:
+        raise RuntimeError(f"{account}: failed on purpose")
 
 
 @limited_jobs.task(queue="unlimited")

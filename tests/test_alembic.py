@@ -606,7 +606,9 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
     column, the ``<table>_keys`` index and ``<table>_queues.rate_log``, nothing by hand."""
     project = make_project(explicit_schema=True)
     first = project.autogenerate("jobs")
-    project.edit(first, ["sa.Column('concurrency_key'", "sa.Index('jobs_keys'"])
+    project.edit(
+        first, ["sa.Column('concurrency_key'", "sa.Index('jobs_keys'", "sa.Index('jobs_key_order'"]
+    )
     # <table>_queues is an op.create_table of its own, outside create_jobs_table.
     lines = first.read_text().splitlines(keepends=True)
     kept = [line for line in lines if "sa.Column('rate_log'" not in line]
@@ -617,17 +619,19 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
 
     second = project.autogenerate("limits")
     upgrade = section(second, "upgrade")
-    assert len(upgrade) == 3, upgrade
+    assert len(upgrade) == 4, upgrade
     schema = project.schema
     assert (
         "op.add_column('jobs', sa.Column('concurrency_key', sa.Text(), nullable=True), "
         f"schema='{schema}')"
     ) in upgrade
-    create_index = next(s for s in upgrade if s.startswith("op.create_index("))
+    create_index = next(s for s in upgrade if s.startswith("op.create_index('jobs_keys'"))
     assert create_index.startswith(
         "op.create_index('jobs_keys', 'jobs', ['queue', 'concurrency_key']"
     )
     assert "status = 'running' AND concurrency_key IS NOT NULL" in create_index
+    key_order = next(s for s in upgrade if s.startswith("op.create_index('jobs_key_order'"))
+    assert "['queue', 'concurrency_key', 'id']" in key_order
     add_log = next(s for s in upgrade if "rate_log" in s)
     assert add_log.startswith("op.add_column('jobs_queues', sa.Column('rate_log', ")
 

@@ -82,6 +82,31 @@ def check_limits(jobs: Jobs, engine: sa.Engine) -> None:
     assert log == 2
 
 
+def check_key_order(jobs: Jobs, engine: sa.Engine) -> None:
+    """Strict order per key (<table>_key_order, new in 0.2): the jobs of one key run one
+    after the other, in the order they were enqueued."""
+    jobs.queue("upgrade-ordered", key_order="fifo")
+    ran: list[int] = []
+
+    @jobs.task(queue="upgrade-ordered", concurrency_key=lambda account, **_: account)
+    def step(account: str, n: int) -> None:
+        ran.append(n)
+
+    with JobSession(engine, jobs=jobs) as session:
+        session.enqueue_many(step, [{"account": "a", "n": n} for n in range(5)])
+        session.commit()
+    with JobSession(engine, jobs=jobs) as session:
+        assert len(session.claim(queue="upgrade-ordered", limit=5)) == 1  # the head alone
+        session.rollback()
+    worker = Worker(jobs, engine, queues=["upgrade-ordered"], listen=False)
+    assert worker.run_until_empty(timeout=10) == 5
+    assert ran == list(range(5))
+    with engine.connect() as conn:
+        assert conn.execute(
+            sa.text("SELECT count(*) FROM pg_indexes WHERE indexname = 'jobs_key_order'")
+        ).scalar()
+
+
 def check_results_and_workflows(jobs: Jobs, engine: sa.Engine) -> None:
     """A kept result (the result column) and a chain (parents, waiting and
     <table>_parents, new in 0.2): the child runs after its parent, and both results are
@@ -179,6 +204,7 @@ UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("concurrency and rate limits", check_limits),
     ("results and workflows", check_results_and_workflows),
     ("per-key rates", check_key_rate),
+    ("strict order per key", check_key_order),
     ("CHECK constraints", check_constraints),
 ]
 

@@ -241,9 +241,7 @@ class LaunchPlan:
 
         asyncio.run(main())
 
-    def _run_async_sharded(
-        self, shards: Mapping[str, Any], schema_drift: Schema
-    ) -> None:
+    def _run_async_sharded(self, shards: Mapping[str, Any], schema_drift: Schema) -> None:
         async def main() -> None:
             # Made from the URLs: each shard's engine is made, and disposed of, by its
             # worker; the application's own engines are disposed of here (their

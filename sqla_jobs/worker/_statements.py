@@ -25,6 +25,7 @@ from .._queries import (
     WorkerSeenParams,
     batch_params,
     heartbeat_params,
+    limited_statement,
     throughput_params,
 )
 
@@ -80,12 +81,6 @@ class LimitedClaim:
     rate_free_in: float | None
     #: Seconds until the first key held by the queue's ``key_rate`` has room (or None).
     key_free_in: float | None = None
-
-
-def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
-    """The limited claim for these limits: the key-rated variant only for a queue with a
-    ``key_rate``, so the other limited queues keep their statement (and its cost)."""
-    return queries.key_rated_claim if params.get("key_rate") is not None else queries.limited_claim
 
 
 def claim_limited(

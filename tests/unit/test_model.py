@@ -30,6 +30,7 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items_dead",
         "work_items_meta",
         "work_items_keys",
+        "work_items_key_order",
         "work_items_parents",
     }
     checks = {

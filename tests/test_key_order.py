@@ -1,0 +1,242 @@
+"""Strict order per key (``jobs.queue(name, key_order="fifo")``): the jobs of one key start
+in the order of their ids, one at a time, across claimers and worker processes; a job waits
+behind an earlier one of its key that is scheduled (delayed, retrying), ready or running,
+and, unless the queue says ``on_head_failure="continue"``, behind one that ended dead or
+cancelled, until an operator retries or deletes it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_jobs import Jobs, JobSession, admin
+from sqla_jobs._queries import claim_params, interval, queue_claim_params
+from sqla_jobs.worker import _statements as worker_db
+
+from . import app
+from .helpers import count, wait_for
+from .test_throttle import _spans, _start_workers, workers  # noqa: F401 (a fixture)
+
+jobs = app.limited_jobs
+ordered = app.ordered_work
+Job = app.Job.__table__
+
+
+def test_declarations() -> None:
+    registry = Jobs(app.Job)
+    limits = registry.queue("a", key_order="fifo")
+    assert (limits.keyed, limits.key_concurrency, limits.on_head_failure) == (True, 1, "hold")
+    assert limits.describe() == "1 per key, in order per key (hold on a failed head)"
+    assert registry.queue("b", key_order="fifo", key_concurrency=1).key_order == "fifo"
+    assert registry.queue("c", key_order="fifo", key_rate="5/s").key_concurrency == 1
+    go_on = registry.queue("d", key_order="fifo", on_head_failure="continue")
+    assert go_on.on_head_failure == "continue"
+    for bad, message in (
+        ({"key_order": "lifo"}, "key_order must be 'fifo' or None"),
+        ({"key_order": "fifo", "key_concurrency": 2}, "key_concurrency=2 cannot go with it"),
+        ({"on_head_failure": "hold"}, "on_head_failure is for key_order='fifo'"),
+        ({"key_order": "fifo", "on_head_failure": "skip"}, "must be 'hold' or 'continue'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            registry.queue("e", **bad)
+    assert "e" not in registry.queue_limits
+
+
+def _claim(db: sa.Engine, queue: str = "ordered", limit: int = 10, name: str = "t") -> list[int]:
+    """One limited claim of ``queue``, as a worker's fetcher makes it: the claimed ids."""
+    with db.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        params = queue_claim_params(
+            claim_params(queue, limit, interval(30), name), jobs.limits(queue)
+        )
+        found = worker_db.claim_limited(conn, jobs.queries, params)
+        return sorted(int(r[0]) for r in found.rows)  # the rows start with the id
+
+
+def _finish(db: sa.Engine, ids: list[int], status: str | None = None) -> None:
+    """The claimed jobs end: deleted (done), or left ``status`` (dead, cancelled)."""
+    with db.begin() as conn:
+        if status is None:
+            conn.execute(sa.delete(Job).where(Job.c.id.in_(ids)))
+        else:
+            conn.execute(
+                sa.update(Job)
+                .where(Job.c.id.in_(ids))
+                .values(status=status, finished_at=sa.func.now(), locked_until=None)
+            )
+
+
+def _enqueue(db: sa.Engine, accounts: str, **options: Any) -> list[int]:
+    task = ordered.with_options(**options) if options else ordered
+    with db.begin() as conn:
+        return [jobs.enqueue(conn, task, account=a) for a in accounts]
+
+
+def _blocked(db: sa.Engine, **kw: Any) -> list[admin.BlockedKey]:
+    with db.connect() as conn:
+        return admin.blocked_keys(conn, jobs, **kw)
+
+
+def test_each_key_starts_its_jobs_in_id_order_one_at_a_time(db: sa.Engine) -> None:
+    ids = _enqueue(db, "abcabcab")  # a: 1 4 7, b: 2 5 8, c: 3 6
+    first = _claim(db)
+    assert first == [ids[0], ids[1], ids[2]]  # each key's head, and only that
+    assert _claim(db) == []  # the heads run: nothing behind them starts
+    _finish(db, [ids[0]])  # a's head is done: a's next, only
+    assert _claim(db) == [ids[3]]
+    _finish(db, [ids[1], ids[2], ids[3]])
+    assert _claim(db) == [ids[4], ids[5], ids[6]]
+
+
+def test_concurrent_claimers_take_each_key_s_head_once(db: sa.Engine) -> None:
+    ids = _enqueue(db, "abcd" * 5)
+    barrier = threading.Barrier(6)
+    found: list[list[int]] = []
+
+    def claim(n: int) -> None:
+        barrier.wait()
+        found.append(_claim(db, limit=2, name=f"claimer-{n}"))
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    claimed = sorted(itertools.chain(*found))
+    assert claimed == ids[:4], found  # the four heads, each once, whoever claimed them
+
+
+def test_a_retrying_or_delayed_job_holds_its_place(db: sa.Engine) -> None:
+    [delayed] = _enqueue(db, "a", delay=3600)
+    later = _enqueue(db, "ab")
+    assert _claim(db) == [later[1]]  # a waits for its delayed head; b goes
+    [retried] = _enqueue(db, "c")
+    behind = _enqueue(db, "c")
+    assert _claim(db) == [retried]
+    with db.begin() as conn:  # its run failed: a retry, an hour from now
+        conn.execute(
+            sa.update(Job)
+            .where(Job.c.id == retried)
+            .values(status="scheduled", run_at=sa.func.now() + sa.text("interval '1 hour'"))
+        )
+    assert _claim(db) == []  # c's next waits behind the retrying head
+    with db.begin() as conn:
+        conn.execute(sa.delete(Job).where(Job.c.id.in_([delayed, retried])))
+    assert _claim(db) == sorted([later[0], *behind])
+
+
+def test_priority_orders_the_heads_of_keys_never_the_jobs_of_one(db: sa.Engine) -> None:
+    low = _enqueue(db, "ab")
+    urgent = _enqueue(db, "ac", priority=9)
+    assert _claim(db, limit=1) == [urgent[1]]  # c's head: the most urgent head
+    assert _claim(db, limit=1) == [low[0]]  # a's head, not a's urgent second job
+    assert _claim(db, limit=5) == [low[1]]
+
+
+def test_a_failed_head_holds_its_key_until_an_operator_acts(db: sa.Engine) -> None:
+    ids = _enqueue(db, "aaab")
+    assert _claim(db) == [ids[0], ids[3]]
+    _finish(db, [ids[0]], "dead")
+    _finish(db, [ids[3]])
+    assert _claim(db) == []  # held behind the dead head
+    [blocked] = _blocked(db)
+    assert (blocked.queue, blocked.key, blocked.head_id, blocked.head_status) == (
+        "ordered",
+        "a",
+        ids[0],
+        "dead",
+    )
+    assert blocked.waiting == 2
+    assert _blocked(db, queue="ordered_on") == []
+    # Retried: it runs first, then the rest of its key.
+    with db.begin() as conn:
+        assert admin.retry_jobs(conn, jobs, ids=[ids[0]]) == 1
+    assert _claim(db) == [ids[0]]
+    _finish(db, [ids[0]], "cancelled")  # cancelled holds too
+    assert [b.head_status for b in _blocked(db)] == ["cancelled"]
+    # Deleted (purged): the key goes on.
+    _finish(db, [ids[0]])
+    assert _blocked(db) == []
+    assert _claim(db) == [ids[1]]
+
+
+def test_the_cli_lists_blocked_keys_and_exits_1(db: sa.Engine) -> None:
+    from .test_cli_worker import run_cli
+
+    clear = run_cli("queues", "blocked", "tests.app:limited_jobs")
+    assert (clear.returncode, clear.stdout.strip()) == (0, "no blocked keys"), clear.stderr
+    ids = _enqueue(db, "aa")
+    assert _claim(db) == [ids[0]]
+    _finish(db, [ids[0]], "dead")
+    shown = run_cli("queues", "blocked", "tests.app:limited_jobs")
+    assert shown.returncode == 1, shown.stderr
+    header, line = shown.stdout.splitlines()
+    assert header.split() == ["QUEUE", "KEY", "HEAD", "STATUS", "SINCE", "WAITING"]
+    assert line.split()[:4] == ["ordered", "a", str(ids[0]), "dead"] and line.split()[-1] == "1"
+    as_json = run_cli("queues", "blocked", "tests.app:limited_jobs", "--json", "--queue", "ordered")
+    [entry] = json.loads(as_json.stdout)
+    assert (entry["key"], entry["head_id"], entry["waiting"]) == ("a", ids[0], 1)
+    model_only = run_cli("queues", "blocked", "tests.app:Job")
+    assert model_only.returncode == 2 and "needs the Jobs registry" in model_only.stderr
+
+
+def test_on_head_failure_continue_goes_on_past_a_failed_head(db: sa.Engine) -> None:
+    task = ordered.with_options(queue="ordered_on")
+    with db.begin() as conn:
+        ids = [jobs.enqueue(conn, task, account="a") for _ in range(3)]
+    assert _claim(db, "ordered_on") == [ids[0]]
+    _finish(db, [ids[0]], "dead")
+    assert _claim(db, "ordered_on") == [ids[1]]
+    assert _blocked(db) == []
+
+
+def test_jobs_without_a_key_are_not_ordered(db: sa.Engine) -> None:
+    with db.begin() as conn:
+        ids = [jobs.enqueue(conn, ordered, account=None) for _ in range(3)]  # type: ignore[arg-type]
+    assert _claim(db) == ids
+
+
+def test_session_claim_keeps_the_order(db: sa.Engine) -> None:
+    ids = _enqueue(db, "aab")
+    with JobSession(db, jobs=jobs) as session:
+        claimed = session.claim(queue="ordered", limit=10)
+        assert sorted(j.id for j in claimed) == [ids[0], ids[2]]
+        session.commit()
+
+
+def test_order_per_key_across_worker_processes(
+    db: sa.Engine,
+    workers: list[Any],  # noqa: F811
+) -> None:
+    """Three worker processes of eight slots, 24 keys of 12 jobs, enqueued interleaved and
+    in bulk: per key, the handlers start in id order and never overlap; keys overlap."""
+    workers += _start_workers(3, "ordered", 8, db)
+    with db.begin() as conn:
+        for round_ in range(12):
+            accounts = [f"k{n:02}" for n in range(24)]
+            jobs.enqueue_many(
+                conn, ordered, [{"account": a, "seconds": 0.002 * (round_ % 3)} for a in accounts]
+            )
+    total = 24 * 12
+    wait_for(lambda: count(db, app.Span) == total, timeout=120, interval=0.1)
+    spans = _spans(db)
+    by_key: dict[str, list[Any]] = {}
+    for s in spans:
+        by_key.setdefault(s.key, []).append(s)
+    assert len(by_key) == 24 and all(len(v) == 12 for v in by_key.values())
+    for key, mine in by_key.items():
+        assert [s.job_id for s in mine] == sorted(s.job_id for s in mine), key
+        for before, after in itertools.pairwise(mine):
+            assert before.ended <= after.started, f"two jobs of key {key!r} overlapped"
+    assert len({s.pid for s in spans}) > 1
+    overlapping = sum(
+        1
+        for s, o in itertools.combinations(spans, 2)
+        if s.started < o.ended and o.started < s.ended
+    )
+    assert overlapping > 0, "no two keys ever ran at the same time"
