@@ -233,18 +233,21 @@ class QueueLimits:
         return self.concurrency is not None or self.rate is not None or self.keyed
 
     def describe(self) -> str:
-        """``concurrency 3, 100/60s, 1 per key`` (empty when unlimited), for listings."""
+        """``concurrency 3, 100/60s, 1 per key`` or ``in order per key`` (empty when
+        unlimited), for listings."""
         parts = []
         if self.concurrency is not None:
             parts.append(f"concurrency {self.concurrency}")
         if self.rate is not None:
             parts.append(f"{self.rate}/{self.rate_period:g}s")
-        if self.keyed and self.key_concurrency is not None:
+        if self.key_order is not None:
+            # One at a time per key is part of the order.
+            past = ", past a failed head" if self.on_head_failure == "continue" else ""
+            parts.append(f"in order per key{past}")
+        elif self.keyed and self.key_concurrency is not None:
             parts.append(f"{self.key_concurrency} per key")
         if self.key_rate is not None:
             parts.append(f"{self.key_rate}/{self.key_rate_period:g}s per key")
-        if self.key_order is not None:
-            parts.append(f"in order per key ({self.on_head_failure} on a failed head)")
         return ", ".join(parts)
 
 

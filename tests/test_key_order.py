@@ -31,7 +31,7 @@ def test_declarations() -> None:
     registry = Jobs(app.Job)
     limits = registry.queue("a", key_order="fifo")
     assert (limits.keyed, limits.key_concurrency, limits.on_head_failure) == (True, 1, "hold")
-    assert limits.describe() == "1 per key, in order per key (hold on a failed head)"
+    assert limits.describe() == "in order per key"
     assert registry.queue("b", key_order="fifo", key_concurrency=1).key_order == "fifo"
     assert registry.queue("c", key_order="fifo", key_rate="5/s").key_concurrency == 1
     go_on = registry.queue("d", key_order="fifo", on_head_failure="continue")

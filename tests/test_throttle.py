@@ -312,6 +312,8 @@ def test_limits_are_listed(db: sa.Engine) -> None:
         "key_rated": "10/1s per key",
         "keyed": "1 per key",
         "limited": "concurrency 3",
+        "ordered": "in order per key",
+        "ordered_on": "in order per key, past a failed head",
         "rated": "20/1s",
         "unlimited": "",
     }

@@ -157,6 +157,29 @@ def test_overview_counts_queues_lag_pauses_and_outcomes(
     assert "<html" not in live.text
 
 
+def test_the_overview_shows_keys_blocked_behind_a_failed_head(
+    make_client: Callable[..., TestClient], db: sa.Engine, registry: Jobs
+) -> None:
+    """A queue in key order whose head died: the overview names the key, links the head,
+    and says how many wait behind it; nothing is shown once the head is gone."""
+    registry.queue("ledger", key_order="fifo")
+    client = make_client()
+    assert "Blocked keys" not in client.get("/").text
+    head = insert(db, queue="ledger", status="dead", concurrency_key="acct-7")
+    for _ in range(2):
+        insert(db, queue="ledger", status="ready", concurrency_key="acct-7")
+    insert(db, queue="ledger", status="ready", concurrency_key="acct-8")
+    page = client.get("/").text
+    panel = page.split("<h2>Blocked keys</h2>")[1].split("</section>")[0]
+    assert "<code>acct-7</code>" in panel and "acct-8" not in panel
+    assert f'href="/jobs/{head}">#{head}</a>' in panel
+    assert '<span class="badge dead">dead</span>' in panel
+    assert '<td class="num">2</td>' in panel
+    with db.begin() as conn:
+        conn.execute(sa.delete(TABLE).where(TABLE.c.id == head))
+    assert "Blocked keys" not in client.get("/").text
+
+
 def test_the_job_list_filters_and_pages_by_keyset_newest_first(
     client: TestClient, db: sa.Engine
 ) -> None:

@@ -288,3 +288,59 @@ def test_an_operator_finds_a_dead_job_retries_it_and_pauses_a_queue(
     assert "shop.send_receipt" in page.locator("main").inner_text()
     shot(page, "workers")
     page.close()
+
+
+def test_an_operator_sees_a_blocked_key_and_retries_its_head(
+    browser: Any, served: tuple[str, Jobs], db: sa.Engine
+) -> None:
+    """A queue in key order: a dead head holds its account's payments; the overview lists
+    the key, its head opens from there, and retrying it takes the key off the list."""
+    base, jobs = served
+    jobs.queue("payments", key_order="fifo")
+    now = datetime.now(timezone.utc)
+    with db.begin() as conn:
+        head = conn.execute(
+            sa.insert(TABLE)
+            .values(
+                task="shop.send_receipt",
+                queue="payments",
+                args={"order_id": 7},
+                status="dead",
+                attempts=5,
+                max_attempts=5,
+                finished_at=now - timedelta(minutes=4),
+                last_error="RuntimeError: card declined",
+                concurrency_key="acct-1042",
+            )
+            .returning(TABLE.c.id)
+        ).scalar_one()
+        conn.execute(
+            sa.insert(TABLE),
+            [
+                {
+                    "task": "shop.send_receipt",
+                    "queue": "payments",
+                    "args": {"order_id": 8 + i},
+                    "status": "ready",
+                    "concurrency_key": "acct-1042",
+                }
+                for i in range(3)
+            ],
+        )
+    page = browser.new_page(viewport={"width": 1360, "height": 900})
+    page.goto(base + "/")
+    panel = page.locator("section.panel", has=page.locator("h2:has-text('Blocked keys')"))
+    row = panel.locator("tbody tr")
+    assert row.count() == 1
+    assert row.locator("code").inner_text() == "acct-1042"
+    assert row.locator(".badge").inner_text() == "dead"
+    assert row.locator("td.num").inner_text() == "3"
+    shot(page, "overview-blocked-key")
+    row.locator(f"a[href='/jobs/{head}']").click()
+    page.wait_for_url(re.compile(rf".*/jobs/{head}$"))
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.click("button:has-text('Retry now')")
+    page.wait_for_url(re.compile(rf".*/jobs/{head}\?done=retry"))
+    page.goto(base + "/")
+    assert page.locator("h2:has-text('Blocked keys')").count() == 0
+    page.close()

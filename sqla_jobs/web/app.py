@@ -355,6 +355,10 @@ class Dashboard:
                 queues = admin.queue_states(conn, self.jobs, finished=False)
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
+                # Keys held behind a failed head (key_order="fifo"); declared in code.
+                blocked = (
+                    admin.blocked_keys(conn, self.jobs) if isinstance(self.jobs, Jobs) else []
+                )
             lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
             totals = {
                 "ready": sum(q.ready for q in queues),
@@ -377,6 +381,7 @@ class Dashboard:
                 section="overview",
                 page_title="Overview",
                 queues=queues,
+                blocked=blocked,
                 totals=totals,
                 hour=hour,
                 throughput=throughput,

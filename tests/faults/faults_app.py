@@ -104,7 +104,23 @@ class Order(Base):
     slots: Mapped[list[int]] = mapped_column(JSONB)
 
 
+class KeyRun(Base):
+    """A run of a job of a queue in key order that got to its end (a killed run leaves
+    none): its key, its place in the key's order, and when it started and ended."""
+
+    __tablename__ = "key_runs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger)
+    key: Mapped[str] = mapped_column(sa.Text, index=True)
+    seq: Mapped[int] = mapped_column(sa.Integer)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    started: Mapped[float] = mapped_column(sa.Float)
+    ended: Mapped[float] = mapped_column(sa.Float)
+
+
 jobs = Jobs(Job, max_attempts=ATTEMPTS, retry=Backoff(base=0.05, factor=2.0, cap=0.5, jitter=0.2))
+jobs.queue("ordered", key_order="fifo")
 
 _ENGINE: sa.Engine | None = None
 
@@ -177,6 +193,28 @@ def book(i: int, session: Session) -> None:
     record(item=i)
     job = current_job()
     session.add(Ledger(item=i, job_id=job.id, attempt=job.attempts, pid=os.getpid()))
+
+
+@jobs.task(name="faults.in_order", queue="ordered", concurrency_key=lambda key, **_: key)
+def in_order(key: str, seq: int, sleep: float = 0.0) -> None:
+    """Record the start, take ``sleep`` seconds, then record the whole run (start and end)."""
+    record(item=seq)
+    started = time.time()
+    if sleep:
+        time.sleep(sleep)
+    job = current_job()
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.insert(KeyRun).values(
+                job_id=job.id,
+                key=key,
+                seq=seq,
+                attempt=job.attempts,
+                pid=os.getpid(),
+                started=started,
+                ended=time.time(),
+            )
+        )
 
 
 @jobs.task(name="faults.order_job", queue="orders")
