@@ -178,8 +178,16 @@ def _claim_limited(
         return []
     session.execute(queries.limit_lock, {"queue_name": limits.name})
     limited = queue_claim_params(params, limits)
+    if limits.key_order is not None:
+        # No worker here to remember where the last claim's walk over the keys stopped:
+        # walk them all (a probe or two per key), so that none is out of reach.
+        limited["scan"] = max(limited["scan"], FIFO_SESSION_SCAN)
     rows = session.execute(limited_statement(queries, limited), dict(limited)).all()
     return [r.id for r in rows if r.id is not None]
+
+
+#: How many keys ``session.claim`` walks in a queue in key order (all of them, in practice).
+FIFO_SESSION_SCAN = 1_000_000
 
 
 def complete(session: Session, job: Any, *, jobs: Jobs | None = None) -> bool:

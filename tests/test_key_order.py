@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs, JobSession, admin
+from sqla_jobs._bulk import COPY_MIN_ROWS
 from sqla_jobs._queries import claim_params, interval, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 
@@ -193,6 +194,63 @@ def test_on_head_failure_continue_goes_on_past_a_failed_head(db: sa.Engine) -> N
     _finish(db, [ids[0]], "dead")
     assert _claim(db, "ordered_on") == [ids[1]]
     assert _blocked(db) == []
+
+
+def test_a_bulk_call_and_a_savepoint_keep_the_order(db: sa.Engine) -> None:
+    """A COPY-sized enqueue_many over five keys (keyed rows are INSERTed in the call's
+    order), and a savepoint rolled back in the middle: each key's jobs come out in the
+    order of the call, one per claim round."""
+    rows = [{"account": f"a{i % 5}", "seconds": 0} for i in range(COPY_MIN_ROWS + 50)]
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue_many(ordered, rows[:50])
+        with session.begin_nested() as nested:
+            session.enqueue(ordered, account="a0")
+            nested.rollback()
+        session.enqueue_many(ordered, rows[50:])  # COPY-sized: 200 rows
+        session.commit()
+    ids: dict[str, list[int]] = {}
+    with db.connect() as conn:
+        for job_id, key in conn.execute(
+            sa.select(Job.c.id, Job.c.concurrency_key).order_by(Job.c.id)
+        ):
+            ids.setdefault(key, []).append(job_id)
+    assert sorted(ids) == [f"a{k}" for k in range(5)]
+    assert sum(map(len, ids.values())) == len(rows)
+    for n in range(3):
+        claimed = _claim(db, limit=10)
+        assert claimed == sorted(ids[key][n] for key in ids)
+        _finish(db, claimed)
+
+
+def test_claims_walk_the_keys_in_turn_so_that_none_is_out_of_reach(db: sa.Engine) -> None:
+    """A claim visits at most ``scan`` keys (64 here), starting after the key where the
+    last one stopped and wrapping around: with the first hundred keys' heads running, the
+    one key that can go, last in key order, is reached by the second claim."""
+    accounts = [f"k{n:03}" for n in range(101)]
+    with db.begin() as conn:
+        ids = {a: jobs.enqueue(conn, ordered, account=a) for a in accounts}
+        behind = jobs.enqueue(conn, ordered, account="k000")
+        conn.execute(
+            sa.update(Job)
+            .where(Job.c.id.in_([ids[a] for a in accounts[:100]]))
+            .values(status="running", locked_until=sa.func.now() + sa.text("interval '1 hour'"))
+        )
+    limits = jobs.limits("ordered")
+    params = queue_claim_params(claim_params("ordered", 10, interval(30), "w"), limits)
+    with db.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        first = worker_db.claim_limited(conn, jobs.queries, params)
+        assert first.rows == [] and first.last_key == "k063"  # 64 keys, all busy
+        second = worker_db.claim_limited(conn, jobs.queries, {**params, "after_key": "k063"})
+        assert [r[0] for r in second.rows] == [ids["k100"]]
+        assert second.last_key == "k026"  # k064-k100, then from the start: 64 in all
+    # session.claim keeps no cursor: it walks every key.
+    with JobSession(db, jobs=jobs) as session:
+        assert session.claim(queue="ordered", limit=10) == []  # k100 runs now; k000 busy
+    _finish(db, [ids["k000"]])
+    with JobSession(db, jobs=jobs) as session:
+        assert [j.id for j in session.claim(queue="ordered", limit=10)] == [behind]
+        session.commit()
 
 
 def test_jobs_without_a_key_are_not_ordered(db: sa.Engine) -> None:

@@ -356,9 +356,7 @@ class Dashboard:
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
                 # Keys held behind a failed head (key_order="fifo"); declared in code.
-                blocked = (
-                    admin.blocked_keys(conn, self.jobs) if isinstance(self.jobs, Jobs) else []
-                )
+                blocked = admin.blocked_keys(conn, self.jobs) if isinstance(self.jobs, Jobs) else []
             lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
             totals = {
                 "ready": sum(q.ready for q in queues),

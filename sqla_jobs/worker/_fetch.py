@@ -47,6 +47,8 @@ class Fetcher(Duty):
         self.held: dict[str, float] = {}
         #: Those of them held by their rate (a completion does not end that wait).
         self.rate_held: set[str] = set()
+        #: Queues in key order: the key where each one's last claim stopped walking.
+        self.key_cursor: dict[str, str | None] = {}
         self.turn = 0
         self.dry: dict[str, float] = {}
         #: When a NOTIFY last named each queue (monotonic): a claim that began before it
@@ -236,9 +238,12 @@ class Fetcher(Duty):
         core = self.core
         limits = core.limits[queue]
         limited = queue_claim_params(params, limits)
+        # A queue in key order: its claims walk the keys in turn, each after the last.
+        limited["after_key"] = self.key_cursor.get(queue)
         found: statements.LimitedClaim = yield Io(
             statements.claim_limited, (core.queries, limited), Conn.CLAIM
         )
+        self.key_cursor[queue] = found.last_key
         # Under the lock: the completer (another thread in the threaded worker) ends
         # waits in freed().
         with core._lock:

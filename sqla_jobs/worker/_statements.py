@@ -81,6 +81,9 @@ class LimitedClaim:
     rate_free_in: float | None
     #: Seconds until the first key held by the queue's ``key_rate`` has room (or None).
     key_free_in: float | None = None
+    #: A queue in key order: where the claim's walk over the keys stopped (the next
+    #: claim's ``after_key``), or None.
+    last_key: str | None = None
 
 
 def claim_limited(
@@ -110,6 +113,7 @@ def claim_limited(
         int(first.ready_seen) > len(rows),
         None if free_in is None else float(free_in),
         None if key_free_in is None else float(key_free_in),
+        first._mapping.get("last_key"),
     )
 
 
