@@ -33,6 +33,7 @@ from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql
 
+from sqla_jobs.db import SCHEMA_FIX
 from sqla_jobs.model import derived_name
 
 from .autogenerate import _is_jobs_table  # importing it registers the comparators
@@ -44,10 +45,7 @@ _POSTGRESQL: sa.Dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 #: What to run when something differs: the migration that adds it may exist already (not
 #: applied yet) or not (then autogenerate writes it).
-FIX = (
-    "apply the migration that adds it (alembic upgrade head) or, if there is none, write it "
-    "with alembic revision --autogenerate (env.py must import alembic_ext), then upgrade"
-)
+FIX = SCHEMA_FIX
 
 
 @dataclass(frozen=True)

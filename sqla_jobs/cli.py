@@ -53,7 +53,7 @@ import sqlalchemy as sa
 from . import __version__, _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS, JSON_MAX_DEPTH, json_text_depth
 from ._tasks import json_problem
-from .db import create_engine, normalize_url, url_connect_args
+from .db import SCHEMA_FIX, create_engine, normalize_url, url_connect_args
 from .errors import WorkerError, describe, missing_extra
 from .model import STATUSES, job_table
 from .tasks import Jobs
@@ -697,15 +697,9 @@ def _refuse_missing(found: dict[str, list[str] | None], args: argparse.Namespace
     one database; None: not checked)."""
     fatal = [_named(shard, m) for shard, missing in found.items() for m in missing or ()]
     if fatal:
-        # Worded as alembic_ext.check words it; its FIX, without importing Alembic here.
-        fix = (
-            "apply the migration that adds it (alembic upgrade head) or, if there is none, "
-            "write it with alembic revision --autogenerate (env.py must import alembic_ext), "
-            "then upgrade"
-        )
         raise CommandError(
             f"the database lacks what this version of sqla-jobs needs: {'; '.join(fatal)}. "
-            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {fix}",
+            f"`sqla-jobs check {args.registry}` lists every difference. Fix: {SCHEMA_FIX}",
             EXIT_FAILURE,
         )
 

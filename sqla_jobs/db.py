@@ -36,6 +36,16 @@ __all__ = [
 ]
 
 
+#: What to run when the database lacks part of this version's schema: the migration that
+#: adds it may exist already (not applied yet) or not (then autogenerate writes it). Here,
+#: not in ``alembic_ext.check`` (which says the same), so that a worker's start can say it
+#: without importing Alembic.
+SCHEMA_FIX = (
+    "apply the migration that adds it (alembic upgrade head) or, if there is none, write it "
+    "with alembic revision --autogenerate (env.py must import alembic_ext), then upgrade"
+)
+
+
 def normalize_url(url: str | sa.URL) -> sa.URL:
     """``postgres://`` and ``postgresql://`` become ``postgresql+psycopg://``.
 
