@@ -253,6 +253,36 @@ def test_claims_walk_the_keys_in_turn_so_that_none_is_out_of_reach(db: sa.Engine
         session.commit()
 
 
+def test_the_walk_wraps_from_any_place_and_steps_over_finished_keys(db: sa.Engine) -> None:
+    """Where the last claim stopped may be past every key, or a key that has gone; keys
+    whose jobs all ended dead, in a queue that goes on past failed heads, are walked over
+    without being claimed; an empty queue claims nothing and says where nothing stopped."""
+    limits = jobs.limits("ordered_on")
+    params = queue_claim_params(claim_params("ordered_on", 10, interval(30), "w"), limits)
+
+    def claim(after: str | None) -> worker_db.LimitedClaim:
+        with db.connect() as c:
+            conn = c.execution_options(isolation_level="AUTOCOMMIT")
+            return worker_db.claim_limited(conn, jobs.queries, {**params, "after_key": after})
+
+    empty = claim(None)
+    assert (empty.rows, empty.last_key) == ([], None)
+    task = ordered.with_options(queue="ordered_on")
+    with db.begin() as conn:
+        dead = [jobs.enqueue(conn, task, account=a) for a in ("a", "b")]
+        live = [jobs.enqueue(conn, task, account=a) for a in ("c", "d")]
+    _finish(db, dead, "dead")  # a and b: only dead jobs left
+    for after in ("zzz", "bb", None):
+        found = claim(after)
+        assert sorted(r[0] for r in found.rows) == live, after
+        with db.begin() as conn:  # handed back, for the next round
+            conn.execute(
+                sa.update(Job)
+                .where(Job.c.id.in_(live))
+                .values(status="ready", locked_until=None, locked_by=None, attempts=0)
+            )
+
+
 def test_jobs_without_a_key_are_not_ordered(db: sa.Engine) -> None:
     with db.begin() as conn:
         ids = [jobs.enqueue(conn, ordered, account=None) for _ in range(3)]  # type: ignore[arg-type]
