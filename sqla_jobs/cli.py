@@ -580,9 +580,30 @@ def _schema_differences(engine: Any, table: sa.Table) -> list[Any]:
         from alembic_ext.check import schema_differences
 
         with _database_errors():
-            return _on_connection(engine, lambda conn: schema_differences(conn, table))
+            return _on_connection(
+                engine, lambda conn: _unprepared(conn, lambda: schema_differences(conn, table))
+            )
     finally:
         alembic_log.setLevel(level)
+
+
+def _unprepared(conn: sa.Connection, fn: Callable[[], _T]) -> _T:
+    """``fn()`` with psycopg's prepared statements off on ``conn`` (then as they were).
+
+    The comparison runs each catalog query once per table, so psycopg would prepare some;
+    behind a pooler in transaction mode (PgBouncer) that shares server connections between
+    clients, a worker already running has prepared statements of the same names there
+    (``prepared statement "_pg3_1" already exists``). One-off catalog reads gain nothing
+    from preparing."""
+    raw = getattr(conn.connection, "driver_connection", None)
+    if raw is None or not hasattr(raw, "prepare_threshold"):
+        return fn()  # psycopg2, or another driver: nothing prepared behind our back
+    before = raw.prepare_threshold
+    raw.prepare_threshold = None
+    try:
+        return fn()
+    finally:
+        raw.prepare_threshold = before
 
 
 #: How long after a worker starts it compares the whole schema with this version's: not

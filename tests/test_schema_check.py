@@ -272,3 +272,18 @@ def test_healthz_says_checking_until_the_comparison_has_run() -> None:
     assert read()["schema"] == found
     assert _with_schema(lambda: {}, ["x"])() == {"schema": ["x"]}
     assert _with_schema(lambda: {}, None)() == {}
+
+
+def test_the_comparison_runs_without_prepared_statements(engine: sa.Engine) -> None:
+    """Behind PgBouncer in transaction mode, a running worker's prepared statements share
+    server connections with the comparison's: it prepares none (found by the fault suite's
+    PgBouncer scenario: ``prepared statement "_pg3_1" already exists``)."""
+    from sqla_jobs.cli import _unprepared
+
+    with engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        before = raw.prepare_threshold  # type: ignore[union-attr]
+        assert before is not None
+        inside = _unprepared(conn, lambda: raw.prepare_threshold)  # type: ignore[union-attr]
+        assert inside is None
+        assert raw.prepare_threshold == before  # type: ignore[union-attr]
