@@ -778,7 +778,7 @@ class _LaterCheck:
         that exits under a thread importing Alembic would print noise)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=5)  # a stuck comparison must not hold a shutdown
 
     def _run(self) -> None:
         if not self._stop.wait(SCHEMA_CHECK_DELAY):
