@@ -19,6 +19,9 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
    * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each);
    * keyed by the same 1,000 keys, ``key_rate="10000/s"`` and no key concurrency: each
      claimed key's log upserted in ``<table>_key_starts`` at every claim;
+   * ``fair=True``: one tenant's burst (all but 1,000 of the jobs, enqueued first), then 20
+     tenants of 50; besides the rate, how many of the burst's jobs had started when the
+     last small tenant's job did (an in-process ``started`` listener keeps the order);
    * ``key_order="fifo"`` (strict order per key) over 1,000 keys (20 jobs each) and over 10
      (2,000 each): each candidate probed for an earlier job of its key
      (``<table>_key_order``); with 10 keys, at most 10 jobs run at once, whatever the
@@ -59,6 +62,11 @@ from sqla_jobs import Worker, WorkerSettings, create_engine
 from sqla_jobs._queries import claim_params, interval, limited_claim_params, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 
+#: ``keys`` of the bursty variant: all but 1,000 jobs of one key ("burst"), enqueued first,
+#: then 20 keys of 50 each, interleaved.
+BURSTY = -1
+SMALL_KEYS, SMALL_EACH = 20, 50
+
 #: name -> (queue, jobs.queue(...) keywords, how many keys the jobs spread over: 0, none)
 VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     "no limits (plain claim)": ("default", {}, 0),
@@ -69,10 +77,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     'key_rate="10000/s" (never binds), 1,000 keys': ("key_rated", {"key_rate": "10000/s"}, 1_000),
     'key_order="fifo", 1,000 keys': ("fifo", {"key_order": "fifo"}, 1_000),
     'key_order="fifo", 10 keys': ("fifo10", {"key_order": "fifo"}, 10),
+    "fair=True, one tenant's burst then 20 tenants of 50": ("fair", {"fair": True}, BURSTY),
 }
 
 
 def declare(app: bench.App) -> None:
+    @app.jobs.events.on("started")
+    def started(event: Any) -> None:
+        account = event.job.args.get("account")
+        if account is not None:
+            STARTS.append(account)
+
     for queue, limits, keys in VARIANTS.values():
         if limits:
             app.jobs.queue(queue, **limits)
@@ -95,6 +110,18 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
         bench.preload(admin, app, n, queue=queue)
         return
     bench.reset(admin, app)
+    if keys == BURSTY:
+        small = min(SMALL_KEYS * SMALL_EACH, n // 2)  # the warm-up's 500 too
+        insert = sql.SQL(
+            "INSERT INTO {} (task, queue, args, concurrency_key) "
+            "SELECT 'bench.' || %s || '_noop', %s, jsonb_build_object('i', g, 'account', k), k "
+            "FROM (SELECT g, {} AS k FROM generate_series(1, %s) AS g) AS s ORDER BY g"
+        )
+        admin.execute(insert.format(app.qualified, sql.SQL("'burst'")), (queue, queue, n - small))
+        tenant = sql.SQL("'t' || (g %% {})").format(sql.Literal(SMALL_KEYS))
+        admin.execute(insert.format(app.qualified, tenant), (queue, queue, small))
+        admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
+        return
     admin.execute(
         sql.SQL(
             "INSERT INTO {} (task, queue, args, concurrency_key) "
@@ -107,16 +134,26 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
     admin.execute(sql.SQL("VACUUM ANALYZE {}").format(app.qualified))
 
 
+#: The bursty drains' keys in the order their jobs started (the ``started`` event).
+STARTS: list[str] = []
+#: Per bursty drain: how many of the burst's jobs started before the last small tenant's.
+BURST_BEFORE: list[int] = []
+
+
 def drain(
     app: bench.App, engine: sa.Engine, n: int, variant: str, settings: WorkerSettings
 ) -> float:
     queue = VARIANTS[variant][0]
     worker = Worker(app.jobs, engine, settings, queues=[queue])
+    STARTS.clear()
     start = time.perf_counter()
     done = worker.run_until_empty()
     seconds = time.perf_counter() - start
     if done != n:
         raise RuntimeError(f"{variant}: the worker ran {done} jobs, expected {n}")
+    if VARIANTS[variant][2] == BURSTY and n >= 10_000:
+        last = max(i for i, key in enumerate(STARTS) if key != "burst")
+        BURST_BEFORE.append(sum(1 for key in STARTS[:last] if key == "burst"))
     return n / seconds
 
 
@@ -271,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
+        if BURST_BEFORE:
+            total = n - SMALL_KEYS * SMALL_EACH
+            print(
+                f"\nFair share: of the burst's {total:,} jobs, {cell(BURST_BEFORE)} had "
+                f"started when the last of the {SMALL_KEYS} small tenants' {SMALL_EACH} jobs "
+                f"did (without fairness: all {total:,}), median of {repeat} (min-max)."
+            )
         picked = [names[0], names[1], names[4], names[5], names[6]]
         micros: dict[str, list[float]] = {name: [] for name in picked}
         for r in range(repeat):

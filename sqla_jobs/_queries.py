@@ -638,6 +638,57 @@ def _fifo_heads(
     def in_order(e: Any) -> sa.ColumnElement[bool]:
         return sa.and_(*indexed(e), sa.or_(e.status.in_(live), sa.and_(hold, e.status.in_(failed))))
 
+    walk, visited = _key_walk(t, queue_name, scan, indexed)
+    h = t.alias("key_head").c
+    first_job = (
+        sa.select(h.id, h.status, h.priority, h.run_at, h.concurrency_key)
+        .where(in_order(h), h.concurrency_key == visited.c.k)
+        .order_by(h.id)
+        .limit(1)
+        .lateral("first_job")
+    )
+    heads = (
+        sa.select(
+            first_job.c.id, first_job.c.priority, first_job.c.run_at, first_job.c.concurrency_key
+        )
+        .select_from(visited.join(first_job, sa.true()))
+        .where(
+            first_job.c.status == status_literal(JobStatus.READY),
+            first_job.c.run_at <= sa.func.now(),
+        )
+    )
+    # Jobs without a key are not ordered: the first ready ones, as the plain claim reads
+    # them (a bounded read: the keyed ones among them are dropped).
+    front = (
+        sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
+        .where(
+            c.status == status_literal(JobStatus.READY),
+            c.queue == queue_name,
+            c.run_at <= sa.func.now(),
+        )
+        .order_by(c.priority.desc(), c.run_at, c.id)
+        .limit(scan)
+        .subquery("front")
+    )
+    unkeyed = sa.select(front).where(front.c.concurrency_key.is_(None))
+    both = sa.union_all(heads, unkeyed).subquery("both")
+    head = (
+        sa.select(both)
+        .where(sa.or_(both.c.concurrency_key.is_(None), room_for(both.c.concurrency_key)))
+        .order_by(both.c.priority.desc(), both.c.run_at, both.c.id)
+        .limit(scan)
+        .subquery("head")
+    )
+    return head, walk
+
+
+def _key_walk(t: sa.Table, queue_name: Any, scan: Any, indexed: Callable[[Any], Any]) -> Any:
+    """A recursive walk over the keys of a queue's jobs in ``<table>_key_order``: at most
+    ``:scan`` keys, from the first one after ``:after_key`` (where the worker's last
+    claim stopped; None: from the start), wrapping around once. ``indexed(columns)`` is
+    that index's predicate, for the probes. The walk (its last row: where it stopped) and
+    the keys it visited."""
+
     # The keys are walked over every row of the index (a key whose jobs all ended dead is
     # visited too; its head is then not a candidate), each step one ordered index probe.
     def next_key(after: Any, name: str) -> Any:
@@ -684,26 +735,72 @@ def _fifo_heads(
         .where(walk.c.k.is_not(None), ~sa.and_(walk.c.wrapped, walk.c.k > start))
         .subquery("visited")
     )
-    h = t.alias("key_head").c
-    first_job = (
-        sa.select(h.id, h.status, h.priority, h.run_at, h.concurrency_key)
-        .where(in_order(h), h.concurrency_key == visited.c.k)
-        .order_by(h.id)
-        .limit(1)
-        .lateral("first_job")
-    )
-    heads = (
-        sa.select(
-            first_job.c.id, first_job.c.priority, first_job.c.run_at, first_job.c.concurrency_key
+    return walk, visited
+
+
+def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
+    """The claim of a queue with ``fair=True``: the claim's jobs shared between the keys in
+    turn, by weight, instead of the oldest first. No lock (fairness needs none): like the
+    plain claim, one statement that skips the rows other claims hold (``SKIP LOCKED``).
+
+    It walks up to ``:scan`` keys from where the worker's last claim stopped
+    (:func:`_key_walk`), takes from each the first ``ceil(:limit / keys walked) * weight``
+    ready jobs in id order, ranks each key's jobs (1, 2, ...), and claims ``:limit`` of
+    them by ``(rank - 1) / weight``, then priority: every key its share, a key of weight 3
+    three times that. Jobs without a key come from the first ``:limit`` ready jobs of the
+    queue, as the plain claim reads them, as one more key of weight 1. Returns the claimed
+    rows (whole rows ``for_session``), each with ``last_key``, or one row of NULL job
+    columns when nothing was claimed."""
+    c = t.c
+    queue_name = sa.bindparam("queue_name", type_=sa.Text)
+    limit = sa.bindparam("limit", type_=sa.Integer)
+    scan = sa.bindparam("scan", type_=sa.Integer)
+    statuses = [status_literal(s) for s in (*LIVE_STATUSES, JobStatus.DEAD, JobStatus.CANCELLED)]
+
+    def indexed(e: Any) -> list[sa.ColumnElement[bool]]:
+        return [e.queue == queue_name, e.concurrency_key.is_not(None), e.status.in_(statuses)]
+
+    walk, visited = _key_walk(t, queue_name, scan, indexed)
+    weights = (
+        sa.func.unnest(
+            sa.bindparam("weight_keys", type_=ARRAY(sa.Text)),
+            sa.bindparam("weight_values", type_=ARRAY(sa.Integer)),
         )
-        .select_from(visited.join(first_job, sa.true()))
+        .table_valued("key", "weight")
+        .render_derived(name="weights")
+    )
+    keys = sa.select(
+        visited.c.k,
+        sa.func.coalesce(
+            sa.select(weights.c.weight).where(weights.c.key == visited.c.k).scalar_subquery(),
+            1,
+        ).label("weight"),
+    ).subquery("keys")
+    walked = sa.select(sa.func.count()).select_from(visited).scalar_subquery()
+    share = sa.cast(
+        sa.func.ceil(sa.cast(limit, sa.Float) / sa.func.greatest(walked, 1)), sa.Integer
+    )
+    r = t.alias("fair_pick").c
+    picks = (
+        sa.select(r.id, r.priority, r.run_at)
         .where(
-            first_job.c.status == status_literal(JobStatus.READY),
-            first_job.c.run_at <= sa.func.now(),
+            *indexed(r),
+            r.concurrency_key == keys.c.k,
+            r.status == status_literal(JobStatus.READY),
+            r.run_at <= sa.func.now(),
         )
+        .order_by(r.id)
+        .limit(share * keys.c.weight)
+        .with_for_update(skip_locked=True, key_share=True)
+        .lateral("picks")
     )
-    # Jobs without a key are not ordered: the first ready ones, as the plain claim reads
-    # them (a bounded read: the keyed ones among them are dropped).
+    keyed = sa.select(
+        picks.c.id,
+        picks.c.priority,
+        picks.c.run_at,
+        keys.c.weight,
+        sa.func.row_number().over(partition_by=keys.c.k, order_by=picks.c.id).label("rank"),
+    ).select_from(keys.join(picks, sa.true()))
     front = (
         sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
         .where(
@@ -712,19 +809,49 @@ def _fifo_heads(
             c.run_at <= sa.func.now(),
         )
         .order_by(c.priority.desc(), c.run_at, c.id)
-        .limit(scan)
-        .subquery("front")
+        .limit(limit)
+        .with_for_update(skip_locked=True, key_share=True)
+        .cte("front")
     )
-    unkeyed = sa.select(front).where(front.c.concurrency_key.is_(None))
-    both = sa.union_all(heads, unkeyed).subquery("both")
-    head = (
-        sa.select(both)
-        .where(sa.or_(both.c.concurrency_key.is_(None), room_for(both.c.concurrency_key)))
-        .order_by(both.c.priority.desc(), both.c.run_at, both.c.id)
-        .limit(scan)
-        .subquery("head")
+    unkeyed = sa.select(
+        front.c.id,
+        front.c.priority,
+        front.c.run_at,
+        sa.literal(1).label("weight"),
+        sa.func.row_number()
+        .over(order_by=(front.c.priority.desc(), front.c.run_at, front.c.id))
+        .label("rank"),
+    ).where(front.c.concurrency_key.is_(None))
+    both = sa.union_all(keyed, unkeyed).subquery("both")
+    turn = sa.cast(both.c.rank - 1, sa.Float) / both.c.weight
+    chosen = (
+        sa.select(both.c.id)
+        .order_by(turn, both.c.priority.desc(), both.c.run_at, both.c.id)
+        .limit(limit)
+        .cte("chosen")
     )
-    return head, walk
+    claimed = (
+        sa.update(t)
+        .where(c.id == chosen.c.id, c.status == status_literal(JobStatus.READY))
+        .values(
+            status=JobStatus.RUNNING.value,
+            attempts=c.attempts + 1,
+            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_by=sa.bindparam("worker"),
+        )
+        .returning(*(t.c if for_session else claimed_columns(t)))
+        .cte("claimed")
+    )
+    stopped = (
+        sa.select(walk.c.k.label("last_key")).order_by(walk.c.n.desc()).limit(1).subquery("stopped")
+    )
+    info = sa.select(sa.select(stopped.c.last_key).scalar_subquery().label("last_key")).subquery(
+        "info"
+    )
+    names = [col.name for col in (t.c if for_session else claimed_columns(t))]
+    return sa.select(*(claimed.c[name] for name in names), info.c.last_key).select_from(
+        info.outerjoin(claimed, sa.true())
+    )
 
 
 class LimitedClaimParams(ClaimParams):
@@ -784,6 +911,27 @@ def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
     if params.get("fifo"):
         return queries.fifo_claim(key_rated=key_rated)
     return queries.key_rated_claim if key_rated else queries.limited_claim
+
+
+class FairClaimParams(ClaimParams):
+    scan: int
+    after_key: str | None
+    weight_keys: list[str]
+    weight_values: list[int]
+
+
+def fair_claim_params(
+    params: ClaimParams, limits: QueueLimits, after_key: str | None, *, scan: int | None = None
+) -> FairClaimParams:
+    """The fair claim's parameters: the plain claim's, how many keys it walks (``scan``:
+    four times the claim, at least 64), from where, and the queue's weights."""
+    return {
+        **params,
+        "scan": scan if scan is not None else max(params["limit"] * 4, 64),
+        "after_key": after_key,
+        "weight_keys": [key for key, _ in limits.weights],
+        "weight_values": [weight for _, weight in limits.weights],
+    }
 
 
 def queue_claim_params(params: ClaimParams, limits: QueueLimits) -> LimitedClaimParams:
@@ -2050,6 +2198,7 @@ class Queries:
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         # Queues with key_order="fifo" (two more variants, built when first used).
         self._fifo_claims: dict[bool, sa.Select[Any]] = {}
+        self._fair_claims: dict[bool, sa.Select[Any]] = {}
         self.complete = _complete(t, keep_done=keep_done)
         self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
@@ -2117,6 +2266,16 @@ class Queries:
 
     def __repr__(self) -> str:
         return f"<Queries of {self.table.fullname}>"
+
+    def fair_claim(self, *, for_session: bool = False) -> sa.Select[Any]:
+        """The claim of a queue with ``fair=True`` (:func:`_fair_claim`), built the first
+        time it is asked for."""
+        statement = self._fair_claims.get(for_session)
+        if statement is None:
+            statement = self._fair_claims[for_session] = _fair_claim(
+                self.table, for_session=for_session
+            )
+        return statement
 
     def fifo_claim(self, *, key_rated: bool) -> sa.Select[Any]:
         """The limited claim of a queue with ``key_order="fifo"`` (see

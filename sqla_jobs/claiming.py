@@ -50,6 +50,7 @@ from ._queries import (
     batch_params,
     claim_params,
     fail_params,
+    fair_claim_params,
     interval,
     limited_statement,
     queue_claim_params,
@@ -135,8 +136,12 @@ def claim(
     params = claim_params(queue, limit, interval(seconds), name or _default_name())
     model = registry.model
     limits = registry.limits(queue)
-    if limits.limited:
-        ids = _claim_limited(session, registry, limits, params)
+    if limits.limited or limits.fair:
+        ids = (
+            _claim_fair(session, registry, limits, params)
+            if limits.fair
+            else _claim_limited(session, registry, limits, params)
+        )
         found = select(model).where(model.id.in_(ids)) if ids else None
         claimed = (
             []
@@ -154,6 +159,22 @@ def claim(
     # UPDATE ... RETURNING gives rows in no particular order.
     claimed.sort(key=lambda j: (-j.priority, j.run_at, j.id))
     return claimed
+
+
+def _claim_fair(
+    session: Session, registry: Jobs, limits: QueueLimits, params: ClaimParams
+) -> list[int]:
+    """The fair claim (``fair=True``) in the caller's transaction, over every key (no
+    worker here to remember where the last claim stopped). Nothing from a paused queue."""
+    queries = registry.queries
+    paused = select(queries.queues_table.c.name).where(
+        queries.queues_table.c.name == limits.name, queries.queues_table.c.paused
+    )
+    if session.execute(paused).first() is not None:
+        return []
+    fair = fair_claim_params(params, limits, None, scan=FIFO_SESSION_SCAN)
+    rows = session.execute(queries.fair_claim(), dict(fair)).all()
+    return [r.id for r in rows if r.id is not None]
 
 
 def _claim_limited(

@@ -358,6 +358,12 @@ class Jobs(Registry):
             cancelled does to the rest of its key: ``"hold"`` them (the default) until an
             operator retries or deletes it (``admin.blocked_keys`` and ``sqla-jobs queues
             blocked`` list such keys), or ``"continue"`` with the next job of the key.
+        :param fair: ``True``: each claim shares its jobs between the keys of the queue
+            (the tasks' ``concurrency_key``) in turn, instead of taking the oldest first, so
+            that one key's burst of 100,000 jobs does not hold back every other key. Within
+            a key, jobs go in id order. Goes alone (no other limit) in this release.
+        :param weights: with ``fair``: a mapping of key to weight (1 to 100; 1 when not
+            listed): a key's share of each claim is proportional to its weight.
 
         Raises ``ValueError`` for a bad limit or a queue declared twice. See
         :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.
@@ -410,7 +416,9 @@ class Jobs(Registry):
         declared = self.queue_limits.get(queue)
         if declared is None:
             declared = QueueLimits(queue)
-        if queue in self._keyed_queues and not declared.keyed:
+        # A keyed task makes its queue keyed (one per key), unless the queue shares its
+        # claims between the keys (fair): the keys are for the share there.
+        if queue in self._keyed_queues and not declared.keyed and not declared.fair:
             declared = dataclasses.replace(declared, keyed=True)
         return declared
 
@@ -761,7 +769,7 @@ class Jobs(Registry):
         if t.concurrency_key is not None:
             key = concurrency_key_of(t.name, t.concurrency_key, arguments, t.signature)
             if key is not None:
-                if q != t.queue and not self.limits(q).keyed:
+                if q != t.queue and not (self.limits(q).keyed or self.limits(q).fair):
                     raise EnqueueError(
                         f"task {t.name!r}: queue {q!r} does not enforce concurrency keys (no "
                         f"task of it declares concurrency_key); declare "

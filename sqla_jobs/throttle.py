@@ -146,6 +146,8 @@ class QueueOptions(TypedDict, total=False):
     key_rate: str | None
     key_order: KeyOrder | None
     on_head_failure: HeadFailure
+    fair: bool
+    weights: Mapping[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,12 @@ class QueueLimits:
     key_order: KeyOrder | None = None
     #: With ``key_order="fifo"``: whether a dead or cancelled head holds its key.
     on_head_failure: HeadFailure = "hold"
+    #: ``fair=True``: each claim shares its jobs between the keys (``concurrency_key``) in
+    #: turn, by weight, instead of taking the oldest first.
+    fair: bool = False
+    #: With ``fair``: ``(key, weight)`` pairs (a key's share of a claim is proportional to
+    #: its weight; 1 when not listed).
+    weights: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def declare(
@@ -184,6 +192,8 @@ class QueueLimits:
         key_rate: str | None = None,
         key_order: KeyOrder | None = None,
         on_head_failure: HeadFailure | None = None,
+        fair: bool = False,
+        weights: Mapping[str, int] | None = None,
     ) -> QueueLimits:
         """Checked limits; ``ValueError`` names the bad one. Giving ``key_concurrency``,
         ``key_rate`` or ``key_order`` makes the queue keyed (it takes keyed jobs of any
@@ -211,6 +221,22 @@ class QueueLimits:
                     f"queue {name!r}: on_head_failure must be 'hold' or 'continue', "
                     f"got {on_head_failure!r}"
                 )
+        pairs = _fair_share(name, fair, weights)
+        if fair:
+            given = {
+                "concurrency": concurrency,
+                "rate": rate,
+                "key_concurrency": key_concurrency,
+                "key_rate": key_rate,
+                "key_order": key_order,
+            }
+            others = [option for option, value in given.items() if value is not None]
+            if others:
+                raise ValueError(
+                    f"queue {name!r}: fair=True goes alone in this release (it shares claims "
+                    f"between keys without a lock); it cannot go with {', '.join(others)}"
+                )
+            return cls(name, fair=True, weights=pairs)
         keyed = key_limit is not None or key_count is not None or key_order is not None
         if key_limit is None and (key_count is None or key_order is not None):
             key_limit = 1  # a keyed queue runs one job per key, unless only its rate is given
@@ -240,6 +266,9 @@ class QueueLimits:
             parts.append(f"concurrency {self.concurrency}")
         if self.rate is not None:
             parts.append(f"{self.rate}/{self.rate_period:g}s")
+        if self.fair:
+            shares = ", ".join(f"{key}={weight}" for key, weight in self.weights)
+            parts.append(f"fair share per key{f' ({shares})' if shares else ''}")
         if self.key_order is not None:
             # One at a time per key is part of the order.
             past = ", past a failed head" if self.on_head_failure == "continue" else ""
@@ -249,6 +278,39 @@ class QueueLimits:
         if self.key_rate is not None:
             parts.append(f"{self.key_rate}/{self.key_rate_period:g}s per key")
         return ", ".join(parts)
+
+
+#: The largest weight a key may have: a claim reads up to weight times its share of a key's
+#: jobs.
+WEIGHT_MAX = 100
+
+
+def _fair_share(
+    name: str, fair: object, weights: Mapping[str, int] | None
+) -> tuple[tuple[str, int], ...]:
+    """Checked ``fair`` and ``weights``, as sorted ``(key, weight)`` pairs."""
+    if not isinstance(fair, bool):
+        raise ValueError(f"queue {name!r}: fair must be True or False, got {fair!r}")
+    if weights is None:
+        return ()
+    if not fair:
+        raise ValueError(f"queue {name!r}: weights are for fair=True")
+    if callable(weights) or not isinstance(weights, Mapping):
+        raise ValueError(
+            f"queue {name!r}: weights must be a mapping of key to weight (the claim runs in "
+            f"SQL, where a function cannot), got {type(weights).__name__}"
+        )
+    pairs = []
+    for key, weight in weights.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"queue {name!r}: a weight's key must be a non-empty string: {key!r}")
+        if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= WEIGHT_MAX:
+            raise ValueError(
+                f"queue {name!r}: the weight of key {key!r} must be an integer from 1 to "
+                f"{WEIGHT_MAX}, got {weight!r}"
+            )
+        pairs.append((key, weight))
+    return tuple(sorted(pairs))
 
 
 def concurrency_key_of(

@@ -119,6 +119,8 @@ limited_jobs.queue("key_rated", key_rate="10/s")
 # Strict order per key (tests/test_key_order.py): a failed head holds its key, or not.
 limited_jobs.queue("ordered", key_order="fifo")
 limited_jobs.queue("ordered_on", key_order="fifo", on_head_failure="continue")
+# Fair share between keys (tests/test_fair_share.py), one key weighted.
+limited_jobs.queue("shared", fair=True, weights={"premium": 3})
 
 
 def span(key: str | None, seconds: float) -> None:
@@ -165,6 +167,11 @@ def ordered_work(account: str, seconds: float = 0.0, fail: bool = False) -> None
     span(account, seconds)
     if fail:
         raise RuntimeError(f"{account}: failed on purpose")
+
+
+@limited_jobs.task(queue="shared", concurrency_key=lambda tenant, **_: tenant)
+def shared_work(tenant: str | None, seconds: float = 0.0) -> None:
+    span(tenant, seconds)
 
 
 @limited_jobs.task(queue="unlimited")

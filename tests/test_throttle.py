@@ -315,6 +315,7 @@ def test_limits_are_listed(db: sa.Engine) -> None:
         "ordered": "in order per key",
         "ordered_on": "in order per key, past a failed head",
         "rated": "20/1s",
+        "shared": "fair share per key (premium=3)",
         "unlimited": "",
     }
     with db.connect() as conn:

@@ -122,6 +122,9 @@ class WorkerCore:
         #: The limits of this worker's limited queues (sqla_jobs.throttle); the others are
         #: claimed by the plain statement, unchanged.
         self.limits = {q: limits for q in self.queues if (limits := jobs.limits(q)).limited}
+        #: The queues that share their claims between keys (``fair=True``): claimed by the
+        #: fair statement, without a lock.
+        self.fair = {q: limits for q in self.queues if (limits := jobs.limits(q)).fair}
         #: Set while the listener holds its LISTEN (tests and health checks wait on it).
         self.listening = threading.Event()
         #: Jobs whose handler has ended, whatever their outcome.

@@ -17,7 +17,7 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._queries import ClaimParams, claim_params, queue_claim_params
+from .._queries import ClaimParams, claim_params, fair_claim_params, queue_claim_params
 from ..errors import describe
 from . import _statements as statements
 from ._outage import is_database_error, retry_pause
@@ -164,12 +164,21 @@ class Fetcher(Duty):
             if limited:
                 rows = yield from self.claim_limited(queue, params)
             else:
-                rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
+                if queue in core.fair:
+                    # Shared between the keys in turn, each claim after the last one's.
+                    fair = fair_claim_params(params, core.fair[queue], self.key_cursor.get(queue))
+                    rows, self.key_cursor[queue] = yield Io(
+                        statements.claim_fair, (core.queries, fair), Conn.CLAIM
+                    )
+                else:
+                    rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
                 took = time.monotonic() - began
                 self.rtt = took if not self.rtt else 0.8 * self.rtt + 0.2 * took
                 if watch.active:
                     watch.claimed(queue, began, len(rows), want, began + took)
-            if len(rows) == want:
+            # A fair claim gives each key its share, so it comes back short while most keys
+            # have little left: any job it gave means there may be more right now.
+            if len(rows) == want or (rows and queue in core.fair):
                 self.more = True
                 self.dry.pop(queue, None)
             elif not limited:

@@ -20,6 +20,7 @@ from .. import periodic
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
+    FairClaimParams,
     LimitedClaimParams,
     Queries,
     WorkerSeenParams,
@@ -69,6 +70,17 @@ BATCH = PRUNE_BATCH = 1000
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
     """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
     return list(conn.execute(queries.claim, dict(params)).all())
+
+
+def claim_fair(
+    conn: sa.Connection, queries: Queries, params: FairClaimParams
+) -> tuple[list[Any], str | None]:
+    """Claim from a queue with ``fair=True`` (one statement, in autocommit, as the plain
+    claim); the claimed rows, and the key where its walk over the keys stopped (the next
+    claim's ``after_key``)."""
+    result = conn.execute(queries.fair_claim(), dict(params)).all()
+    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
+    return rows, result[0].last_key if result else None
 
 
 @dataclass(frozen=True)
