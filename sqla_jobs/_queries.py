@@ -810,7 +810,6 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         )
         .order_by(c.priority.desc(), c.run_at, c.id)
         .limit(limit)
-        .with_for_update(skip_locked=True, key_share=True)
         .cte("front")
     )
     unkeyed = sa.select(
@@ -824,10 +823,20 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     ).where(front.c.concurrency_key.is_(None))
     both = sa.union_all(keyed, unkeyed).subquery("both")
     turn = sa.cast(both.c.rank - 1, sa.Float) / both.c.weight
-    chosen = (
+    ranked = (
         sa.select(both.c.id)
         .order_by(turn, both.c.priority.desc(), both.c.run_at, both.c.id)
         .limit(limit)
+        .cte("ranked")
+    )
+    # The keyed picks were read locked (SKIP LOCKED: another claim's are passed over); the
+    # few jobs without a key were read unlocked (locking the first :limit ready jobs of a
+    # queue whose jobs nearly all have keys would lock them for nothing): lock the chosen.
+    mine = t.alias("mine").c
+    chosen = (
+        sa.select(mine.id)
+        .where(mine.id.in_(sa.select(ranked.c.id)))
+        .with_for_update(skip_locked=True, key_share=True)
         .cte("chosen")
     )
     claimed = (
