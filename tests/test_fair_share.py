@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import Jobs, JobSession, Worker, WorkerSettings
+from sqla_jobs import Jobs, JobSession, WorkerSettings
 from sqla_jobs._queries import claim_params, fair_claim_params, interval
 from sqla_jobs.worker import _statements as worker_db
 
@@ -147,12 +147,13 @@ def test_session_claim_shares_too(db: sa.Engine) -> None:
         session.commit()
 
 
-def test_a_worker_starts_the_small_tenants_early(db: sa.Engine) -> None:
-    """One threaded Worker drains the burst and the small tenants: every small tenant's
-    job has started before a fifth of the burst has."""
+def test_a_worker_starts_the_small_tenants_early(db: sa.Engine, make_worker: Any) -> None:
+    """A worker (threaded, then asyncio) drains the burst and the small tenants: every
+    small tenant's job has started before a fifth of the burst has."""
     _burst(db, big=1_000, small=10, each=5)
     settings = WorkerSettings(concurrency=16, claim_limit=50, listen=False)
-    assert Worker(jobs, db, settings, queues=["shared"]).run_until_empty(timeout=60) == 1_050
+    worker = make_worker(jobs, db, settings=settings, queues=["shared"])
+    assert worker.run_until_empty(timeout=60) == 1_050
     spans = sorted(rows(db, app.Span), key=lambda s: (s.started, s.id))
     small = [i for i, s in enumerate(spans) if s.key != "burst"]
     burst_before = sum(1 for s in spans[: small[-1]] if s.key == "burst")
