@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from .model import (
     CANCELLED_BY_PARENT_KEY,
     CHILDREN_KEY,
+    KEY_ORDER_STATUSES,
     LIVE_STATUSES,
     RESULTS_KEY,
     RUN_ANYWAY_KEY,
@@ -621,24 +622,17 @@ def _fifo_heads(
     starting after ``:after_key`` (where the worker's last claim stopped) and wrapping
     around, so that every key is reached in turn whatever the number of keys: a claim
     costs the same with 10 keys or 100,000, and keys take turns."""
-    c = t.c
     hold = sa.bindparam("hold", type_=sa.Boolean)
     live = [status_literal(s) for s in LIVE_STATUSES]
     failed = [status_literal(s) for s in (JobStatus.DEAD, JobStatus.CANCELLED)]
 
-    def indexed(e: Any) -> list[sa.ColumnElement[bool]]:
-        # <table>_key_order's own predicate, spelled as it is, so that the planner can use
-        # that index for every probe (it does not see it through the OR below).
-        return [
-            e.queue == queue_name,
-            e.concurrency_key.is_not(None),
-            e.status.in_([*live, *failed]),
-        ]
-
     def in_order(e: Any) -> sa.ColumnElement[bool]:
-        return sa.and_(*indexed(e), sa.or_(e.status.in_(live), sa.and_(hold, e.status.in_(failed))))
+        return sa.and_(
+            *_key_ordered(e, queue_name),
+            sa.or_(e.status.in_(live), sa.and_(hold, e.status.in_(failed))),
+        )
 
-    walk, visited = _key_walk(t, queue_name, scan, indexed)
+    walk, visited = _key_walk(t, queue_name, scan)
     h = t.alias("key_head").c
     first_job = (
         sa.select(h.id, h.status, h.priority, h.run_at, h.concurrency_key)
@@ -659,17 +653,7 @@ def _fifo_heads(
     )
     # Jobs without a key are not ordered: the first ready ones, as the plain claim reads
     # them (a bounded read: the keyed ones among them are dropped).
-    front = (
-        sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
-        .where(
-            c.status == status_literal(JobStatus.READY),
-            c.queue == queue_name,
-            c.run_at <= sa.func.now(),
-        )
-        .order_by(c.priority.desc(), c.run_at, c.id)
-        .limit(scan)
-        .subquery("front")
-    )
+    front = _front(t, queue_name, scan).subquery("front")
     unkeyed = sa.select(front).where(front.c.concurrency_key.is_(None))
     both = sa.union_all(heads, unkeyed).subquery("both")
     head = (
@@ -682,12 +666,41 @@ def _fifo_heads(
     return head, walk
 
 
-def _key_walk(t: sa.Table, queue_name: Any, scan: Any, indexed: Callable[[Any], Any]) -> Any:
+def _key_ordered(e: Any, queue_name: Any) -> list[sa.ColumnElement[bool]]:
+    """``<table>_key_order``'s own predicate for ``queue_name`` on the columns ``e``, spelled
+    as the index spells it (literal statuses), so that the planner uses that index for each
+    probe: it does not see it through a condition that ORs statuses with a parameter."""
+    return [
+        e.queue == queue_name,
+        e.concurrency_key.is_not(None),
+        e.status.in_([status_literal(s) for s in KEY_ORDER_STATUSES]),
+    ]
+
+
+def _front(t: sa.Table, queue_name: Any, limit: Any) -> sa.Select[Any]:
+    """The first ``limit`` ready, due jobs of a queue in claim order, unlocked: where the
+    fifo and fair claims find the jobs without a key (a bounded read, whatever the keys)."""
+    c = t.c
+    return (
+        sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
+        .where(
+            c.status == status_literal(JobStatus.READY),
+            c.queue == queue_name,
+            c.run_at <= sa.func.now(),
+        )
+        .order_by(c.priority.desc(), c.run_at, c.id)
+        .limit(limit)
+    )
+
+
+def _key_walk(t: sa.Table, queue_name: Any, scan: Any) -> Any:
     """A recursive walk over the keys of a queue's jobs in ``<table>_key_order``: at most
     ``:scan`` keys, from the first one after ``:after_key`` (where the worker's last
-    claim stopped; None: from the start), wrapping around once. ``indexed(columns)`` is
-    that index's predicate, for the probes. The walk (its last row: where it stopped) and
-    the keys it visited."""
+    claim stopped; None: from the start), wrapping around once. The walk (its last row:
+    where it stopped) and the keys it visited."""
+
+    def indexed(e: Any) -> list[sa.ColumnElement[bool]]:
+        return _key_ordered(e, queue_name)
 
     # The keys are walked over every row of the index (a key whose jobs all ended dead is
     # visited too; its head is then not a candidate), each step one ordered index probe.
@@ -755,12 +768,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     queue_name = sa.bindparam("queue_name", type_=sa.Text)
     limit = sa.bindparam("limit", type_=sa.Integer)
     scan = sa.bindparam("scan", type_=sa.Integer)
-    statuses = [status_literal(s) for s in (*LIVE_STATUSES, JobStatus.DEAD, JobStatus.CANCELLED)]
-
-    def indexed(e: Any) -> list[sa.ColumnElement[bool]]:
-        return [e.queue == queue_name, e.concurrency_key.is_not(None), e.status.in_(statuses)]
-
-    walk, visited = _key_walk(t, queue_name, scan, indexed)
+    walk, visited = _key_walk(t, queue_name, scan)
     weights = (
         sa.func.unnest(
             sa.bindparam("weight_keys", type_=ARRAY(sa.Text)),
@@ -784,7 +792,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     picks = (
         sa.select(r.id, r.priority, r.run_at)
         .where(
-            *indexed(r),
+            *_key_ordered(r, queue_name),
             r.concurrency_key == keys.c.k,
             r.status == status_literal(JobStatus.READY),
             r.run_at <= sa.func.now(),
@@ -801,17 +809,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         keys.c.weight,
         sa.func.row_number().over(partition_by=keys.c.k, order_by=picks.c.id).label("rank"),
     ).select_from(keys.join(picks, sa.true()))
-    front = (
-        sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
-        .where(
-            c.status == status_literal(JobStatus.READY),
-            c.queue == queue_name,
-            c.run_at <= sa.func.now(),
-        )
-        .order_by(c.priority.desc(), c.run_at, c.id)
-        .limit(limit)
-        .cte("front")
-    )
+    front = _front(t, queue_name, limit).cte("front")
     unkeyed = sa.select(
         front.c.id,
         front.c.priority,
@@ -2205,9 +2203,8 @@ class Queries:
         self.limit_lock = _limit_lock(t)
         self.limited_claim = _limited_claim(t)
         self.key_rated_claim = _limited_claim(t, key_rated=True)
-        # Queues with key_order="fifo" (two more variants, built when first used).
-        self._fifo_claims: dict[bool, sa.Select[Any]] = {}
-        self._fair_claims: dict[bool, sa.Select[Any]] = {}
+        # The claims of queues with key_order="fifo" or fair=True, built when first used.
+        self._built: dict[tuple[str, bool], sa.Select[Any]] = {}
         self.complete = _complete(t, keep_done=keep_done)
         self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
@@ -2277,22 +2274,19 @@ class Queries:
         return f"<Queries of {self.table.fullname}>"
 
     def fair_claim(self, *, for_session: bool = False) -> sa.Select[Any]:
-        """The claim of a queue with ``fair=True`` (:func:`_fair_claim`), built the first
-        time it is asked for."""
-        statement = self._fair_claims.get(for_session)
-        if statement is None:
-            statement = self._fair_claims[for_session] = _fair_claim(
-                self.table, for_session=for_session
-            )
-        return statement
+        """The claim of a queue with ``fair=True`` (:func:`_fair_claim`)."""
+        return self._once(("fair", for_session), _fair_claim, for_session=for_session)
 
     def fifo_claim(self, *, key_rated: bool) -> sa.Select[Any]:
         """The limited claim of a queue with ``key_order="fifo"`` (see
-        :func:`_limited_claim`), built the first time a worker or a session asks: most
-        applications have no such queue, and every statement built here is start-up time."""
-        statement = self._fifo_claims.get(key_rated)
+        :func:`_limited_claim`)."""
+        return self._once(("fifo", key_rated), _limited_claim, key_rated=key_rated, fifo=True)
+
+    def _once(self, key: tuple[str, bool], build: Any, **kw: Any) -> sa.Select[Any]:
+        """A statement built the first time a worker or a session asks for it: most
+        applications have no such queue, and every statement built in ``__init__`` is
+        start-up time."""
+        statement = self._built.get(key)
         if statement is None:
-            statement = self._fifo_claims[key_rated] = _limited_claim(
-                self.table, key_rated=key_rated, fifo=True
-            )
+            statement = self._built[key] = build(self.table, **kw)
         return statement

@@ -86,6 +86,7 @@ from ._storable import QUEUE_MAX_BYTES, check_name, json_text_depth, text_proble
 from ._tasks import json_problem
 from .model import (
     CHILDREN_KEY,
+    KEY_ORDER_STATUSES,
     LIVE_STATUSES,
     STATUSES,
     JobStatus,
@@ -1723,7 +1724,7 @@ def blocked_keys(bind: Bind, jobs: Jobs, *, queue: str | None = None) -> list[Bl
     if not held:
         return []
     c = jobs.table.c
-    statuses = [_lit(s) for s in (*LIVE_STATUSES, *RETRYABLE)]
+    statuses = [_lit(s) for s in KEY_ORDER_STATUSES]  # <table>_key_order's rows
     keyed = sa.and_(c.queue.in_(held), c.concurrency_key.is_not(None), c.status.in_(statuses))
     # The first of each key (a window, not DISTINCT ON: SQLAlchemy 2.0 and 2.1 spell that
     # differently).

@@ -662,30 +662,47 @@ def _check_schema(engine: Any, jobs: Jobs, args: argparse.Namespace) -> None:
 
 
 def _probed(engine: Any, table: sa.Table, shard: str) -> list[str] | None:
-    """:func:`_required_missing`, or None (a warning) when it could not be read: the check
-    is there to explain a schema, never to be the reason a worker does not run."""
-    log = logging.getLogger("sqla_jobs.cli")
-    try:
+    """:func:`_required_missing`, or None (a warning) when it could not be read."""
+
+    def read() -> list[str]:
         with _database_errors():
             return _on_connection(engine, lambda conn: _required_missing(conn, table))
-    except CommandError as exc:
-        log.warning("schema: %s not checked: %s", f"shard {shard}" if shard else "database", exc)
-    except Exception as exc:
-        log.warning("schema: not checked (%s: %s)", type(exc).__name__, exc)
-    return None
+
+    return _or_unchecked(read, shard)
 
 
 def _checked(engine: Any, table: sa.Table, shard: str) -> list[Any] | None:
-    """The differences, or None (a warning) when the comparison itself failed: the check
-    is there to explain a schema, never to be the reason a worker does not run."""
+    """The differences, or None (a warning) when the comparison itself failed."""
+    return _or_unchecked(lambda: _schema_differences(engine, table), shard)
+
+
+def _or_unchecked(read: Callable[[], _T], shard: str) -> _T | None:
+    """``read()``, or None and a warning when it fails: the check is there to explain a
+    schema, never to be the reason a worker does not run."""
     log = logging.getLogger("sqla_jobs.cli")
     try:
-        return _schema_differences(engine, table)
+        return read()
     except CommandError as exc:
         log.warning("schema: %s not checked: %s", f"shard {shard}" if shard else "database", exc)
     except Exception as exc:
         log.warning("schema: not checked (%s: %s)", type(exc).__name__, exc)
     return None
+
+
+def _each_shard(binds: Mapping[str, Any], check: Callable[[Any, str], _T]) -> dict[str, _T]:
+    """``check(engine, shard)`` for each shard: on the app's own engine (``--engine``), or
+    on one made from the shard's URL for the check and disposed of after it."""
+    found: dict[str, _T] = {}
+    for shard, bind in binds.items():
+        if isinstance(bind, (str, sa.URL)):
+            engine = create_engine(bind)
+            try:
+                found[shard] = check(engine, shard)
+            finally:
+                engine.dispose()
+        else:
+            found[shard] = check(bind, shard)
+    return found
 
 
 def _check_shard_schemas(jobs: Jobs, shards: Mapping[str, Any], args: argparse.Namespace) -> None:
@@ -693,16 +710,7 @@ def _check_shard_schemas(jobs: Jobs, shards: Mapping[str, Any], args: argparse.N
     app's own engine from ``--engine``). A shard that cannot be reached is not checked (a
     warning): its worker waits for it, as for any shard that is down, and the others
     start."""
-    found: dict[str, list[str] | None] = {}
-    for name, bind in shards.items():
-        if isinstance(bind, (str, sa.URL)):
-            engine = create_engine(bind)
-            try:
-                found[name] = _probed(engine, jobs.table, name)
-            finally:
-                engine.dispose()
-        else:
-            found[name] = _probed(bind, jobs.table, name)
+    found = _each_shard(shards, lambda engine, name: _probed(engine, jobs.table, name))
     _refuse_missing(found, args)
     reachable = {name: shards[name] for name, missing in found.items() if missing is not None}
     unchecked = [name for name, missing in found.items() if missing is None]
@@ -785,16 +793,7 @@ class _LaterCheck:
             self._compare()
 
     def _compare(self) -> None:
-        found: dict[str, list[Any] | None] = {}
-        for shard, bind in self.binds.items():
-            if isinstance(bind, (str, sa.URL)):
-                engine = create_engine(bind)
-                try:
-                    found[shard] = _checked(engine, self.table, shard)
-                finally:
-                    engine.dispose()
-            else:
-                found[shard] = _checked(bind, self.table, shard)
+        found = _each_shard(self.binds, lambda engine, shard: _checked(engine, self.table, shard))
         differences = [_named(shard, d.message) for shard, ds in found.items() for d in ds or ()]
         unchecked = [_named(shard, "not checked") for shard, ds in found.items() if ds is None]
         if differences:

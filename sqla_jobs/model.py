@@ -145,6 +145,9 @@ STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
 
 #: Statuses in which a job is still "live": it will run, or is running.
 LIVE_STATUSES: tuple[str, ...] = (JobStatus.SCHEDULED, JobStatus.READY, JobStatus.RUNNING)
+#: The rows of ``<table>_key_order``: keyed jobs that wait, run, or failed (a dead or
+#: cancelled head can hold its key in a queue with ``key_order="fifo"``).
+KEY_ORDER_STATUSES: tuple[str, ...] = (*LIVE_STATUSES, JobStatus.DEAD, JobStatus.CANCELLED)
 
 #: Storage parameters for a table that is inserted into, updated and deleted from all day.
 #: A low scale factor makes autovacuum visit long before dead tuples pile up (the default,
@@ -496,10 +499,7 @@ def add_constraints(table: sa.Table) -> None:
     # Queues with key_order="fifo": the claim takes a keyed job only when no earlier job
     # of its key waits, runs or (held) failed, one probe of this index per candidate. Keyed
     # rows only, and not the finished ones (a dead or cancelled one can hold its key).
-    fifo = (
-        "concurrency_key IS NOT NULL AND status IN "
-        "('scheduled', 'ready', 'running', 'dead', 'cancelled')"
-    )
+    fifo = f"concurrency_key IS NOT NULL AND status IN ({_status_list(KEY_ORDER_STATUSES)})"
     partial("key_order", c.queue, c.concurrency_key, c.id, where=fifo)
     # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.
     # Partial: the jobs that wait for nothing (nearly all) add nothing to it.

@@ -304,6 +304,9 @@ def _fair_share(
     for key, weight in weights.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"queue {name!r}: a weight's key must be a non-empty string: {key!r}")
+        # What a job's key may be (a NUL, or a key past the limit, no job can have; and a
+        # NUL would make PostgreSQL refuse every claim of the queue).
+        check_name(key, f"queue {name!r}: the weight's key", CONCURRENCY_KEY_MAX_BYTES)
         if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= WEIGHT_MAX:
             raise ValueError(
                 f"queue {name!r}: the weight of key {key!r} must be an integer from 1 to "

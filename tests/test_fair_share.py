@@ -44,6 +44,8 @@ def test_declarations() -> None:
         ({"fair": True, "weights": {"x": 0}}, "must be an integer from 1 to 100"),
         ({"fair": True, "weights": {"x": True}}, "must be an integer from 1 to 100"),
         ({"fair": True, "weights": {"": 2}}, "must be a non-empty string"),
+        ({"fair": True, "weights": {"a\x00b": 2}}, "weight's key .* contains a NUL character"),
+        ({"fair": True, "weights": {"k" * 2000: 2}}, "at most 1024 are allowed"),
         ({"fair": True, "weights": lambda key: 2}, "a function cannot"),
         ({"fair": "yes"}, "fair must be True or False"),
     ):
