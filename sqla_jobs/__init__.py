@@ -18,15 +18,20 @@ from .errors import (
     JobsError,
     PermanentError,
     ResultError,
+    SignalError,
     Snooze,
+    StepError,
     UnknownTaskError,
+    WaitTimedOut,
     WorkerError,
 )
 from .model import STATUSES, JobMixin, JobStatus
 from .session import EnqueueMixin, JobSession
+from .steps import AsyncSteps, Batch, Steps
 from .tasks import (
     Backoff,
     ConfiguredTask,
+    DurableTask,
     EnqueueOptions,
     Jobs,
     Task,
@@ -38,9 +43,12 @@ from .worker import ClaimedJob, Worker, WorkerSettings, current_job
 
 __all__ = [
     "STATUSES",
+    "AsyncSteps",
     "Backoff",
+    "Batch",
     "ClaimedJob",
     "ConfiguredTask",
+    "DurableTask",
     "EnqueueError",
     "EnqueueMixin",
     "EnqueueOptions",
@@ -52,12 +60,16 @@ __all__ = [
     "JobsError",
     "PermanentError",
     "ResultError",
+    "SignalError",
     "Snooze",
+    "StepError",
+    "Steps",
     "Task",
     "TaskArgs",
     "TransactionalTask",
     "Unique",
     "UnknownTaskError",
+    "WaitTimedOut",
     "Worker",
     "WorkerError",
     "WorkerSettings",

@@ -334,6 +334,8 @@ class Task(Generic[P, R]):
     priority: int = 0
     timeout: float | None = None
     transactional: bool = False
+    #: The handler takes a ``steps`` runner (:mod:`sqla_jobs.steps`): ``@jobs.task(durable=True)``.
+    durable: bool = False
     is_async: bool = False
     #: Unique by default (``@jobs.task(unique=True, unique_for=...)``); a call's options win.
     unique: bool = False
@@ -365,6 +367,19 @@ class Task(Generic[P, R]):
                     "'session' parameter"
                 )
             params = [p for p in params if p.name != "session"]
+        if self.durable:
+            if self.transactional:
+                raise TypeError(
+                    f"task {self.name!r}: durable and transactional do not go together (a "
+                    "transactional run is one transaction, so there is nothing to resume); "
+                    "give a step a 'session' parameter instead, and its writes commit with "
+                    "its checkpoint"
+                )
+            if "steps" not in sig.parameters:
+                raise TypeError(
+                    f"task {self.name!r} is durable, so its handler must take a 'steps' parameter"
+                )
+            params = [p for p in params if p.name != "steps"]
         clash = RESERVED_NAMES.intersection(p.name for p in params)
         if clash:
             raise TypeError(
@@ -559,6 +574,18 @@ class Task(Generic[P, R]):
         """One job's arguments for ``enqueue_many``, checked by the type checker against
         the handler's signature (a plain mapping is checked only at run time)."""
         return TaskArgs(args, kwargs)
+
+
+class DurableTask(Task[P, R]):
+    """A ``durable=True`` task whose handler takes its step runner as its first parameter
+    (``def fulfil(steps: Steps, order_id: int)``): ``P`` is the rest, what an enqueue
+    passes. At run time a :class:`Task` like any other."""
+
+    if TYPE_CHECKING:
+
+        def __call__(  # type: ignore[override]
+            self, steps: Any, /, *args: P.args, **kwargs: P.kwargs
+        ) -> R: ...
 
 
 class TransactionalTask(Task[P, R]):

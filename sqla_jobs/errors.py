@@ -13,8 +13,11 @@ __all__ = [
     "JobsError",
     "PermanentError",
     "ResultError",
+    "SignalError",
     "Snooze",
+    "StepError",
     "UnknownTaskError",
+    "WaitTimedOut",
     "WorkerError",
     "describe",
     "unreachable",
@@ -76,6 +79,39 @@ class JobFailedError(JobsError):
         self.job_id = job_id
         self.status = status
         self.last_error = last_error
+
+
+class StepError(JobsError):
+    """A durable step was misused or could not be stored (:mod:`sqla_jobs.steps`): a name
+    used twice in one run, a result that is not JSON or too large, a name that clashes
+    with another kind of step. Raised at the step, before anything is written, so the
+    handler fails there (and is retried by its task's policy) rather than at a COMMIT."""
+
+
+class SignalError(JobsError):
+    """:meth:`Jobs.signal <sqla_jobs.Jobs.signal>` could not deliver: ``reason`` is
+    ``"unknown"`` (no such job: never enqueued, or finished and deleted), ``"finished"``
+    (done, dead or cancelled), ``"resolved"`` (that wait already has its signal),
+    ``"timed_out"`` (the wait gave up first) or ``"not_a_wait"`` (the job has a step of
+    that name that is no wait). Nothing was written; the caller's transaction is intact."""
+
+    def __init__(self, job_id: int, name: str, reason: str, detail: str) -> None:
+        super().__init__(f"signal {name!r} for job {job_id}: {detail}")
+        self.job_id = job_id
+        self.name = name
+        self.reason = reason
+
+
+class WaitTimedOut(JobsError):
+    """Raised by ``steps.wait(name, timeout=...)`` when the timeout passed before a signal
+    of that name committed. The outcome is stored: every later attempt of the job raises
+    it again at the same wait, so a handler that catches it takes the same branch each
+    time."""
+
+    def __init__(self, job_id: int, name: str) -> None:
+        super().__init__(f"job {job_id}: the wait {name!r} timed out before its signal came")
+        self.job_id = job_id
+        self.name = name
 
 
 def missing_extra(what: str, needs: str, extra: str) -> str:

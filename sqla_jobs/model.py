@@ -149,6 +149,10 @@ LIVE_STATUSES: tuple[str, ...] = (JobStatus.SCHEDULED, JobStatus.READY, JobStatu
 #: cancelled head can hold its key in a queue with ``key_order="fifo"``).
 KEY_ORDER_STATUSES: tuple[str, ...] = (*LIVE_STATUSES, JobStatus.DEAD, JobStatus.CANCELLED)
 
+#: The states of a durable step (``<table>_steps.state``) that keep its job suspended: the
+#: rows of ``<table>_steps_suspended`` (see :mod:`sqla_jobs.steps`).
+SUSPENDED_STEP_STATES: tuple[str, ...] = ("sleeping", "waiting")
+
 #: Storage parameters for a table that is inserted into, updated and deleted from all day.
 #: A low scale factor makes autovacuum visit long before dead tuples pile up (the default,
 #: 20% of the table, is far too lazy for a queue), no cost delay lets it finish quickly, and
@@ -621,6 +625,7 @@ class Companions(NamedTuple):
     throughput: sa.Table
     unique_keys: sa.Table
     key_starts: sa.Table
+    steps: sa.Table
 
 
 def companion_tables(table: sa.Table) -> Companions:
@@ -658,6 +663,15 @@ def companion_tables(table: sa.Table) -> Companions:
         when a key whose log is full has room again, so the claim finds the held keys
         without reading the others; ``expires_at`` is when the log says nothing any more,
         after which retention deletes the row.
+    ``<table>_steps``
+        The checkpoints of durable jobs (:mod:`sqla_jobs.steps`): one row per step a job
+        has passed (``kind`` ``run``, ``cursor``, ``sleep`` or ``wait``), keyed by the job
+        and the step's name, with its JSON ``result`` (a step's return value, a cursor's
+        position, a signal's payload), the ``state`` it is in and the ``attempt`` that
+        wrote it. A signal sent before its wait is a ``wait`` row in state ``signalled``.
+        No foreign key: a cascade would add a lookup to every job the completer deletes,
+        durable or not, so retention deletes the rows of jobs that are gone instead.
+        ``<table>_steps_suspended`` lists the sleeping and waiting ones.
     """
     existing = table.info.get("sqla_jobs_companions")
     if existing is not None:
@@ -761,7 +775,27 @@ def companion_tables(table: sa.Table) -> Companions:
             postgresql_where=sa.text("full_until IS NOT NULL"),
         ),
     )
-    companions = Companions(queues, schedules, workers, throughput, unique_keys, key_starts)
+    steps = companion(
+        "steps",
+        key("job_id", sa.BigInteger),
+        key("name"),
+        # run, cursor, sleep or wait (sqla_jobs.steps.StepKind), and where it stands.
+        required("kind", sa.Text),
+        required("state", sa.Text),
+        sa.Column("result", _jsonb()),
+        # The attempt of the job that wrote the row (NULL: a signal, sent from outside).
+        sa.Column("attempt", sa.Integer),
+        # A sleep's wake-up time, a wait's deadline (NULL: no timeout).
+        sa.Column("until", _moment()),
+        since("created_at"),
+        since("updated_at"),
+        sa.Index(
+            derived_name(name, "steps_suspended"),
+            "job_id",
+            postgresql_where=sa.text(f"state IN ({_status_list(SUSPENDED_STEP_STATES)})"),
+        ),
+    )
+    companions = Companions(queues, schedules, workers, throughput, unique_keys, key_starts, steps)
     table.info["sqla_jobs_companions"] = companions
     return companions
 

@@ -26,19 +26,22 @@ import inspect
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, Protocol, overload
 
 import sqlalchemy as sa
 
 from . import connection as core
 from . import flow as _flow
+from . import steps as _steps
 from ._queries import Queries
+from ._step_queries import StepQueries
 from ._storable import DURATION_MAX_SECONDS, shorten, text_problem
 from ._tasks import (
     _READY,
     _TASK_OPTION_SET,
     Backoff,
     ConfiguredTask,
+    DurableTask,
     EnqueueOptions,
     ManyOptions,
     P,
@@ -81,11 +84,14 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
     from typing_extensions import Unpack
 
+    from .steps import AsyncSteps, Steps
+
 log = logging.getLogger("sqla_jobs.enqueue")
 
 __all__ = [
     "Backoff",
     "ConfiguredTask",
+    "DurableTask",
     "EnqueueOptions",
     "Jobs",
     "ManyOptions",
@@ -97,6 +103,19 @@ __all__ = [
     "TransactionalTask",
     "Unique",
 ]
+
+
+class _DurableDecorator(Protocol):
+    """What ``@jobs.task(durable=True)`` returns, for a type checker."""
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[Steps, P], R], /) -> DurableTask[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[Concatenate[AsyncSteps, P], R], /) -> DurableTask[P, R]: ...
+
+    @overload
+    def __call__(self, fn: Callable[..., R], /) -> Task[..., R]: ...
 
 
 class Jobs(Registry):
@@ -154,6 +173,7 @@ class Jobs(Registry):
         #: Hooks for metrics and logs; see :mod:`sqla_jobs.events`.
         self.events = Events()
         self._queries: Queries | None = None
+        self._step_queries: StepQueries | None = None
         #: Limits declared with :meth:`queue`.
         self.queue_limits: dict[str, QueueLimits] = {}
         #: Queues of tasks that declare a ``concurrency_key``.
@@ -171,6 +191,13 @@ class Jobs(Registry):
             self._queries = Queries(self.table, keep_done=self.keep_done is not None)
         return self._queries
 
+    @property
+    def step_queries(self) -> StepQueries:
+        """The statements of durable steps (``<table>_steps``), built on first use."""
+        if self._step_queries is None:
+            self._step_queries = StepQueries(self.table)
+        return self._step_queries
+
     # The overloads give a type checker the handler's signature: ``Task[P, R]``. A
     # transactional handler that takes the session first becomes a ``TransactionalTask``
     # over the rest of its parameters (what an enqueue passes); one that takes it anywhere
@@ -184,8 +211,29 @@ class Jobs(Registry):
         /,
         *,
         transactional: Literal[False] = False,
+        durable: Literal[False] = False,
         **options: Unpack[TaskOptions],
     ) -> Task[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        fn: Callable[Concatenate[Steps, P], R],
+        /,
+        *,
+        durable: Literal[True],
+        **options: Unpack[TaskOptions],
+    ) -> DurableTask[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        fn: Callable[Concatenate[AsyncSteps, P], R],
+        /,
+        *,
+        durable: Literal[True],
+        **options: Unpack[TaskOptions],
+    ) -> DurableTask[P, R]: ...
 
     @overload
     def task(  # type: ignore[overload-overlap]
@@ -219,8 +267,14 @@ class Jobs(Registry):
         /,
         *,
         transactional: Literal[False] = False,
+        durable: Literal[False] = False,
         **options: Unpack[TaskOptions],
     ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    @overload
+    def task(
+        self, fn: None = None, /, *, durable: Literal[True], **options: Unpack[TaskOptions]
+    ) -> _DurableDecorator: ...
 
     @overload
     def task(
@@ -237,6 +291,7 @@ class Jobs(Registry):
         fn: Callable[P, R] | None = None,
         *,
         transactional: bool = False,
+        durable: bool = False,
         **options: Unpack[TaskOptions],
     ) -> Any:
         """Register a handler, as ``@jobs.task`` or ``@jobs.task(queue=..., ...)``.
@@ -313,7 +368,7 @@ class Jobs(Registry):
                 keep_seconds(keep_result, None)
             except EnqueueError as exc:
                 raise ValueError(f"task {task_name!r}: {exc}") from None
-            cls = TransactionalTask if transactional else Task
+            cls = TransactionalTask if transactional else DurableTask if durable else Task
             t: Task[P, R] = cls(
                 fn=f,
                 name=task_name,
@@ -324,6 +379,7 @@ class Jobs(Registry):
                 priority=priority,
                 timeout=timeout,
                 transactional=transactional,
+                durable=durable,
                 is_async=inspect.iscoroutinefunction(f),
                 unique=bool(unique) or scope is not None,
                 unique_scope=scope,
@@ -648,6 +704,38 @@ class Jobs(Registry):
     ) -> Any:
         """:meth:`result`, awaited, on an ``AsyncEngine``."""
         return await _flow.result_async(engine, self, job_id, timeout=timeout, listen=listen)
+
+    # -- durable steps (see sqla_jobs.steps) ----------------------------------------------
+
+    def signal(
+        self, connection: Session | sa.Connection, job_id: int, name: str, payload: Any = None
+    ) -> str:
+        """Send the signal ``name`` (with a JSON ``payload``) to job ``job_id``, whose
+        handler waits for it with ``steps.wait(name)``; in the caller's transaction, so it
+        is sent only if the caller commits.
+
+        Returns ``"woken"`` (the job was suspended in that wait: it is ready again) or
+        ``"kept"`` (it has not reached the wait yet, or is running: the wait returns the
+        payload when it gets there). The job's row is locked until the caller's COMMIT,
+        which serialises the signal with the wait and with its timeout: one of them wins,
+        once.
+
+        :raises SignalError: no such job (never enqueued, or finished and deleted), a
+            finished, dead or cancelled job, a wait that already has its signal or timed
+            out, a step of that name that is no wait (its ``reason`` says which). Nothing is
+            written then.
+        """
+        return _steps.signal(connection, self, job_id, name, payload)
+
+    async def signal_async(
+        self,
+        connection: AsyncSession | AsyncConnection,
+        job_id: int,
+        name: str,
+        payload: Any = None,
+    ) -> str:
+        """:meth:`signal`, awaited, on an ``AsyncSession`` or an ``AsyncConnection``."""
+        return await _steps.signal_async(connection, self, job_id, name, payload)
 
     def group(
         self, session: Any, members: Iterable[Any], then: Any, *, results: str = "results"

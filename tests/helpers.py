@@ -91,4 +91,5 @@ PUBLIC_MODULES = (
     "worker",
     "aio",
     "flask",
+    "steps",
 )

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import Jobs, JobSession, Worker
+from sqla_jobs import Jobs, JobSession, Steps, Worker
 
 from .helpers import running, wait_for
 from .test_alembic import Project, section
@@ -179,6 +179,33 @@ REFUSED_ROWS = [
 ]
 
 
+def check_steps(jobs: Jobs, engine: sa.Engine) -> None:
+    """Durable steps (through <table>_steps, new in 0.2): a step runs once across
+    attempts, a wait suspends the job until its signal commits."""
+    calls: list[int] = []
+
+    @jobs.task(queue="upgrade-steps", durable=True)
+    def fulfil(steps: Steps) -> None:
+        steps.run("charge", lambda: calls.append(1))
+        steps.wait("shipped")
+
+    with JobSession(engine, jobs=jobs) as session:
+        job = session.enqueue(fulfil)
+        session.commit()
+        job_id = job.id
+
+    def drain() -> None:
+        Worker(jobs, engine, queues=["upgrade-steps"], listen=False).run_until_empty(timeout=10)
+
+    drain()
+    with engine.begin() as conn:
+        assert jobs.signal(conn, job_id, "shipped", {"t": 1}) == "woken"
+    drain()
+    assert calls == [1]
+    with engine.connect() as conn:
+        assert conn.execute(sa.text(f"SELECT count(*) FROM jobs WHERE id = {job_id}")).scalar() == 0
+
+
 def check_constraints(jobs: Jobs, engine: sa.Engine) -> None:
     """The CHECK constraints of 0.2 (an object ``meta`` and ``args``, an attempt left for a
     waiting job, ...) refuse what the worker cannot handle, and let the rest in: a dead
@@ -205,6 +232,7 @@ UPGRADED_FEATURES: list[tuple[str, Callable[[Jobs, sa.Engine], None]]] = [
     ("results and workflows", check_results_and_workflows),
     ("per-key rates", check_key_rate),
     ("strict order per key", check_key_order),
+    ("durable steps", check_steps),
     ("CHECK constraints", check_constraints),
 ]
 
@@ -223,6 +251,7 @@ def test_a_0_1_install_upgrades_through_autogenerate(make_project: Any) -> None:
     # No hand edits: the new companion table is a plain create_table.
     assert any(s.startswith("op.create_table('jobs_unique_keys',") for s in upgrade), upgrade
     assert any(s.startswith("op.create_table('jobs_key_starts',") for s in upgrade), upgrade
+    assert any(s.startswith("op.create_table('jobs_steps',") for s in upgrade), upgrade
     # The CHECK constraints 0.1 did not have (Alembic compares none of them).
     checks = [s for s in upgrade if s.startswith("op.create_jobs_checks(")]
     assert [c.split(",")[0] for c in checks] == [

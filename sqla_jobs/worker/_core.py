@@ -37,6 +37,7 @@ from .. import periodic
 from .._queries import interval
 from .._settle import format_error, worker_name
 from ..errors import ResultError, WorkerError, describe, unreachable
+from ..steps import Suspended
 from . import _statements as statements
 from . import _supervise as supervise
 from ._duties import Completer, Heartbeat, Listener, Maintenance, Presence
@@ -721,6 +722,25 @@ class WorkerCore:
             log.info("worker %s: handed back %d %s jobs", self.name, count, what)
 
 
+class StepHost:
+    """What a durable run's step runner asks of the worker (:class:`sqla_jobs.steps.Host`)
+    for one claim."""
+
+    __slots__ = ("core", "job")
+
+    def __init__(self, core: WorkerCore, job: ClaimedJob) -> None:
+        self.core, self.job = core, job
+
+    def settle(self) -> bool:
+        return self.core.settle(self.job)
+
+    def unsettle(self) -> None:
+        self.core.unsettle(self.job)
+
+    def lost(self, reason: str) -> None:
+        self.job.cancel(f"lease lost, or cancelled: {reason}")
+
+
 class Run:
     """One run of a handler, from :meth:`WorkerCore.start` to its outcome.
 
@@ -760,6 +780,9 @@ class Run:
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> bool:
+        if isinstance(error, Suspended):
+            self.outcome = self.suspended(error)
+            return True
         result: str | None = None
         if error is None and keeps(self.job) is not None:
             try:
@@ -829,6 +852,24 @@ class Run:
         if self.hooks:
             self._exit_hooks("succeeded", None)
         return Outcome(OutcomeKind.SETTLED, self.job)
+
+    def suspended(self, how: Suspended) -> Outcome:
+        """A durable run's sleep or wait committed the job's suspension (back to
+        ``scheduled``, the attempt not counted): nothing is left to record. Told as a
+        snooze to the events and the run hooks: the job runs again later."""
+        self._close()
+        core, job = self.core, self.job
+        if core._crashes:
+            core._crashes = 0
+        duration = time.monotonic() - job.started
+        until = "a signal" if how.until is None else how.until.isoformat(timespec="seconds")
+        reason = f"{how.kind} {how.name!r} until {until}"
+        level = logging.INFO if core.settings.log_jobs else logging.DEBUG
+        job_log(level, job, "suspended: %s", reason, outcome="snoozed")
+        core.jobs.events.fire("snoozed", job, duration=duration, reason=reason)
+        if self.hooks:
+            self._exit_hooks("snoozed", None)
+        return Outcome(OutcomeKind.SETTLED, job)
 
     def lost(self) -> Outcome:
         """A transactional run's guarded completion matched no row: the claim was lost

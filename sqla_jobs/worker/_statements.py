@@ -348,6 +348,8 @@ def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
         (queries.prune_unique_keys, timedelta(0)),
         # Per-key rate logs (sqla_jobs.throttle) whose newest start left the window.
         (queries.prune_key_starts, timedelta(0)),
+        # Durable steps' records whose job is gone (sqla_jobs.steps).
+        (jobs.step_queries.prune, timedelta(0)),
     ]
 
 

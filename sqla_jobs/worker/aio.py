@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 
 from ..db import create_async_engine
+from ..steps import AsyncSteps
 from . import _statements as statements
 from . import _steps as s
-from ._core import Run
+from ._core import Run, StepHost
 from ._driver import DriverBase, Wakeups, pool_size, run_session
 from ._signals import signalled
 from .job import ClaimedJob, Outcome
@@ -258,6 +259,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 outcome = run  # an unknown task's failure, or None: handed back unstarted
             elif run.task.transactional:
                 outcome = await self._transactional(run)
+            elif run.task.durable:
+                outcome = await self._durable(run)
             else:
                 task = run.task
                 with run:
@@ -291,6 +294,29 @@ class AsyncWorker(DriverBase[AsyncEngine]):
 
             outcome: Outcome = await self._drive(self.core.transactional(run), handler, session)
         return outcome
+
+    async def _durable(self, run: Run) -> Outcome:
+        """A durable task: its ``async def`` handler gets an awaitable step runner."""
+        job, task = run.job, run.task
+        steps = AsyncSteps(
+            self.engine,
+            self.jobs.step_queries,
+            job,
+            StepHost(self.core, job),
+            lambda: run_session(self.jobs, self.engine, AsyncSession),
+        )
+        try:
+            with run:
+                if not task.is_async:
+                    raise TypeError(
+                        f"task {task.name!r} is durable and a plain def, whose steps block: "
+                        "it runs on the threaded worker (or make it async def)"
+                    )
+                run.value = await task.fn(*run.args, steps=steps, **run.kwargs)
+        finally:
+            await steps.close()
+        assert run.outcome is not None
+        return run.outcome
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> bool:

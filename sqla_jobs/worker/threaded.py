@@ -27,9 +27,10 @@ from sqlalchemy.orm import Session
 
 from ..db import create_engine
 from ..session import insert_pending
+from ..steps import Steps
 from . import _statements as statements
 from . import _steps as s
-from ._core import Run
+from ._core import Run, StepHost
 from ._driver import DriverBase, Wakeups, pool_size, run_session
 from ._signals import stopped_by_signals
 from .job import ClaimedJob, Outcome, OutcomeKind
@@ -256,6 +257,8 @@ class Worker(DriverBase[sa.Engine]):
             return run  # an unknown task's failure, or None: handed back before it started
         if run.task.transactional:
             return self._transactional(run, session)
+        if run.task.durable:
+            return self._durable(run, session)
         with run:
             result = run.task.fn(*run.args, **run.kwargs)
             if run.task.is_async:
@@ -292,6 +295,36 @@ class Worker(DriverBase[sa.Engine]):
             run.value = fn(*args, session=session, **kwargs)
             session.flush()
             insert_pending(session)
+        assert run.outcome is not None
+        return run.outcome
+
+    def _durable(self, run: Run, session: Session | None) -> Outcome:
+        """A durable task: its handler gets a step runner on this worker's engine."""
+        job, task = run.job, run.task
+        steps = Steps(
+            self.engine,
+            self.jobs.step_queries,
+            job,
+            StepHost(self.core, job),
+            lambda: run_session(self.jobs, self.engine, Session),
+        )
+        try:
+            with run:
+                if session is not None:
+                    raise TypeError(
+                        f"task {task.name!r} is durable: its steps commit on connections of "
+                        "their own, which a test's open transaction would keep waiting; "
+                        "run it with Worker(...).run_until_empty() on committed jobs"
+                    )
+                if task.is_async:
+                    raise TypeError(
+                        f"task {task.name!r} is a durable async def handler, whose steps are "
+                        "awaited: it runs on the asyncio worker (sqla-jobs worker --asyncio, "
+                        "or AsyncWorker)"
+                    )
+                run.value = task.fn(*run.args, steps=steps, **run.kwargs)
+        finally:
+            steps.close()
         assert run.outcome is not None
         return run.outcome
 

@@ -43,7 +43,7 @@ def handler(x: int) -> None: ...
 
 #: Keyword-only parameters an entry point may have besides the declared options: they
 #: are not enqueue options (how a task runs, where a job goes).
-NOT_OPTIONS = {"transactional", "shard", "shard_with"}
+NOT_OPTIONS = {"transactional", "durable", "shard", "shard_with"}
 
 #: (entry point, the declaration its ``**options`` must unpack)
 TYPED = [

@@ -40,10 +40,10 @@ def _layer(names: str, level: int) -> None:
 # model. 9. What runs workers and tests (sharding, launch, the pytest plugin). 10. The
 # optional extras' faces. 11. The CLI.
 _layer("errors _storable cron events db model health", 1)
-_layer("_queries _bulk throttle _settle", 2)
+_layer("_queries _step_queries _bulk throttle _settle", 2)
 _layer("_tasks", 3)
 _layer("_enqueue", 4)
-_layer("session connection flow claiming periodic", 5)
+_layer("session connection flow claiming periodic steps", 5)
 _layer("tasks", 6)
 _layer(
     "logs worker worker.settings worker._steps worker.job worker._outage worker._signals"

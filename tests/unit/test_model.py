@@ -55,6 +55,7 @@ def test_a_models_own_table_args_keep_the_queues_indexes_and_checks() -> None:
         "work_items_throughput",
         "work_items_unique_keys",
         "work_items_key_starts",
+        "work_items_steps",
     }
 
 

@@ -30,6 +30,19 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('queue', 'key')
     )
     op.create_index('jobs_key_starts_full', 'jobs_key_starts', ['queue', 'full_until'], unique=False, postgresql_where=sa.text('full_until IS NOT NULL'))
+    op.create_table('jobs_steps',
+    sa.Column('job_id', sa.BigInteger(), nullable=False),
+    sa.Column('name', sa.Text(), nullable=False),
+    sa.Column('kind', sa.Text(), nullable=False),
+    sa.Column('state', sa.Text(), nullable=False),
+    sa.Column('result', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
+    sa.Column('attempt', sa.Integer(), nullable=True),
+    sa.Column('until', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.PrimaryKeyConstraint('job_id', 'name')
+    )
+    op.create_index('jobs_steps_suspended', 'jobs_steps', ['job_id'], unique=False, postgresql_where=sa.text("state IN ('sleeping', 'waiting')"))
     op.create_table('jobs_throughput',
     sa.Column('minute', sa.DateTime(timezone=True), nullable=False),
     sa.Column('queue', sa.Text(), nullable=False),
@@ -96,6 +109,8 @@ def downgrade() -> None:
     op.drop_table('jobs_workers')
     op.drop_table('jobs_unique_keys')
     op.drop_table('jobs_throughput')
+    op.drop_index('jobs_steps_suspended', table_name='jobs_steps', postgresql_where=sa.text("state IN ('sleeping', 'waiting')"))
+    op.drop_table('jobs_steps')
     op.drop_index('jobs_key_starts_full', table_name='jobs_key_starts', postgresql_where=sa.text('full_until IS NOT NULL'))
     op.drop_table('jobs_key_starts')
     # ### end Alembic commands ###

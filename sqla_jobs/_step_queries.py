@@ -1,0 +1,196 @@
+"""The statements of durable steps (:mod:`sqla_jobs.steps`), on ``<table>_steps``.
+
+Every write a step makes is fenced by the claim, as every write that settles a claim is:
+the job's row must still be ``running`` under this ``(id, attempts)``, and it is locked
+(``FOR SHARE`` for a checkpoint, ``FOR NO KEY UPDATE`` where the job row itself changes)
+until the step's transaction commits. A lease that passed meanwhile cannot be rescued
+under the lock: the rescue's UPDATE waits for the COMMIT, and the next attempt then finds
+the step done. A claim already lost matches no row, and nothing is written.
+
+A signal and a wait meet on the job's row lock: each takes it first and only then reads
+the step's row, in a statement of its own (so with a snapshot taken after the other's
+COMMIT). Whichever comes second sees what the first wrote, so a wait and its signal, or
+a wait's timeout and a late signal, resolve one way, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB, insert
+
+from ._queries import _SCHEDULED_VIA_PK, _notify_queues, _one_claim
+from .model import JobStatus, companion_tables, notify_channel
+
+__all__ = ["StepQueries"]
+
+#: What a wait with no timeout is scheduled for: the year 9999, which the promoter never
+#: reaches (as for a job waiting for its parents; not 'infinity', which Python cannot read).
+NEVER: sa.ColumnElement[Any] = sa.literal_column("'9999-01-01 00:00:00+00'::timestamptz")
+
+
+def _json(name: str) -> Any:
+    """``CAST(:name AS jsonb)``: the JSON is encoded (and checked) by the caller."""
+    return sa.cast(sa.bindparam(name, type_=sa.Text), JSONB)
+
+
+class StepQueries:
+    """The statements of one jobs table's ``<table>_steps``, each built once (on first use
+    of durable steps: ``Queries.steps``)."""
+
+    def __init__(self, table: sa.Table) -> None:
+        self.table = t = table
+        self.steps_table = st = companion_tables(table).steps
+        c = st.c
+
+        # Every record of one job, read once per attempt (at its first step).
+        self.load = sa.select(c.name, c.kind, c.state, c.result, c.attempt, c.until).where(
+            c.job_id == sa.bindparam("job_id")
+        )
+
+        # A checkpoint in one statement: the claim's row locked FOR SHARE (a rescue waits
+        # for this to commit), and the step's row written from it, so nothing is written
+        # for a lost claim. Upserted: a cursor moves its row on, and a step whose first
+        # checkpoint a lost claim never wrote is written by the next. A row of another kind
+        # (a signal of that name, sent from outside) is left alone: no row comes back.
+        fence = (
+            sa.select(
+                t.c.id,
+                sa.bindparam("name", type_=sa.Text),
+                sa.bindparam("kind", type_=sa.Text),
+                sa.bindparam("state", type_=sa.Text),
+                _json("result"),
+                t.c.attempts,
+            )
+            .where(_one_claim(t))
+            .with_for_update(read=True, of=t)
+        )
+        upsert = insert(st).from_select(
+            ["job_id", "name", "kind", "state", "result", "attempt"], fence
+        )
+        self.checkpoint = upsert.on_conflict_do_update(
+            index_elements=[c.job_id, c.name],
+            set_={
+                "state": upsert.excluded.state,
+                "result": upsert.excluded.result,
+                "attempt": upsert.excluded.attempt,
+                "updated_at": sa.func.now(),
+            },
+            where=c.kind == upsert.excluded.kind,
+        ).returning(c.job_id)
+
+        # A sleep or a wait, in one transaction: the claim's row locked, then the step's
+        # row read with a snapshot taken under that lock, then written, and the job
+        # suspended or not. ``due``: the database's clock says the time has come.
+        self.lock_claim = (
+            sa.select(t.c.id).where(_one_claim(t)).with_for_update(key_share=True, of=t)
+        )
+        self.read = sa.select(
+            c.kind,
+            c.state,
+            c.result,
+            c.until,
+            sa.func.coalesce(c.until <= sa.func.now(), False).label("due"),
+        ).where(c.job_id == sa.bindparam("job_id"), c.name == sa.bindparam("name"))
+        wrote = insert(st).values(
+            job_id=sa.bindparam("job_id"),
+            name=sa.bindparam("name"),
+            kind=sa.bindparam("kind"),
+            state=sa.bindparam("state"),
+            result=_json("result"),
+            attempt=sa.bindparam("attempt", type_=sa.Integer),
+            # A time given (``until=``), or a delay from the database's now.
+            until=sa.func.coalesce(
+                sa.bindparam("at", type_=sa.DateTime(True)),
+                sa.func.now() + sa.bindparam("after", type_=sa.Interval),
+            ),
+        )
+        # Under the claim's lock: nobody else writes the row meanwhile.
+        self.write = wrote.on_conflict_do_update(
+            index_elements=[c.job_id, c.name],
+            set_={
+                "state": wrote.excluded.state,
+                "result": wrote.excluded.result,
+                "attempt": wrote.excluded.attempt,
+                "until": wrote.excluded.until,
+                "updated_at": sa.func.now(),
+            },
+        ).returning(c.until)
+        # (An UPDATE's parameters cannot share the names of its table's columns.)
+        self.set_state = (
+            sa.update(st)
+            .where(c.job_id == sa.bindparam("of_job"), c.name == sa.bindparam("of_step"))
+            .values(state=sa.bindparam("to_state"), updated_at=sa.func.now())
+        )
+        # Back to scheduled until the step's time (its row's ``until``; none: the year 9999),
+        # the attempt not counted (max_attempts + 1, as for a snooze), the slot freed.
+        self.suspend = (
+            sa.update(t)
+            .where(_one_claim(t))
+            .values(
+                status=JobStatus.SCHEDULED.value,
+                run_at=sa.func.coalesce(sa.bindparam("until", type_=sa.DateTime(True)), NEVER),
+                max_attempts=t.c.max_attempts + 1,
+                locked_until=None,
+            )
+            .returning(t.c.id)
+        )
+
+        # jobs.signal, in the caller's transaction: the job's row locked (whatever its
+        # status: a wait may be committing its suspension), then the step's row read,
+        # then written, and a suspended job woken.
+        self.lock_job = (
+            sa.select(t.c.status, t.c.queue)
+            .where(t.c.id == sa.bindparam("job_id"))
+            .with_for_update(key_share=True, of=t)
+        )
+        kept = insert(st).values(
+            job_id=sa.bindparam("job_id"),
+            name=sa.bindparam("name"),
+            kind="wait",
+            state="signalled",
+            result=_json("result"),
+        )
+        self.signal = kept.on_conflict_do_update(
+            index_elements=[c.job_id, c.name],
+            set_={
+                "state": "signalled",
+                "result": kept.excluded.result,
+                "updated_at": sa.func.now(),
+            },
+        )
+        woken = (
+            sa.update(t)
+            .where(t.c.id == sa.bindparam("job_id"), t.c.status == _SCHEDULED_VIA_PK)
+            .values(status=JobStatus.READY.value, run_at=sa.func.now())
+            .returning(t.c.queue)
+            .cte("woken")
+        )
+        self.wake = _notify_queues(notify_channel(t), woken)
+
+        # Retention: the records of jobs that are gone (a job's row is deleted when it
+        # succeeds, or pruned later). Through the primary keys of both tables.
+        orphans = (
+            sa.select(c.job_id)
+            .where(~sa.exists().where(t.c.id == c.job_id))
+            .distinct()
+            .limit(sa.bindparam("limit"))
+        )
+        self.prune = sa.delete(st).where(c.job_id.in_(orphans))
+
+        # What the operator model reads: a job's records in the order they were written.
+        self.records = (
+            sa.select(
+                c.name,
+                c.kind,
+                c.state,
+                c.attempt,
+                c.until,
+                c.created_at,
+                c.updated_at,
+                sa.func.octet_length(sa.cast(c.result, sa.Text)).label("size"),
+            )
+            .where(c.job_id == sa.bindparam("job_id"))
+            .order_by(c.created_at, c.name)
+        )
