@@ -194,7 +194,37 @@ def job_fields(
         fields.append(("children", ", ".join(map(str, job.children))))
     if job.result is not None:
         fields.append(("result", value("result", job.result)))
+    if job.steps:
+        fields.append(("steps", f"{job.steps_done} of {len(job.steps)} done"))
+        held = job.suspended_in
+        if held is not None:
+            fields.append(("suspended in", suspension_text(held, when)))
     return fields
+
+
+def suspension_text(step: Any, when: Callable[[datetime | None], str]) -> str:
+    """What a suspended durable job waits for, in words: ``sleep 'cool-off' until ...``,
+    ``signal 'shipped' (times out ...)``, ``signal 'shipped' (no timeout)``."""
+    if step.kind == "sleep":
+        return f"sleep {step.name!r} until {when(step.until)}"
+    deadline = "no timeout" if step.until is None else f"times out {when(step.until)}"
+    return f"signal {step.name!r} ({deadline})"
+
+
+#: The columns of a job's steps table (``sqla-jobs jobs show``, the dashboard's job page).
+STEP_COLUMNS: tuple[str, ...] = ("step", "kind", "state", "attempt", "when", "size")
+
+
+def step_cells(step: Any, when: Callable[[datetime | None], str]) -> list[str]:
+    """One row of a job's steps table (:data:`STEP_COLUMNS`): a cursor's state names its
+    position, a sleep's or a wait's ``when`` its time, the others when they were written."""
+    state = step.state
+    if step.kind == "cursor" and isinstance(step.position, dict):
+        state = f"{state}: {step.position.get('rows', 0):,} rows, after {step.position.get('after')!r}"
+    moment = step.until if step.state in ("sleeping", "waiting") else step.updated_at
+    size = "-" if step.size is None else f"{step.size:,} B"
+    attempt = "-" if step.attempt is None else str(step.attempt)
+    return [step.name, step.kind, state, attempt, when(moment), size]
 
 
 #: A queue's state as ``sqla-jobs stats --json`` writes it, key by key, in this order

@@ -190,6 +190,7 @@ class StepQueries:
                 c.created_at,
                 c.updated_at,
                 sa.func.octet_length(sa.cast(c.result, sa.Text)).label("size"),
+                sa.case((c.kind == "cursor", c.result)).label("position"),
             )
             .where(c.job_id == sa.bindparam("job_id"))
             .order_by(c.created_at, c.name)

@@ -54,6 +54,7 @@ purge      done, dead, cancelled           also scheduled or ready, when named;
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -82,6 +83,7 @@ from . import _queries as _q
 from ._queries import Queries
 from ._queries import status_literal as _lit
 from ._settle import settle_children
+from ._step_queries import StepQueries
 from ._storable import QUEUE_MAX_BYTES, check_name, json_text_depth, text_problem
 from ._tasks import json_problem
 from .model import (
@@ -89,6 +91,7 @@ from .model import (
     KEY_ORDER_STATUSES,
     LIVE_STATUSES,
     STATUSES,
+    SUSPENDED_STEP_STATES,
     JobStatus,
     companion_tables,
     job_table,
@@ -238,6 +241,34 @@ class QueueState:
 
 
 @dataclass(frozen=True)
+class StepView:
+    """One durable step of a job (:mod:`sqla_jobs.steps`), as stored in ``<table>_steps``:
+    its ``kind`` (``run``, ``cursor``, ``sleep``, ``wait``), its ``state`` (``done``,
+    ``open`` for a cursor between batches, ``sleeping``, ``waiting``, ``signalled``,
+    ``timed_out``), the attempt that wrote it (None: a signal sent from outside), a
+    sleep's wake-up time or a wait's deadline, and the size of its stored JSON. A
+    cursor's ``position`` is ``{"after": <key>, "rows": <rows done>}``."""
+
+    name: str
+    kind: str
+    state: str
+    attempt: int | None
+    until: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    size: int | None
+    position: Any = None
+
+    @property
+    def suspends(self) -> bool:
+        """The job is suspended in this step (asleep, or waiting for its signal)."""
+        return self.state in SUSPENDED_STEP_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_value(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class JobView:
     """One job row, as operators look at it: every column (:func:`list_jobs`,
     :func:`get_job`). A list that shows many jobs reads their :class:`JobSummary`
@@ -271,6 +302,19 @@ class JobView:
     waiting: int | None = None
     #: The jobs that wait for it (filled by :func:`get_job` only), newest last.
     children: list[int] | None = None
+    #: Its durable steps, oldest first (filled by :func:`get_job` only; empty for a job
+    #: that has none).
+    steps: list[StepView] | None = None
+
+    @property
+    def suspended_in(self) -> StepView | None:
+        """The sleep or wait the job is suspended in, if any (:func:`get_job` only)."""
+        return next((s for s in self.steps or () if s.suspends), None)
+
+    @property
+    def steps_done(self) -> int:
+        """How many of its steps are done: its progress, for a durable job."""
+        return sum(1 for s in self.steps or () if s.state == "done")
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobView:
@@ -310,12 +354,16 @@ class QueueInfo:
 
 
 #: The columns a JobView is read from (``children`` is looked up by get_job).
-_JOB_FIELDS: tuple[str, ...] = tuple(f for f in JobView.__dataclass_fields__ if f != "children")
+_JOB_FIELDS: tuple[str, ...] = tuple(
+    f for f in JobView.__dataclass_fields__ if f not in ("children", "steps")
+)
 
 
 def _json_value(value: Any) -> Any:
     if isinstance(value, datetime):
         return _utc(value).isoformat()
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return [{k: _json_value(v) for k, v in item.items()} for item in value]  # steps
     return value
 
 
@@ -497,6 +545,8 @@ class JobFilters(TypedDict, total=False):
     whose ``meta`` has each of these keys with this value, or with a list that contains
     it (``meta={"tags": "vip"}`` finds ``{"tags": ["vip", "eu"]}`` too), read through the
     ``<table>_meta`` GIN index. ``worker``: jobs locked by this worker (``locked_by``).
+    ``suspended``: ``True``, durable jobs asleep or waiting for a signal in a step (through
+    ``<table>_steps_suspended``); ``False``, every other job.
     """
 
     ids: Iterable[int] | None
@@ -505,6 +555,7 @@ class JobFilters(TypedDict, total=False):
     status: OneOrMany
     meta: Mapping[str, Any] | None
     worker: str | None
+    suspended: bool | None
 
 
 def list_jobs(
@@ -530,6 +581,7 @@ def _job_filters(
     status: OneOrMany = None,
     meta: Mapping[str, Any] | None = None,
     worker: str | None = None,
+    suspended: bool | None = None,
 ) -> list[sa.ColumnElement[bool]]:
     """The WHERE of a job list: every given filter (``ValueError`` for a bad one)."""
     c = table.c
@@ -539,6 +591,14 @@ def _job_filters(
         where += meta_filter(table, meta)
     if worker is not None:
         where.append(c.locked_by == worker)
+    if suspended is not None:
+        if not isinstance(suspended, bool):
+            raise ValueError(f"suspended filter must be True or False, got {suspended!r}")
+        st = companion_tables(table).steps
+        held = sa.exists().where(
+            st.c.job_id == c.id, st.c.state.in_([sa.literal(s) for s in SUSPENDED_STEP_STATES])
+        )
+        where.append(held if suspended else ~held)
     if before_id is not None:
         if not isinstance(before_id, int) or isinstance(before_id, bool):
             raise ValueError(f"before_id must be an integer, got {before_id!r}")
@@ -600,7 +660,19 @@ def get_job(bind: Bind, jobs: JobSource, job_id: int) -> JobView | None:
             .limit(1000),
         ).scalars()
         info = replace(info, children=list(ids))
-    return info
+    steps = job_steps(bind, jobs, job_id)
+    return replace(info, steps=steps) if steps else info
+
+
+def job_steps(bind: Bind, jobs: JobSource, job_id: int) -> list[StepView]:
+    """A job's durable steps, oldest first (none: not a durable job, or not started)."""
+    q = jobs.step_queries if isinstance(jobs, Jobs) else _step_queries(_table(jobs))
+    return [StepView(**r._mapping) for r in _execute(bind, q.records, {"job_id": job_id})]
+
+
+@functools.lru_cache(maxsize=16)
+def _step_queries(table: sa.Table) -> StepQueries:
+    return StepQueries(table)
 
 
 # -- the dashboard's reads ---------------------------------------------------------------

@@ -1054,6 +1054,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
                 status=args.status,
                 task=args.task,
                 meta=dict(args.meta) if args.meta else None,
+                suspended=True if args.suspended else None,
                 limit=args.limit,
             ),
         )
@@ -1117,6 +1118,13 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     print(f"job {job.id}")
     for name, value in fields:
         print(f"  {name:<13} {value}")
+    if job.steps:
+        print()
+        _print_table(
+            list(_present.STEP_COLUMNS),
+            [_present.step_cells(step, _when) for step in job.steps],
+            right={3, 5},
+        )
     print()
     if job.last_error:
         print("last_error:")
@@ -1797,6 +1805,11 @@ def _add_jobs(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="only jobs whose meta has KEY equal to VALUE, or a list holding it (repeatable; "
         "VALUE is read as JSON when it can be: 42, true, '\"42\"' for the string)",
+    )
+    listing.add_argument(
+        "--suspended",
+        action="store_true",
+        help="only durable jobs asleep or waiting for a signal in a step",
     )
     listing.add_argument(
         "--limit", type=_positive_int, default=50, help="at most this many (default: 50)"

@@ -512,3 +512,53 @@ def test_a_plain_durable_handler_on_the_asyncio_worker_is_told_where_it_runs(
     job_id = enqueue(Session, plain)
     AsyncWorkerInThread(jobs, database_url, queues=["d"], listen=False).run_until_empty(timeout=20)
     assert "runs on the threaded worker" in job_row(db, job_id).last_error
+
+
+def test_operators_see_each_step_and_what_a_suspended_job_waits_for(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    from sqla_jobs import admin
+
+    from .test_cli import cli
+
+    with db.begin() as conn:
+        conn.execute(sa.insert(app.Link), [{"code": f"{i}", "url": "u"} for i in range(5)])
+
+    @jobs.task(durable=True, queue="d")
+    def order(steps: Steps) -> None:
+        steps.run("charge", lambda: {"id": "ch_1"})
+        for _ in steps.iterate(
+            "links", sa.select(app.Link).order_by(app.Link.code), key=app.Link.code, size=2
+        ):
+            pass
+        steps.wait("shipped", timeout=3600)
+
+    @jobs.task(queue="d")
+    def plain() -> None:
+        pass
+
+    job_id = enqueue(Session, order)
+    other = enqueue(Session, plain.with_options(delay=3600))
+    drain(jobs, db)
+    with db.connect() as conn:
+        job = admin.get_job(conn, jobs, job_id)
+        assert job is not None and job.steps is not None
+        assert [(s.name, s.kind, s.state) for s in job.steps] == [
+            ("charge", "run", "done"),
+            ("links", "cursor", "done"),
+            ("shipped", "wait", "waiting"),
+        ]
+        assert job.steps_done == 2 and job.suspended_in is job.steps[2]
+        assert job.steps[1].position == {"after": "4", "rows": 5}
+        assert job.steps[0].size == len('{"id":"ch_1"}') + 1  # jsonb's text adds a space
+        assert [j.id for j in admin.list_jobs(conn, jobs, suspended=True)] == [job_id]
+        assert [j.id for j in admin.list_jobs(conn, jobs, suspended=False)] == [other]
+        assert admin.get_job(conn, jobs, other).steps is None
+        assert job.to_dict()["steps"][2]["until"].endswith("+00:00")
+    shown = cli("jobs", "show", "tests.app:Job", str(job_id))
+    assert shown.returncode == 0, shown.stderr
+    assert "suspended in  signal 'shipped' (times out" in shown.stdout
+    assert "links    cursor  done: 5 rows, after '4'" in shown.stdout
+    listed = cli("jobs", "list", "tests.app:Job", "--suspended")
+    listed_ids = [line.split()[0] for line in listed.stdout.splitlines()[1:]]
+    assert listed_ids == [str(job_id)]
