@@ -220,7 +220,9 @@ def step_cells(step: Any, when: Callable[[datetime | None], str]) -> list[str]:
     position, a sleep's or a wait's ``when`` its time, the others when they were written."""
     state = step.state
     if step.kind == "cursor" and isinstance(step.position, dict):
-        state = f"{state}: {step.position.get('rows', 0):,} rows, after {step.position.get('after')!r}"
+        state = (
+            f"{state}: {step.position.get('rows', 0):,} rows, after {step.position.get('after')!r}"
+        )
     moment = step.until if step.state in ("sleeping", "waiting") else step.updated_at
     size = "-" if step.size is None else f"{step.size:,} B"
     attempt = "-" if step.attempt is None else str(step.attempt)

@@ -236,7 +236,7 @@ def test_jobs_list_and_show(db: sa.Engine) -> None:
     assert set(only) == {
         "id", "queue", "task", "status", "args", "priority", "attempts", "max_attempts",
         "run_at", "created_at", "finished_at", "locked_until", "locked_by", "unique_key",
-        "last_error", "meta", "progress", "result", "parents", "waiting", "children",
+        "last_error", "meta", "progress", "result", "parents", "waiting", "children", "steps",
     }  # fmt: skip
     assert only["args"] == {"seconds": 1} and only["queue"] == "other"
 

@@ -344,3 +344,44 @@ def test_an_operator_sees_a_blocked_key_and_retries_its_head(
     page.goto(base + "/")
     assert page.locator("h2:has-text('Blocked keys')").count() == 0
     page.close()
+
+
+def test_an_operator_sees_a_durable_job_s_steps_and_what_it_waits_for(
+    browser: Any, served: tuple[str, Jobs], db: sa.Engine
+) -> None:
+    """An order suspended in a wait for its shipping webhook: the job list's "suspended"
+    filter finds it, and its page shows each step and what it waits for."""
+    from sqla_jobs import Steps, Worker
+
+    base, jobs = served
+
+    @jobs.task(queue="orders", name="shop.fulfil", durable=True)
+    def fulfil(steps: Steps, order_id: int) -> None:
+        steps.run("charge", lambda: {"charge": "ch_1042", "amount": 4200})
+        steps.run("reserve stock", lambda: ["sku-1", "sku-2"])
+        steps.wait("shipped", timeout=timedelta(days=14))
+
+    with db.begin() as conn:
+        job_id = jobs.enqueue(conn, fulfil, order_id=1042)
+        jobs.enqueue(conn, jobs.get("shop.send_receipt"), order_id=1)  # not suspended
+    Worker(jobs, db, queues=["orders"], listen=False).run_until_empty(timeout=20)
+
+    page = browser.new_page(viewport={"width": 1360, "height": 900})
+    page.goto(base + "/jobs")
+    page.check("input[name=suspended]")
+    page.click("button:has-text('Filter')")
+    page.wait_for_url(re.compile(r".*suspended=1.*"))
+    listed = page.locator("tbody tr")
+    assert listed.count() == 1
+    assert "shop.fulfil" in listed.inner_text()
+    shot(page, "jobs-suspended")
+    page.goto(base + f"/jobs/{job_id}")
+    assert "Waits for the signal 'shipped'" in page.locator(".next").inner_text()
+    steps = page.locator("table.steps tbody tr")
+    assert steps.count() == 3
+    assert steps.nth(0).locator("td").nth(0).inner_text() == "charge"
+    assert steps.nth(2).locator(".badge").inner_text() == "waiting"
+    fields = page.locator("dl.fields").inner_text()
+    assert "2 of 3 done" in fields and "signal 'shipped' (times out" in fields
+    shot(page, "job-steps")
+    page.close()

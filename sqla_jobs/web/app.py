@@ -92,11 +92,13 @@ class Filters:
     status: str | None = None
     worker: str | None = None
     q: str | None = None
+    #: "1": only durable jobs suspended in a sleep or a wait.
+    suspended: str | None = None
 
     @classmethod
     def of(cls, params: Any) -> Filters:
         values: dict[str, str | None] = {}
-        for name in ("queue", "task", "status", "worker", "q"):
+        for name in ("queue", "task", "status", "worker", "q", "suspended"):
             raw = params.get(name)
             value = raw.strip() if isinstance(raw, str) else None
             if value and "\x00" in value:
@@ -108,6 +110,8 @@ class Filters:
                 "Bad filter",
                 f"unknown status {values['status']!r}; statuses are {', '.join(STATUSES)}",
             )
+        if values["suspended"] not in (None, "1"):
+            raise PageError(400, "Bad filter", "suspended: give 1, or leave it out")
         return cls(**values)
 
     def query(self) -> str:
@@ -120,6 +124,7 @@ class Filters:
             ("status", self.status),
             ("worker", self.worker),
             ("q", self.q),
+            ("suspended", self.suspended),
         ]
 
     def selection(self, up_to_id: int) -> admin.Selection:
@@ -129,7 +134,9 @@ class Filters:
         )
 
     def describe(self) -> str:
-        parts = [f"{k} {v}" for k, v in self.items() if v and k != "q"]
+        parts = [f"{k} {v}" for k, v in self.items() if v and k not in ("q", "suspended")]
+        if self.suspended:
+            parts.append("suspended in a step")
         if self.q:
             parts.append(f"matching {self.q!r}")
         return ", ".join(parts)
@@ -406,6 +413,7 @@ class Dashboard:
                     task=f.task,
                     status=f.status,
                     worker=f.worker,
+                    suspended=True if f.suspended else None,
                     search=f.q,
                     before_id=before,
                     limit=PAGE_SIZE,
@@ -425,7 +433,7 @@ class Dashboard:
                 "To act on a search, select its jobs (bulk actions take queue, task and "
                 "status filters).",
             )
-        elif f.worker:
+        elif f.worker or f.suspended:
             bulk_allowed, bulk_reason = False, "Select jobs to act on them."
         return self.render(
             request,
@@ -465,6 +473,8 @@ class Dashboard:
             job=job,
             next_step=_next_step(job, paused, datetime.now(timezone.utc)),
             fields=_fields(job),
+            step_columns=_present.STEP_COLUMNS,
+            steps=[_present.step_cells(step, _step_when) for step in job.steps or ()],
             args_text=args_text[:ARGS_SHOWN],
             args_truncated=len(args_text) > ARGS_SHOWN,
             args_limit=ARGS_SHOWN,
@@ -507,7 +517,7 @@ class Dashboard:
         if action not in admin.ACTIONS:
             raise PageError(400, "Bad action", f"unknown action {action!r}")
         f = Filters.of(request.query_params)
-        if f.q or f.worker:
+        if f.q or f.worker or f.suspended:
             raise PageError(
                 400,
                 "Not a bulk filter",
@@ -951,10 +961,27 @@ def _when(job: admin.JobSummary) -> str:
     return f"created {ago(job.created_at)}"
 
 
+def _step_when(value: datetime | None) -> str:
+    return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
+
+
 def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
     """One sentence: what happens to this job next, and when."""
     status = job.status
     attempt = f"attempt {job.attempts + 1} of {job.max_attempts}"
+    held = job.suspended_in
+    if status == JobStatus.SCHEDULED and held is not None:
+        done = f"{job.steps_done} of its {len(job.steps or ())} steps done"
+        if held.kind == "sleep":
+            return (
+                f"Asleep in step {held.name!r} ({done}), holding no worker: it runs again "
+                f"{ago(job.run_at)} and goes on after that step."
+            )
+        until = "no timeout" if held.until is None else f"times out {ago(held.until)}"
+        return (
+            f"Waits for the signal {held.name!r} ({until}; {done}), holding no worker: "
+            "jobs.signal(...) for this job wakes it, in the sender's transaction."
+        )
     if status == JobStatus.SCHEDULED:
         kind = "retry" if job.attempts else "first run"
         when = clock(job.run_at, seconds=True, date=True)

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from sqla_jobs import Backoff, JobMixin, Jobs, current_job
+from sqla_jobs import Backoff, JobMixin, Jobs, Steps, current_job
 
 SCHEMA = "faults"
 #: The URL the handlers record their runs through (set by the tests for worker processes).
@@ -329,3 +329,163 @@ def huge(i: int, blob: list[Any], size: int) -> None:
     if len(blob) != size:
         raise ValueError(f"blob of {len(blob)} items, expected {size}")
     record(item=i, slot=len(blob))
+
+
+# -- durable steps (test_steps_faults.py) ---------------------------------------------------
+
+
+class StepExec(Base):
+    """One execution of a step's function, recorded through the recorder's own connection
+    (committed at once): a row at its start, ``ended`` set when it returns. A row without
+    ``ended`` is an execution that a kill cut (or that failed)."""
+
+    __tablename__ = "step_execs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    step: Mapped[str] = mapped_column(sa.Text)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    #: time.monotonic() at the start and at the end of the step's function.
+    started: Mapped[float] = mapped_column(sa.Float)
+    ended: Mapped[float | None] = mapped_column(sa.Float)
+    #: time.time() at the start (comparable with PostgreSQL's clock on this machine).
+    at: Mapped[float] = mapped_column(sa.Float)
+    #: What the step was given (a wait's payload, for the step after it).
+    payload: Mapped[Any] = mapped_column(JSONB)
+
+
+class StepEffect(Base):
+    """The database write of a transactional step (its ``session``): exactly one row per
+    job if the promise holds. Deliberately no unique constraint: a second row must show."""
+
+    __tablename__ = "step_effects"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    item: Mapped[int] = mapped_column(sa.BigInteger)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    #: The result of the step before it, as the handler got it (that step's execution id).
+    prepared: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class StepCheckpoint(Base):
+    """Every row version written to ``jobs_steps`` (by a trigger, created with the schema,
+    see below): the history of each step's record, which the job's own records do not keep
+    (they are overwritten in place, and pruned once the job is gone). Rows written in a
+    transaction that rolled back are not here."""
+
+    __tablename__ = "step_checkpoints"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    name: Mapped[str] = mapped_column(sa.Text)
+    kind: Mapped[str] = mapped_column(sa.Text)
+    state: Mapped[str] = mapped_column(sa.Text)
+    attempt: Mapped[int | None] = mapped_column(sa.Integer)
+    result: Mapped[Any] = mapped_column(JSONB)
+
+
+_TRIGGER_DDL = (
+    f"""
+    CREATE OR REPLACE FUNCTION "{SCHEMA}".step_checkpoint() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO "{SCHEMA}".step_checkpoints (job_id, name, kind, state, attempt, result)
+        VALUES (NEW.job_id, NEW.name, NEW.kind, NEW.state, NEW.attempt, NEW.result);
+        RETURN NULL;
+    END $$
+    """,
+    f"""
+    CREATE TRIGGER step_checkpoint AFTER INSERT OR UPDATE ON "{SCHEMA}".jobs_steps
+        FOR EACH ROW EXECUTE FUNCTION "{SCHEMA}".step_checkpoint()
+    """,
+)
+for _ddl in _TRIGGER_DDL:
+    sa.event.listen(Base.metadata, "after_create", sa.DDL(_ddl))
+
+
+def _exec_started(step: str, payload: Any = None) -> int:
+    job = current_job()
+    with _engine().begin() as conn:
+        return int(
+            conn.execute(
+                sa.insert(StepExec)
+                .values(
+                    job_id=job.id,
+                    step=step,
+                    attempt=job.attempts,
+                    pid=os.getpid(),
+                    started=time.monotonic(),
+                    at=time.time(),
+                    payload=payload,
+                )
+                .returning(StepExec.id)
+            ).scalar_one()
+        )
+
+
+def _exec_ended(exec_id: int) -> None:
+    with _engine().begin() as conn:
+        conn.execute(
+            sa.update(StepExec).where(StepExec.id == exec_id).values(ended=time.monotonic())
+        )
+
+
+def ordinary_step(step: str, seconds: float, payload: Any = None) -> dict[str, int]:
+    """An ordinary step's function: record the execution, take ``seconds``, record its
+    end; returns ``{"exec": <its execution's id>}`` (what the checkpoint stores)."""
+    exec_id = _exec_started(step, payload)
+    if seconds:
+        time.sleep(seconds)
+    _exec_ended(exec_id)
+    return {"exec": exec_id}
+
+
+def transactional_step(
+    item: int, prepared: dict[str, int], seconds: float, session: Session
+) -> dict[str, int]:
+    """A transactional step's function: record the execution (committed at once), write one
+    effect row in the step's session (committed with the checkpoint, or not at all), take
+    ``seconds`` inside that transaction, record the end."""
+    exec_id = _exec_started("book")
+    job = current_job()
+    effect = StepEffect(
+        job_id=job.id, item=item, attempt=job.attempts, pid=os.getpid(), prepared=prepared["exec"]
+    )
+    session.add(effect)
+    session.flush()
+    if seconds:
+        time.sleep(seconds)
+    _exec_ended(exec_id)
+    return {"exec": exec_id, "effect": int(effect.id)}
+
+
+@jobs.task(name="faults.steps_three", queue="steps", durable=True)
+def steps_three(steps: Steps, i: int, seconds: float = 0.005) -> None:
+    """Three steps: an ordinary one, a transactional one (given the first's result), and an
+    ordinary one again."""
+    prepared = steps.run("prepare", ordinary_step, "prepare", seconds)
+    steps.run("book", transactional_step, i, prepared, seconds)
+    steps.run("finish", ordinary_step, "finish", seconds)
+
+
+@jobs.task(name="faults.steps_sleeper", queue="suspend", durable=True)
+def steps_sleeper(steps: Steps, i: int, seconds: float) -> None:
+    """A step, a sleep of ``seconds`` (no worker held), a step."""
+    steps.run("before", ordinary_step, "before", 0.0)
+    steps.sleep("nap", seconds)
+    steps.run("after", ordinary_step, "after", 0.0)
+
+
+@jobs.task(name="faults.steps_waiter", queue="suspend", durable=True)
+def steps_waiter(steps: Steps, i: int) -> None:
+    """A step, a wait for the signal ``go`` (no timeout), a step that records the payload."""
+    steps.run("before", ordinary_step, "before", 0.0)
+    payload = steps.wait("go")
+    steps.run("after", ordinary_step, "after", 0.0, payload)
+
+
+@jobs.task(name="faults.steps_probe", queue="suspend")
+def steps_probe(i: int) -> None:
+    """An ordinary job of the suspended jobs' queue: its run shows the worker claimed from
+    that queue after the moment it was enqueued."""
+    record(item=i)
