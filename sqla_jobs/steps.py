@@ -203,11 +203,25 @@ def encode(value: Any, what: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _takes_session(fn: Callable[..., Any]) -> bool:
+def _takes_session(fn: Callable[..., Any]) -> bool | None:
+    """Whether ``fn`` takes a ``session``: ``True`` as its first parameter (as a
+    transactional task's handler does: ``reserve(session, sku)``), ``False`` elsewhere (it
+    is given by keyword), None not at all."""
     try:
-        return "session" in inspect.signature(fn).parameters
+        parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature
-        return False
+        return None
+    names = [p.name for p in parameters]
+    if "session" not in names:
+        return None
+    first = parameters[0]
+    return first.name == "session" and first.kind is not inspect.Parameter.KEYWORD_ONLY
+
+
+def _call(fn: Callable[..., Any], session: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    if _takes_session(fn):
+        return fn(session, *args, **kwargs)
+    return fn(*args, session=session, **kwargs)
 
 
 def _seconds(value: float | timedelta | None, what: str) -> float | None:
@@ -589,10 +603,10 @@ class Steps(_Base):
         record = self._ledger.use(name, Kind.RUN)
         if record is not None and record.state == State.DONE:
             return record.result
-        if _takes_session(fn):
+        if _takes_session(fn) is not None:
             self.close()
             with self._make_session() as session:
-                value = fn(*args, session=session, **kwargs)
+                value = _call(fn, session, args, kwargs)
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
                 if session.execute(self._q.checkpoint, params).first() is None:
@@ -772,10 +786,10 @@ class AsyncSteps(_Base):
         record = self._ledger.use(name, Kind.RUN)
         if record is not None and record.state == State.DONE:
             return record.result
-        if _takes_session(fn):
+        if _takes_session(fn) is not None:
             await self.close()
             async with self._make_session() as session:
-                value = await _value(fn(*args, session=session, **kwargs))
+                value = await _value(_call(fn, session, args, kwargs))
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
                 if (await session.execute(self._q.checkpoint, params)).first() is None:

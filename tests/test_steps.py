@@ -107,6 +107,9 @@ def test_a_step_that_takes_a_session_commits_its_writes_with_its_checkpoint(
             return code
 
         assert steps.run("create", create) == code
+        # The session first (as a transactional handler takes it), or by keyword.
+        assert steps.run("first", lambda session, n: n + 1, 1) == 2
+        assert steps.run("keyword", lambda n, *, session: n + 2, 1) == 3
         if current_job().attempts == 2:
             raise RuntimeError("after the checkpoint")
 

@@ -351,7 +351,7 @@ class StepExec(Base):
     #: time.time() at the start (comparable with PostgreSQL's clock on this machine).
     at: Mapped[float] = mapped_column(sa.Float)
     #: What the step was given (a wait's payload, for the step after it).
-    payload: Mapped[Any] = mapped_column(JSONB)
+    payload: Mapped[Any] = mapped_column(JSONB(none_as_null=True), nullable=True)
 
 
 class StepEffect(Base):
@@ -381,7 +381,7 @@ class StepCheckpoint(Base):
     kind: Mapped[str] = mapped_column(sa.Text)
     state: Mapped[str] = mapped_column(sa.Text)
     attempt: Mapped[int | None] = mapped_column(sa.Integer)
-    result: Mapped[Any] = mapped_column(JSONB)
+    result: Mapped[Any] = mapped_column(JSONB, nullable=True)
 
 
 _TRIGGER_DDL = (
