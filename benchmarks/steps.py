@@ -189,7 +189,7 @@ def walk_keyset(shape: str, size: int, upto: int) -> None:
         with SessionLocal() as session:
             page = statement if after is None else statement.where(key > after)
             result = session.execute(page.limit(size))
-            batch = list(result.scalars() if entities else result)
+            batch = (result.scalars() if entities else result).all()
             if batch:
                 after = batch[-1].id
                 rows += len(batch)

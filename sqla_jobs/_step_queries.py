@@ -7,10 +7,12 @@ until the step's transaction commits. A lease that passed meanwhile cannot be re
 under the lock: the rescue's UPDATE waits for the COMMIT, and the next attempt then finds
 the step done. A claim already lost matches no row, and nothing is written.
 
-A signal and a wait meet on the job's row lock: each takes it first and only then reads
-the step's row, in a statement of its own (so with a snapshot taken after the other's
-COMMIT). Whichever comes second sees what the first wrote, so a wait and its signal, or
-a wait's timeout and a late signal, resolve one way, once.
+A signal and a wait meet on the step's row: each inserts it, or locks it if it exists
+(an insert waits for a concurrent insert of the same key to commit, a lock for a
+concurrent lock), and decides only then, by the row's latest committed state. Whichever
+comes second sees what the first wrote, so a wait and its signal, or a wait's timeout and
+a late signal, resolve one way, once. The job's row is not locked by a signal: the
+caller's transaction may last, and a running job's heartbeat must not wait for it.
 """
 
 from __future__ import annotations
@@ -80,25 +82,17 @@ class StepQueries:
             where=c.kind == upsert.excluded.kind,
         ).returning(c.job_id)
 
-        # A sleep or a wait, in one transaction: the claim's row locked, then the step's
-        # row read with a snapshot taken under that lock, then written, and the job
-        # suspended or not. ``due``: the database's clock says the time has come.
-        self.lock_claim = (
-            sa.select(t.c.id).where(_one_claim(t)).with_for_update(key_share=True, of=t)
-        )
-        self.read = sa.select(
-            c.kind,
-            c.state,
-            c.result,
-            c.until,
-            sa.func.coalesce(c.until <= sa.func.now(), False).label("due"),
-        ).where(c.job_id == sa.bindparam("job_id"), c.name == sa.bindparam("name"))
-        wrote = insert(st).values(
+        # A sleep or a wait, in one transaction. The step's row is the meeting point with
+        # jobs.signal: taken first (inserted, or locked FOR UPDATE if it exists, which
+        # waits for a signal that is committing), then the claim's row locked (the fence),
+        # then the step decided and the job suspended or not. ``due``: the database's
+        # clock says the step's time has come.
+        due = sa.func.coalesce(c.until <= sa.func.now(), False).label("due")
+        taken = insert(st).values(
             job_id=sa.bindparam("job_id"),
             name=sa.bindparam("name"),
             kind=sa.bindparam("kind"),
             state=sa.bindparam("state"),
-            result=_json("result"),
             attempt=sa.bindparam("attempt", type_=sa.Integer),
             # A time given (``until=``), or a delay from the database's now.
             until=sa.func.coalesce(
@@ -106,17 +100,19 @@ class StepQueries:
                 sa.func.now() + sa.bindparam("after", type_=sa.Interval),
             ),
         )
-        # Under the claim's lock: nobody else writes the row meanwhile.
-        self.write = wrote.on_conflict_do_update(
-            index_elements=[c.job_id, c.name],
-            set_={
-                "state": wrote.excluded.state,
-                "result": wrote.excluded.result,
-                "attempt": wrote.excluded.attempt,
-                "until": wrote.excluded.until,
-                "updated_at": sa.func.now(),
-            },
-        ).returning(c.until)
+        # Nothing back: the row exists (a signal came first, or an earlier attempt wrote
+        # it). A concurrent insert of the same row (a first signal) is waited for.
+        self.take_step = taken.on_conflict_do_nothing(index_elements=[c.job_id, c.name]).returning(
+            c.until, due
+        )
+        self.lock_step = (
+            sa.select(c.kind, c.state, c.result, c.until, due)
+            .where(c.job_id == sa.bindparam("job_id"), c.name == sa.bindparam("name"))
+            .with_for_update(of=st)
+        )
+        self.lock_claim = (
+            sa.select(t.c.id).where(_one_claim(t)).with_for_update(key_share=True, of=t)
+        )
         # (An UPDATE's parameters cannot share the names of its table's columns.)
         self.set_state = (
             sa.update(st)
@@ -137,28 +133,28 @@ class StepQueries:
             .returning(t.c.id)
         )
 
-        # jobs.signal, in the caller's transaction: the job's row locked (whatever its
-        # status: a wait may be committing its suspension), then the step's row read,
-        # then written, and a suspended job woken.
-        self.lock_job = (
-            sa.select(t.c.status, t.c.queue)
-            .where(t.c.id == sa.bindparam("job_id"))
-            .with_for_update(key_share=True, of=t)
+        # jobs.signal, in the caller's transaction: the job looked at (no lock: a signal
+        # must not hold up the heartbeat of a running job for as long as the caller's
+        # transaction lasts), then the step's row inserted as a kept signal, or, if it
+        # exists, locked (waiting for a wait that is committing) and written; then a
+        # suspended job woken, in a statement whose snapshot sees that wait's COMMIT.
+        self.job_status = sa.select(t.c.status).where(t.c.id == sa.bindparam("job_id"))
+        self.keep_signal = (
+            insert(st)
+            .values(
+                job_id=sa.bindparam("job_id"),
+                name=sa.bindparam("name"),
+                kind="wait",
+                state="signalled",
+                result=_json("result"),
+            )
+            .on_conflict_do_nothing(index_elements=[c.job_id, c.name])
+            .returning(c.job_id)
         )
-        kept = insert(st).values(
-            job_id=sa.bindparam("job_id"),
-            name=sa.bindparam("name"),
-            kind="wait",
-            state="signalled",
-            result=_json("result"),
-        )
-        self.signal = kept.on_conflict_do_update(
-            index_elements=[c.job_id, c.name],
-            set_={
-                "state": "signalled",
-                "result": kept.excluded.result,
-                "updated_at": sa.func.now(),
-            },
+        self.deliver = (
+            sa.update(st)
+            .where(c.job_id == sa.bindparam("of_job"), c.name == sa.bindparam("of_step"))
+            .values(state="signalled", result=_json("payload"), updated_at=sa.func.now())
         )
         woken = (
             sa.update(t)

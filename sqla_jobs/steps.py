@@ -312,29 +312,32 @@ def _suspension(
     params)`` and gets each result back (or :data:`_SETTLE`, and whether the claim was
     settled). Returns ``("done", value)``, ``("timed_out", None)``, ``("suspended",
     until)`` (COMMIT, then end the attempt) or ``("lost", None)``."""
+    job_id = ledger.claim.id
+    fresh = (
+        yield (
+            q.take_step,
+            {
+                "job_id": job_id,
+                "name": name,
+                "kind": kind,
+                "state": State.SLEEPING if kind == Kind.SLEEP else State.WAITING,
+                "attempt": ledger.claim.attempts,
+                "after": None if after is None else timedelta(seconds=after),
+                "at": at,
+            },
+        )
+    ).first()
+    row = (
+        None if fresh is not None else (yield q.lock_step, {"job_id": job_id, "name": name}).first()
+    )
     if (yield q.lock_claim, ledger.guard()).first() is None:
         return "lost", None
-    row = (yield q.read, {"job_id": ledger.claim.id, "name": name}).first()
-    if row is not None and row.kind != kind:
+    if fresh is not None:
+        until, due = fresh.until, fresh.due
+    elif row is None:  # gone meanwhile (the job pruned): nothing to wait on
+        return "lost", None
+    elif row.kind != kind:
         raise StepError(ledger.clash(name, kind, row.kind))
-    if row is None:
-        written = (
-            yield (
-                q.write,
-                {
-                    "job_id": ledger.claim.id,
-                    "name": name,
-                    "kind": kind,
-                    "state": State.SLEEPING if kind == Kind.SLEEP else State.WAITING,
-                    "result": None,
-                    "attempt": ledger.claim.attempts,
-                    "after": None if after is None else timedelta(seconds=after),
-                    "at": at,
-                },
-            )
-        ).first()
-        until = written.until
-        due = after == 0.0 and kind == Kind.SLEEP
     elif row.state in (State.DONE, State.SIGNALLED):
         if row.state == State.SIGNALLED:
             yield q.set_state, _state(ledger, name, State.DONE)
@@ -359,26 +362,28 @@ def _state(ledger: _Ledger, name: str, state: str) -> dict[str, Any]:
 
 def _signal_plan(q: StepQueries, job_id: int, name: str, payload: str) -> Plan:
     """:func:`signal`'s statements, in the caller's transaction."""
-    job = (yield q.lock_job, {"job_id": job_id}).first()
-    if job is None:
+    status = (yield q.job_status, {"job_id": job_id}).scalar()
+    if status is None:
         raise SignalError(
             job_id, name, "unknown", "no such job (never enqueued, or finished and deleted)"
         )
-    if job.status not in ("scheduled", "ready", "running"):
-        raise SignalError(job_id, name, "finished", f"the job is {job.status}")
-    row = (yield q.read, {"job_id": job_id, "name": name}).first()
-    if row is not None:
-        if row.kind != Kind.WAIT:
-            raise SignalError(job_id, name, "not_a_wait", f"the job's step {name!r} is no wait")
-        if row.state == State.TIMED_OUT:
-            raise SignalError(job_id, name, "timed_out", "the wait timed out before it came")
-        if row.state != State.WAITING:
-            raise SignalError(job_id, name, "resolved", "that wait has its signal already")
-    yield q.signal, {"job_id": job_id, "name": name, "result": payload}
-    if row is not None and job.status == "scheduled":
-        yield q.wake, {"job_id": job_id}
-        return "woken", None
-    return "kept", None
+    if status not in ("scheduled", "ready", "running"):
+        raise SignalError(job_id, name, "finished", f"the job is {status}")
+    key = {"job_id": job_id, "name": name}
+    if (yield q.keep_signal, {**key, "result": payload}).first() is not None:
+        return "kept", None  # before the wait: it takes it when it gets there
+    row = (yield q.lock_step, key).first()
+    if row is None:  # the job's records pruned meanwhile (it finished)
+        raise SignalError(job_id, name, "unknown", "the job finished meanwhile")
+    if row.kind != Kind.WAIT:
+        raise SignalError(job_id, name, "not_a_wait", f"the job's step {name!r} is no wait")
+    if row.state == State.TIMED_OUT:
+        raise SignalError(job_id, name, "timed_out", "the wait timed out before it came")
+    if row.state != State.WAITING:
+        raise SignalError(job_id, name, "resolved", "that wait has its signal already")
+    yield q.deliver, {"of_job": job_id, "of_step": name, "payload": payload}
+    woken = (yield q.wake, {"job_id": job_id}).first()
+    return ("woken" if woken is not None else "kept"), None
 
 
 def _signal_args(jobs: Any, job_id: Any, name: Any, payload: Any) -> tuple[StepQueries, str]:
@@ -675,7 +680,10 @@ class Steps(_Base):
                 trans.rollback()
                 raise
             try:
-                trans.commit()
+                if outcome[0] == "lost":  # nothing of a lost claim's may commit
+                    trans.rollback()
+                else:
+                    trans.commit()
             except BaseException:
                 if settled:
                     self._host.unsettle()
@@ -851,7 +859,10 @@ class AsyncSteps(_Base):
                 await trans.rollback()
                 raise
             try:
-                await trans.commit()
+                if outcome[0] == "lost":  # nothing of a lost claim's may commit
+                    await trans.rollback()
+                else:
+                    await trans.commit()
             except BaseException:
                 if settled:
                     self._host.unsettle()

@@ -317,12 +317,13 @@ def test_a_wait_times_out_once_and_a_late_signal_is_told_so(
     assert caught.value.reason in ("timed_out", "unknown")
 
 
-def test_a_signal_and_a_wait_meet_on_the_job_row_lock(
+def test_a_signal_and_a_wait_meet_on_the_step_row(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
     """A signal whose transaction is still open when the running job reaches its wait:
-    the wait blocks on the job's row, and takes the signal once it commits (never
-    suspended with its signal already there)."""
+    the wait blocks on the step's row, and takes the signal once it commits (never
+    suspended with its signal already there). Meanwhile the job's heartbeat goes on: a
+    signal does not lock the job's row for as long as the sender's transaction lasts."""
     started, go = threading.Event(), threading.Event()
     got: list[Any] = []
 
@@ -333,12 +334,14 @@ def test_a_signal_and_a_wait_meet_on_the_job_row_lock(
         got.append(steps.wait("go"))
 
     job_id = enqueue(Session, order)
-    worker = Worker(jobs, db, queues=["d"], listen=False)
+    worker = Worker(jobs, db, queues=["d"], listen=False, lease=1.5)
     session = Session()
     try:
         with running(worker):
             assert started.wait(10)
-            assert jobs.signal(session, job_id, "go", "payload") == "kept"  # holds the lock
+            assert jobs.signal(session, job_id, "go", "payload") == "kept"  # holds the row
+            leased = job_row(db, job_id).locked_until
+            wait_for(lambda: job_row(db, job_id).locked_until > leased)  # heartbeats go on
             go.set()
             with db.connect() as conn:  # the wait is blocked on the lock the signal holds
                 waiting = sa.text(
