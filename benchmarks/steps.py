@@ -12,10 +12,11 @@ of the machine or the server hits all alike; each cell is the median of ``--repe
 
 What each row measures
 ----------------------
-A. **per-step overhead** (µs a step). ``--jobs`` (1,000) jobs pre-loaded by SQL into an
+A. **per-step overhead** (µs a step). ``--jobs`` (500) jobs pre-loaded by SQL into an
    emptied table, drained by one threaded :class:`~sqla_jobs.Worker`
    (``run_until_empty()``, its start and stop included) on the engine a worker makes from
-   a URL (:func:`sqla_jobs.create_engine`, pool of ``min(concurrency, 32) + 4``):
+   a URL (:func:`sqla_jobs.create_engine`, with its pre-ping, pool of ``min(concurrency,
+   32) + 4``):
 
    * plain: a task that does nothing, the baseline;
    * 10 no-op steps: ``@jobs.task(durable=True)`` calling ``steps.run(name, nothing)``
@@ -26,27 +27,35 @@ A. **per-step overhead** (µs a step). ``--jobs`` (1,000) jobs pre-loaded by SQL
    µs a step is ``(t_steps - t_plain) / (jobs * 10)`` within one repetition, then the
    median over the repetitions. At ``concurrency=1`` that is what a step adds to its
    job's run time (latency); at the worker's default ``concurrency=10`` what it costs the
-   worker's rate (two cores shared by the handlers, the worker and the server).
+   worker's rate (two cores shared by the handlers, the worker and the server). The last
+   row is the floor under any checkpoint: a one-row INSERT in autocommit on a bare psycopg
+   connection (one round trip, one WAL flush at its commit), µs a write, in the same
+   repetitions.
 
 B. **round trips a step**, from libpq's own protocol trace of every pooled connection
-   (each exchange with the server, be it a statement, BEGIN, COMMIT or the pool's
-   pre-ping, ends with the server's ``ReadyForQuery``), counted only while a handler's
-   thread holds the connection, so the worker's claims and completions are left out;
-   statements are SQLAlchemy's ``before_cursor_execute`` events of the same threads. Over
-   ``--count-jobs`` (50) jobs of each kind (untimed: the trace costs time), then 20,000
-   items walked in batches of 1,000 both ways (20 batches and the empty read that ends the
-   loop). A plain job's handler sends nothing, which the table shows as a check.
+   (each exchange with the server, be it a statement, BEGIN, COMMIT, psycopg's PREPARE of
+   a statement on its fifth run on a connection, or the pool's pre-ping, ends with the
+   server's ``ReadyForQuery``), counted only while a handler's thread holds the
+   connection, so the worker's claims and completions are left out; statements are
+   SQLAlchemy's ``before_cursor_execute`` events of the same threads. Untimed (the trace
+   costs time), over ``--count-jobs`` (50) jobs of each kind: a job of 10 no-op steps
+   sends 12 (the pre-ping and the load of the job's records, once, then one checkpoint a
+   step), of 10 transactional steps 42 (the same two, then a pre-ping, BEGIN, the
+   checkpoint and COMMIT a step). Then 20,500 items walked in 21 batches both ways (the
+   ORM statement of C): iterate sends, a batch, the pre-ping, BEGIN, the SELECT, the
+   checkpoint and COMMIT; the plain loop the same without the checkpoint. A plain job's
+   handler sends nothing, which the table shows as a check.
 
 C. **iterate** (rows/s): ``--rows`` (1,000,000) rows of ``items`` (``id bigint`` primary
    key, ``v int``) walked in batches of ``--batch`` (1,000) inside one job on a worker of
-   ``concurrency=1``, timed from the handler's first batch to the loop's end: ``for batch
-   in steps.iterate("items", stmt, key=Item.id, size=1000)`` in a durable job, against a
-   plain keyset loop in a plain job of the same worker, a session per batch (``stmt.where(
-   Item.id > last).limit(1000)``, then ``session.commit()``), the statement shape the
-   same. Both shapes: ``select(Item)`` (ORM entities) and ``select(items.c.id,
-   items.c.v)`` (Core rows). The batches write nothing. Per batch, iterate adds its
-   cursor's checkpoint (one statement, in the batch's transaction) to what the plain loop
-   sends: the pre-ping, BEGIN, the SELECT and COMMIT.
+   ``concurrency=1``, timed in the handler from before the first batch to the loop's end:
+   ``for batch in steps.iterate("items", stmt, key=Item.id, size=1000)`` in a durable job,
+   against a plain keyset loop in a plain job of the same worker, written as one would by
+   hand: a session per batch, ``session.execute(stmt.where(Item.id > last).limit(1000))``
+   then ``.scalars().all()`` (or ``.all()``), ``session.commit()``. The same statement for
+   both, in two shapes: ``select(Item)`` (ORM entities) and ``select(items.c.id,
+   items.c.v)`` (Core rows). The batches write nothing, so the plain loop's COMMIT flushes
+   no WAL, while iterate's, which records the cursor, does: the strictest comparison.
 
 D. **claim at rest** (ms, p50 and p99 of ``--claims`` (1,000) claims of 10 jobs each; the
    median over repetitions of each repetition's percentile). The worker's own claim
@@ -546,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--jobs", type=int, default=1_000, help="A: jobs per drain")
+    parser.add_argument("--jobs", type=int, default=500, help="A: jobs per drain")
     parser.add_argument("--count-jobs", type=int, default=50, help="B: jobs per kind")
     parser.add_argument("--rows", type=int, default=1_000_000, help="C: rows walked")
     parser.add_argument("--batch", type=int, default=1_000, help="C: rows per batch")

@@ -39,6 +39,7 @@ What is promised:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -746,8 +747,9 @@ class Steps(_Base):
 class AsyncSteps(_Base):
     """The step runner a durable ``async def`` handler gets on the asyncio worker: the
     same steps as :class:`Steps`, awaited (``await steps.run(...)``, ``async for batch in
-    steps.iterate(...)``). ``fn`` may be a coroutine function, or a plain one; one that
-    takes ``session`` gets an ``AsyncSession``."""
+    steps.iterate(...)``). ``fn`` may be a coroutine function, or a plain one (run in a
+    thread, so that it may block); one that takes ``session`` gets an ``AsyncSession``, and
+    is a coroutine function."""
 
     def __init__(
         self,
@@ -806,7 +808,12 @@ class AsyncSteps(_Base):
                     raise self._ledger.lost(name)
                 await session.commit()
         else:
-            value = await _value(fn(*args, **kwargs))
+            # A plain function may block: it runs in a thread, as the asyncio worker runs
+            # a plain handler, so the event loop goes on with the other jobs.
+            if inspect.iscoroutinefunction(fn):
+                value = await fn(*args, **kwargs)
+            else:
+                value = await _value(await asyncio.to_thread(fn, *args, **kwargs))
             text = encode(value, f"step {name!r}'s result")
             params = self._checkpoint(name, Kind.RUN, State.DONE, text)
             if (await self._execute(self._q.checkpoint, params)).first() is None:

@@ -35,9 +35,9 @@ STEPS = companion_tables(job_table(app.Job)).steps
 JOBS = job_table(app.Job)
 
 
-def drain(jobs: Jobs, db: sa.Engine, wait_scheduled: float = 0.0) -> int:
+def drain(jobs: Jobs, db: sa.Engine, wait_scheduled: float = 0.0, timeout: float = 30) -> int:
     worker = Worker(jobs, db, queues=["d"], listen=False)
-    return worker.run_until_empty(wait_scheduled=wait_scheduled, timeout=20)
+    return worker.run_until_empty(wait_scheduled=wait_scheduled, timeout=timeout)
 
 
 def job_row(db: sa.Engine, job_id: int) -> Any:
@@ -449,7 +449,7 @@ def test_ten_thousand_steps(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
             raise RuntimeError("again: every step comes from the store")
 
     job_id = enqueue(Session, many)
-    drain(jobs, db, wait_scheduled=2)
+    drain(jobs, db, wait_scheduled=2, timeout=120)  # about 3 s unloaded
     assert job_row(db, job_id) is None
     assert count(db, app.Job) == 0
 

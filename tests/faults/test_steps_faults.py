@@ -87,7 +87,7 @@ THREE = ("prepare", "book", "finish")
 #: A kill explains a repeated execution if it came at most this long after the execution
 #: was last seen alive (its function's start, or its end when it returned): a 5 ms step
 #: and its checkpoint's round trip, on a machine loaded by 32 handler threads.
-CUT_WITHIN = 1.0
+CUT_WITHIN = 0.5
 #: The storm reads its clock just before it sends SIGKILL: the process may read its own
 #: a moment later, before the signal lands.
 CLOCK_SLACK = 0.05
@@ -278,6 +278,10 @@ def test_kill_storm_during_steps(
         f"{a.unexplained[:5]}; "
         f"kills (monotonic, old pid, new pid): {storm.kills[:10]}"
     )
+    # So, per step: one execution per job, and one more for each execution a kill cut.
+    for step in THREE:
+        expected = KILL_JOBS + a.cut_inside[step] + a.cut_before_checkpoint[step]
+        assert a.executions[step] == expected, (step, a.executions[step], expected)
     assert not a.effects_not_once, (
         f"transactional steps whose write is not there exactly once, (job, [(attempt, pid)]): "
         f"{a.effects_not_once[:5]}"
