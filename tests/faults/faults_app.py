@@ -399,8 +399,12 @@ _TRIGGER_DDL = (
         FOR EACH ROW EXECUTE FUNCTION "{SCHEMA}".step_checkpoint()
     """,
 )
-for _ddl in _TRIGGER_DDL:
-    sa.event.listen(Base.metadata, "after_create", sa.DDL(_ddl))
+
+
+@sa.event.listens_for(Base.metadata, "after_create")
+def _create_step_trigger(target: Any, connection: sa.Connection, **kw: Any) -> None:
+    for ddl in _TRIGGER_DDL:
+        connection.exec_driver_sql(ddl)
 
 
 def _exec_started(step: str, payload: Any = None) -> int:
