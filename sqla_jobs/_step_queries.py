@@ -1,9 +1,10 @@
 """The statements of durable steps (:mod:`sqla_jobs.steps`), on ``<table>_steps``.
 
 Every write a step makes is fenced by the claim, as every write that settles a claim is:
-the job's row must still be ``running`` under this ``(id, attempts)``, and it is locked
-(``FOR SHARE`` for a checkpoint, ``FOR NO KEY UPDATE`` where the job row itself changes)
-until the step's transaction commits. A lease that passed meanwhile cannot be rescued
+the job's row must still be ``running`` under this ``(id, attempts)``; where the step's
+writes are the application's (a step that takes a session, a cursor's batch) it is also
+locked (``FOR SHARE``; ``FOR NO KEY UPDATE`` where the job row itself changes) until the
+step's transaction commits. A lease that passed meanwhile cannot be rescued
 under the lock: the rescue's UPDATE waits for the COMMIT, and the next attempt then finds
 the step done. A claim already lost matches no row, and nothing is written.
 
@@ -51,36 +52,45 @@ class StepQueries:
             c.job_id == sa.bindparam("job_id")
         )
 
-        # A checkpoint in one statement: the claim's row locked FOR SHARE (a rescue waits
-        # for this to commit), and the step's row written from it, so nothing is written
-        # for a lost claim. Upserted: a cursor moves its row on, and a step whose first
-        # checkpoint a lost claim never wrote is written by the next. A row of another kind
-        # (a signal of that name, sent from outside) is left alone: no row comes back.
-        fence = (
-            sa.select(
+        # A checkpoint in one statement: the step's row written from the claim's, so
+        # nothing is written for a lost claim. Upserted: a cursor moves its row on, and a
+        # step whose first checkpoint a lost claim never wrote is written by the next. A
+        # row of another kind (a signal of that name, sent from outside) is left alone: no
+        # row comes back.
+        #
+        # ``checkpoint_locked`` (a step that takes a session, a cursor's batch: writes of
+        # the application's commit with it) locks the claim's row FOR SHARE until the
+        # COMMIT, so a rescue of the job waits for it and the next attempt finds the step
+        # done: exactly once. ``checkpoint`` (an ordinary step: its effect is outside the
+        # database, at least once anyway) only reads it: a row lock is a write of the job's
+        # page and of the WAL, on every step.
+        def checkpoint(locked: bool) -> Any:
+            fence = sa.select(
                 t.c.id,
                 sa.bindparam("name", type_=sa.Text),
                 sa.bindparam("kind", type_=sa.Text),
                 sa.bindparam("state", type_=sa.Text),
                 _json("result"),
                 t.c.attempts,
+            ).where(_one_claim(t))
+            if locked:
+                fence = fence.with_for_update(read=True, of=t)
+            upsert = insert(st).from_select(
+                ["job_id", "name", "kind", "state", "result", "attempt"], fence
             )
-            .where(_one_claim(t))
-            .with_for_update(read=True, of=t)
-        )
-        upsert = insert(st).from_select(
-            ["job_id", "name", "kind", "state", "result", "attempt"], fence
-        )
-        self.checkpoint = upsert.on_conflict_do_update(
-            index_elements=[c.job_id, c.name],
-            set_={
-                "state": upsert.excluded.state,
-                "result": upsert.excluded.result,
-                "attempt": upsert.excluded.attempt,
-                "updated_at": sa.func.now(),
-            },
-            where=c.kind == upsert.excluded.kind,
-        ).returning(c.job_id)
+            return upsert.on_conflict_do_update(
+                index_elements=[c.job_id, c.name],
+                set_={
+                    "state": upsert.excluded.state,
+                    "result": upsert.excluded.result,
+                    "attempt": upsert.excluded.attempt,
+                    "updated_at": sa.func.now(),
+                },
+                where=c.kind == upsert.excluded.kind,
+            ).returning(c.job_id)
+
+        self.checkpoint = checkpoint(locked=False)
+        self.checkpoint_locked = checkpoint(locked=True)
 
         # A sleep or a wait, in one transaction. The step's row is the meeting point with
         # jobs.signal: taken first (inserted, or locked FOR UPDATE if it exists, which

@@ -488,7 +488,14 @@ def _page(statement: sa.Select[Any], key: Any, after: Any, size: int) -> sa.Sele
     return page.limit(size)
 
 
-def _check_iterate(name: str, statement: Any, key: Any, size: Any) -> str:
+def _check_iterate(name: str, statement: Any, key: Any, size: Any) -> tuple[sa.Select[Any], str]:
+    """The statement to page (ordered by ``key`` if it was not ordered) and the key's
+    attribute name.
+
+    :raises StepError: not a select, one with a LIMIT or OFFSET of its own, one ordered by
+        something else first (the cursor's ``key > last`` would skip or repeat rows), a
+        bad size or key.
+    """
     if not isinstance(statement, sa.Select):
         raise StepError(f"iterate {name!r}: give a select() ordered by its key, got {statement!r}")
     if statement._limit_clause is not None or statement._offset_clause is not None:
@@ -498,10 +505,29 @@ def _check_iterate(name: str, statement: Any, key: Any, size: Any) -> str:
         )
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise StepError(f"iterate {name!r}: size must be an int >= 1, got {size!r}")
-    return _key_name(key)
+    key_name = _key_name(key)
+    column = key.__clause_element__() if hasattr(key, "__clause_element__") else key
+    order = statement._order_by_clauses
+    if not order:
+        return statement.order_by(column), key_name
+    if not order[0].compare(column):
+        raise StepError(
+            f"iterate {name!r}: the select must be ordered by its key ({key_name}) first, "
+            "ascending: the cursor resumes after the last key it committed"
+        )
+    return statement, key_name
 
 
 def _cursor(after: Any, rows: int, name: str) -> str:
+    """A cursor's stored position. Its key must read back as the same value: an int or a
+    str (a primary key, typically), checked before the batch is handed out, so that a
+    batch's writes never roll back for a key that cannot be stored."""
+    if after is not None and (isinstance(after, bool) or not isinstance(after, int | str)):
+        raise StepError(
+            f"iterate {name!r}: its key's value {after!r} is a {type(after).__qualname__}; "
+            "a cursor stores its key as JSON, so the key must be an int or a str column "
+            "(a primary key, or another unique one)"
+        )
     return encode({"after": after, "rows": rows}, f"iterate {name!r}'s key value")
 
 
@@ -615,7 +641,7 @@ class Steps(_Base):
                 value = _call(fn, session, args, kwargs)
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-                if session.execute(self._q.checkpoint, params).first() is None:
+                if session.execute(self._q.checkpoint_locked, params).first() is None:
                     session.rollback()
                     self._host.lost(f"step {name!r}: claim lost")
                     raise self._ledger.lost(name)
@@ -700,7 +726,7 @@ class Steps(_Base):
         the loop moves on to the next batch, so a batch's writes happen once. A loop left
         early (``break``, an error) does not move the cursor past its batch."""
         self._load()
-        key_name = _check_iterate(name, statement, key, size)
+        statement, key_name = _check_iterate(name, statement, key, size)
         record = self._ledger.use(name, Kind.CURSOR)
         return self._pages(name, statement, key, key_name, size, record)
 
@@ -725,16 +751,16 @@ class Steps(_Base):
         while True:
             with self._make_session() as session:
                 result = session.execute(_page(statement, key, after, size))
-                rows = list(result.scalars() if entities else result)
+                rows = list(result.scalars().all() if entities else result.all())
+                if rows:
+                    after, count = _key_of(rows[-1], key, key_name), count + len(rows)
+                text = _cursor(after, count, name)  # before the batch: its key must store
                 if rows:
                     yield Batch(rows, session)
-                    after = _key_of(rows[-1], key, key_name)
-                    count += len(rows)
                 end = len(rows) < size
-                text = _cursor(after, count, name)
                 state = State.DONE if end else State.OPEN
                 params = self._checkpoint(name, Kind.CURSOR, state, text)
-                if session.execute(self._q.checkpoint, params).first() is None:
+                if session.execute(self._q.checkpoint_locked, params).first() is None:
                     session.rollback()
                     self._host.lost(f"iterate {name!r}: claim lost")
                     raise self._ledger.lost(name)
@@ -802,7 +828,7 @@ class AsyncSteps(_Base):
                 value = await _value(_call(fn, session, args, kwargs))
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-                if (await session.execute(self._q.checkpoint, params)).first() is None:
+                if (await session.execute(self._q.checkpoint_locked, params)).first() is None:
                     await session.rollback()
                     self._host.lost(f"step {name!r}: claim lost")
                     raise self._ledger.lost(name)
@@ -882,7 +908,7 @@ class AsyncSteps(_Base):
         """:meth:`Steps.iterate`, as an async iterator (``async for batch in ...``); each
         batch's ``session`` is an ``AsyncSession``."""
         await self._load()
-        key_name = _check_iterate(name, statement, key, size)
+        statement, key_name = _check_iterate(name, statement, key, size)
         record = self._ledger.use(name, Kind.CURSOR)
         if record is not None and record.state == State.DONE:
             return
@@ -896,16 +922,16 @@ class AsyncSteps(_Base):
         while True:
             async with self._make_session() as session:
                 result = await session.execute(_page(statement, key, after, size))
-                rows = list(result.scalars() if entities else result)
+                rows = list(result.scalars().all() if entities else result.all())
+                if rows:
+                    after, count = _key_of(rows[-1], key, key_name), count + len(rows)
+                text = _cursor(after, count, name)  # before the batch: its key must store
                 if rows:
                     yield Batch(rows, session)
-                    after = _key_of(rows[-1], key, key_name)
-                    count += len(rows)
                 end = len(rows) < size
-                text = _cursor(after, count, name)
                 state = State.DONE if end else State.OPEN
                 params = self._checkpoint(name, Kind.CURSOR, state, text)
-                if (await session.execute(self._q.checkpoint, params)).first() is None:
+                if (await session.execute(self._q.checkpoint_locked, params)).first() is None:
                     await session.rollback()
                     self._host.lost(f"iterate {name!r}: claim lost")
                     raise self._ledger.lost(name)

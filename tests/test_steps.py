@@ -317,9 +317,7 @@ def test_a_wait_times_out_once_and_a_late_signal_is_told_so(
     assert caught.value.reason in ("timed_out", "unknown")
 
 
-def test_a_signal_and_a_wait_meet_on_the_step_row(
-    Session: Any, db: sa.Engine, jobs: Jobs
-) -> None:
+def test_a_signal_and_a_wait_meet_on_the_step_row(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
     """A signal whose transaction is still open when the running job reaches its wait:
     the wait blocks on the step's row, and takes the signal once it commits (never
     suspended with its signal already there). Meanwhile the job's heartbeat goes on: a
@@ -568,3 +566,38 @@ def test_operators_see_each_step_and_what_a_suspended_job_waits_for(
     listed = cli("jobs", "list", "tests.app:Job", "--suspended")
     listed_ids = [line.split()[0] for line in listed.stdout.splitlines()[1:]]
     assert listed_ids == [str(job_id)]
+
+
+def test_iterate_checks_its_select_and_key_before_any_batch(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    with db.begin() as conn:
+        conn.execute(sa.insert(app.Link), [{"code": f"{i}", "url": f"u{i}"} for i in range(3)])
+    links = app.Link.__table__
+    seen: list[Any] = []
+
+    @jobs.task(durable=True, queue="d", max_attempts=1, name="core_rows")
+    def core_rows(steps: Steps) -> None:  # unordered: ordered by its key for it
+        for batch in steps.iterate(
+            "rows", sa.select(links.c.code, links.c.url), key=links.c.code, size=2
+        ):
+            seen.extend(tuple(r) for r in batch)
+
+    @jobs.task(durable=True, queue="d", max_attempts=1, name="by_url")
+    def by_url(steps: Steps) -> None:
+        stmt = sa.select(app.Link).order_by(app.Link.url)
+        for _ in steps.iterate("wrong order", stmt, key=app.Link.code):
+            pass
+
+    @jobs.task(durable=True, queue="d", max_attempts=1, name="uuid_key")
+    def uuid_key(steps: Steps) -> None:
+        uuids = sa.select(sa.func.gen_random_uuid().label("u")).subquery()
+        for _batch in steps.iterate("uuids", sa.select(uuids.c.u), key=uuids.c.u):
+            seen.append("a batch was handed out")  # never: the key cannot be stored
+
+    ids = [enqueue(Session, t) for t in (core_rows, by_url, uuid_key)]
+    drain(jobs, db)
+    assert seen == [("0", "u0"), ("1", "u1"), ("2", "u2")]
+    assert job_row(db, ids[0]) is None
+    assert "must be ordered by its key (code) first" in job_row(db, ids[1]).last_error
+    assert "key must be an int or a str column" in job_row(db, ids[2]).last_error
