@@ -721,10 +721,10 @@ class Steps(_Base):
         self, name: str, statement: sa.Select[Any], *, key: Any, size: int = 500
     ) -> Iterator[Batch]:
         """Page through ``statement`` (ordered by ``key``, ascending) in batches of
-        ``size``, resuming after the last batch a previous attempt finished. Each batch is
-        read in a session of its own; the writes made in it commit with the cursor when
-        the loop moves on to the next batch, so a batch's writes happen once. A loop left
-        early (``break``, an error) does not move the cursor past its batch."""
+        ``size``, resuming after the last batch a previous attempt finished. The loop has
+        one session, with a transaction per batch: the writes made in it commit with the
+        cursor when the loop moves on to the next batch, so a batch's writes happen once.
+        A loop left early (``break``, an error) does not move the cursor past its batch."""
         self._load()
         statement, key_name = _check_iterate(name, statement, key, size)
         record = self._ledger.use(name, Kind.CURSOR)
@@ -748,8 +748,11 @@ class Steps(_Base):
         count: int = position["rows"]
         entities = _one_entity(statement)
         self.close()
-        while True:
-            with self._make_session() as session:
+        # One session for the whole loop, one transaction per batch: the batch read, the
+        # loop's writes, the cursor moved past it, COMMIT (a session per batch would pay
+        # the pool's pre-ping on each).
+        with self._make_session() as session:
+            while True:
                 result = session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())
                 if rows:
@@ -765,9 +768,9 @@ class Steps(_Base):
                     self._host.lost(f"iterate {name!r}: claim lost")
                     raise self._ledger.lost(name)
                 session.commit()
-            self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
-            if end:
-                return
+                self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
+                if end:
+                    return
 
 
 class AsyncSteps(_Base):
@@ -919,8 +922,8 @@ class AsyncSteps(_Base):
         count: int = position["rows"]
         entities = _one_entity(statement)
         await self.close()
-        while True:
-            async with self._make_session() as session:
+        async with self._make_session() as session:  # one session, a transaction a batch
+            while True:
                 result = await session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())
                 if rows:
@@ -936,9 +939,9 @@ class AsyncSteps(_Base):
                     self._host.lost(f"iterate {name!r}: claim lost")
                     raise self._ledger.lost(name)
                 await session.commit()
-            self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
-            if end:
-                return
+                self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
+                if end:
+                    return
 
 
 async def _value(value: Any) -> Any:
