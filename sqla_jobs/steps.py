@@ -590,7 +590,7 @@ class Steps(_Base):
         q: StepQueries,
         claim: Claim,
         host: Host,
-        session: Callable[[], Session],
+        session: Callable[[Any], Session],
     ) -> None:
         super().__init__(q, claim, host)
         self._engine = engine
@@ -637,7 +637,7 @@ class Steps(_Base):
             return record.result
         if _takes_session(fn) is not None:
             self.close()
-            with self._make_session() as session:
+            with self._make_session(self._engine) as session:
                 value = _call(fn, session, args, kwargs)
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
@@ -748,10 +748,11 @@ class Steps(_Base):
         count: int = position["rows"]
         entities = _one_entity(statement)
         self.close()
-        # One session for the whole loop, one transaction per batch: the batch read, the
-        # loop's writes, the cursor moved past it, COMMIT (a session per batch would pay
-        # the pool's pre-ping on each).
-        with self._make_session() as session:
+        # One connection and session for the whole loop, one transaction per batch: the
+        # batch read, the loop's writes, the cursor moved past it, COMMIT. (A session on
+        # the engine gives its connection back at each COMMIT, and would pay the pool's
+        # pre-ping at every batch.)
+        with self._engine.connect() as conn, self._make_session(conn) as session:
             while True:
                 result = session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())
@@ -786,7 +787,7 @@ class AsyncSteps(_Base):
         q: StepQueries,
         claim: Claim,
         host: Host,
-        session: Callable[[], AsyncSession],
+        session: Callable[[Any], AsyncSession],
     ) -> None:
         super().__init__(q, claim, host)
         self._engine = engine
@@ -827,7 +828,7 @@ class AsyncSteps(_Base):
             return record.result
         if _takes_session(fn) is not None:
             await self.close()
-            async with self._make_session() as session:
+            async with self._make_session(self._engine) as session:
                 value = await _value(_call(fn, session, args, kwargs))
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
@@ -922,7 +923,8 @@ class AsyncSteps(_Base):
         count: int = position["rows"]
         entities = _one_entity(statement)
         await self.close()
-        async with self._make_session() as session:  # one session, a transaction a batch
+        # One connection and session, a transaction a batch (see Steps.iterate).
+        async with self._engine.connect() as conn, self._make_session(conn) as session:
             while True:
                 result = await session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())

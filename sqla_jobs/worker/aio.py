@@ -303,7 +303,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             self.jobs.step_queries,
             job,
             StepHost(self.core, job),
-            lambda: run_session(self.jobs, self.engine, AsyncSession),
+            lambda bind: run_session(self.jobs, bind, AsyncSession),
         )
         try:
             with run:

@@ -306,7 +306,7 @@ class Worker(DriverBase[sa.Engine]):
             self.jobs.step_queries,
             job,
             StepHost(self.core, job),
-            lambda: run_session(self.jobs, self.engine, Session),
+            lambda bind: run_session(self.jobs, bind, Session),
         )
         try:
             with run:
