@@ -8,15 +8,15 @@ its own (a ``JobMixin`` table with its companions, from ``metadata.create_all()`
 table of items), dropped at the end. The variants of each section run interleaved,
 repetition by repetition (the order rotating), after an unmeasured warm-up, so that drift
 of the machine or the server hits all alike; each cell is the median of ``--repeat`` runs
-(3), with the min-max range. The defaults take some two minutes on two cores.
+(3), with the min-max range. The defaults take some three minutes on two cores.
 
 What each row measures
 ----------------------
 A. **per-step overhead** (µs a step). ``--jobs`` (500) jobs pre-loaded by SQL into an
    emptied table, drained by one threaded :class:`~sqla_jobs.Worker`
-   (``run_until_empty()``, its start and stop included) on the engine a worker makes from
-   a URL (:func:`sqla_jobs.create_engine`, with its pre-ping, pool of ``min(concurrency,
-   32) + 4``):
+   (``run_until_empty()``, its start and stop included) on the engine a worker of
+   ``concurrency=10`` makes from a URL (:func:`sqla_jobs.create_engine`, with its
+   pre-ping, a pool of 14):
 
    * plain: a task that does nothing, the baseline;
    * 10 no-op steps: ``@jobs.task(durable=True)`` calling ``steps.run(name, nothing)``
@@ -30,7 +30,7 @@ A. **per-step overhead** (µs a step). ``--jobs`` (500) jobs pre-loaded by SQL i
    worker's rate (two cores shared by the handlers, the worker and the server). The last
    row is the floor under any checkpoint: a one-row INSERT in autocommit on a bare psycopg
    connection (one round trip, one WAL flush at its commit), µs a write, in the same
-   repetitions.
+   repetitions; the last column is a step's µs over that write's.
 
 B. **round trips a step**, from libpq's own protocol trace of every pooled connection
    (each exchange with the server, be it a statement, BEGIN, COMMIT, psycopg's PREPARE of
@@ -42,8 +42,9 @@ B. **round trips a step**, from libpq's own protocol trace of every pooled conne
    sends 12 (the pre-ping and the load of the job's records, once, then one checkpoint a
    step), of 10 transactional steps 42 (the same two, then a pre-ping, BEGIN, the
    checkpoint and COMMIT a step). Then 20,500 items walked in 21 batches both ways (the
-   ORM statement of C): iterate sends, a batch, the pre-ping, BEGIN, the SELECT, the
-   checkpoint and COMMIT; the plain loop the same without the checkpoint. A plain job's
+   ORM statement of C): iterate sends, a batch, BEGIN, the SELECT, the checkpoint and
+   COMMIT on the one connection its loop holds; the plain loop the pool's pre-ping, BEGIN,
+   the SELECT and COMMIT. A plain job's
    handler sends nothing, which the table shows as a check.
 
 C. **iterate** (rows/s): ``--rows`` (1,000,000) rows of ``items`` (``id bigint`` primary
@@ -71,6 +72,7 @@ D. **claim at rest** (ms, p50 and p99 of ``--claims`` (1,000) claims of 10 jobs 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import statistics
@@ -82,12 +84,12 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from bench_database import database_url  # beside this file
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench import header, libpq_url, percentile
+from bench_database import database_url
 
 from sqla_jobs import JobMixin, Jobs, Steps, Worker, WorkerSettings, create_engine
 from sqla_jobs._queries import claim_params, interval
@@ -448,6 +450,7 @@ def fill_items(engine: sa.Engine, rows: int) -> None:
 def walk(engine: sa.Engine, task: Any, shape: str, size: int, upto: int = 0) -> tuple[float, int]:
     """One walk in one job on a worker of concurrency 1: (seconds, rows)."""
     reset(engine)
+    gc.collect()  # the previous walk's million objects, not this walk's business
     with engine.begin() as conn:
         jobs.enqueue(conn, task, shape=shape, size=size, upto=upto)
     WALKS.clear()
@@ -581,7 +584,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{STEPS_PER_JOB} steps a job\n"
         )
         fill_items(engine, args.rows)
-        trips = count_trips(url, args.count_jobs, args.batch)
+        # libpq's trace is there on Linux only (psycopg's NotSupportedError elsewhere).
+        linux = sys.platform.startswith("linux")
+        trips = count_trips(url, args.count_jobs, args.batch) if linux else {}
         SessionLocal.configure(bind=engine)
         seconds = per_step(engine, url, args.jobs, args.repeat)
         rates = iterate(engine, args.rows, args.batch, args.repeat)
@@ -592,28 +597,32 @@ def main(argv: list[str] | None = None) -> int:
         engine.dispose()
 
     n = args.jobs
+    floor = [t * 1e6 for t in seconds[1][FLOOR]]
     print(f"### A. per-step overhead: {n:,} jobs drained by one Worker\n")
-    print("| job | concurrency | jobs/s | µs a step, over the plain job |")
-    print("|---|---:|---:|---:|")
+    print("| job | concurrency | jobs/s | µs a step, over the plain job | of a floor write |")
+    print("|---|---:|---:|---:|---:|")
     for concurrency, by_kind in seconds.items():
         base = by_kind[next(iter(KINDS))]
         for name, (_, steps) in KINDS.items():
             values = by_kind[name]
-            over = "-"
+            over, ratio = "-", "-"
             if steps:
-                over = cell(
-                    [(t - b) / (n * steps) * 1e6 for t, b in zip(values, base, strict=True)]
-                )
-            print(f"| {name} | {concurrency} | {cell([n / t for t in values])} | {over} |")
-    floor = seconds[1][FLOOR]
-    print(f"| {FLOOR} | 1 | - | {cell([t * 1e6 for t in floor])} a write |")
+                micros = [(t - b) / (n * steps) * 1e6 for t, b in zip(values, base, strict=True)]
+                over = cell(micros)
+                ratio = f"{statistics.median(micros) / statistics.median(floor):.2f}"
+            rate = cell([n / t for t in values])
+            print(f"| {name} | {concurrency} | {rate} | {over} | {ratio} |")
+    print(f"| {FLOOR} | 1 | - | {cell(floor)} a write | 1.00 |")
 
-    print(f"\n### B. round trips, counted from the protocol ({args.count_jobs} jobs a kind)\n")
-    print("| handler | round trips | statements | round trips a step (a batch) |")
-    print("|---|---:|---:|---:|")
-    for name, (count, statements, units) in trips.items():
-        per = f"{count / units:.2f}" if count else "0"
-        print(f"| {name} | {count:,} | {statements:,} | {per} |")
+    if trips:
+        print(f"\n### B. round trips, counted from the protocol ({args.count_jobs} jobs a kind)\n")
+        print("| handler | round trips | statements | round trips a step (a batch) |")
+        print("|---|---:|---:|---:|")
+        for name, (count, statements, units) in trips.items():
+            per = f"{count / units:.2f}" if count else "0"
+            print(f"| {name} | {count:,} | {statements:,} | {per} |")
+    else:
+        print("\n(B, the round trips, needs libpq's protocol trace: Linux only.)")
 
     rows = args.rows
     print(f"\n### C. iterate over {rows:,} rows in batches of {args.batch:,}, rows/s\n")
