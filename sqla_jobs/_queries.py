@@ -744,7 +744,7 @@ def _key_walk(t: sa.Table, queue_name: Any, scan: Any) -> Any:
     )
     walk = walk.union_all(step)
     visited = (
-        sa.select(walk.c.k)
+        sa.select(walk.c.k, walk.c.n)
         .where(walk.c.k.is_not(None), ~sa.and_(walk.c.wrapped, walk.c.k > start))
         .subquery("visited")
     )
@@ -779,6 +779,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     )
     keys = sa.select(
         visited.c.k,
+        visited.c.n,
         sa.func.coalesce(
             sa.select(weights.c.weight).where(weights.c.key == visited.c.k).scalar_subquery(),
             1,
@@ -808,6 +809,8 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         picks.c.run_at,
         keys.c.weight,
         sa.func.row_number().over(partition_by=keys.c.k, order_by=picks.c.id).label("rank"),
+        keys.c.k.label("key"),
+        keys.c.n.label("pos"),
     ).select_from(keys.join(picks, sa.true()))
     front = _front(t, queue_name, limit).cte("front")
     unkeyed = sa.select(
@@ -818,12 +821,17 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         sa.func.row_number()
         .over(order_by=(front.c.priority.desc(), front.c.run_at, front.c.id))
         .label("rank"),
+        sa.null().label("key"),
+        sa.literal(0).label("pos"),
     ).where(front.c.concurrency_key.is_(None))
     both = sa.union_all(keyed, unkeyed).subquery("both")
-    turn = sa.cast(both.c.rank - 1, sa.Float) / both.c.weight
+    turn = (sa.cast(both.c.rank - 1, sa.Float) / both.c.weight).label("turn")
+    # Ties (the keys' jobs of one turn: every pick, when the claim is smaller than the
+    # keys walked) go by the walk's order, from after where the last claim stopped, so
+    # that small claims take the keys in turn; by age only within one key.
     ranked = (
-        sa.select(both.c.id)
-        .order_by(turn, both.c.priority.desc(), both.c.run_at, both.c.id)
+        sa.select(both.c.id, both.c.key, both.c.pos, turn)
+        .order_by(turn, both.c.pos, both.c.priority.desc(), both.c.run_at, both.c.id)
         .limit(limit)
         .cte("ranked")
     )
@@ -849,12 +857,17 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         .returning(*(t.c if for_session else claimed_columns(t)))
         .cte("claimed")
     )
-    stopped = (
-        sa.select(walk.c.k.label("last_key")).order_by(walk.c.n.desc()).limit(1).subquery("stopped")
+    # The next claim walks on from the last key this one took from (in the walk's order,
+    # its last turn), or from where the walk stopped when it took from none.
+    took = (
+        sa.select(ranked.c.key)
+        .where(ranked.c.key.is_not(None))
+        .order_by(ranked.c.turn.desc(), ranked.c.pos.desc())
+        .limit(1)
+        .scalar_subquery()
     )
-    info = sa.select(sa.select(stopped.c.last_key).scalar_subquery().label("last_key")).subquery(
-        "info"
-    )
+    walked_to = sa.select(walk.c.k).order_by(walk.c.n.desc()).limit(1).scalar_subquery()
+    info = sa.select(sa.func.coalesce(took, walked_to).label("last_key")).subquery("info")
     names = [col.name for col in (t.c if for_session else claimed_columns(t))]
     return sa.select(*(claimed.c[name] for name in names), info.c.last_key).select_from(
         info.outerjoin(claimed, sa.true())

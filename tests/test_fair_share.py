@@ -93,6 +93,26 @@ def test_a_burst_does_not_hold_back_the_other_keys(db: sa.Engine) -> None:
     assert sum(n for t, n in per.items() if t != "burst") == 200, per
 
 
+def test_claims_smaller_than_the_keys_take_the_keys_in_turn(db: sa.Engine) -> None:
+    """A worker whose slots free one or two at a time claims 1 or 2 jobs at once, fewer
+    than there are keys: each key's share rounds up to 1, and every pick ties at the first
+    turn. The ties go by the walk's order from where the last claim stopped, so the keys
+    take turns; by age, every such claim took the burst's oldest job (found by the fault
+    suite: 142-237 burst jobs before the last small one, where about 20 were due)."""
+    _burst(db, big=300, small=10, each=3)
+    order: list[int] = []
+    last = None
+    while True:
+        claimed, last = _claim(db, 1 + len(order) % 2, last)
+        if not claimed:
+            break
+        order += [r[0] for r in claimed]
+    keys = [r.concurrency_key for r in sorted(rows(db), key=lambda r: order.index(r.id))]
+    last_small = max(i for i, k in enumerate(keys) if k != "burst")
+    assert keys[:last_small].count("burst") <= 4, keys[: last_small + 1]
+    assert len(order) == 330
+
+
 def test_a_weight_gives_its_key_that_many_shares(db: sa.Engine) -> None:
     with db.begin() as conn:
         for tenant in ("premium", "a", "b"):
