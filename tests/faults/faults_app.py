@@ -493,3 +493,201 @@ def steps_probe(i: int) -> None:
     """An ordinary job of the suspended jobs' queue: its run shows the worker claimed from
     that queue after the moment it was enqueued."""
     record(item=i)
+
+
+# -- concurrency, rate and fair-share limits (test_limit_faults.py) --------------------------
+
+#: The limits the workers enforce (and test_limit_faults.py checks).
+CAPPED_CONCURRENCY = 4
+RATE_COUNT, RATE_PERIOD = 50, 1.0
+#: The queues whose claims and completions ``job_events`` records.
+LIMIT_QUEUES = ("capped", "per_key", "rated", "fair_share")
+
+jobs.queue("capped", concurrency=CAPPED_CONCURRENCY)
+jobs.queue("per_key", key_concurrency=1)
+jobs.queue("rated", rate=f"{RATE_COUNT}/{RATE_PERIOD:g}s")
+jobs.queue("fair_share", fair=True)
+
+
+class LimitRun(Base):
+    """One run of a limited task: a row committed before the handler's work begins (its
+    start, ``time.monotonic()``), ``ended`` set when the work is done, before the job's
+    completion is written (retried through an outage, so that only a killed process leaves
+    a run without an end). ``token`` is the run's own, so that the end can be written even
+    when the start's commit was cut and its outcome is unknown."""
+
+    __tablename__ = "limit_runs"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    token: Mapped[str] = mapped_column(sa.Text, index=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    queue: Mapped[str] = mapped_column(sa.Text)
+    key: Mapped[str | None] = mapped_column(sa.Text)
+    item: Mapped[int] = mapped_column(sa.BigInteger)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    pid: Mapped[int] = mapped_column(sa.Integer)
+    started: Mapped[float] = mapped_column(sa.Float)
+    ended: Mapped[float | None] = mapped_column(sa.Float)
+    #: time.time() at the start (comparable with PostgreSQL's clock on this machine).
+    at: Mapped[float] = mapped_column(sa.Float)
+
+
+class JobEvent(Base):
+    """Every change of status of a job of the limited queues, written by a trigger on the
+    jobs table (created with the schema, see below) in the transaction that made it: a claim
+    (``new = 'running'``), a rescue or a retry (``running`` to ``ready`` or ``scheduled``),
+    a completion (``new = 'deleted'``: finished jobs are deleted). ``at`` is
+    ``clock_timestamp()`` inside that statement. Only what committed is here."""
+
+    __tablename__ = "job_events"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    queue: Mapped[str] = mapped_column(sa.Text)
+    key: Mapped[str | None] = mapped_column(sa.Text)
+    old: Mapped[str | None] = mapped_column(sa.Text)
+    new: Mapped[str] = mapped_column(sa.Text)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    worker: Mapped[str | None] = mapped_column(sa.Text)
+    at: Mapped[Any] = mapped_column(sa.DateTime(timezone=True))
+    #: The transaction that made it (``txid_current()``): one claim's jobs share it.
+    txid: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class RateStamp(Base):
+    """Every write of a queue's rate log (``jobs_queues.rate_log``) that added starts, by a
+    trigger: the stamp the claim appended and how many times (its jobs). The log itself is
+    trimmed to its window; this keeps them all."""
+
+    __tablename__ = "rate_stamps"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    queue: Mapped[str] = mapped_column(sa.Text)
+    at: Mapped[Any] = mapped_column(sa.DateTime(timezone=True))
+    n: Mapped[int] = mapped_column(sa.Integer)
+
+
+_LIMIT_QUEUES_SQL = ", ".join(f"'{q}'" for q in LIMIT_QUEUES)
+_LIMIT_TRIGGER_DDL = (
+    f"""
+    CREATE OR REPLACE FUNCTION "{SCHEMA}".job_event() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'DELETE' THEN
+            INSERT INTO "{SCHEMA}".job_events
+                (job_id, queue, key, old, new, attempt, worker, at, txid)
+            VALUES (OLD.id, OLD.queue, OLD.concurrency_key, OLD.status, 'deleted',
+                    OLD.attempts, OLD.locked_by, clock_timestamp(), txid_current());
+        ELSE
+            INSERT INTO "{SCHEMA}".job_events
+                (job_id, queue, key, old, new, attempt, worker, at, txid)
+            VALUES (NEW.id, NEW.queue, NEW.concurrency_key, OLD.status, NEW.status,
+                    NEW.attempts, NEW.locked_by, clock_timestamp(), txid_current());
+        END IF;
+        RETURN NULL;
+    END $$
+    """,
+    f"""
+    CREATE TRIGGER job_event_update AFTER UPDATE ON "{SCHEMA}".jobs FOR EACH ROW
+        WHEN (NEW.queue IN ({_LIMIT_QUEUES_SQL}) AND OLD.status IS DISTINCT FROM NEW.status)
+        EXECUTE FUNCTION "{SCHEMA}".job_event()
+    """,
+    f"""
+    CREATE TRIGGER job_event_delete AFTER DELETE ON "{SCHEMA}".jobs FOR EACH ROW
+        WHEN (OLD.queue IN ({_LIMIT_QUEUES_SQL}))
+        EXECUTE FUNCTION "{SCHEMA}".job_event()
+    """,
+    f"""
+    CREATE OR REPLACE FUNCTION "{SCHEMA}".rate_stamp() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    DECLARE
+        newest timestamptz := NEW.rate_log[cardinality(NEW.rate_log)];
+    BEGIN
+        -- A claim appends its clock_timestamp() once per job it claimed, after the stamps
+        -- still in the window: the newest stamp, unless it was there before.
+        IF newest IS NULL THEN
+            RETURN NULL;
+        END IF;
+        IF TG_OP = 'UPDATE' AND OLD.rate_log IS NOT NULL AND newest = ANY (OLD.rate_log) THEN
+            RETURN NULL;
+        END IF;
+        INSERT INTO "{SCHEMA}".rate_stamps (queue, at, n)
+        VALUES (NEW.name, newest,
+                (SELECT count(*) FROM unnest(NEW.rate_log) AS s WHERE s = newest));
+        RETURN NULL;
+    END $$
+    """,
+    f"""
+    CREATE TRIGGER rate_stamp AFTER INSERT OR UPDATE ON "{SCHEMA}".jobs_queues
+        FOR EACH ROW EXECUTE FUNCTION "{SCHEMA}".rate_stamp()
+    """,
+)
+
+
+@sa.event.listens_for(Base.metadata, "after_create")
+def _create_limit_triggers(target: Any, connection: sa.Connection, **kw: Any) -> None:
+    for ddl in _LIMIT_TRIGGER_DDL:
+        connection.exec_driver_sql(ddl)
+
+
+def _write(statement: Any, give_up_after: float = 60.0) -> None:
+    """Run ``statement`` through the recorder's connection, committed, retrying while the
+    server cannot be reached (a crash, a restart), for up to ``give_up_after`` seconds."""
+    deadline = time.monotonic() + give_up_after
+    while True:
+        try:
+            with _engine().begin() as conn:
+                conn.execute(statement)
+            return
+        except sa.exc.DBAPIError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def timed_run(item: int, key: str | None, sleep: float) -> None:
+    """Record the run's start (committed), take ``sleep`` seconds, record its end."""
+    job = current_job()
+    token = os.urandom(16).hex()
+    started, at = time.monotonic(), time.time()
+    try:
+        with _engine().begin() as conn:
+            conn.execute(
+                sa.insert(LimitRun).values(
+                    token=token,
+                    job_id=job.id,
+                    queue=job.queue,
+                    key=key,
+                    item=item,
+                    attempt=job.attempts,
+                    pid=os.getpid(),
+                    started=started,
+                    at=at,
+                )
+            )
+    except sa.exc.DBAPIError:
+        # The start may have committed after all (a commit cut before its answer): end it.
+        ended = time.monotonic()
+        _write(sa.update(LimitRun).where(LimitRun.token == token).values(ended=ended))
+        raise
+    if sleep:
+        time.sleep(sleep)
+    ended = time.monotonic()
+    _write(sa.update(LimitRun).where(LimitRun.token == token).values(ended=ended))
+
+
+@jobs.task(name="faults.capped", queue="capped")
+def capped(i: int, sleep: float = 0.0) -> None:
+    timed_run(i, None, sleep)
+
+
+@jobs.task(name="faults.per_key", queue="per_key", concurrency_key=lambda key, **_: key)
+def per_key(i: int, key: str, sleep: float = 0.0) -> None:
+    timed_run(i, key, sleep)
+
+
+@jobs.task(name="faults.rated", queue="rated")
+def rated(i: int, sleep: float = 0.0) -> None:
+    timed_run(i, None, sleep)
+
+
+@jobs.task(name="faults.fair_share", queue="fair_share", concurrency_key=lambda tenant, **_: tenant)
+def fair_share(i: int, tenant: str, sleep: float = 0.0) -> None:
+    timed_run(i, tenant, sleep)
