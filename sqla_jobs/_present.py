@@ -223,7 +223,7 @@ def step_cells(step: Any, when: Callable[[datetime | None], str]) -> list[str]:
         state = (
             f"{state}: {step.position.get('rows', 0):,} rows, after {step.position.get('after')!r}"
         )
-    moment = step.until if step.state in ("sleeping", "waiting") else step.updated_at
+    moment = step.until if step.suspends else step.updated_at
     size = "-" if step.size is None else f"{step.size:,} B"
     attempt = "-" if step.attempt is None else str(step.attempt)
     return [step.name, step.kind, state, attempt, when(moment), size]

@@ -321,8 +321,10 @@ class JobView:
         return cls(**{name: row[name] for name in _JOB_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: datetimes become ISO 8601 strings in UTC."""
-        return {k: _json_value(v) for k, v in asdict(self).items()}
+        """JSON-able: datetimes become ISO 8601 strings in UTC (its steps' too)."""
+        found = {k: _json_value(v) for k, v in asdict(self).items() if k != "steps"}
+        found["steps"] = None if self.steps is None else [s.to_dict() for s in self.steps]
+        return found
 
     def summary(self) -> JobSummary:
         """This job as a list shows it."""
@@ -362,8 +364,6 @@ _JOB_FIELDS: tuple[str, ...] = tuple(
 def _json_value(value: Any) -> Any:
     if isinstance(value, datetime):
         return _utc(value).isoformat()
-    if isinstance(value, list) and value and isinstance(value[0], dict):
-        return [{k: _json_value(v) for k, v in item.items()} for item in value]  # steps
     return value
 
 

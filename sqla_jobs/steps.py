@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import sqlalchemy as sa
 
+from ._storable import BIGINT_MAX
 from ._tasks import json_problem, long_int_problem
 from .errors import SignalError, StepError, WaitTimedOut
 from .model import SUSPENDED_STEP_STATES
@@ -390,6 +391,8 @@ def _signal_plan(q: StepQueries, job_id: int, name: str, payload: str) -> Plan:
 def _signal_args(jobs: Any, job_id: Any, name: Any, payload: Any) -> tuple[StepQueries, str]:
     if isinstance(job_id, bool) or not isinstance(job_id, int):
         raise TypeError(f"jobs.signal: job_id must be an int, got {job_id!r}")
+    if not 0 < job_id <= BIGINT_MAX:  # PostgreSQL would refuse to compare it with an id
+        raise SignalError(job_id, name, "unknown", "no such job (not a job id)")
     _check_name(name)
     return jobs.step_queries, encode(payload, f"signal {name!r}'s payload")
 

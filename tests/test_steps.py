@@ -368,6 +368,8 @@ def test_a_signal_for_a_finished_job_is_an_error(Session: Any, db: sa.Engine, jo
     assert caught.value.reason == "finished"
     with Session.begin() as session, pytest.raises(StepError):
         jobs.signal(session, job_id, "bad\x00name")
+    with Session.begin() as session, pytest.raises(SignalError, match="not a job id"):
+        jobs.signal(session, 2**63, "x")  # past bigint: refused here, not by PostgreSQL
 
 
 def test_a_lost_claim_cannot_commit_a_step(Session: Any, db: sa.Engine, jobs: Jobs) -> None:

@@ -474,7 +474,7 @@ class Dashboard:
             next_step=_next_step(job, paused, datetime.now(timezone.utc)),
             fields=_fields(job),
             step_columns=_present.STEP_COLUMNS,
-            steps=[_present.step_cells(step, _step_when) for step in job.steps or ()],
+            steps=[_present.step_cells(step, _page_when) for step in job.steps or ()],
             args_text=args_text[:ARGS_SHOWN],
             args_truncated=len(args_text) > ARGS_SHOWN,
             args_limit=ARGS_SHOWN,
@@ -961,7 +961,8 @@ def _when(job: admin.JobSummary) -> str:
     return f"created {ago(job.created_at)}"
 
 
-def _step_when(value: datetime | None) -> str:
+def _page_when(value: datetime | None) -> str:
+    """A moment as a job's page writes it: the UTC time, and how long ago (or until)."""
     return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
 
 
@@ -1017,14 +1018,11 @@ def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
 
 
 def _fields(job: admin.JobView) -> list[tuple[str, str]]:
-    def t(value: datetime | None) -> str:
-        return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
-
     # Tags and correlation ids given at enqueue, the handler's last progress note, and
     # workflows and results (only for jobs that have them), each cut to what a page shows.
     return _present.job_fields(
         job,
-        when=t,
+        when=_page_when,
         value=lambda _name, value: _shown(_present.compact_json(value)),
         order=_present.PAGE_JOB_FIELDS,
     )
