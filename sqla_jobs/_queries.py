@@ -331,11 +331,27 @@ def _limit_lock(t: sa.Table) -> sa.Select[Any]:
 LIMITED_COLUMNS = ("ready_seen", "rate_free_in", "key_free_in")
 
 
-def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) -> sa.Select[Any]:
+def _limited_claim(
+    t: sa.Table,
+    *,
+    key_rated: bool = False,
+    fifo: bool = False,
+    rated: bool = True,
+    capped: bool = True,
+    keyed: bool = True,
+) -> sa.Select[Any]:
     """The limited claim; ``key_rated``: the variant for queues with a ``key_rate``, which
     reads and writes <table>_key_starts (a queue without one keeps the statement it had,
     and does not pay for that table's CTEs); ``fifo``: for queues with
-    ``key_order="fifo"``, where a keyed job is a candidate only at the head of its key."""
+    ``key_order="fifo"``, where a keyed job is a candidate only at the head of its key.
+
+    ``rated`` and ``capped``: whether the statement has the queue's rate log and its
+    running count. A queue without a rate (or without a concurrency limit) gets a
+    statement without them: PostgreSQL plans this statement at every claim (its custom
+    plans prune what NULL parameters rule out, so it never settles on a generic one), and
+    the planning of CTEs that a NULL parameter makes moot was most of the claim's cost.
+    ``keyed`` (always, with ``key_rated`` or ``fifo``): the per-key parts; a queue that no
+    keyed task uses holds no keyed job (the enqueue refuses one), so its claim has none."""
     c = t.c
     queues = companion_tables(t).queues
     queue_name = sa.bindparam("queue_name", type_=sa.Text)
@@ -364,20 +380,21 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
         .cte("recent")
     )
     n_running = sa.select(sa.func.count().label("n")).where(*running).cte("n_running")
-    budget = (
-        sa.select(
-            sa.func.greatest(
-                0,
-                sa.func.least(
-                    sa.bindparam("limit", type_=sa.Integer),
-                    sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n,
-                    rate - sa.func.cardinality(recent.c.log),
-                ),
-            ).label("n")
-        )
-        .select_from(n_running.join(recent, sa.true()))
-        .cte("budget")
-    )
+    terms: list[sa.ColumnElement[Any]] = [sa.bindparam("limit", type_=sa.Integer)]
+    budget_from: list[sa.FromClause] = []
+    if capped:
+        terms.append(sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n)
+        budget_from.append(n_running)
+    if rated:
+        terms.append(rate - sa.func.cardinality(recent.c.log))
+        budget_from.append(recent)
+    room_left = sa.select(sa.func.greatest(0, sa.func.least(*terms)).label("n"))
+    if budget_from:
+        joined: sa.FromClause = budget_from[0]
+        for other in budget_from[1:]:
+            joined = joined.join(other, sa.true())
+        room_left = room_left.select_from(joined)
+    budget = room_left.cte("budget")
     busy_keys = (
         sa.select(c.concurrency_key.label("key"), sa.func.count().label("n"))
         .where(*running, c.concurrency_key.is_not(None))
@@ -405,6 +422,15 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
     walk = None
     if fifo:
         head, walk = _fifo_heads(t, queue_name, scan, room_for)
+    elif not keyed and not key_rated:
+        # A CTE: its rows are also the ready rows seen (see ``seen`` below).
+        head = (
+            sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
+            .where(*ready, c.run_at <= sa.func.now())
+            .order_by(c.priority.desc(), c.run_at, c.id)
+            .limit(scan)
+            .cte("head")
+        )
     else:
         head = (
             sa.select(c.id, c.priority, c.run_at, c.concurrency_key)
@@ -438,7 +464,14 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
         .group_by(ks.c.key)
         .cte("key_used")
     )
-    if key_rated:
+    chosen_from: sa.Select[Any]
+    # What the chosen rows are ordered from: the candidates, or the head when no key.
+    ranked: sa.FromClause = candidates
+    if not keyed and not key_rated and not fifo:
+        # No keys: the head in its order, up to the budget (no window over the keys).
+        ranked = head
+        chosen_from = sa.select(head.c.id)
+    elif key_rated:
         chosen_from = (
             sa.select(candidates.c.id)
             .select_from(
@@ -474,7 +507,7 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
             )
         )
     chosen = (
-        chosen_from.order_by(candidates.c.priority.desc(), candidates.c.run_at, candidates.c.id)
+        chosen_from.order_by(ranked.c.priority.desc(), ranked.c.run_at, ranked.c.id)
         .limit(sa.select(budget.c.n).scalar_subquery())
         .cte("chosen")
     )
@@ -568,15 +601,28 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
         key_free_in.append(
             sa.cast(sa.extract("epoch", key_free_at - clock.c.at), sa.Float).label("key_free_in")
         )
-    seen = (
+    seen: sa.FromClause = (
         sa.select(sa.literal(1))
         .where(*ready, c.run_at <= sa.func.now())
         .limit(sa.bindparam("limit", type_=sa.Integer) + 1)
         .subquery("seen")
     )
+    if not keyed and not key_rated and not fifo:
+        # Without keys the head is the first :limit ready rows (:scan is :limit): more of
+        # them than were claimed means the limits held some back, as ``seen`` would say,
+        # without a fourth scan of the table to plan.
+        seen = head
     used = sa.func.cardinality(recent.c.log) + n_claimed
     oldest = sa.func.coalesce(recent.c.log[1], clock.c.at)
-    free_in = sa.case((used >= rate, sa.extract("epoch", oldest + period - clock.c.at)), else_=None)
+    free_in: sa.ColumnElement[Any] = sa.case(
+        (used >= rate, sa.extract("epoch", oldest + period - clock.c.at)), else_=None
+    )
+    logged_count: sa.ColumnElement[Any] = (
+        sa.select(sa.func.count()).select_from(logged).scalar_subquery()
+    )
+    info_from: sa.FromClause = recent.join(clock, sa.true())
+    if not rated:
+        free_in, logged_count, info_from = sa.null(), sa.null(), clock
     last_key: list[sa.ColumnElement[Any]] = []
     if walk is not None:
         # Where the walk over the keys stopped: the next claim starts after it.
@@ -593,9 +639,9 @@ def _limited_claim(t: sa.Table, *, key_rated: bool = False, fifo: bool = False) 
             sa.cast(free_in, sa.Float).label("rate_free_in"),
             *key_free_in,
             *last_key,
-            sa.select(sa.func.count()).select_from(logged).scalar_subquery().label("logged"),
+            logged_count.label("logged"),
         )
-        .select_from(recent.join(clock, sa.true()))
+        .select_from(info_from)
         .subquery("info")
     )
     return sa.select(
@@ -888,6 +934,9 @@ class LimitedClaimParams(ClaimParams):
     hold: bool
     #: With fifo: the key where the last claim's walk over the keys stopped (None: start).
     after_key: str | None
+    #: Some task of the queue declares a concurrency_key (else its claim has no per-key
+    #: parts: keyed jobs are refused there at enqueue).
+    keyed: bool
 
 
 def limited_claim_params(
@@ -920,6 +969,7 @@ def limited_claim_params(
         "fifo": fifo,
         "hold": hold,
         "after_key": None,
+        "keyed": keyed,
     }
 
 
@@ -928,9 +978,18 @@ def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
     ``key_rate``, the fifo one only for a queue with ``key_order="fifo"``, so the other
     limited queues keep their statement (and its cost)."""
     key_rated = params.get("key_rate") is not None
-    if params.get("fifo"):
-        return queries.fifo_claim(key_rated=key_rated)
-    return queries.key_rated_claim if key_rated else queries.limited_claim
+    rated = params.get("rate") is not None
+    capped = params.get("concurrency") is not None
+    fifo = bool(params.get("fifo"))
+    keyed = params.get("keyed", True) or key_rated or fifo
+    if rated and capped and keyed:
+        # Every part: the statements built up front (and the fifo ones, built once).
+        if fifo:
+            return queries.fifo_claim(key_rated=key_rated)
+        return queries.key_rated_claim if key_rated else queries.limited_claim
+    return queries.shaped_claim(
+        key_rated=key_rated, fifo=fifo, rated=rated, capped=capped, keyed=keyed
+    )
 
 
 class FairClaimParams(ClaimParams):
@@ -2217,7 +2276,7 @@ class Queries:
         self.limited_claim = _limited_claim(t)
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         # The claims of queues with key_order="fifo" or fair=True, built when first used.
-        self._built: dict[tuple[str, bool], sa.Select[Any]] = {}
+        self._built: dict[tuple[Any, ...], sa.Select[Any]] = {}
         self.complete = _complete(t, keep_done=keep_done)
         self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)
@@ -2295,7 +2354,22 @@ class Queries:
         :func:`_limited_claim`)."""
         return self._once(("fifo", key_rated), _limited_claim, key_rated=key_rated, fifo=True)
 
-    def _once(self, key: tuple[str, bool], build: Any, **kw: Any) -> sa.Select[Any]:
+    def shaped_claim(
+        self, *, key_rated: bool, fifo: bool, rated: bool, capped: bool, keyed: bool = True
+    ) -> sa.Select[Any]:
+        """The limited claim with only the parts the queue's limits use (see
+        :func:`_limited_claim`)."""
+        return self._once(
+            ("limited", key_rated, fifo, rated, capped, keyed),
+            _limited_claim,
+            key_rated=key_rated,
+            fifo=fifo,
+            rated=rated,
+            capped=capped,
+            keyed=keyed,
+        )
+
+    def _once(self, key: tuple[Any, ...], build: Any, **kw: Any) -> sa.Select[Any]:
         """A statement built the first time a worker or a session asks for it: most
         applications have no such queue, and every statement built in ``__init__`` is
         start-up time."""

@@ -24,7 +24,7 @@ from sqla_jobs.throttle import parse_rate
 from sqla_jobs.worker import _statements as worker_db
 
 from . import app
-from .helpers import count, rows, wait_for
+from .helpers import count, rows, running, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -301,7 +301,16 @@ def test_an_unlimited_queue_keeps_the_plain_claim(db: sa.Engine, make_worker: An
     finally:
         sa.event.remove(sa.Engine, "before_cursor_execute", seen)
     plain = str(app.limited_jobs.queries.claim.compile(db))
-    limited = str(app.limited_jobs.queries.limited_claim.compile(db))
+    # The limited queue has a concurrency limit only: its claim has no rate log, and no
+    # per-key parts (no keyed task uses it).
+    shaped = app.limited_jobs.queries.shaped_claim(
+        key_rated=False, fifo=False, rated=False, capped=True, keyed=False
+    )
+    limited = str(shaped.compile(db))
+    assert "busy_keys" not in limited
+    assert "rate_log" not in limited and "rate_log" in str(
+        app.limited_jobs.queries.limited_claim.compile(db)
+    )
     assert {q for s, q in claims if s == plain} == {"unlimited"}
     assert {q for s, q in claims if s == limited} == {"limited"}
 
@@ -617,3 +626,42 @@ def test_a_rate_held_queue_waits_without_spinning_or_blocking_others(
     assert took >= 1.0, took
     left = [r for r in rows(db) if r.queue == "slow"]
     assert [(r.status, r.attempts) for r in left] == [("ready", 0)] * 3
+
+
+def test_a_freed_slot_of_a_held_queue_is_written_at_once(db: sa.Engine, make_worker: Any) -> None:
+    """The completer waits up to ``completion_interval`` for more outcomes to write them
+    together, but not when the batch frees a slot of a limited queue that holds ready
+    jobs back: its next claim waits for that write. With a minute's wait and another job
+    still running (so the batch could still grow), the second job of a queue limited to
+    one at a time starts at once, not a minute later."""
+    jobs = Jobs(app.Job)
+    jobs.queue("one_at_a_time", concurrency=1)
+    gate = threading.Event()
+    ran: list[int] = []
+
+    @jobs.task(queue="slow")
+    def block() -> None:
+        gate.wait(30)
+
+    @jobs.task(queue="one_at_a_time")
+    def quick(n: int) -> None:
+        ran.append(n)
+
+    with db.begin() as conn:
+        jobs.enqueue(conn, block)
+        jobs.enqueue_many(conn, quick, [{"n": 1}, {"n": 2}, {"n": 3}])
+    worker = make_worker(
+        jobs,
+        db,
+        queues=["slow", "one_at_a_time"],
+        completion_interval=60.0,
+        listen=False,
+        poll_interval=0.05,
+    )
+    with running(worker):
+        try:
+            wait_for(lambda: sorted(ran) == [1, 2, 3], timeout=15)
+            # The blocked job still runs: the batches were not cut short for want of it.
+            assert count(db, queue="slow", status="running") == 1
+        finally:
+            gate.set()
