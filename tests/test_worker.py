@@ -30,7 +30,7 @@ from sqla_jobs._queries import interval
 from sqla_jobs.worker.job import ClaimedJob, decode_rows
 
 from . import app
-from .helpers import count, rows, wait_for
+from .helpers import count, rows, running, wait_for
 
 
 def claim(
@@ -485,6 +485,29 @@ def test_stop_lets_running_jobs_finish(
     assert len(started) == 3
     assert count(db, status="running") == 0
     assert count(db, status="ready") == 3
+
+
+def test_the_last_outcome_is_written_without_waiting_for_others(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """With nothing else running no other outcome can join the batch: the completer
+    writes it at once instead of waiting ``completion_interval`` (a minute here) for more.
+    A job alone finished within that wait (the row was still 'running') before."""
+    ran: list[int] = []
+
+    @jobs.task(queue="q")
+    def one(n: int) -> None:
+        ran.append(n)
+
+    worker = make_worker(
+        jobs, db, queues=["q"], completion_interval=60.0, listen=False, poll_interval=0.05
+    )
+    with running(worker):
+        for n in (1, 2):
+            with Session.begin() as session:
+                session.enqueue(one, n)
+            wait_for(lambda: count(db) == 0, timeout=15)
+    assert ran == [1, 2]
 
 
 def test_worker_survives_losing_its_database_connections(

@@ -60,7 +60,11 @@ class WorkerSettings:
     )
     claim_limit: int = _setting(100, "most jobs one claim statement takes")
     completion_batch: int = _setting(500, "most outcomes one completion write records")
-    completion_interval: float = _setting(0.005, "seconds the completer waits to fill a batch")
+    completion_interval: float = _setting(
+        0.005,
+        "seconds the completer waits to fill a batch (not when the worker runs nothing "
+        "else, nor when the batch frees a slot of a limited queue that is holding jobs)",
+    )
     rescue_interval: float | None = _setting(
         None, "seconds between passes that rescue expired leases (default: lease / 2, at most 5)"
     )

@@ -65,7 +65,10 @@ class Completer(Duty):
 
     def take_batch(self) -> Generator[Step, Any, list[Outcome]]:
         """The next batch: wait for a first outcome, then up to ``completion_interval``
-        more for others, up to ``completion_batch``. Empty once the run has ended."""
+        more for others, up to ``completion_batch``. Empty once the run has ended.
+
+        The wait for others ends early when waiting cannot fill the batch or holds up a
+        claim (:meth:`no_linger`)."""
         s = self.core.settings
         batch: list[Outcome] = []
         deadline: float | None = None
@@ -78,11 +81,30 @@ class Completer(Duty):
                 self.ended = True
                 taken = [o for o in taken if o is not END]
             batch.extend(taken)
-            if self.ended or (deadline is not None and not taken):
+            if self.ended or (deadline is not None and not taken) or self.no_linger(batch):
                 break
             if deadline is None:
                 deadline = time.monotonic() + s.completion_interval
         return batch
+
+    def no_linger(self, batch: list[Outcome]) -> bool:
+        """Write ``batch`` now rather than wait for more outcomes: no claim of this worker
+        is running (every outcome there is to come is in), or the batch frees a slot of
+        a limited queue whose claims are held (its next claim waits for this write).
+
+        The linger exists to write many outcomes in one statement while handlers keep
+        finishing. With nothing left running it only delayed the write (and, for a
+        one-job burst, the job's end by ``completion_interval``); with a concurrency limit
+        that binds, the held queue's next claim waited on it, and the queue drained at a
+        sixth of what its slots allow (``benchmarks/limits.py``)."""
+        core = self.core
+        if not core.running:
+            return True
+        held = core.fetcher.held
+        if not held:
+            return False
+        with core._lock:
+            return any(o.job.queue in held for o in batch)
 
     def write(self, batch: list[Outcome]) -> Steps:
         """Write ``batch``, retrying through database errors; then count it for the
