@@ -7,6 +7,7 @@ shard b.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -850,3 +851,37 @@ def test_cli_web_over_shards(shards: dict[str, sa.Engine]) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_order_per_key_holds_in_each_shard(shards: dict[str, sa.Engine]) -> None:
+    """``key_order="fifo"`` on a sharded application: a key's jobs follow their rows into
+    one shard, and there they start in id order, one at a time, with one ShardedWorker of
+    16 slots serving both shards; the same key name in two shards is two keys, which run
+    side by side (each shard's claim sees its own table only)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("ledger", key_order="fifo")
+    lock = threading.Lock()
+    runs: list[tuple[str, str, int, float, float]] = []
+
+    @jobs.task(queue="ledger", concurrency_key=lambda account, **_: account)
+    def post(shard: str, account: str, seq: int) -> None:
+        start = time.monotonic()
+        time.sleep(0.002)  # the handler's work: long enough for two runs of a key to overlap
+        with lock:
+            runs.append((shard, account, seq, start, time.monotonic()))
+
+    for name, engine in shards.items():
+        with engine.begin() as conn:
+            # Five keys interleaved; a key's jobs in its sequence's order (ids follow).
+            rows = [{"shard": name, "account": f"k{i % 5}", "seq": i // 5} for i in range(100)]
+            jobs.enqueue_many(conn, post, rows)
+    worker = ShardedWorker(jobs, shards, concurrency=16, name="w")
+    assert worker.run_until_empty(timeout=60) == {"a": 100, "b": 100}
+    by_key: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+    for shard, account, seq, start, end in runs:
+        by_key.setdefault((shard, account), []).append((start, end, seq))
+    assert len(by_key) == 10
+    for key, spans in by_key.items():
+        spans.sort()
+        assert [seq for *_, seq in spans] == list(range(20)), key
+        assert all(end <= nxt for (_, end, _), (nxt, _, _) in itertools.pairwise(spans)), key
