@@ -15,6 +15,8 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
    * with ``concurrency=1_000_000``: the limited claim (lock, count, claim, commit) where
      the limit never binds, so the row is the price of the limited statement itself;
    * with ``concurrency=64``: half the worker's slots, a limit that binds all the time;
+     compared, besides, with an unlimited worker of 64 slots (the last row): what those
+     64 slots drain when nothing holds them;
    * with ``rate="10000/s"``: the sliding log rewritten at every claim;
    * keyed, ``key_concurrency=1``, the jobs spread over 1,000 keys (20 each);
    * keyed by the same 1,000 keys, ``key_rate="10000/s"`` and no key concurrency: each
@@ -42,6 +44,7 @@ C. **round trips** (``--round-trips``, instead of A and B): the limited claim of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import statistics
@@ -59,7 +62,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench
 
 from sqla_jobs import Worker, WorkerSettings, create_engine
-from sqla_jobs._queries import claim_params, interval, limited_claim_params, queue_claim_params
+from sqla_jobs._queries import (
+    claim_params,
+    interval,
+    limited_claim_params,
+    limited_statement,
+    queue_claim_params,
+)
 from sqla_jobs.worker import _statements as worker_db
 
 #: ``keys`` of the bursty variant: all but 1,000 jobs of one key ("burst"), enqueued first,
@@ -78,7 +87,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     'key_order="fifo", 1,000 keys': ("fifo", {"key_order": "fifo"}, 1_000),
     'key_order="fifo", 10 keys': ("fifo10", {"key_order": "fifo"}, 10),
     "fair=True, one tenant's burst then 20 tenants of 50": ("fair", {"fair": True}, BURSTY),
+    "no limits, 64 slots (concurrency=64's fair comparison)": ("default", {}, 0),
 }
+#: Variants whose worker has fewer slots than bench.py's 128.
+SLOTS = {"no limits, 64 slots (concurrency=64's fair comparison)": 64}
+#: Rows compared with another row besides the unlimited drain: (row, the row it is
+#: compared with, what the ratio says).
+AGAINST = [
+    (
+        "concurrency=64 (binds)",
+        "no limits, 64 slots (concurrency=64's fair comparison)",
+        "a binding concurrency=64 against 64 slots without limits (what those 64 slots "
+        "drain when nothing holds them)",
+    )
+]
 
 
 def declare(app: bench.App) -> None:
@@ -144,6 +166,8 @@ def drain(
     app: bench.App, engine: sa.Engine, n: int, variant: str, settings: WorkerSettings
 ) -> float:
     queue = VARIANTS[variant][0]
+    if variant in SLOTS:
+        settings = dataclasses.replace(settings, concurrency=SLOTS[variant])
     worker = Worker(app.jobs, engine, settings, queues=[queue])
     STARTS.clear()
     start = time.perf_counter()
@@ -198,7 +222,7 @@ def round_trips(
         keyed=False,
     )
     lock = queries.limit_lock.compile(dialect=engine.dialect)
-    claim = queries.limited_claim.compile(dialect=engine.dialect)
+    claim = limited_statement(queries, params).compile(dialect=engine.dialect)
     lock_sql, lock_params = str(lock), lock.construct_params({"queue_name": queue})
     claim_sql, claim_args = str(claim), claim.construct_params(dict(params))
     pg = bench.plain_connect(bench.libpq_url(url), autocommit=True)
@@ -308,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
+        for row, other, what in AGAINST:
+            ratio = statistics.median(rates[row]) / statistics.median(rates[other])
+            print(f"\n{what}: {ratio:.2f}.")
         if BURST_BEFORE:
             total = n - SMALL_KEYS * SMALL_EACH
             print(
