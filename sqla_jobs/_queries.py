@@ -974,9 +974,11 @@ def limited_claim_params(
 
 
 def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
-    """The limited claim for these limits: the key-rated variant only for a queue with a
-    ``key_rate``, the fifo one only for a queue with ``key_order="fifo"``, so the other
-    limited queues keep their statement (and its cost)."""
+    """The limited claim for these limits, with only the parts they use: the key-rated
+    variant only for a queue with a ``key_rate``, the fifo one only for a queue with
+    ``key_order="fifo"``, the rate log only with a ``rate``, the running count only with a
+    ``concurrency``, the per-key parts only on a keyed queue (see :func:`_limited_claim`
+    for why each is left out). Each shape is built once, when first asked for."""
     key_rated = params.get("key_rate") is not None
     rated = params.get("rate") is not None
     capped = params.get("concurrency") is not None
