@@ -90,7 +90,8 @@ class Completer(Duty):
     def no_linger(self, batch: list[Outcome]) -> bool:
         """Write ``batch`` now rather than wait for more outcomes: no claim of this worker
         is running (every outcome there is to come is in), or the batch frees a slot of
-        a limited queue whose claims are held (its next claim waits for this write).
+        a limited queue whose claims are held by a concurrency limit (its next claim
+        waits for this write).
 
         The linger exists to write many outcomes in one statement while handlers keep
         finishing. With nothing left running it only delayed the write (and, for a
@@ -101,11 +102,13 @@ class Completer(Duty):
         core = self.core
         if not core.running:
             return True
-        held = core.fetcher.held
-        if not held:
+        fetcher = core.fetcher
+        if not fetcher.held:
             return False
         with core._lock:
-            return any(o.job.queue in held for o in batch)
+            # A queue held by its rate waits for time, which no completion frees.
+            waiting = fetcher.held.keys() - fetcher.rate_held
+            return any(o.job.queue in waiting for o in batch)
 
     def write(self, batch: list[Outcome]) -> Steps:
         """Write ``batch``, retrying through database errors; then count it for the
