@@ -492,7 +492,7 @@ def test_the_last_outcome_is_written_without_waiting_for_others(
 ) -> None:
     """With nothing else running no other outcome can join the batch: the completer
     writes it at once instead of waiting ``completion_interval`` (a minute here) for more.
-    A job alone finished within that wait (the row was still 'running') before."""
+    Before, a lone job's row stayed 'running' for the whole wait."""
     ran: list[int] = []
 
     @jobs.task(queue="q")
