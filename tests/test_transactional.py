@@ -64,7 +64,9 @@ def test_transactional_handler_whose_lease_was_lost_rolls_back_and_the_second_ru
 
     with Session.begin() as session:
         session.enqueue(create_link)
-    a = Worker(jobs, db, queues=["q"], lease=30, listen=False, name="A")
+    # One slot, held by the stalled run: A cannot claim the job again itself (with free
+    # slots, A's next poll raced B's start on a slow machine, and B found nothing).
+    a = Worker(jobs, db, queues=["q"], lease=30, listen=False, name="A", concurrency=1)
     with running(a):
         assert first_started.wait(10)
         # A stalls past its lease (the test moves the lease into the past); the rescuer
@@ -161,7 +163,8 @@ def test_the_claim_guard_fences_the_apps_session(
     with JobSession(db, jobs=jobs) as session:
         session.enqueue(create_link)
         session.commit()
-    a = Worker(jobs, db, queues=["q"], lease=30, listen=False, name="A")
+    # One slot, held by the stalled run, so that B is the one to take the job again.
+    a = Worker(jobs, db, queues=["q"], lease=30, listen=False, name="A", concurrency=1)
     with running(a):
         assert first_started.wait(10)
         with db.begin() as conn:  # A stalls past its lease; B takes the job as attempt 2
