@@ -574,11 +574,13 @@ def test_a_rate_of_twenty_per_second_across_workers(
     # while before it runs: see server_stamps).
     assert most_in_a_window(stamps, 1.0) <= 20, stamps
     assert sum(n for _, n in stamps) >= len(starts) > 0  # every claim was stamped
-    # ... and the limit is a rate, not a stall: about 20 a second got through. At most
-    # 100 were *claimed* in any 5 s; the first handler may start a while after its claim
-    # (a loaded machine), which stretches the claims whose handlers start in the 5 s
-    # measured here over up to one more window: hence 120, not 100.
-    assert 60 <= len(starts) <= 120
+    # ... and the limit is a rate, not a stall: about 20 a second got through on a quiet
+    # machine, and more than two windows' worth on any (a slow machine's claims spend
+    # part of each window waiting for the lock). At most 100 were *claimed* in any 5 s;
+    # the first handler may start a while after its claim (a loaded machine), which
+    # stretches the claims whose handlers start in the 5 s measured here over up to one
+    # more window: hence 120, not 100.
+    assert 40 < len(starts) <= 120
     assert count(db, status="ready") > 0
     assert all(r.attempts <= 1 and r.max_attempts == 5 for r in rows(db))
 
