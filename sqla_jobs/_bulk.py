@@ -39,6 +39,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
+from ._driver import raise_as_dbapi_error
+
 __all__ = [
     "COPY_BLOCK_ROWS",
     "COPY_MIN_ROWS",
@@ -238,20 +240,7 @@ def copy_run(
         else:
             _copy_sync(driver, statement, first, chunks, guard)
     except connection.dialect.loaded_dbapi.Error as exc:
-        # What SQLAlchemy does for its own statements: a connection the server ended is
-        # invalidated, so that the caller's rollback (and the pool) let it go instead of
-        # failing on it again.
-        lost = connection.dialect.is_disconnect(exc, connection.connection.dbapi_connection, None)
-        if lost and not connection.invalidated:
-            connection.invalidate(exc)
-        raise sa.exc.DBAPIError.instance(
-            statement,
-            None,
-            exc,
-            connection.dialect.loaded_dbapi.Error,
-            connection_invalidated=lost,
-            dialect=connection.dialect,
-        ) from exc
+        raise_as_dbapi_error(connection, statement, exc)
     return len(args)
 
 

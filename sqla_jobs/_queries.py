@@ -2279,6 +2279,9 @@ class Queries:
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         # The claims of queues with key_order="fifo" or fair=True, built when first used.
         self._built: dict[tuple[Any, ...], sa.Select[Any]] = {}
+        #: Statements compiled for sending straight to psycopg (``sqla_jobs._driver``),
+        #: by (id, dialect): each is one of the statements held here, so its id is stable.
+        self.compiled: dict[tuple[Any, ...], Any] = {}
         self.complete = _complete(t, keep_done=keep_done)
         self.complete_childless = _complete(t, keep_done=keep_done, childless=True)
         self.fail = _fail(t)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
+from .._driver import compiled, pipeline_allowed, run_pipeline
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -104,29 +105,76 @@ def claim_limited(
     """Claim within a queue's limits (see :mod:`sqla_jobs.throttle`): take the queue's
     lock, then claim in a second statement, which sees every claim committed before the
     lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
-    transaction is begun and ended here, by hand."""
-    # READ COMMITTED whatever the server's default: the claim must see what committed
-    # while it waited for the lock, which a REPEATABLE READ snapshot would not.
-    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+    transaction is begun and ended here, by hand.
+
+    The four statements (BEGIN, the lock, the claim, COMMIT) go in one psycopg pipeline,
+    one round trip, when :func:`~sqla_jobs._driver.pipeline_allowed` says they may: the
+    round trips were most of what a limited claim cost beyond the plain one
+    (``benchmarks/limits.py --round-trips``). Otherwise (another driver, a
+    ``schema_translate_map``, something listening for the statements), one round trip
+    each, through SQLAlchemy."""
+    statement = limited_statement(queries, params)
+    result: list[Any]
+    if pipeline_allowed(conn):
+        result, names = _claim_limited_pipelined(conn, queries, statement, params)
+        column = {name: i for i, name in enumerate(names)}
+    else:
+        result = _claim_limited_stepwise(conn, queries, statement, params)
+        column = {name: i for i, name in enumerate(result[0]._fields)} if result else {}
+    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
+    first = result[0]
+
+    def info(name: str) -> Any:
+        at = column.get(name)
+        return None if at is None else first[at]
+
+    free_in, key_free_in = info("rate_free_in"), info("key_free_in")
+    return LimitedClaim(
+        rows,
+        int(info("ready_seen")) > len(rows),
+        None if free_in is None else float(free_in),
+        None if key_free_in is None else float(key_free_in),
+        info("last_key"),
+    )
+
+
+#: The limited claim's transaction; READ COMMITTED whatever the server's default: the
+#: claim must see what committed while it waited for the lock, which a REPEATABLE READ
+#: snapshot would not.
+_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+
+
+def _claim_limited_pipelined(
+    conn: sa.Connection, queries: Queries, statement: Any, params: LimitedClaimParams
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    dialect = conn.dialect
+    lock = compiled(queries.compiled, queries.limit_lock, dialect)
+    claim_sql = compiled(queries.compiled, statement, dialect)
+    return run_pipeline(
+        conn,
+        [
+            (_BEGIN, None),
+            (lock.sql, lock.params({"queue_name": params["queue_name"]})),
+            (claim_sql.sql, claim_sql.params(params)),
+            ("COMMIT", None),
+        ],
+        rows_of=2,
+    )
+
+
+def _claim_limited_stepwise(
+    conn: sa.Connection, queries: Queries, statement: Any, params: LimitedClaimParams
+) -> list[Any]:
+    conn.exec_driver_sql(_BEGIN)
     try:
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
-        result = conn.execute(limited_statement(queries, params), dict(params)).all()
+        result = list(conn.execute(statement, dict(params)).all())
     except BaseException:
         with contextlib.suppress(Exception):
             conn.exec_driver_sql("ROLLBACK")
         raise
     conn.exec_driver_sql("COMMIT")
-    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
-    first = result[0]
-    free_in = first.rate_free_in
-    key_free_in = first._mapping.get("key_free_in")
-    return LimitedClaim(
-        rows,
-        int(first.ready_seen) > len(rows),
-        None if free_in is None else float(free_in),
-        None if key_free_in is None else float(key_free_in),
-        first._mapping.get("last_key"),
-    )
+    return result
 
 
 def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> Tally:

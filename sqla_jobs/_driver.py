@@ -1,0 +1,178 @@
+"""Statements sent under SQLAlchemy, straight to psycopg (internal).
+
+Two of the library's paths talk to the psycopg connection beneath a SQLAlchemy
+``Connection``, for what SQLAlchemy's execution cannot do: ``COPY`` (:mod:`._bulk`) and
+the limited claim's four statements in one psycopg pipeline (one round trip instead of
+four, :func:`~sqla_jobs.worker._statements.claim_limited`). Both go around what SQLAlchemy
+does for its own statements, so both say when they may:
+
+* :func:`pipeline_allowed`: a psycopg 3 connection, no ``schema_translate_map`` to honour,
+  and nobody watching the statements (no ``before_cursor_execute`` or
+  ``after_cursor_execute`` listener, no ``echo``, the ``sqlalchemy.engine`` logger not at
+  INFO). Tracing instrumentation and tests that listen for the statements therefore see
+  every one of them, sent the ordinary way; only an unwatched worker takes the short cut.
+* :func:`raise_as_dbapi_error`: a driver error is raised as SQLAlchemy's ``DBAPIError``, as
+  SQLAlchemy raises its own, and a connection the server ended is invalidated, so that the
+  worker's outage handling, the pool and the caller's rollback treat it alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn, cast
+
+import sqlalchemy as sa
+from sqlalchemy.sql.compiler import SQLCompiler
+
+__all__ = ["Compiled", "compiled", "pipeline_allowed", "raise_as_dbapi_error", "run_pipeline"]
+
+#: The logger SQLAlchemy's ``echo`` writes to: at INFO, statements are logged.
+_ENGINE_LOG = logging.getLogger("sqlalchemy.engine.Engine")
+
+
+class Compiled:
+    """A statement compiled once for a dialect: its SQL (psycopg's ``%(name)s`` style) and
+    how to turn the caller's parameters into the driver's (its literal values and its
+    types' bind processors, as SQLAlchemy would apply them)."""
+
+    __slots__ = ("_compiled", "_processors", "sql")
+
+    def __init__(self, statement: sa.ClauseElement, dialect: sa.Dialect) -> None:
+        compiled = cast(SQLCompiler, statement.compile(dialect=dialect))
+        if "POSTCOMPILE" in compiled.string:
+            # An expanding IN would need SQLAlchemy's per-call rendering.
+            raise ValueError("a statement with expanding parameters cannot be sent directly")
+        self.sql = compiled.string
+        self._compiled = compiled
+        processors = {}
+        for name, bind in compiled.binds.items():
+            processor = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            if processor is not None:
+                processors[name] = processor
+        self._processors = processors
+
+    def params(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The driver's parameters for ``given`` (the statement's own literals included)."""
+        values = dict(self._compiled.construct_params(dict(given)) or {})
+        for name, processor in self._processors.items():
+            if name in values:
+                values[name] = processor(values[name])
+        return values
+
+
+def compiled(
+    cache: dict[tuple[Any, ...], Compiled], statement: sa.ClauseElement, dialect: sa.Dialect
+) -> Compiled:
+    """``statement`` compiled for ``dialect``, once per ``cache`` (the caller's, kept with
+    the statements it holds)."""
+    key = (id(statement), type(dialect), dialect.server_version_info)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = Compiled(statement, dialect)
+    return found
+
+
+def pipeline_allowed(connection: sa.Connection) -> bool:
+    """Whether statements may go to psycopg directly on ``connection`` (see the module's
+    docstring for each condition)."""
+    if connection.dialect.driver != "psycopg":
+        return False
+    if connection.get_execution_options().get("schema_translate_map"):
+        return False
+    engine = connection.engine
+    if engine.echo or _ENGINE_LOG.isEnabledFor(logging.INFO):
+        return False
+    for target in (connection, engine):
+        dispatch: Any = target.dispatch
+        if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+            return False
+    return True
+
+
+def run_pipeline(
+    connection: sa.Connection,
+    statements: Sequence[tuple[str, dict[str, Any] | None]],
+    rows_of: int,
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """Send ``statements`` in one psycopg pipeline (one round trip) on ``connection``'s
+    driver connection; the rows and column names of the one at index ``rows_of``. The statements are
+    meant to be a whole transaction (``BEGIN`` ... ``COMMIT``) on a connection in
+    autocommit: if one fails, the transaction is rolled back before the error is raised,
+    as SQLAlchemy's ``DBAPIError``."""
+    driver: Any = connection.connection.driver_connection
+    try:
+        if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
+            from sqlalchemy.util import await_only
+
+            result: tuple[list[tuple[Any, ...]], list[str]] = await_only(
+                _run_async(driver, statements, rows_of)
+            )
+            return result
+        return _run_sync(driver, statements, rows_of)
+    except connection.dialect.loaded_dbapi.Error as exc:
+        raise_as_dbapi_error(connection, statements[rows_of][0], exc)
+
+
+def _run_sync(
+    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: int
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    try:
+        with driver.pipeline():
+            cursors = [driver.execute(sql, params) for sql, params in statements]
+        last = cursors[rows_of]
+        return last.fetchall(), [column.name for column in last.description or ()]
+    except BaseException:
+        _rollback_sync(driver)
+        raise
+
+
+async def _run_async(
+    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: int
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    try:
+        async with driver.pipeline():
+            cursors = [await driver.execute(sql, params) for sql, params in statements]
+        last = cursors[rows_of]
+        return await last.fetchall(), [column.name for column in last.description or ()]
+    except BaseException:
+        await _rollback_async(driver)
+        raise
+
+
+def _rollback_sync(driver: Any) -> None:
+    """End a transaction an error left open (nothing to do on a lost connection)."""
+    from psycopg.pq import TransactionStatus
+
+    try:
+        if not driver.closed and driver.info.transaction_status != TransactionStatus.IDLE:
+            driver.execute("ROLLBACK")
+    except Exception:  # the original error is the one to raise
+        pass
+
+
+async def _rollback_async(driver: Any) -> None:
+    from psycopg.pq import TransactionStatus
+
+    try:
+        if not driver.closed and driver.info.transaction_status != TransactionStatus.IDLE:
+            await driver.execute("ROLLBACK")
+    except Exception:
+        pass
+
+
+def raise_as_dbapi_error(connection: sa.Connection, statement: str, exc: Any) -> NoReturn:
+    """Raise a driver error as SQLAlchemy's ``DBAPIError`` (what SQLAlchemy does for its own
+    statements): a connection the server ended is invalidated first, so that the caller's
+    rollback, and the pool, let it go instead of failing on it again."""
+    lost = connection.dialect.is_disconnect(exc, connection.connection.dbapi_connection, None)
+    if lost and not connection.invalidated:
+        connection.invalidate(exc)
+    raise sa.exc.DBAPIError.instance(
+        statement,
+        None,
+        exc,
+        connection.dialect.loaded_dbapi.Error,
+        connection_invalidated=lost,
+        dialect=connection.dialect,
+    ) from exc

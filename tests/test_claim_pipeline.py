@@ -1,0 +1,196 @@
+"""The limited claim in one psycopg pipeline (``sqla_jobs._driver``): when it is sent that
+way, that a failure inside it leaves the connection as a failed claim through SQLAlchemy
+would (rolled back, or invalidated when the server ended it), and that both ways of
+sending it find the same."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
+
+from sqla_jobs import create_async_engine, create_engine
+from sqla_jobs._driver import pipeline_allowed
+from sqla_jobs._queries import claim_params, interval, queue_claim_params
+from sqla_jobs.worker import _statements as worker_db
+
+from . import app
+from .helpers import count, rows
+
+jobs = app.limited_jobs
+
+
+def _params(queue: str, limit: int = 10) -> Any:
+    return queue_claim_params(
+        claim_params(queue, limit, interval(30), "claimer"), jobs.limits(queue)
+    )
+
+
+@pytest.fixture
+def conn(db: sa.Engine) -> Iterator[sa.Connection]:
+    with db.connect() as c:
+        yield c.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def test_the_pipeline_is_taken_only_when_nothing_watches_the_statements(
+    db: sa.Engine, database_url: str
+) -> None:
+    """Tracing instrumentation, ``echo`` and tests listen for statements: with any of them,
+    and with a ``schema_translate_map`` the direct SQL could not honour, the claim goes
+    through SQLAlchemy, one statement at a time."""
+    with db.connect() as c:
+        assert pipeline_allowed(c)
+        assert not pipeline_allowed(c.execution_options(schema_translate_map={None: "x"}))
+    watched = create_engine(database_url)
+    try:
+
+        def seen(*_: Any) -> None: ...
+
+        with watched.connect() as c:
+            assert pipeline_allowed(c)
+            sa.event.listen(c, "after_cursor_execute", seen)
+            assert not pipeline_allowed(c)
+        sa.event.listen(watched, "before_cursor_execute", seen)
+        with watched.connect() as c:
+            assert not pipeline_allowed(c)
+    finally:
+        watched.dispose()
+    echoed = create_engine(database_url, echo=True)
+    try:
+        with echoed.connect() as c:
+            assert not pipeline_allowed(c)
+    finally:
+        echoed.dispose()
+
+
+def test_both_ways_of_sending_the_claim_find_the_same(db: sa.Engine, conn: sa.Connection) -> None:
+    """Pipelined, then through SQLAlchemy (a listener on the connection): the rate of 20 a
+    second lets 20 of 25 jobs start, both ways tell the same window, and the statements
+    of the second way are the lock and the shaped claim, as a listener sees them."""
+    with db.begin() as c:
+        jobs.enqueue_many(c, app.rated_work, [{}] * 25)
+    assert pipeline_allowed(conn)
+    first = worker_db.claim_limited(conn, jobs.queries, _params("rated", 15))
+    assert len(first.rows) == 15 and not first.held and first.rate_free_in is None
+    seen: list[str] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(statement)
+
+    sa.event.listen(conn, "before_cursor_execute", listen)
+    try:
+        assert not pipeline_allowed(conn)
+        second = worker_db.claim_limited(conn, jobs.queries, _params("rated", 15))
+    finally:
+        sa.event.remove(conn, "before_cursor_execute", listen)
+    assert len(second.rows) == 5 and second.held
+    assert second.rate_free_in is not None and 0 < second.rate_free_in <= 1.0
+    assert any("pg_advisory_xact_lock" in s for s in seen) and any("rate_log" in s for s in seen)
+    # Both ways' rows are the claimed columns, in order: the worker reads them alike.
+    assert [len(r) for r in first.rows + second.rows] == [len(first.rows[0])] * 20
+    assert count(db, status="running") == 20 and count(db, status="ready") == 5
+
+
+def test_a_pipelined_claim_that_fails_is_rolled_back_and_the_connection_claims_again(
+    db: sa.Engine, conn: sa.Connection
+) -> None:
+    """The claim waits for the queue's lock, held by another transaction, past the
+    connection's ``lock_timeout``: the error is SQLAlchemy's, the transaction begun in the
+    pipeline is rolled back (not left open, holding or waiting), nothing was claimed, and
+    the next claim on the same connection, once the lock is free, claims."""
+    with db.begin() as c:
+        jobs.enqueue(c, app.limited_work, seconds=0)
+    assert pipeline_allowed(conn)
+    conn.exec_driver_sql("SET lock_timeout = '100ms'")
+    with db.connect() as holder:
+        holder.begin()
+        holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+        with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+            worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+        driver: Any = conn.connection.driver_connection
+        assert driver.info.transaction_status == TransactionStatus.IDLE
+        assert not conn.invalidated
+        assert [r.status for r in rows(db)] == ["ready"]
+        holder.rollback()
+    found = worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+    assert len(found.rows) == 1 and [r.status for r in rows(db)] == ["running"]
+
+
+def test_a_pipelined_claim_whose_connection_the_server_ends_invalidates_it(
+    db: sa.Engine, conn: sa.Connection
+) -> None:
+    """A claim on a connection the server has ended raises SQLAlchemy's error flagged as a
+    lost connection, and the connection is invalidated (the worker's held connection and
+    the pool let it go); after the rollback SQLAlchemy asks for, it reconnects and claims."""
+    with db.begin() as c:
+        jobs.enqueue(c, app.limited_work, seconds=0)
+    pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with db.connect() as other:
+        other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    with pytest.raises(sa.exc.DBAPIError) as raised:
+        worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+    assert raised.value.connection_invalidated and conn.invalidated
+    assert [r.status for r in rows(db)] == ["ready"]
+    conn.rollback()
+    found = worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+    assert len(found.rows) == 1
+
+
+def test_the_pipelined_claim_on_an_asyncio_connection_holds_the_limit(
+    db: sa.Engine, database_url: str
+) -> None:
+    """The asyncio worker's way (``run_sync`` over psycopg's ``AsyncConnection``): eight
+    claimers at once, on their own connections, claim three jobs in all from a queue
+    limited to three, and a failed claim there is rolled back like a sync one."""
+    with db.begin() as c:
+        jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 10)
+
+    async def main() -> list[Any]:
+        engine = create_async_engine(database_url)
+        try:
+
+            async def claim() -> Any:
+                async with engine.connect() as c:
+                    ac = await c.execution_options(isolation_level="AUTOCOMMIT")
+                    assert await ac.run_sync(pipeline_allowed)
+                    return await ac.run_sync(
+                        worker_db.claim_limited, jobs.queries, _params("limited")
+                    )
+
+            found = await asyncio.gather(*(claim() for _ in range(8)))
+            async with engine.connect() as c:
+                ac = await c.execution_options(isolation_level="AUTOCOMMIT")
+                await ac.exec_driver_sql("SET lock_timeout = '100ms'")
+                held = threading.Event()
+                release = threading.Event()
+
+                def hold() -> None:
+                    with db.connect() as holder, holder.begin():
+                        holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+                        held.set()
+                        release.wait(30)
+
+                thread = threading.Thread(target=hold)
+                thread.start()
+                try:
+                    assert await asyncio.to_thread(held.wait, 30)
+                    with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+                        await ac.run_sync(worker_db.claim_limited, jobs.queries, _params("limited"))
+                    raw = await ac.get_raw_connection()
+                    driver: Any = raw.driver_connection
+                    assert driver.info.transaction_status == TransactionStatus.IDLE
+                finally:
+                    release.set()
+                    await asyncio.to_thread(thread.join, 30)
+            return found
+        finally:
+            await engine.dispose()
+
+    found = asyncio.run(main())
+    assert sum(len(f.rows) for f in found) == 3
+    assert count(db, status="running") == 3 and count(db, status="ready") == 7
