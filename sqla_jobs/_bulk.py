@@ -39,7 +39,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
-from ._driver import raise_as_dbapi_error
+from ._direct import raise_as_dbapi_error
 
 __all__ = [
     "COPY_BLOCK_ROWS",

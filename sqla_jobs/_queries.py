@@ -2279,7 +2279,7 @@ class Queries:
         self.key_rated_claim = _limited_claim(t, key_rated=True)
         # The claims of queues with key_order="fifo" or fair=True, built when first used.
         self._built: dict[tuple[Any, ...], sa.Select[Any]] = {}
-        #: Statements compiled for sending straight to psycopg (``sqla_jobs._driver``),
+        #: Statements compiled for sending straight to psycopg (``sqla_jobs._direct``),
         #: by (id, dialect): each is one of the statements held here, so its id is stable.
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self.complete = _complete(t, keep_done=keep_done)

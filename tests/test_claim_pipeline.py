@@ -1,4 +1,4 @@
-"""The limited claim in one psycopg pipeline (``sqla_jobs._driver``): when it is sent that
+"""The limited claim in one psycopg pipeline (``sqla_jobs._direct``): when it is sent that
 way, that a failure inside it leaves the connection as a failed claim through SQLAlchemy
 would (rolled back, or invalidated when the server ended it), and that both ways of
 sending it find the same."""
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
 from sqla_jobs import create_async_engine, create_engine
-from sqla_jobs._driver import pipeline_allowed
+from sqla_jobs._direct import pipeline_allowed
 from sqla_jobs._queries import claim_params, interval, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 

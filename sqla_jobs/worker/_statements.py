@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._driver import compiled, pipeline_allowed, run_pipeline
+from .._direct import compiled, pipeline_allowed, run_pipeline
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -108,7 +108,7 @@ def claim_limited(
     transaction is begun and ended here, by hand.
 
     The four statements (BEGIN, the lock, the claim, COMMIT) go in one psycopg pipeline,
-    one round trip, when :func:`~sqla_jobs._driver.pipeline_allowed` says they may: the
+    one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the
     round trips were most of what a limited claim cost beyond the plain one
     (``benchmarks/limits.py --round-trips``). Otherwise (another driver, a
     ``schema_translate_map``, something listening for the statements), one round trip

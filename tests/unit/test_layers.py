@@ -39,7 +39,7 @@ def _layer(names: str, level: int) -> None:
 # whose methods call those adapters. 7. The worker. 8. The package root and the operator
 # model. 9. What runs workers and tests (sharding, launch, the pytest plugin). 10. The
 # optional extras' faces. 11. The CLI.
-_layer("errors _storable cron events db model health", 1)
+_layer("errors _storable cron events db model health _direct", 1)
 _layer("_queries _step_queries _bulk throttle _settle", 2)
 _layer("_tasks", 3)
 _layer("_enqueue", 4)
