@@ -35,10 +35,13 @@ B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 
    rate), the statement's own cost without a worker around it.
 
 C. **round trips** (``--round-trips``, instead of A and B): the limited claim of the
-   non-binding queue as the worker sends it, four round trips (BEGIN, the lock, the claim,
-   COMMIT), against the same four statements in one psycopg pipeline (one round trip),
-   alternating claim by claim on one bare psycopg connection: what merging the round
-   trips could gain at most.
+   non-binding queue sent as four round trips (BEGIN, the lock, the claim, COMMIT: how
+   the worker sends it through SQLAlchemy when something listens for its statements, and
+   how it sent it before 0.2) against the same four statements in one psycopg pipeline
+   (one round trip, as the worker sends it otherwise), alternating claim by claim on one
+   bare psycopg connection.
+
+A and B run the worker's own code, so their limited rows are the pipelined claim.
 """
 
 from __future__ import annotations
@@ -242,7 +245,10 @@ def round_trips(
             pg.execute("COMMIT")
         return cursor.fetchall()
 
-    ways = {"4 round trips (as the worker)": four, "1 round trip (one pipeline)": one}
+    ways = {
+        "4 round trips (through SQLAlchemy, watched)": four,
+        "1 round trip (one pipeline, as the worker)": one,
+    }
     micros: dict[str, list[float]] = {name: [] for name in ways}
     try:
         for i in range(claims):
@@ -259,6 +265,19 @@ def round_trips(
     finally:
         pg.close()
     return micros
+
+
+#: The rated row, and its rate per second.
+RATED, RATE = 'rate="10000/s"', 10_000
+
+
+def rate_allows(n: int, rate: int, unlimited: float) -> float:
+    """The best jobs/s a drain of ``n`` jobs can make under ``rate`` per second when the
+    unlimited drain makes ``unlimited``: each window's ``rate`` starts go at the unlimited
+    speed, the next window opens a second after the first start, and the last window's
+    jobs take what they take."""
+    full = (n - 1) // rate  # windows waited for
+    return n / (full + (n - full * rate) / unlimited) if full else unlimited
 
 
 def cell(values: list[float], fmt: str = "{:,.0f}") -> str:
@@ -335,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
         for row, other, what in AGAINST:
             ratio = statistics.median(rates[row]) / statistics.median(rates[other])
             print(f"\n{what}: {ratio:.2f}.")
+        allowed = rate_allows(n, RATE, base)
+        if allowed < base:
+            print(
+                f"\nThe unlimited drain outran {RATE:,} a second, so the rate binds: at most "
+                f"{RATE:,} start in any second, the first second's at once, so a drain of "
+                f"{n:,} can reach at best {allowed:,.0f} jobs/s here. "
+                f'rate="{RATE}/s" against that: '
+                f"{statistics.median(rates[RATED]) / allowed:.2f}."
+            )
         if BURST_BEFORE:
             total = n - SMALL_KEYS * SMALL_EACH
             print(
