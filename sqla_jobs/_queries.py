@@ -381,20 +381,31 @@ def _limited_claim(
     )
     n_running = sa.select(sa.func.count().label("n")).where(*running).cte("n_running")
     terms: list[sa.ColumnElement[Any]] = [sa.bindparam("limit", type_=sa.Integer)]
-    budget_from: list[sa.FromClause] = []
-    if capped:
-        terms.append(sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n)
-        budget_from.append(n_running)
+    budget_n: sa.ColumnElement[Any]
     if rated:
+        # The budget joins the log it reads, which the log's rewrite below reads too.
+        budget_from: list[sa.FromClause] = []
+        if capped:
+            terms.append(sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n)
+            budget_from.append(n_running)
         terms.append(rate - sa.func.cardinality(recent.c.log))
         budget_from.append(recent)
-    room_left = sa.select(sa.func.greatest(0, sa.func.least(*terms)).label("n"))
-    if budget_from:
         joined: sa.FromClause = budget_from[0]
         for other in budget_from[1:]:
             joined = joined.join(other, sa.true())
-        room_left = room_left.select_from(joined)
-    budget = room_left.cte("budget")
+        budget = (
+            sa.select(sa.func.greatest(0, sa.func.least(*terms)).label("n"))
+            .select_from(joined)
+            .cte("budget")
+        )
+        budget_n = sa.select(budget.c.n).scalar_subquery()
+    else:
+        # Without a rate, the budget is an expression in the claim's LIMIT, the running
+        # count a scalar subquery in it: two CTEs fewer to plan, at every claim.
+        if capped:
+            count = sa.select(sa.func.count()).where(*running).scalar_subquery()
+            terms.append(sa.bindparam("concurrency", type_=sa.Integer) - count)
+        budget_n = sa.func.greatest(0, sa.func.least(*terms))
     busy_keys = (
         sa.select(c.concurrency_key.label("key"), sa.func.count().label("n"))
         .where(*running, c.concurrency_key.is_not(None))
@@ -508,7 +519,7 @@ def _limited_claim(
         )
     chosen = (
         chosen_from.order_by(ranked.c.priority.desc(), ranked.c.run_at, ranked.c.id)
-        .limit(sa.select(budget.c.n).scalar_subquery())
+        .limit(budget_n)
         .cte("chosen")
     )
     claimed = (
@@ -620,9 +631,11 @@ def _limited_claim(
     logged_count: sa.ColumnElement[Any] = (
         sa.select(sa.func.count()).select_from(logged).scalar_subquery()
     )
-    info_from: sa.FromClause = recent.join(clock, sa.true())
+    info_from: sa.FromClause | None = recent.join(clock, sa.true())
     if not rated:
-        free_in, logged_count, info_from = sa.null(), sa.null(), clock
+        # No FROM: a queue without a rate (nor a key rate) reads no clock at all.
+        free_in, logged_count = sa.null(), sa.null()
+        info_from = clock if key_rated else None
     last_key: list[sa.ColumnElement[Any]] = []
     if walk is not None:
         # Where the walk over the keys stopped: the next claim starts after it.
@@ -641,7 +654,7 @@ def _limited_claim(
             *last_key,
             logged_count.label("logged"),
         )
-        .select_from(info_from)
+        .select_from(*([info_from] if info_from is not None else []))
         .subquery("info")
     )
     return sa.select(
