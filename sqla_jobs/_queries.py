@@ -911,9 +911,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     )
     claimed = (
         sa.update(t)
-        .where(
-            c.id == sa.any_(_ids_of(chosen.c.id)), c.status == status_literal(JobStatus.READY)
-        )
+        .where(c.id == sa.any_(_ids_of(chosen.c.id)), c.status == status_literal(JobStatus.READY))
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
