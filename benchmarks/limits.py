@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(rates[row]) / statistics.median(rates[other])
             print(f"\n{what}: {ratio:.2f}.")
         allowed = rate_allows(n, RATE, base)
-        if allowed < base:
+        if RATED in rates and allowed < base:
             print(
                 f"\nThe unlimited drain outran {RATE:,} a second, so the rate binds: at most "
                 f"{RATE:,} start in any second, the first second's at once, so a drain of "
