@@ -96,10 +96,11 @@ def run_pipeline(
     rows_of: int,
 ) -> tuple[list[tuple[Any, ...]], list[str]]:
     """Send ``statements`` in one psycopg pipeline (one round trip) on ``connection``'s
-    driver connection; the rows and column names of the one at index ``rows_of``. The statements are
-    meant to be a whole transaction (``BEGIN`` ... ``COMMIT``) on a connection in
-    autocommit: if one fails, the transaction is rolled back before the error is raised,
-    as SQLAlchemy's ``DBAPIError``."""
+    driver connection; the rows and column names of the one at index ``rows_of``.
+
+    The statements are meant to be a whole transaction (``BEGIN`` ... ``COMMIT``) on a
+    connection in autocommit: if one fails, the server skips the rest, the transaction is
+    rolled back here, and the error is raised as SQLAlchemy's ``DBAPIError``."""
     driver: Any = connection.connection.driver_connection
     try:
         if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync

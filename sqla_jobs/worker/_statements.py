@@ -149,13 +149,13 @@ def _claim_limited_pipelined(
 ) -> tuple[list[tuple[Any, ...]], list[str]]:
     dialect = conn.dialect
     lock = compiled(queries.compiled, queries.limit_lock, dialect)
-    claim_sql = compiled(queries.compiled, statement, dialect)
+    claim = compiled(queries.compiled, statement, dialect)
     return run_pipeline(
         conn,
         [
             (_BEGIN, None),
             (lock.sql, lock.params({"queue_name": params["queue_name"]})),
-            (claim_sql.sql, claim_sql.params(params)),
+            (claim.sql, claim.params(params)),
             ("COMMIT", None),
         ],
         rows_of=2,
