@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
-from sqla_jobs import create_async_engine, create_engine
+from sqla_jobs import Jobs, create_async_engine, create_engine
 from sqla_jobs._direct import pipeline_allowed
 from sqla_jobs._queries import claim_params, interval, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
@@ -69,13 +69,26 @@ def test_the_pipeline_is_taken_only_when_nothing_watches_the_statements(
 
 
 def test_both_ways_of_sending_the_claim_find_the_same(db: sa.Engine, conn: sa.Connection) -> None:
-    """Pipelined, then through SQLAlchemy (a listener on the connection): the rate of 20 a
-    second lets 20 of 25 jobs start, both ways tell the same window, and the statements
-    of the second way are the lock and the shaped claim, as a listener sees them."""
+    """Pipelined, then through SQLAlchemy (a listener on the connection): a rate of 20 a
+    minute lets 20 of 25 jobs start, both ways tell the same window, and the statements
+    of the second way are the lock and the shaped claim, as a listener sees them. (A
+    minute's window: however slow the machine, both claims fall in it.)"""
+    minute = Jobs(app.Job)
+    minute.queue("per_minute", rate="20/minute")
+
+    @minute.task(queue="per_minute")
+    def paced() -> None: ...
+
+    def claim() -> Any:
+        params = queue_claim_params(
+            claim_params("per_minute", 15, interval(30), "claimer"), minute.limits("per_minute")
+        )
+        return worker_db.claim_limited(conn, minute.queries, params)
+
     with db.begin() as c:
-        jobs.enqueue_many(c, app.rated_work, [{}] * 25)
+        minute.enqueue_many(c, paced, [{}] * 25)
     assert pipeline_allowed(conn)
-    first = worker_db.claim_limited(conn, jobs.queries, _params("rated", 15))
+    first = claim()
     assert len(first.rows) == 15 and not first.held and first.rate_free_in is None
     seen: list[str] = []
 
@@ -85,11 +98,11 @@ def test_both_ways_of_sending_the_claim_find_the_same(db: sa.Engine, conn: sa.Co
     sa.event.listen(conn, "before_cursor_execute", listen)
     try:
         assert not pipeline_allowed(conn)
-        second = worker_db.claim_limited(conn, jobs.queries, _params("rated", 15))
+        second = claim()
     finally:
         sa.event.remove(conn, "before_cursor_execute", listen)
     assert len(second.rows) == 5 and second.held
-    assert second.rate_free_in is not None and 0 < second.rate_free_in <= 1.0
+    assert second.rate_free_in is not None and 0 < second.rate_free_in <= 60
     assert any("pg_advisory_xact_lock" in s for s in seen) and any("rate_log" in s for s in seen)
     # Both ways' rows are the claimed columns, in order: the worker reads them alike.
     assert [len(r) for r in first.rows + second.rows] == [len(first.rows[0])] * 20
