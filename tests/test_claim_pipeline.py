@@ -20,7 +20,7 @@ from sqla_jobs._queries import claim_params, interval, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 
 from . import app
-from .helpers import count, rows
+from .helpers import count, rows, wait_for
 
 jobs = app.limited_jobs
 
@@ -145,6 +145,15 @@ def test_a_pipelined_claim_whose_connection_the_server_ends_invalidates_it(
     pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     with db.connect() as other:
         other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+    def gone() -> bool:
+        with db.connect() as other:
+            alive = other.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+            )
+            return alive.scalar() == 0
+
+    wait_for(gone)  # the signal is sent at once, the backend ends a moment later
     with pytest.raises(sa.exc.DBAPIError) as raised:
         worker_db.claim_limited(conn, jobs.queries, _params("limited"))
     assert raised.value.connection_invalidated and conn.invalidated
