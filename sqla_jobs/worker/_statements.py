@@ -28,6 +28,7 @@ from .._queries import (
     batch_params,
     heartbeat_params,
     limited_statement,
+    prefers_generic_plan,
     throughput_params,
 )
 
@@ -142,6 +143,9 @@ def claim_limited(
 #: claim must see what committed while it waited for the lock, which a REPEATABLE READ
 #: snapshot would not.
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+#: For the shapes that run better on it (:func:`~sqla_jobs._queries.prefers_generic_plan`);
+#: LOCAL: it ends with the claim's transaction.
+_GENERIC = "SET LOCAL plan_cache_mode = force_generic_plan"
 
 
 def _claim_limited_pipelined(
@@ -150,15 +154,18 @@ def _claim_limited_pipelined(
     dialect = conn.dialect
     lock = compiled(queries.compiled, queries.limit_lock, dialect)
     claim = compiled(queries.compiled, statement, dialect)
+    begin: list[tuple[str, dict[str, Any] | None]] = [(_BEGIN, None)]
+    if prefers_generic_plan(params):
+        begin.append((_GENERIC, None))
     return run_pipeline(
         conn,
         [
-            (_BEGIN, None),
+            *begin,
             (lock.sql, lock.params({"queue_name": params["queue_name"]})),
             (claim.sql, claim.params(params)),
             ("COMMIT", None),
         ],
-        rows_of=2,
+        rows_of=len(begin) + 1,
     )
 
 
@@ -167,6 +174,8 @@ def _claim_limited_stepwise(
 ) -> list[Any]:
     conn.exec_driver_sql(_BEGIN)
     try:
+        if prefers_generic_plan(params):
+            conn.exec_driver_sql(_GENERIC)
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
         result = list(conn.execute(statement, dict(params)).all())
     except BaseException:
