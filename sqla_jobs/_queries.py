@@ -1017,22 +1017,23 @@ def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
     )
 
 
-def prefers_generic_plan(params: LimitedClaimParams) -> bool:
-    """Whether the limited claim for ``params`` runs better on PostgreSQL's generic plan
-    (``SET LOCAL plan_cache_mode = force_generic_plan`` in its transaction): the shapes with
-    per-key parts (keyed, ``key_rate``, ``key_order="fifo"``), not the others.
+def claim_plan_mode(params: LimitedClaimParams) -> str:
+    """The ``plan_cache_mode`` the limited claim for ``params`` runs under (``SET LOCAL`` in
+    its transaction): the generic plan for the shapes with per-key parts (keyed,
+    ``key_rate``, ``key_order="fifo"``), custom plans for the others.
 
     psycopg prepares the claim after a few runs; PostgreSQL then compares the generic
     plan's estimate with the custom plans' and keeps whichever looked cheaper at that
-    moment, so the same claim ran on either from one run to the next. Measured on both, a
-    claim of 10 over 1,000 keys, 4,000 to 100,000 jobs (embedded PostgreSQL 18): keyed
-    0.73 ms generic against 1.2 ms custom, ``key_rate`` 1.3-1.7 against 2.4-2.5, fifo 1.3
-    against 2.6: planning those statements was most of their cost, and their generic plan
-    is the one a custom plan picks. A queue without keys is the other way round (1.0 ms
-    custom, 2.2 generic), so it is left to PostgreSQL, which keeps its custom plans."""
-    return bool(
-        params.get("keyed", True) or params.get("key_rate") is not None or params.get("fifo")
-    )
+    moment, for as long as the connection lives, so the same claim ran on either from one
+    run to the next (and a claim prepared while the table was small kept a plan chosen for
+    a small table). Measured on both, a claim of 10 over 1,000 keys, 4,000 to 100,000 jobs
+    (embedded PostgreSQL 18): keyed 0.73 ms generic against 1.2 ms custom, ``key_rate``
+    1.3-1.7 against 2.4-2.5, fifo 1.3 against 2.6 (planning them was most of their cost,
+    and their generic plan is the one a custom plan picks); without keys the other way
+    round, 1.0 ms custom against 2.2 generic at 20,000 jobs (its generic plan grows with
+    the table)."""
+    keyed = params.get("keyed", True) or params.get("key_rate") is not None or params.get("fifo")
+    return "force_generic_plan" if keyed else "force_custom_plan"
 
 
 class FairClaimParams(ClaimParams):

@@ -216,3 +216,41 @@ def test_the_pipelined_claim_on_an_asyncio_connection_holds_the_limit(
     found = asyncio.run(main())
     assert sum(len(f.rows) for f in found) == 3
     assert count(db, status="running") == 3 and count(db, status="ready") == 7
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["pipelined", "through SQLAlchemy"])
+def test_a_keyed_claim_runs_on_the_generic_plan_and_an_unkeyed_one_on_custom_plans(
+    db: sa.Engine, conn: sa.Connection, watched: bool
+) -> None:
+    """Once psycopg has prepared them, a keyed queue's claim runs on PostgreSQL's generic
+    plan from its first prepared run, and the claim of a queue without keys on custom
+    plans, every run. Left alone, PostgreSQL plans each five times for its parameters,
+    then keeps whichever its estimates favoured (on this small table, the generic plan
+    for both). The same on both ways of sending the claim."""
+    with db.begin() as c:
+        jobs.enqueue_many(
+            c, app.keyed_work, [{"account": f"a{i}", "seconds": 0} for i in range(40)]
+        )
+        jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 40)
+
+    def noop(*_: Any) -> None: ...
+
+    if watched:
+        sa.event.listen(conn, "before_cursor_execute", noop)
+    try:
+        for _ in range(12):
+            worker_db.claim_limited(conn, jobs.queries, _params("keyed", 1))
+            # Held by its limit of three after three claims: the statement runs all the same.
+            worker_db.claim_limited(conn, jobs.queries, _params("limited", 1))
+    finally:
+        if watched:
+            sa.event.remove(conn, "before_cursor_execute", noop)
+    plans = conn.exec_driver_sql(
+        "SELECT statement LIKE '%%busy_keys%%', generic_plans, custom_plans"
+        " FROM pg_prepared_statements WHERE statement LIKE '%%claimed AS%%'"
+    ).all()
+    keyed = [(g, c) for is_keyed, g, c in plans if is_keyed]
+    unkeyed = [(g, c) for is_keyed, g, c in plans if not is_keyed]
+    assert len(keyed) == 1 and len(unkeyed) == 1, plans
+    assert keyed[0][0] > 0 and keyed[0][1] == 0, plans
+    assert unkeyed[0][0] == 0 and unkeyed[0][1] > 0, plans

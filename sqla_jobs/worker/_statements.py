@@ -26,9 +26,9 @@ from .._queries import (
     Queries,
     WorkerSeenParams,
     batch_params,
+    claim_plan_mode,
     heartbeat_params,
     limited_statement,
-    prefers_generic_plan,
     throughput_params,
 )
 
@@ -143,9 +143,9 @@ def claim_limited(
 #: claim must see what committed while it waited for the lock, which a REPEATABLE READ
 #: snapshot would not.
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
-#: For the shapes that run better on it (:func:`~sqla_jobs._queries.prefers_generic_plan`);
-#: LOCAL: it ends with the claim's transaction.
-_GENERIC = "SET LOCAL plan_cache_mode = force_generic_plan"
+#: The plan the claim runs on (:func:`~sqla_jobs._queries.claim_plan_mode`); LOCAL: it
+#: ends with the claim's transaction.
+_PLAN = "SET LOCAL plan_cache_mode = {}"
 
 
 def _claim_limited_pipelined(
@@ -154,18 +154,16 @@ def _claim_limited_pipelined(
     dialect = conn.dialect
     lock = compiled(queries.compiled, queries.limit_lock, dialect)
     claim = compiled(queries.compiled, statement, dialect)
-    begin: list[tuple[str, dict[str, Any] | None]] = [(_BEGIN, None)]
-    if prefers_generic_plan(params):
-        begin.append((_GENERIC, None))
     return run_pipeline(
         conn,
         [
-            *begin,
+            (_BEGIN, None),
+            (_PLAN.format(claim_plan_mode(params)), None),
             (lock.sql, lock.params({"queue_name": params["queue_name"]})),
             (claim.sql, claim.params(params)),
             ("COMMIT", None),
         ],
-        rows_of=len(begin) + 1,
+        rows_of=3,
     )
 
 
@@ -174,8 +172,7 @@ def _claim_limited_stepwise(
 ) -> list[Any]:
     conn.exec_driver_sql(_BEGIN)
     try:
-        if prefers_generic_plan(params):
-            conn.exec_driver_sql(_GENERIC)
+        conn.exec_driver_sql(_PLAN.format(claim_plan_mode(params)))
         conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
         result = list(conn.execute(statement, dict(params)).all())
     except BaseException:
