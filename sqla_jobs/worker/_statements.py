@@ -108,8 +108,8 @@ def claim_limited(
     lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
     transaction is begun and ended here, by hand.
 
-    The four statements (BEGIN, the lock, the claim, COMMIT) go in one psycopg pipeline,
-    one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the
+    The statements (BEGIN, the plan mode, the lock, the claim, COMMIT) go in one psycopg
+    pipeline, one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the
     round trips were most of what a limited claim cost beyond the plain one
     (``benchmarks/limits.py --round-trips``). Otherwise (another driver, a
     ``schema_translate_map``, something listening for the statements), one round trip
