@@ -2,9 +2,9 @@
 
 Two of the library's paths talk to the psycopg connection beneath a SQLAlchemy
 ``Connection``, for what SQLAlchemy's execution cannot do: ``COPY`` (:mod:`._bulk`) and
-the limited claim's statements in one psycopg pipeline (one round trip instead of one
-per statement, :func:`~sqla_jobs.worker._statements.claim_limited`). Both go around what SQLAlchemy
-does for its own statements, so both say when they may:
+the limited claim's statements in one psycopg pipeline (one round trip instead of one per
+statement, :func:`~sqla_jobs.worker._statements.claim_limited`). Both go around what
+SQLAlchemy does for its own statements, so both say when they may:
 
 * :func:`pipeline_allowed`: a psycopg 3 connection, no ``schema_translate_map`` to honour,
   and nobody watching the statements (no ``before_cursor_execute`` or
