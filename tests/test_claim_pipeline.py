@@ -16,7 +16,7 @@ from psycopg.pq import TransactionStatus
 
 from sqla_jobs import Jobs, create_async_engine, create_engine
 from sqla_jobs._direct import pipeline_allowed
-from sqla_jobs._queries import claim_params, interval, queue_claim_params
+from sqla_jobs._queries import claim_params, fair_claim_params, interval, queue_claim_params
 from sqla_jobs.worker import _statements as worker_db
 
 from . import app
@@ -254,3 +254,38 @@ def test_a_keyed_claim_runs_on_the_generic_plan_and_an_unkeyed_one_on_custom_pla
     assert len(keyed) == 1 and len(unkeyed) == 1, plans
     assert keyed[0][0] > 0 and keyed[0][1] == 0, plans
     assert unkeyed[0][0] == 0 and unkeyed[0][1] > 0, plans
+
+
+def test_the_fair_claim_runs_on_the_generic_plan_in_a_transaction_of_its_own(
+    db: sa.Engine, conn: sa.Connection
+) -> None:
+    """Pipelined, the fair claim runs on PostgreSQL's generic plan from its first prepared
+    run, in a transaction of its own that leaves the connection idle; it shares the jobs
+    between the keys as before (one of each of four tenants in a claim of four)."""
+    with db.begin() as c:
+        jobs.enqueue_many(
+            c, app.shared_work, [{"tenant": f"t{i % 4}", "seconds": 0} for i in range(80)]
+        )
+    assert pipeline_allowed(conn)
+    after: str | None = None
+    for _ in range(12):
+        params = fair_claim_params(
+            claim_params("shared", 4, interval(30), "claimer"), jobs.limits("shared"), after
+        )
+        claimed, after = worker_db.claim_fair(conn, jobs.queries, params)
+        assert len(claimed) == 4
+        driver: Any = conn.connection.driver_connection
+        assert driver.info.transaction_status == TransactionStatus.IDLE
+    plans = conn.exec_driver_sql(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+        " WHERE statement LIKE '%%fair_pick%%'"
+    ).all()
+    assert len(plans) == 1 and plans[0][0] > 0 and plans[0][1] == 0, plans
+    with db.connect() as c:
+        t = app.Job.__table__
+        per_tenant = c.execute(
+            sa.select(t.c.concurrency_key, sa.func.count())
+            .where(t.c.status == "running")
+            .group_by(t.c.concurrency_key)
+        ).all()
+    assert sorted(per_tenant) == [(f"t{i}", 12) for i in range(4)]

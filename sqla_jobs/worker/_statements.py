@@ -69,6 +69,15 @@ T = TypeVar("T")
 BATCH = PRUNE_BATCH = 1000
 
 
+#: The limited and fair claims' transaction; READ COMMITTED whatever the server's
+#: default: the limited claim must see what committed while it waited for the lock, which
+#: a REPEATABLE READ snapshot would not.
+_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
+#: The plan the claim runs on (:func:`~sqla_jobs._queries.claim_plan_mode`, and the
+#: generic one for the fair claim); LOCAL: it ends with the claim's transaction.
+_PLAN = "SET LOCAL plan_cache_mode = {}"
+
+
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
     """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
     return list(conn.execute(queries.claim, dict(params)).all())
@@ -77,10 +86,35 @@ def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[An
 def claim_fair(
     conn: sa.Connection, queries: Queries, params: FairClaimParams
 ) -> tuple[list[Any], str | None]:
-    """Claim from a queue with ``fair=True`` (one statement, in autocommit, as the plain
-    claim); the claimed rows, and the key where its walk over the keys stopped (the next
-    claim's ``after_key``)."""
-    result = conn.execute(queries.fair_claim(), dict(params)).all()
+    """Claim from a queue with ``fair=True`` (one statement, as the plain claim: no lock);
+    the claimed rows, and the key where its walk over the keys stopped (the next claim's
+    ``after_key``).
+
+    When :func:`~sqla_jobs._direct.pipeline_allowed` says it may, the statement runs on
+    PostgreSQL's generic plan, asked for in a transaction of its own (BEGIN, ``SET LOCAL
+    plan_cache_mode``, the claim, COMMIT: one pipeline, one round trip). Left to itself,
+    PostgreSQL keeps custom plans for it, and planning the walk over the keys was a third
+    of the claim: a claim of 200 took 4.9 ms on custom plans and 3.8 on the generic one, a
+    claim of 10 2.3 and 1.2 (20,000 and 101,000 jobs alike, embedded PostgreSQL 18).
+    Watched (a listener, ``echo``), it stays one statement in autocommit, through
+    SQLAlchemy, on whatever plan PostgreSQL keeps."""
+    statement = queries.fair_claim()
+    if pipeline_allowed(conn):
+        claim = compiled(queries.compiled, statement, conn.dialect)
+        found, names = run_pipeline(
+            conn,
+            [
+                (_BEGIN, None),
+                (_PLAN.format("force_generic_plan"), None),
+                (claim.sql, claim.params(params)),
+                ("COMMIT", None),
+            ],
+            rows_of=2,
+        )
+        last_key = names.index("last_key")
+        rows = [r[: len(CLAIMED_COLUMNS)] for r in found if r[0] is not None]
+        return rows, found[0][last_key] if found else None
+    result = conn.execute(statement, dict(params)).all()
     rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
     return rows, result[0].last_key if result else None
 
@@ -137,15 +171,6 @@ def claim_limited(
         None if key_free_in is None else float(key_free_in),
         info("last_key"),
     )
-
-
-#: The limited claim's transaction; READ COMMITTED whatever the server's default: the
-#: claim must see what committed while it waited for the lock, which a REPEATABLE READ
-#: snapshot would not.
-_BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
-#: The plan the claim runs on (:func:`~sqla_jobs._queries.claim_plan_mode`); LOCAL: it
-#: ends with the claim's transaction.
-_PLAN = "SET LOCAL plan_cache_mode = {}"
 
 
 def _claim_limited_pipelined(
