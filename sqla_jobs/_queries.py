@@ -379,7 +379,8 @@ def _limited_claim(
         .where(queues.c.name == queue_name, stamp.c.at > clock.c.at - period)
         .cte("recent")
     )
-    n_running = sa.select(sa.func.count().label("n")).where(*running).cte("n_running")
+    counted = sa.select(sa.func.count().label("n")).where(*running)
+    n_running = counted.cte("n_running")
     terms: list[sa.ColumnElement[Any]] = [sa.bindparam("limit", type_=sa.Integer)]
     budget_n: sa.ColumnElement[Any]
     if rated:
@@ -403,8 +404,7 @@ def _limited_claim(
         # Without a rate, the budget is an expression in the claim's LIMIT, the running
         # count a scalar subquery in it: two CTEs fewer to plan, at every claim.
         if capped:
-            count = sa.select(sa.func.count()).where(*running).scalar_subquery()
-            terms.append(sa.bindparam("concurrency", type_=sa.Integer) - count)
+            terms.append(sa.bindparam("concurrency", type_=sa.Integer) - counted.scalar_subquery())
         budget_n = sa.func.greatest(0, sa.func.least(*terms))
     busy_keys = (
         sa.select(c.concurrency_key.label("key"), sa.func.count().label("n"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -100,16 +100,8 @@ def claim_fair(
     SQLAlchemy, on whatever plan PostgreSQL keeps."""
     statement = queries.fair_claim()
     if pipeline_allowed(conn):
-        claim = compiled(queries.compiled, statement, conn.dialect)
-        found, names = run_pipeline(
-            conn,
-            [
-                (_BEGIN, None),
-                (_PLAN.format("force_generic_plan"), None),
-                (claim.sql, claim.params(params)),
-                ("COMMIT", None),
-            ],
-            rows_of=2,
+        found, names = _claim_in_pipeline(
+            conn, queries, "force_generic_plan", [(statement, params)]
         )
         last_key = names.index("last_key")
         rows = [r[: len(CLAIMED_COLUMNS)] for r in found if r[0] is not None]
@@ -143,15 +135,20 @@ def claim_limited(
     transaction is begun and ended here, by hand.
 
     The statements (BEGIN, the plan mode, the lock, the claim, COMMIT) go in one psycopg
-    pipeline, one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the
-    round trips were most of what a limited claim cost beyond the plain one
+    pipeline, one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they
+    may: the round trips were most of what a limited claim cost beyond the plain one
     (``benchmarks/limits.py --round-trips``). Otherwise (another driver, a
     ``schema_translate_map``, something listening for the statements), one round trip
     each, through SQLAlchemy."""
     statement = limited_statement(queries, params)
     result: list[Any]
     if pipeline_allowed(conn):
-        result, names = _claim_limited_pipelined(conn, queries, statement, params)
+        result, names = _claim_in_pipeline(
+            conn,
+            queries,
+            claim_plan_mode(params),
+            [(queries.limit_lock, {"queue_name": params["queue_name"]}), (statement, params)],
+        )
         column = {name: i for i, name in enumerate(names)}
     else:
         result = _claim_limited_stepwise(conn, queries, statement, params)
@@ -173,23 +170,24 @@ def claim_limited(
     )
 
 
-def _claim_limited_pipelined(
-    conn: sa.Connection, queries: Queries, statement: Any, params: LimitedClaimParams
+def _claim_in_pipeline(
+    conn: sa.Connection,
+    queries: Queries,
+    plan_mode: str,
+    steps: Sequence[tuple[sa.ClauseElement, Mapping[str, Any]]],
 ) -> tuple[list[tuple[Any, ...]], list[str]]:
-    dialect = conn.dialect
-    lock = compiled(queries.compiled, queries.limit_lock, dialect)
-    claim = compiled(queries.compiled, statement, dialect)
-    return run_pipeline(
-        conn,
-        [
-            (_BEGIN, None),
-            (_PLAN.format(claim_plan_mode(params)), None),
-            (lock.sql, lock.params({"queue_name": params["queue_name"]})),
-            (claim.sql, claim.params(params)),
-            ("COMMIT", None),
-        ],
-        rows_of=3,
-    )
+    """A claim's transaction in one psycopg pipeline: BEGIN, its plan mode, ``steps``
+    (Core statements of ``queries``, each compiled once), COMMIT; the rows and column
+    names of the last step."""
+    statements: list[tuple[str, dict[str, Any] | None]] = [
+        (_BEGIN, None),
+        (_PLAN.format(plan_mode), None),
+    ]
+    for statement, params in steps:
+        made = compiled(queries.compiled, statement, conn.dialect)
+        statements.append((made.sql, made.params(params)))
+    statements.append(("COMMIT", None))
+    return run_pipeline(conn, statements, rows_of=len(statements) - 2)
 
 
 def _claim_limited_stepwise(
