@@ -90,13 +90,17 @@ def pipeline_allowed(connection: sa.Connection) -> bool:
     return True
 
 
+#: What :func:`run_pipeline` gives back of one statement: its rows and column names.
+Rows = tuple[list[tuple[Any, ...]], list[str]]
+
+
 def run_pipeline(
     connection: sa.Connection,
     statements: Sequence[tuple[str, dict[str, Any] | None]],
-    rows_of: int,
-) -> tuple[list[tuple[Any, ...]], list[str]]:
+    rows_of: Sequence[int],
+) -> list[Rows]:
     """Send ``statements`` in one psycopg pipeline (one round trip) on ``connection``'s
-    driver connection; the rows and column names of the one at index ``rows_of``.
+    driver connection; the rows and column names of each one at the indexes ``rows_of``.
 
     The statements are meant to be a whole transaction (``BEGIN`` ... ``COMMIT``) on a
     connection in autocommit: if one fails, the server skips the rest, the transaction is
@@ -106,36 +110,38 @@ def run_pipeline(
         if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
             from sqlalchemy.util import await_only
 
-            result: tuple[list[tuple[Any, ...]], list[str]] = await_only(
-                _run_async(driver, statements, rows_of)
-            )
+            result: list[Rows] = await_only(_run_async(driver, statements, rows_of))
             return result
         return _run_sync(driver, statements, rows_of)
     except connection.dialect.loaded_dbapi.Error as exc:
-        raise_as_dbapi_error(connection, statements[rows_of][0], exc)
+        raise_as_dbapi_error(connection, statements[rows_of[-1]][0], exc)
 
 
 def _run_sync(
-    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: int
-) -> tuple[list[tuple[Any, ...]], list[str]]:
+    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: Sequence[int]
+) -> list[Rows]:
     try:
         with driver.pipeline():
             cursors = [driver.execute(sql, params) for sql, params in statements]
-        last = cursors[rows_of]
-        return last.fetchall(), [column.name for column in last.description or ()]
+        return [
+            (cursors[i].fetchall(), [column.name for column in cursors[i].description or ()])
+            for i in rows_of
+        ]
     except BaseException:
         _rollback_sync(driver)
         raise
 
 
 async def _run_async(
-    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: int
-) -> tuple[list[tuple[Any, ...]], list[str]]:
+    driver: Any, statements: Sequence[tuple[str, dict[str, Any] | None]], rows_of: Sequence[int]
+) -> list[Rows]:
     try:
         async with driver.pipeline():
             cursors = [await driver.execute(sql, params) for sql, params in statements]
-        last = cursors[rows_of]
-        return await last.fetchall(), [column.name for column in last.description or ()]
+        return [
+            (await cursors[i].fetchall(), [column.name for column in cursors[i].description or ()])
+            for i in rows_of
+        ]
     except BaseException:
         await _rollback_async(driver)
         raise

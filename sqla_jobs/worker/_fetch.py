@@ -17,7 +17,13 @@ import time
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._queries import ClaimParams, claim_params, fair_claim_params, queue_claim_params
+from .._queries import (
+    ClaimParams,
+    LimitedClaimParams,
+    claim_params,
+    fair_claim_params,
+    queue_claim_params,
+)
 from ..errors import describe
 from . import _statements as statements
 from ._outage import is_database_error, retry_pause
@@ -243,18 +249,32 @@ class Fetcher(Duty):
         """Claim from a limited queue. When its limits held ready jobs back, skip it until
         its rate has room again, or for a moment (``LIMIT_RECHECK``) when a concurrency
         limit is full: a slot frees when any worker's completion is written, which no
-        NOTIFY announces (this worker's own completions end the wait at once)."""
-        core = self.core
-        limits = core.limits[queue]
-        limited = queue_claim_params(params, limits)
+        NOTIFY announces (this worker's own completions claim for it as they free its
+        slots: :meth:`ride`)."""
+        limited = self.limited_params(queue, params)
+        found: statements.LimitedClaim = yield Io(
+            statements.claim_limited, (self.core.queries, limited), Conn.CLAIM
+        )
+        self.limited_claimed(queue, limited, found)
+        return found.rows
+
+    def limited_params(self, queue: str, params: ClaimParams) -> LimitedClaimParams:
+        """The limited claim's parameters: ``params`` and the queue's limits."""
+        limited = queue_claim_params(params, self.core.limits[queue])
         # A queue in key order: its claims walk the keys in turn, each after the last.
         limited["after_key"] = self.key_cursor.get(queue)
-        found: statements.LimitedClaim = yield Io(
-            statements.claim_limited, (core.queries, limited), Conn.CLAIM
-        )
+        return limited
+
+    def limited_claimed(
+        self, queue: str, params: LimitedClaimParams, found: statements.LimitedClaim
+    ) -> None:
+        """After a limited claim (the fetch loop's, or one that rode with a completion):
+        where its walk stopped, and whether, and until when, the queue is held."""
+        core = self.core
+        limits = core.limits[queue]
         self.key_cursor[queue] = found.last_key
         # Under the lock: the completer (another thread in the threaded worker) ends
-        # waits in freed().
+        # waits in freed() and claims in ride().
         with core._lock:
             self.rate_held.discard(queue)
             if len(found.rows) < params["limit"] and found.held:
@@ -275,7 +295,55 @@ class Fetcher(Duty):
                 self.held[queue] = time.monotonic() + wait
             else:
                 self.held.pop(queue, None)
-        return found.rows
+
+    def ride(self, batch: Iterable[Outcome]) -> tuple[str, LimitedClaimParams] | None:
+        """A claim to send with this outcome batch (:func:`._statements.write_and_claim`):
+        from the first queue the batch frees slots of while its concurrency limit holds
+        its claims (the fetch loop waits for this write to claim from it), for the room
+        the worker has; None when there is none, or the worker is stopping.
+
+        The queue stays held while the claim travels, so the fetch loop does not claim
+        from it too; :meth:`limited_claimed` says afterwards whether it still is."""
+        core = self.core
+        if not self.held:
+            return None
+        with core._lock:
+            if core.stopping:
+                return None
+            waiting = self.held.keys() - self.rate_held - core.maintenance.paused
+            queue = next((o.job.queue for o in batch if o.job.queue in waiting), None)
+            if queue is None:
+                return None
+            want = min(core._free + core._ahead, core.settings.claim_limit)
+            if want <= 0:
+                return None
+        params = claim_params(queue, want, core.lease, core.name)
+        return queue, self.limited_params(queue, params)
+
+    def rode(
+        self, queue: str, params: LimitedClaimParams, found: statements.LimitedClaim, at: float
+    ) -> Steps:
+        """A claim that rode with an outcome batch came back: its jobs run, unless the
+        worker began to stop meanwhile (then they are handed back, as the shutdown hands
+        back every unstarted claim); the fetch loop is woken if the queue has room left."""
+        core = self.core
+        self.limited_claimed(queue, params, found)
+        claimed = core.claimed(found.rows, at) if found.rows else []
+        if core.stopping:
+            # The shutdown may have taken its unstarted claims before these were added.
+            mine = {job.key for job in claimed}
+            back = core._take(lambda j: j.key in mine)
+            if back:
+                with core._lock:
+                    core._free += len(back)
+                yield from core._hand_back(back, "unstarted")
+            return
+        if claimed:
+            core.driver.dispatch(claimed)
+        with core._lock:
+            free = queue not in self.held
+        if free:
+            core.driver.wake()
 
     def sleep_for(self) -> float:
         """How long the idle fetch loop may sleep: to the next refresh or due time, or to
@@ -295,12 +363,14 @@ class Fetcher(Duty):
         self.notified[queue] = now
         self.dry.pop(queue, None)
 
-    def freed(self, batch: Iterable[Outcome]) -> None:
-        """Written outcomes freed slots of limited queues: claim from them again now."""
+    def freed(self, batch: Iterable[Outcome], rode: str | None = None) -> None:
+        """Written outcomes freed slots of limited queues: claim from them again now (but
+        from ``rode``, which a claim that rode with them claimed from already)."""
         core = self.core
         if not core.limits:
             return
         freed = {o.job.queue for o in batch} & core.limits.keys()
+        freed.discard(rode)
         woken = False
         with core._lock:
             for queue in freed - self.rate_held:

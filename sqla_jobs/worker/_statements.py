@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._direct import compiled, pipeline_allowed, run_pipeline
+from .._direct import Rows, compiled, pipeline_allowed, run_pipeline
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HeldConnection",
     "Refresh",
+    "Written",
     "beat",
     "claim",
     "claim_limited",
@@ -56,6 +57,7 @@ __all__ = [
     "refresh",
     "worker_gone",
     "worker_seen",
+    "write_and_claim",
     "write_outcomes",
 ]
 
@@ -100,7 +102,7 @@ def claim_fair(
     SQLAlchemy, on whatever plan PostgreSQL keeps."""
     statement = queries.fair_claim()
     if pipeline_allowed(conn):
-        found, names = _claim_in_pipeline(
+        [(found, names)] = _claim_in_pipeline(
             conn, queries, "force_generic_plan", [(statement, params)]
         )
         last_key = names.index("last_key")
@@ -141,18 +143,25 @@ def claim_limited(
     ``schema_translate_map``, something listening for the statements), one round trip
     each, through SQLAlchemy."""
     statement = limited_statement(queries, params)
-    result: list[Any]
     if pipeline_allowed(conn):
-        result, names = _claim_in_pipeline(
-            conn,
-            queries,
-            claim_plan_mode(params),
-            [(queries.limit_lock, {"queue_name": params["queue_name"]}), (statement, params)],
+        [(result, names)] = _claim_in_pipeline(
+            conn, queries, claim_plan_mode(params), _limited_steps(queries, statement, params)
         )
-        column = {name: i for i, name in enumerate(names)}
-    else:
-        result = _claim_limited_stepwise(conn, queries, statement, params)
-        column = {name: i for i, name in enumerate(result[0]._fields)} if result else {}
+        return _limited_found(result, names)
+    stepwise = _claim_limited_stepwise(conn, queries, statement, params)
+    return _limited_found(stepwise, list(stepwise[0]._fields) if stepwise else [])
+
+
+def _limited_steps(
+    queries: Queries, statement: sa.ClauseElement, params: LimitedClaimParams
+) -> list[tuple[sa.ClauseElement, Mapping[str, Any]]]:
+    """The limited claim's two statements: the queue's lock, then the claim."""
+    return [(queries.limit_lock, {"queue_name": params["queue_name"]}), (statement, params)]
+
+
+def _limited_found(result: Sequence[Any], names: Sequence[str]) -> LimitedClaim:
+    """A limited claim's rows read: the jobs, and what its first row says of the limits."""
+    column = {name: i for i, name in enumerate(names)}
     rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
     first = result[0]
 
@@ -175,19 +184,24 @@ def _claim_in_pipeline(
     queries: Queries,
     plan_mode: str,
     steps: Sequence[tuple[sa.ClauseElement, Mapping[str, Any]]],
-) -> tuple[list[tuple[Any, ...]], list[str]]:
-    """A claim's transaction in one psycopg pipeline: BEGIN, its plan mode, ``steps``
-    (Core statements of ``queries``, each compiled once), COMMIT; the rows and column
-    names of the last step."""
-    statements: list[tuple[str, dict[str, Any] | None]] = [
-        (_BEGIN, None),
-        (_PLAN.format(plan_mode), None),
-    ]
-    for statement, params in steps:
+    before: Sequence[tuple[sa.Executable, Mapping[str, Any]]] = (),
+) -> list[Rows]:
+    """A claim's transaction in one psycopg pipeline: BEGIN, the statements ``before`` it
+    (an outcome batch's, see :func:`write_and_claim`), its plan mode, ``steps``, COMMIT;
+    each a Core statement of ``queries``, compiled once. The rows and column names of
+    each statement of ``before``, then of the last step."""
+
+    def sent(statement: Any, params: Mapping[str, Any]) -> tuple[str, Any]:
         made = compiled(queries.compiled, statement, conn.dialect)
-        statements.append((made.sql, made.params(params)))
+        return made.sql, made.params(params)
+
+    statements: list[tuple[str, dict[str, Any] | None]] = [(_BEGIN, None)]
+    statements += [sent(statement, params) for statement, params in before]
+    statements.append((_PLAN.format(plan_mode), None))
+    statements += [sent(statement, params) for statement, params in steps]
     statements.append(("COMMIT", None))
-    return run_pipeline(conn, statements, rows_of=len(statements) - 2)
+    rows_of = [*range(1, 1 + len(before)), len(statements) - 2]
+    return run_pipeline(conn, statements, rows_of)
 
 
 def _claim_limited_stepwise(
@@ -221,24 +235,123 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     with the flow jobs, kept ``done`` until retention like any parent.
     """
     batch = list(batch)
-    queue_of = {o.job.id: o.job.queue for o in batch}
-    tally: Tally = {}
+    plain, flow = _outcome_statements(queries, batch)
+    results = [conn.execute(_sent(queries, statement), params).all() for statement, params in plain]
+    return _written(conn, queries, batch, plain, results, flow)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_and_claim` did: the outcomes written (as :func:`write_outcomes`
+    counts them), and the claim that rode with them, or why it could not."""
+
+    tally: Tally
+    claim: LimitedClaim | None = None
+    #: The claim's database error: the outcomes were written all the same.
+    claim_error: sa.exc.DBAPIError | None = None
+    #: What failed after the claim committed, writing the rest of the batch (its flow
+    #: jobs, the children of its dead ones): the claim's jobs are to run, and the batch is
+    #: to be written again (its guards make the written part match nothing).
+    rest_error: Exception | None = None
+
+
+def write_and_claim(
+    conn: sa.Connection,
+    queries: Queries,
+    batch: Iterable[Outcome],
+    limited: LimitedClaimParams | None,
+) -> Written:
+    """Write an outcome batch and, with ``limited``, claim from the limited queue whose
+    slots it frees, in one round trip where the pipeline is allowed.
+
+    Why: a queue whose concurrency limit binds can be claimed again only once the
+    completions that free its slots have committed (the limit counts the table's
+    ``running`` rows, which keeps it exact across workers, kills and lease expiry). Written
+    by the completer and claimed by the fetch loop, each freed slot waited for two round
+    trips in a row and a hand-off between them, and a binding ``concurrency=64`` drained
+    at half of what 64 unlimited slots do (``benchmarks/limits.py``). Here the batch's
+    statements, the queue's lock and the claim are one transaction in one pipeline: the
+    claim counts the rows the batch has just ended, and the limit still holds exactly (a
+    slot is reused only by the statement after the one that freed it, in the same
+    transaction).
+
+    A failing claim does not hold the outcomes up: its transaction rolls back, the batch
+    is written alone, and the error is handed back in :attr:`Written.claim_error` (the
+    fetch loop claims instead). Watched (see :func:`~sqla_jobs._direct.pipeline_allowed`),
+    the batch is written and then claimed, one statement at a time."""
+    batch = list(batch)
+    if limited is None:
+        return Written(write_outcomes(conn, queries, batch))
+    statement = limited_statement(queries, limited)
+    if pipeline_allowed(conn):
+        plain, flow = _outcome_statements(queries, batch)
+        before = [(_sent(queries, s), p) for s, p in plain]
+        try:
+            *results, (found, names) = _claim_in_pipeline(
+                conn,
+                queries,
+                claim_plan_mode(limited),
+                _limited_steps(queries, statement, limited),
+                before,
+            )
+        except sa.exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise  # nothing was written; the completer writes the batch again
+            return Written(write_outcomes(conn, queries, batch), claim_error=exc)
+        claim = _limited_found(found, names)
+        try:
+            tally = _written(conn, queries, batch, plain, [r for r, _ in results], flow)
+        except Exception as exc:
+            # The claim has committed: its jobs are this worker's, whatever follows.
+            return Written({}, claim, rest_error=exc)
+        return Written(tally, claim)
+    tally = write_outcomes(conn, queries, batch)
+    try:
+        return Written(tally, claim_limited(conn, queries, limited))
+    except sa.exc.DBAPIError as exc:
+        return Written(tally, claim_error=exc)
+
+
+def _outcome_statements(
+    queries: Queries, batch: Sequence[Outcome]
+) -> tuple[list[tuple[sa.Executable, dict[str, Any]]], list[tuple[sa.Executable, dict[str, Any]]]]:
+    """A batch's statements, the plain ones (written one by one, in autocommit, or ahead
+    of a claim) apart from the flow ones (written in a transaction of their own)."""
     plain: list[tuple[sa.Executable, dict[str, Any]]] = []
     flow: list[tuple[sa.Executable, dict[str, Any]]] = []
     for statement, params in outcome_statements(queries, batch):
         is_flow = statement is queries.complete_flow or statement is queries.fail_flow
         (flow if is_flow else plain).append((statement, params))
+    return plain, flow
+
+
+def _sent(queries: Queries, statement: sa.Executable) -> sa.Executable:
+    """What is sent for a plain statement: the worker's completion leaves a job that has
+    children running (see :func:`write_outcomes`)."""
+    return queries.complete_childless if statement is queries.complete else statement
+
+
+def _written(
+    conn: sa.Connection,
+    queries: Queries,
+    batch: Sequence[Outcome],
+    plain: Sequence[tuple[sa.Executable, dict[str, Any]]],
+    results: Sequence[Sequence[Any]],
+    flow: list[tuple[sa.Executable, dict[str, Any]]],
+) -> Tally:
+    """Count the plain statements' ``results``, then write what follows from them: the
+    children of plain jobs that died, and the flow jobs (with the plain successes left
+    running, parents now) in one transaction."""
+    queue_of = {o.job.id: o.job.queue for o in batch}
+    tally: Tally = {}
     succeeded: list[int] = []
     ended: list[int] = []
-    for statement, params in plain:
+    for (statement, params), rows in zip(plain, results, strict=True):
         if statement is queries.complete:
-            rows = conn.execute(queries.complete_childless, params).all()
             done = {r[0] for r in rows}
             if len(done) < len(params["ids"]):
                 # Left running: a parent now (or a lost claim, which matches nothing again).
                 flow = _complete_with_flow(queries, flow, params, done)
-        else:
-            rows = conn.execute(statement, params).all()
         _count(rows, statement, queries, queue_of, tally, succeeded, ended)
     if ended:
         # A plain job that died with a child enqueued while it ran: that child is cancelled

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from sqla_jobs.worker import _steps as s
 from sqla_jobs.worker._core import Run
-from sqla_jobs.worker._statements import Refresh
+from sqla_jobs.worker._statements import Refresh, Written
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
 from .test_core import FakeClock, _use_clock, make, row, run_steps
@@ -94,7 +94,7 @@ def test_outcomes_that_wait_for_a_write_make_the_worker_unhealthy_unless_the_dat
     def written(step: s.Step) -> Any:
         if isinstance(step, s.TakeOutcomes):
             return [driver.recorded[0]] if step.timeout is None else []
-        return None
+        return Written({})
 
     _, more = run_steps(core.completer.run_once(), written)
     assert more is True and core.unwritten == 0

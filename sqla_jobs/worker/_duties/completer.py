@@ -115,12 +115,34 @@ class Completer(Duty):
         presence report, free the limited queues it frees, and wake the fetch loop for
         the retries it scheduled."""
         core = self.core
+        fetcher = core.fetcher
         failures = 0
         while True:
             try:
-                written = yield Io(statements.write_outcomes, (core.queries, batch), Conn.WRITE)
-                core.presence.count(written)
-                core.fetcher.freed(batch)
+                # A queue whose concurrency limit holds its claims waits for this write:
+                # claim from it in the same round trip (see write_and_claim).
+                ride = fetcher.ride(batch)
+                began = time.monotonic()
+                written = yield Io(
+                    statements.write_and_claim,
+                    (core.queries, batch, ride and ride[1]),
+                    Conn.WRITE,
+                )
+                if ride is not None and written.claim is not None:
+                    yield from fetcher.rode(*ride, written.claim, began)
+                if written.rest_error is not None:
+                    raise written.rest_error
+                core.presence.count(written.tally)
+                if written.claim_error is not None:
+                    core.db_warning(
+                        written.claim_error,
+                        "worker %s: a claim with %d outcomes failed (the fetch loop claims "
+                        "instead): %s",
+                        core.name,
+                        len(batch),
+                        describe(written.claim_error),
+                    )
+                fetcher.freed(batch, ride[0] if written.claim is not None and ride else None)
                 break
             except Exception as exc:
                 if not is_database_error(exc):
