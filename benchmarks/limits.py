@@ -24,6 +24,10 @@ A. **drain** ``--drain-jobs`` pre-loaded no-op jobs with one threaded ``Worker``
    * ``fair=True``: one tenant's burst (all but 1,000 of the jobs, enqueued first), then 20
      tenants of 50; besides the rate, how many of the burst's jobs had started when the
      last small tenant's job did (an in-process ``started`` listener keeps the order);
+     compared, besides, with the same keyed jobs in a queue without fairness (the last
+     row), which the plain claim takes oldest first: a keyed job costs the upkeep of the
+     key indexes whether its queue is fair or not, so that row is the drain fairness is to
+     keep 0.8 of;
    * ``key_order="fifo"`` (strict order per key) over 1,000 keys (20 jobs each) and over 10
      (2,000 each): each candidate probed for an earlier job of its key
      (``<table>_key_order``); with 10 keys, at most 10 jobs run at once, whatever the
@@ -79,6 +83,9 @@ from sqla_jobs.worker import _statements as worker_db
 BURSTY = -1
 SMALL_KEYS, SMALL_EACH = 20, 50
 
+#: The queue of the bursty jobs drained without fairness.
+UNFAIR = "unfair"
+
 #: name -> (queue, jobs.queue(...) keywords, how many keys the jobs spread over: 0, none)
 VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     "no limits (plain claim)": ("default", {}, 0),
@@ -91,6 +98,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], int]] = {
     'key_order="fifo", 10 keys': ("fifo10", {"key_order": "fifo"}, 10),
     "fair=True, one tenant's burst then 20 tenants of 50": ("fair", {"fair": True}, BURSTY),
     "no limits, 64 slots (concurrency=64's fair comparison)": ("default", {}, 0),
+    "no limits, the same burst and tenants (fair=True's comparison)": (UNFAIR, {}, BURSTY),
 }
 #: Variants whose worker has fewer slots than bench.py's 128.
 SLOTS = {"no limits, 64 slots (concurrency=64's fair comparison)": 64}
@@ -102,7 +110,13 @@ AGAINST = [
         "no limits, 64 slots (concurrency=64's fair comparison)",
         "a binding concurrency=64 against 64 slots without limits (what those 64 slots "
         "drain when nothing holds them)",
-    )
+    ),
+    (
+        "fair=True, one tenant's burst then 20 tenants of 50",
+        "no limits, the same burst and tenants (fair=True's comparison)",
+        "fair=True against the same drain without fairness (the same keyed jobs, claimed "
+        "oldest first: every keyed job costs its indexes' upkeep, fair or not)",
+    ),
 ]
 
 
@@ -121,12 +135,11 @@ def declare(app: bench.App) -> None:
             def keyed_noop(i: int, account: str) -> None:
                 """A no-op with a key."""
 
-            app.jobs.task(
-                keyed_noop,
-                name=f"bench.{queue}_noop",
-                queue=queue,
-                concurrency_key=lambda account, **_: account,
-            )
+            # The comparison without fairness: the rows carry the same keys (so the key
+            # indexes are kept up alike), but its task declares none, so the key limits
+            # nothing (a declared key would hold each key to one job at a time).
+            keyed = {} if queue == UNFAIR else {"concurrency_key": lambda account, **_: account}
+            app.jobs.task(keyed_noop, name=f"bench.{queue}_noop", queue=queue, **keyed)
 
 
 def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str) -> None:
@@ -161,8 +174,9 @@ def preload(admin: psycopg.Connection[Any], app: bench.App, n: int, variant: str
 
 #: The bursty drains' keys in the order their jobs started (the ``started`` event).
 STARTS: list[str] = []
-#: Per bursty drain: how many of the burst's jobs started before the last small tenant's.
-BURST_BEFORE: list[int] = []
+#: Per bursty drain, by variant: how many of the burst's jobs started before the last
+#: small tenant's.
+BURST_BEFORE: dict[str, list[int]] = {}
 
 
 def drain(
@@ -180,7 +194,9 @@ def drain(
         raise RuntimeError(f"{variant}: the worker ran {done} jobs, expected {n}")
     if VARIANTS[variant][2] == BURSTY and n >= 10_000:
         last = max(i for i, key in enumerate(STARTS) if key != "burst")
-        BURST_BEFORE.append(sum(1 for key in STARTS[:last] if key == "burst"))
+        BURST_BEFORE.setdefault(variant, []).append(
+            sum(1 for key in STARTS[:last] if key == "burst")
+        )
     return n / seconds
 
 
@@ -295,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--claims", type=int, default=None)
     p.add_argument("--schema", default="sqla_jobs_bench_limits")
     p.add_argument("--round-trips", action="store_true", help="run only C (round trips)")
+    p.add_argument(
+        "--rows",
+        default="",
+        help="only the drains whose names contain one of these comma-separated words (and "
+        "the unlimited one they are compared with); B is skipped",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     repeat = args.repeat or (1 if quick else 3)
@@ -336,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {statistics.median(values):,.0f} | {p10:,.0f} | {p90:,.0f} |")
             return 0
         names = list(VARIANTS)
+        if args.rows:
+            words = [w.strip() for w in args.rows.split(",") if w.strip()]
+            names = [names[0]] + [n for n in names[1:] if any(w in n for w in words)]
         for name in names:  # warm-up: compiled cache, prepared statements, buffers
             preload(admin, app, 500, name)
             drain(app, engine, 500, name, settings)
@@ -352,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(rates[name]) / base
             print(f"| {name} | {cell(rates[name])} | {ratio:.2f} |")
         for row, other, what in AGAINST:
+            if row not in rates or other not in rates:
+                continue
             ratio = statistics.median(rates[row]) / statistics.median(rates[other])
             print(f"\n{what}: {ratio:.2f}.")
         allowed = rate_allows(n, RATE, base)
@@ -363,13 +390,15 @@ def main(argv: list[str] | None = None) -> int:
                 f'rate="{RATE}/s" against that: '
                 f"{statistics.median(rates[RATED]) / allowed:.2f}."
             )
-        if BURST_BEFORE:
+        for name, before in BURST_BEFORE.items():
             total = n - SMALL_KEYS * SMALL_EACH
             print(
-                f"\nFair share: of the burst's {total:,} jobs, {cell(BURST_BEFORE)} had "
-                f"started when the last of the {SMALL_KEYS} small tenants' {SMALL_EACH} jobs "
-                f"did (without fairness: all {total:,}), median of {repeat} (min-max)."
+                f"\n{name}: of the burst's {total:,} jobs, {cell(before)} had started when "
+                f"the last of the {SMALL_KEYS} small tenants' {SMALL_EACH} jobs did, median "
+                f"of {repeat} (min-max)."
             )
+        if args.rows:
+            return 0
         picked = [names[0], names[1], names[4], names[5], names[6]]
         micros: dict[str, list[float]] = {name: [] for name in picked}
         for r in range(repeat):

@@ -272,7 +272,7 @@ def test_the_fair_claim_runs_on_the_generic_plan_in_a_transaction_of_its_own(
         params = fair_claim_params(
             claim_params("shared", 4, interval(30), "claimer"), jobs.limits("shared"), after
         )
-        claimed, after = worker_db.claim_fair(conn, jobs.queries, params)
+        claimed, after, _ = worker_db.claim_fair(conn, jobs.queries, params)
         assert len(claimed) == 4
         driver: Any = conn.connection.driver_connection
         assert driver.info.transaction_status == TransactionStatus.IDLE

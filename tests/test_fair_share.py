@@ -55,10 +55,24 @@ def test_declarations() -> None:
 
 
 def _claim(db: sa.Engine, limit: int, after: str | None = None, name: str = "t") -> Any:
+    """A fair claim without a floor: its rows and where its walk stopped."""
+    return _claim_floored(db, limit, after, name)[:2]
+
+
+def _claim_floored(
+    db: sa.Engine,
+    limit: int,
+    after: str | None = None,
+    name: str = "t",
+    floor: tuple[str, int] | None = None,
+) -> Any:
     with db.connect() as c:
         conn = c.execution_options(isolation_level="AUTOCOMMIT")
         params = fair_claim_params(
-            claim_params("shared", limit, interval(30), name), jobs.limits("shared"), after
+            claim_params("shared", limit, interval(30), name),
+            jobs.limits("shared"),
+            after,
+            floor=floor,
         )
         return worker_db.claim_fair(conn, jobs.queries, params)
 
@@ -111,6 +125,35 @@ def test_claims_smaller_than_the_keys_take_the_keys_in_turn(db: sa.Engine) -> No
     last_small = max(i for i, k in enumerate(keys) if k != "burst")
     assert keys[:last_small].count("burst") <= 4, keys[: last_small + 1]
     assert len(order) == 330
+
+
+def test_the_busiest_key_is_read_from_its_floor(db: sa.Engine) -> None:
+    """A claim says which key it took the most from and the last id it took; the next
+    claim, given that floor, reads that key from past it (the other keys from their start).
+    A job of that key behind the floor, ready again (here: handed back), is not a candidate
+    while the floor is used, and is claimed by a claim without one, oldest first."""
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, shared, [{"tenant": "burst"}] * 30)
+        jobs.enqueue_many(conn, shared, [{"tenant": "small"}] * 2)
+    claimed, last, floor = _claim_floored(db, 10)
+    burst = sorted(r.id for r in rows(db) if r.concurrency_key == "burst")
+    taken = [r[0] for r in claimed]
+    assert _tenants(db, taken) == {"burst": 5, "small": 2}  # a share of 10 / 2 keys each
+    assert floor is not None and floor[0] == "burst"
+    assert floor[1] == max(i for i in taken if i in set(burst))
+    # The burst's first claimed job is ready again, behind the floor.
+    back = min(taken)
+    with db.begin() as conn:
+        t = app.Job.__table__
+        conn.execute(
+            t.update().where(t.c.id == back).values(status="ready", locked_by=None, attempts=0)
+        )
+    more, _, next_floor = _claim_floored(db, 3, last, floor=floor)
+    got = [r[0] for r in more]
+    assert back not in got and all(i > floor[1] for i in got if i in set(burst)), (got, floor)
+    assert next_floor is not None and next_floor[1] > floor[1]
+    again, _, _ = _claim_floored(db, 3, last)
+    assert back in [r[0] for r in again]
 
 
 def test_a_weight_gives_its_key_that_many_shares(db: sa.Engine) -> None:

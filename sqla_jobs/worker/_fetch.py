@@ -32,13 +32,17 @@ from ._steps import Conn, Duty, Io, Pause, Sleep, Step, Steps, WaitWritten
 if TYPE_CHECKING:
     from .job import Outcome
 
-__all__ = ["LIMIT_RECHECK", "Fetcher"]
+__all__ = ["FAIR_FLOOR_FOR", "LIMIT_RECHECK", "Fetcher"]
 
 #: Seconds a worker waits before it claims again from a queue whose concurrency (or key)
 #: limit was full, unless one of its own completions frees a slot first. Other workers'
 #: completions are not announced; this bounds how late it notices them, at a cost of a
 #: few cheap claims a second per worker.
 LIMIT_RECHECK = 0.2
+
+#: Seconds a fair queue's claims read their busiest key from past the last job they took
+#: (its floor) before one claim reads every key from its start again.
+FAIR_FLOOR_FOR = 1.0
 
 
 class Fetcher(Duty):
@@ -55,6 +59,9 @@ class Fetcher(Duty):
         self.rate_held: set[str] = set()
         #: Queues in key order: the key where each one's last claim stopped walking.
         self.key_cursor: dict[str, str | None] = {}
+        #: Fair queues: the floor of the key the last claim took most from, and since when
+        #: floors are used (dropped every FAIR_FLOOR_FOR seconds; see fair_floor).
+        self.floors: dict[str, tuple[tuple[str, int] | None, float]] = {}
         self.turn = 0
         self.dry: dict[str, float] = {}
         #: When a NOTIFY last named each queue (monotonic): a claim that began before it
@@ -172,10 +179,16 @@ class Fetcher(Duty):
             else:
                 if queue in core.fair:
                     # Shared between the keys in turn, each claim after the last one's.
-                    fair = fair_claim_params(params, core.fair[queue], self.key_cursor.get(queue))
-                    rows, self.key_cursor[queue] = yield Io(
+                    fair = fair_claim_params(
+                        params,
+                        core.fair[queue],
+                        self.key_cursor.get(queue),
+                        floor=self.fair_floor(queue, began),
+                    )
+                    rows, self.key_cursor[queue], floor = yield Io(
                         statements.claim_fair, (core.queries, fair), Conn.CLAIM
                     )
+                    self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
                 else:
                     rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
                 took = time.monotonic() - began
@@ -199,6 +212,18 @@ class Fetcher(Duty):
                     core.driver.dispatch(claimed)
                 total += len(rows)
         return total
+
+    def fair_floor(self, queue: str, now: float) -> tuple[str, int] | None:
+        """The floor a fair claim reads its busiest key from (see ``_fair_claim``): the
+        last claim's, unless floors have been used for ``FAIR_FLOOR_FOR`` seconds; then
+        None, and a new period begins. So an older job of that key that is ready again
+        behind the floor (a retry, a handed-back claim, one a failed claim let go) is
+        claimed within that time, oldest first again."""
+        floor, since = self.floors.get(queue, (None, now))
+        if now - since >= FAIR_FLOOR_FOR:
+            self.floors[queue] = (None, now)
+            return None
+        return floor
 
     def dry_until(self, began: float) -> float:
         """Until when a queue whose claim (sent at ``began``) came back short is skipped:

@@ -87,10 +87,11 @@ def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[An
 
 def claim_fair(
     conn: sa.Connection, queries: Queries, params: FairClaimParams
-) -> tuple[list[Any], str | None]:
+) -> tuple[list[Any], str | None, tuple[str, int] | None]:
     """Claim from a queue with ``fair=True`` (one statement, as the plain claim: no lock);
-    the claimed rows, and the key where its walk over the keys stopped (the next claim's
-    ``after_key``).
+    the claimed rows, the key where its walk over the keys stopped (the next claim's
+    ``after_key``), and the key it took the most jobs from with the last id it took (the
+    next claim's floor, see :func:`~sqla_jobs._queries.fair_claim_params`), or None.
 
     When :func:`~sqla_jobs._direct.pipeline_allowed` says it may, the statement runs on
     PostgreSQL's generic plan, asked for in a transaction of its own (BEGIN, ``SET LOCAL
@@ -105,12 +106,15 @@ def claim_fair(
         [(found, names)] = _claim_in_pipeline(
             conn, queries, "force_generic_plan", [(statement, params)]
         )
-        last_key = names.index("last_key")
-        rows = [r[: len(CLAIMED_COLUMNS)] for r in found if r[0] is not None]
-        return rows, found[0][last_key] if found else None
-    result = conn.execute(statement, dict(params)).all()
-    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
-    return rows, result[0].last_key if result else None
+    else:
+        result = conn.execute(statement, dict(params)).all()
+        found, names = list(result), list(result[0]._fields) if result else []
+    if not found:
+        return [], None, None
+    rows = [r[: len(CLAIMED_COLUMNS)] for r in found if r[0] is not None]
+    first = found[0]
+    key, floor = first[names.index("floor_key")], first[names.index("floor_id")]
+    return rows, first[names.index("last_key")], None if key is None else (key, floor)
 
 
 @dataclass(frozen=True)

@@ -256,3 +256,16 @@ def test_an_idle_worker_without_listen_claims_every_queue_every_poll_interval(
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert len(times) >= 19, (queue, times)
         assert max(gaps) <= poll + 0.03, (queue, gaps)
+
+
+def test_a_worker_drops_the_floor_every_so_often() -> None:
+    """Within FAIR_FLOOR_FOR seconds of the last claim without a floor, the last claim's
+    floor is used; then one claim goes without, and a new period begins."""
+    FAIR_FLOOR_FOR = fetch_mod.FAIR_FLOOR_FOR
+    core, _, _ = make(queues=("shared",))
+    fetcher = core.fetcher
+    assert fetcher.fair_floor("shared", 100.0) is None  # nothing claimed yet
+    fetcher.floors["shared"] = (("burst", 42), 100.0)
+    assert fetcher.fair_floor("shared", 100.0 + FAIR_FLOOR_FOR / 2) == ("burst", 42)
+    assert fetcher.fair_floor("shared", 100.0 + FAIR_FLOOR_FOR) is None
+    assert fetcher.floors["shared"] == (None, 100.0 + FAIR_FLOOR_FOR)
