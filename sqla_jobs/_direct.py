@@ -1,16 +1,19 @@
 """Statements sent under SQLAlchemy, straight to psycopg (internal).
 
-Two of the library's paths talk to the psycopg connection beneath a SQLAlchemy
-``Connection``, for what SQLAlchemy's execution cannot do: ``COPY`` (:mod:`._bulk`) and
-the limited claim's statements in one psycopg pipeline (one round trip instead of one per
-statement, :func:`~sqla_jobs.worker._statements.claim_limited`). Both go around what
-SQLAlchemy does for its own statements, so both say when they may:
+Three of the library's paths talk to the psycopg connection beneath a SQLAlchemy
+``Connection``: ``COPY`` (:mod:`._bulk`), which SQLAlchemy's execution cannot do; the
+limited claim's and the completion's statements in one psycopg pipeline (one round trip
+instead of one per statement, :func:`~sqla_jobs.worker._statements.claim_limited`); and
+one job enqueued on a connection (:func:`execute_one`), where SQLAlchemy's own execution
+was a third of the client's time (``benchmarks/peers.py``, row 1t). All go around what
+SQLAlchemy does for its own statements, so all say when they may:
 
 * :func:`pipeline_allowed`: a psycopg 3 connection, no ``schema_translate_map`` to honour,
-  and nobody watching the statements (no ``before_cursor_execute`` or
-  ``after_cursor_execute`` listener, no ``echo``, the ``sqlalchemy.engine`` logger not at
-  INFO). Tracing instrumentation and tests that listen for the statements therefore see
-  every one of them, sent the ordinary way; only an unwatched worker takes the short cut.
+  and nobody watching the statements (no ``before_cursor_execute``,
+  ``after_cursor_execute``, ``before_execute``, ``after_execute`` or ``handle_error``
+  listener, no ``echo``, the ``sqlalchemy.engine`` logger not at INFO). Tracing
+  instrumentation and tests that listen for the statements therefore see every one of
+  them, sent the ordinary way; only an unwatched connection takes the short cut.
 * :func:`raise_as_dbapi_error`: a driver error is raised as SQLAlchemy's ``DBAPIError``, as
   SQLAlchemy raises its own, and a connection the server ended is invalidated, so that the
   worker's outage handling, the pool and the caller's rollback treat it alike.
@@ -25,7 +28,14 @@ from typing import Any, NoReturn, cast
 import sqlalchemy as sa
 from sqlalchemy.sql.compiler import SQLCompiler
 
-__all__ = ["Compiled", "compiled", "pipeline_allowed", "raise_as_dbapi_error", "run_pipeline"]
+__all__ = [
+    "Compiled",
+    "compiled",
+    "execute_one",
+    "pipeline_allowed",
+    "raise_as_dbapi_error",
+    "run_pipeline",
+]
 
 #: The logger SQLAlchemy's ``echo`` writes to: at INFO, statements are logged.
 _ENGINE_LOG = logging.getLogger("sqlalchemy.engine.Engine")
@@ -85,9 +95,46 @@ def pipeline_allowed(connection: sa.Connection) -> bool:
         return False
     for target in (connection, engine):
         dispatch: Any = target.dispatch
-        if dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+        if (
+            dispatch.before_cursor_execute
+            or dispatch.after_cursor_execute
+            or dispatch.before_execute
+            or dispatch.after_execute
+        ):
             return False
-    return True
+    # A dialect event, listened for on the engine.
+    return not connection.dialect.dispatch.handle_error
+
+
+def execute_one(
+    connection: sa.Connection, made: Compiled, params: Mapping[str, Any]
+) -> tuple[Any, ...] | None:
+    """Run one compiled statement on ``connection``'s psycopg connection (sync, or an
+    ``AsyncConnection``'s under ``run_sync``); its first row. For callers that checked
+    :func:`pipeline_allowed`.
+
+    SQLAlchemy begins the connection's transaction at its first statement (autobegin);
+    a statement sent around it would leave the ``Connection`` thinking none was begun, and
+    its ``commit()`` would then commit nothing. So the transaction is begun here the same
+    way first, which also fires the ``begin`` event as SQLAlchemy's own statement would."""
+    if not connection.in_transaction():
+        connection.begin()
+    driver: Any = connection.connection.driver_connection
+    values = made.params(params)
+    try:
+        if hasattr(driver, "__aenter__"):
+            from sqlalchemy.util import await_only
+
+            row: tuple[Any, ...] | None = await_only(_one_async(driver, made.sql, values))
+            return row
+        return cast("tuple[Any, ...] | None", driver.execute(made.sql, values).fetchone())
+    except connection.dialect.loaded_dbapi.Error as exc:
+        raise_as_dbapi_error(connection, made.sql, exc)
+
+
+async def _one_async(driver: Any, sql: str, values: dict[str, Any]) -> tuple[Any, ...] | None:
+    cursor = await driver.execute(sql, values)
+    return cast("tuple[Any, ...] | None", await cursor.fetchone())
 
 
 #: What :func:`run_pipeline` gives back of one statement: its rows and column names.

@@ -188,3 +188,65 @@ def test_a_session_or_an_engine_is_refused(
     with Session() as session, pytest.raises(TypeError, match=r"session\.enqueue_many"):
         jobs.enqueue_many(session, send, [{"to": "a@example.com"}])  # type: ignore[call-overload]
     assert count(db) == 0
+
+
+def test_a_first_enqueue_begins_the_connections_transaction(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """Unwatched, the INSERT goes to psycopg directly (``sqla_jobs._direct``); the
+    connection's transaction is begun as SQLAlchemy's own first statement would begin it,
+    so that ``commit()`` commits the job and closing without it rolls the job back."""
+    begun: list[Any] = []
+
+    def began(conn: Any) -> None:
+        begun.append(conn)
+
+    sa.event.listen(db, "begin", began)
+    try:
+        with db.connect() as conn:
+            assert not conn.in_transaction()
+            jobs.enqueue(conn, send, "committed@example.com")
+            assert conn.in_transaction() and len(begun) == 1
+            conn.commit()
+        with db.connect() as conn:
+            jobs.enqueue(conn, send, "closed@example.com")  # closed without a commit
+    finally:
+        sa.event.remove(db, "begin", began)
+    assert [r.args["to"] for r in rows(db)] == ["committed@example.com"]
+
+
+def test_a_database_error_is_sqlalchemys_and_the_connection_goes_on(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """A statement that failed earlier in the transaction: the enqueue's error is the one
+    SQLAlchemy raises for its own statements, and after the rollback the same connection
+    enqueues."""
+    with db.connect() as conn:
+        with pytest.raises(sa.exc.DBAPIError):
+            conn.execute(sa.text("SELECT 1 / 0"))
+        with pytest.raises(sa.exc.InternalError, match="current transaction is aborted"):
+            jobs.enqueue(conn, send, "lost@example.com")
+        conn.rollback()
+        jobs.enqueue(conn, send, "after@example.com")
+        conn.commit()
+    assert [r.args["to"] for r in rows(db)] == ["after@example.com"]
+
+
+@pytest.mark.parametrize("hook", ["before_execute", "after_execute", "handle_error"])
+def test_any_statement_hook_sends_the_insert_through_sqlalchemy(
+    database_url: str, hook: str
+) -> None:
+    """What watches statements (tracing, auditing, error handlers) sees the enqueue's:
+    each of these hooks on the engine turns the direct path off."""
+    from sqla_jobs import create_engine
+    from sqla_jobs._direct import pipeline_allowed
+
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            assert pipeline_allowed(conn)
+        sa.event.listen(engine, hook, lambda *a, **k: None)
+        with engine.connect() as conn:
+            assert not pipeline_allowed(conn)
+    finally:
+        engine.dispose()
