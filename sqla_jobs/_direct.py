@@ -31,6 +31,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 __all__ = [
     "Compiled",
     "compiled",
+    "execute_all",
     "execute_one",
     "pipeline_allowed",
     "raise_as_dbapi_error",
@@ -117,6 +118,20 @@ def execute_one(
     a statement sent around it would leave the ``Connection`` thinking none was begun, and
     its ``commit()`` would then commit nothing. So the transaction is begun here the same
     way first, which also fires the ``begin`` event as SQLAlchemy's own statement would."""
+    rows = _execute(connection, made, params, every=False)
+    return rows[0] if rows else None
+
+
+def execute_all(
+    connection: sa.Connection, made: Compiled, params: Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
+    """:func:`execute_one`, every row."""
+    return _execute(connection, made, params, every=True)
+
+
+def _execute(
+    connection: sa.Connection, made: Compiled, params: Mapping[str, Any], *, every: bool
+) -> list[tuple[Any, ...]]:
     if not connection.in_transaction():
         connection.begin()
     driver: Any = connection.connection.driver_connection
@@ -125,16 +140,27 @@ def execute_one(
         if hasattr(driver, "__aenter__"):
             from sqlalchemy.util import await_only
 
-            row: tuple[Any, ...] | None = await_only(_one_async(driver, made.sql, values))
-            return row
-        return cast("tuple[Any, ...] | None", driver.execute(made.sql, values).fetchone())
+            rows: list[tuple[Any, ...]] = await_only(
+                _run_one_async(driver, made.sql, values, every)
+            )
+            return rows
+        cursor = driver.execute(made.sql, values)
+        if every:
+            return cast("list[tuple[Any, ...]]", cursor.fetchall())
+        row = cursor.fetchone()
+        return [] if row is None else [row]
     except connection.dialect.loaded_dbapi.Error as exc:
         raise_as_dbapi_error(connection, made.sql, exc)
 
 
-async def _one_async(driver: Any, sql: str, values: dict[str, Any]) -> tuple[Any, ...] | None:
+async def _run_one_async(
+    driver: Any, sql: str, values: dict[str, Any], every: bool
+) -> list[tuple[Any, ...]]:
     cursor = await driver.execute(sql, values)
-    return cast("tuple[Any, ...] | None", await cursor.fetchone())
+    if every:
+        return cast("list[tuple[Any, ...]]", await cursor.fetchall())
+    row = await cursor.fetchone()
+    return [] if row is None else [row]
 
 
 #: What :func:`run_pipeline` gives back of one statement: its rows and column names.

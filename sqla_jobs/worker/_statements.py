@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._direct import Rows, compiled, pipeline_allowed, run_pipeline
+from .._direct import Rows, compiled, execute_all, pipeline_allowed, run_pipeline
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -82,7 +82,19 @@ _PLAN = "SET LOCAL plan_cache_mode = {}"
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
     """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
-    return list(conn.execute(queries.claim, dict(params)).all())
+    return _rows(conn, queries, queries.claim, params)
+
+
+def _rows(
+    conn: sa.Connection, queries: Queries, statement: Any, params: Mapping[str, Any]
+) -> list[Any]:
+    """Every row of one of the worker's statements: sent straight to psycopg where
+    :func:`~sqla_jobs._direct.pipeline_allowed` says it may, as the enqueue on a
+    connection is, otherwise through SQLAlchemy. The rows are read by position either
+    way."""
+    if pipeline_allowed(conn):
+        return execute_all(conn, compiled(queries.compiled, statement, conn.dialect), params)
+    return list(conn.execute(statement, dict(params)).all())
 
 
 def claim_fair(
@@ -240,7 +252,9 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     """
     batch = list(batch)
     plain, flow = _outcome_statements(queries, batch)
-    results = [conn.execute(_sent(queries, statement), params).all() for statement, params in plain]
+    results = [
+        _rows(conn, queries, _sent(queries, statement), params) for statement, params in plain
+    ]
     return _written(conn, queries, batch, plain, results, flow)
 
 
