@@ -2,10 +2,12 @@
 
 Outcomes queue up in the driver (``Driver.record``); the completer takes the first one,
 waits up to ``completion_interval`` for others (up to ``completion_batch``), and writes
-them in one statement guarded by (id, attempts). Database errors are retried for as long
-as the worker runs (a short outage costs latency, not outcomes); once the worker stops,
-a few more tries, then the jobs are left to run again when their leases pass. The
-completer outlives the stop: it ends once the run has ended and every outcome is written.
+them in one statement guarded by (id, attempts). A batch that frees slots of a limited
+queue held by its concurrency limit also claims from that queue, in the same transaction
+and round trip (``Fetcher.ride``). Database errors are retried for as long as the worker
+runs (a short outage costs latency, not outcomes); once the worker stops, a few more
+tries, then the jobs are left to run again when their leases pass. The completer
+outlives the stop: it ends once the run has ended and every outcome is written.
 """
 
 from __future__ import annotations
@@ -111,9 +113,10 @@ class Completer(Duty):
             return any(o.job.queue in waiting for o in batch)
 
     def write(self, batch: list[Outcome]) -> Steps:
-        """Write ``batch``, retrying through database errors; then count it for the
-        presence report, free the limited queues it frees, and wake the fetch loop for
-        the retries it scheduled."""
+        """Write ``batch``, retrying through database errors, with the claim that rides
+        with it (its jobs dispatched here); then count it for the presence report, free
+        the limited queues it frees, and wake the fetch loop for the retries it
+        scheduled."""
         core = self.core
         fetcher = core.fetcher
         failures = 0
