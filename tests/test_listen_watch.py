@@ -11,6 +11,7 @@ tests/faults/test_pgbouncer.py.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
@@ -80,7 +81,11 @@ def test_a_worker_tells_whether_its_listen_hears(
         assert "jobs came into q 3 times" in text
         assert "--no-listen" in text and "docs' PgBouncer section" in text
         assert worker.core.listen_watch.verdict is False
-        assert max(waits) < poll + 0.5, waits
+        # Found by the poll: typically within an interval (the median), and none waited
+        # for a fallback slower than a few rounds (one sample stalled 1.6 s once, with the
+        # whole suite beside it on 2 cores; a worker that stopped polling waits 10 s).
+        assert statistics.median(waits) < poll + 0.5, waits
+        assert max(waits) < 4 * poll + 0.5, waits
     else:
         assert lines == []
         assert worker.core.listen_watch.verdict is True
