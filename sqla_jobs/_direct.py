@@ -4,9 +4,10 @@ Three of the library's paths talk to the psycopg connection beneath a SQLAlchemy
 ``Connection``: ``COPY`` (:mod:`._bulk`), which SQLAlchemy's execution cannot do; the
 limited claim's and the completion's statements in one psycopg pipeline (one round trip
 instead of one per statement, :func:`~sqla_jobs.worker._statements.claim_limited`); and
-one job enqueued on a connection (:func:`execute_one`), where SQLAlchemy's own execution
-was a third of the client's time (``benchmarks/peers.py``, row 1t). All go around what
-SQLAlchemy does for its own statements, so all say when they may:
+one job enqueued on a connection and the worker's plain statements (:func:`execute`),
+where SQLAlchemy's own execution was a third of the client's time (``benchmarks/peers.py``,
+row 1t). All go around what SQLAlchemy does for its own statements, so all say when they
+may:
 
 * :func:`pipeline_allowed`: a psycopg 3 connection, no ``schema_translate_map`` to honour,
   and nobody watching the statements (no ``before_cursor_execute``,
@@ -31,8 +32,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 __all__ = [
     "Compiled",
     "compiled",
-    "execute_all",
-    "execute_one",
+    "execute",
     "pipeline_allowed",
     "raise_as_dbapi_error",
     "run_pipeline",
@@ -107,31 +107,17 @@ def pipeline_allowed(connection: sa.Connection) -> bool:
     return not connection.dialect.dispatch.handle_error
 
 
-def execute_one(
+def execute(
     connection: sa.Connection, made: Compiled, params: Mapping[str, Any]
-) -> tuple[Any, ...] | None:
+) -> list[tuple[Any, ...]]:
     """Run one compiled statement on ``connection``'s psycopg connection (sync, or an
-    ``AsyncConnection``'s under ``run_sync``); its first row. For callers that checked
+    ``AsyncConnection``'s under ``run_sync``); its rows. For callers that checked
     :func:`pipeline_allowed`.
 
     SQLAlchemy begins the connection's transaction at its first statement (autobegin);
     a statement sent around it would leave the ``Connection`` thinking none was begun, and
     its ``commit()`` would then commit nothing. So the transaction is begun here the same
     way first, which also fires the ``begin`` event as SQLAlchemy's own statement would."""
-    rows = _execute(connection, made, params, every=False)
-    return rows[0] if rows else None
-
-
-def execute_all(
-    connection: sa.Connection, made: Compiled, params: Mapping[str, Any]
-) -> list[tuple[Any, ...]]:
-    """:func:`execute_one`, every row."""
-    return _execute(connection, made, params, every=True)
-
-
-def _execute(
-    connection: sa.Connection, made: Compiled, params: Mapping[str, Any], *, every: bool
-) -> list[tuple[Any, ...]]:
     if not connection.in_transaction():
         connection.begin()
     driver: Any = connection.connection.driver_connection
@@ -140,27 +126,16 @@ def _execute(
         if hasattr(driver, "__aenter__"):
             from sqlalchemy.util import await_only
 
-            rows: list[tuple[Any, ...]] = await_only(
-                _run_one_async(driver, made.sql, values, every)
-            )
+            rows: list[tuple[Any, ...]] = await_only(_execute_async(driver, made.sql, values))
             return rows
-        cursor = driver.execute(made.sql, values)
-        if every:
-            return cast("list[tuple[Any, ...]]", cursor.fetchall())
-        row = cursor.fetchone()
-        return [] if row is None else [row]
+        return cast("list[tuple[Any, ...]]", driver.execute(made.sql, values).fetchall())
     except connection.dialect.loaded_dbapi.Error as exc:
         raise_as_dbapi_error(connection, made.sql, exc)
 
 
-async def _run_one_async(
-    driver: Any, sql: str, values: dict[str, Any], every: bool
-) -> list[tuple[Any, ...]]:
+async def _execute_async(driver: Any, sql: str, values: dict[str, Any]) -> list[tuple[Any, ...]]:
     cursor = await driver.execute(sql, values)
-    if every:
-        return cast("list[tuple[Any, ...]]", await cursor.fetchall())
-    row = await cursor.fetchone()
-    return [] if row is None else [row]
+    return cast("list[tuple[Any, ...]]", await cursor.fetchall())
 
 
 #: What :func:`run_pipeline` gives back of one statement: its rows and column names.

@@ -43,7 +43,7 @@ from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
 from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
-from ._direct import compiled, execute_one, pipeline_allowed
+from ._direct import compiled, execute, pipeline_allowed
 from ._queries import _dumps, args_json
 from ._storable import Encodings, database_encodings
 from ._tasks import (
@@ -252,9 +252,8 @@ def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple
         return _connection_unique(connection, pending.registry, params)
     if pipeline_allowed(connection):
         made = compiled(q.compiled, q.insert_job, connection.dialect)
-        row = execute_one(connection, made, params)
-        assert row is not None  # INSERT ... RETURNING id, no conflict clause
-        return int(row[0]), True
+        [(job_id,)] = execute(connection, made, params)  # RETURNING id, no conflict clause
+        return int(job_id), True
     return connection.execute(q.insert_job, params).scalar_one(), True
 
 

@@ -176,3 +176,36 @@ def test_a_worker_claims_a_held_queue_with_the_completions_that_free_it(
     ]
     assert rides, seen
     assert _statuses(db) == {}  # every job ran and was deleted
+
+
+def test_a_write_whose_connection_the_server_ended_writes_and_claims_nothing(
+    db: sa.Engine, conn: sa.Connection
+) -> None:
+    """The backend is gone when the batch and its claim are sent: the error is a lost
+    connection (the completer writes the batch again on a new one), the job is still
+    running, nothing was claimed, and the batch written again frees and claims."""
+    from .helpers import wait_for
+
+    claimed = _running(db, conn, 5)
+    pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with db.connect() as other:
+        other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+    def gone() -> bool:
+        with db.connect() as other:
+            alive = other.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+            )
+            return alive.scalar() == 0
+
+    wait_for(gone)
+    batch = [Outcome(OutcomeKind.SUCCEEDED, claimed[0])]
+    with pytest.raises(sa.exc.DBAPIError) as raised:
+        worker_db.write_and_claim(conn, jobs.queries, batch, _params())
+    assert raised.value.connection_invalidated
+    assert _statuses(db) == {"running": 3, "ready": 2}
+    with db.connect() as c:
+        fresh = c.execution_options(isolation_level="AUTOCOMMIT")
+        written = worker_db.write_and_claim(fresh, jobs.queries, batch, _params())
+    assert written.tally == {"limited": [1, 0, 0]} and written.claim is not None
+    assert len(written.claim.rows) == 1 and _statuses(db) == {"running": 3, "ready": 1}

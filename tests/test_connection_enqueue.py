@@ -250,3 +250,52 @@ def test_any_statement_hook_sends_the_insert_through_sqlalchemy(
             assert not pipeline_allowed(conn)
     finally:
         engine.dispose()
+
+
+def test_a_job_enqueued_in_a_rolled_back_savepoint_is_gone(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """Sent straight to psycopg, the INSERT is still inside SQLAlchemy's savepoint: its
+    rollback takes the job, and the jobs around it stay."""
+    with db.begin() as conn:
+        jobs.enqueue(conn, send, "before@example.com")
+        savepoint = conn.begin_nested()
+        jobs.enqueue(conn, send, "inside@example.com")
+        savepoint.rollback()
+        jobs.enqueue(conn, send, "after@example.com")
+    assert [r.args["to"] for r in rows(db)] == ["before@example.com", "after@example.com"]
+
+
+def test_an_enqueue_on_a_connection_the_server_ended_invalidates_it(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """A terminated backend (a server restart, an idle-session kill): the error is
+    SQLAlchemy's, flagged as a lost connection, the connection is invalidated, nothing was
+    written, and after the rollback SQLAlchemy asks for the same connection enqueues on a
+    new one."""
+    from .helpers import wait_for
+
+    with db.connect() as conn:
+        jobs.enqueue(conn, send, "first@example.com")
+        conn.commit()
+        pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        conn.commit()
+        with db.connect() as other:
+            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+        def gone() -> bool:
+            with db.connect() as other:
+                alive = other.execute(
+                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
+                    {"pid": pid},
+                )
+                return alive.scalar() == 0
+
+        wait_for(gone)
+        with pytest.raises(sa.exc.DBAPIError) as raised:
+            jobs.enqueue(conn, send, "lost@example.com")
+        assert raised.value.connection_invalidated and conn.invalidated
+        conn.rollback()
+        jobs.enqueue(conn, send, "again@example.com")
+        conn.commit()
+    assert [r.args["to"] for r in rows(db)] == ["first@example.com", "again@example.com"]

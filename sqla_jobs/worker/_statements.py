@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._direct import Rows, compiled, execute_all, pipeline_allowed, run_pipeline
+from .._direct import Rows, compiled, execute, pipeline_allowed, run_pipeline
 from .._queries import (
     CLAIMED_COLUMNS,
     ClaimParams,
@@ -93,7 +93,7 @@ def _rows(
     connection is, otherwise through SQLAlchemy. The rows are read by position either
     way."""
     if pipeline_allowed(conn):
-        return execute_all(conn, compiled(queries.compiled, statement, conn.dialect), params)
+        return execute(conn, compiled(queries.compiled, statement, conn.dialect), params)
     return list(conn.execute(statement, dict(params)).all())
 
 
