@@ -10,7 +10,8 @@ and the schedules) is a thin adapter of this module::
     PendingJob(row: the columns, how: PLAIN | UNIQUE | SCOPED | AFTER, scope, parents)
       │
       ├─ place_on_session(session, pending)        the unit of work
-      │     PLAIN   add a Job object (INSERT at the flush)
+      │     PLAIN   add a Job object; the flush writes it (write_direct: insert_job_row
+      │             straight to psycopg, then the object persistent) or leaves it to the ORM
       │     AFTER   add it held; link it at the flush (defer_link)
       │     UNIQUE  INSERT ... ON CONFLICT DO NOTHING now (the answer is needed now)
       │     SCOPED  take the key's row, place the job (enqueue_scoped) now
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -40,11 +42,12 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstanceState, Session, make_transient, make_transient_to_detached
+from sqlalchemy.orm.attributes import instance_state
 
 from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
-from ._direct import compiled, execute, pipeline_allowed
-from ._queries import _dumps, args_json
+from ._direct import compiled, execute, execute_each, pipeline_allowed
+from ._queries import INSERTED_COLUMNS, _dumps, args_json, filled_by_server
 from ._storable import Encodings, database_encodings
 from ._tasks import (
     OPTION_NAMES,
@@ -147,15 +150,25 @@ def bind_call(
 # -- one job on a session ----------------------------------------------------------------
 
 
-def place_on_session(session: Any, pending: PendingJob, shard: Any = None) -> tuple[Any, bool]:
+def place_on_session(
+    session: Any, pending: PendingJob, shard: Any = None, *, direct: bool = False
+) -> tuple[Any, bool]:
     """Place one job in a session's unit of work (``session``: a sync or an async one);
     return the job (the holder of a unique key, or None for a scoped key whose holder
     is gone) and whether it is new. A sharded session names the job's ``shard``: the
-    statements of a unique or scoped job run on it, and the job is read back from it."""
+    statements of a unique or scoped job run on it, and the job is read back from it.
+    ``direct``: the session's flush calls :func:`write_direct`, which may write a plain
+    job itself."""
     how = pending.how
     if how is Placement.PLAIN:
-        job = pending.registry.model(**pending.row)
+        registry = pending.registry
+        job = registry.model(**pending.row)
         session.add(job)
+        if direct and direct_shape(registry.model) is not None:
+            noted = session.info.get(DIRECT_KEY)
+            if noted is None:
+                noted = session.info[DIRECT_KEY] = []
+            noted.append((registry, job))
         return job, True
     if how is Placement.AFTER:
         return _session_after(session, pending), True
@@ -447,10 +460,153 @@ def _session_after(session: Any, pending: PendingJob) -> Any:
     values["run_at"] = HELD_UNTIL
     job = registry.model(**values)
     session.add(job)
-    defer_link(
-        _sync(session), registry, job, parent_ids(registry, parents, pending_ok=True), run_anyway
-    )
+    sync = _sync(session)
+    ids = parent_ids(registry, parents, pending_ok=True)
+    noted = sync.info.get(DIRECT_KEY)
+    if noted:
+        # Pending parents are written by the ORM, with this job, in the order they were
+        # added (see defer_link), and stay in the session for the link to expire.
+        waited = {id(p) for p in ids if not isinstance(p, int)}
+        sync.info[DIRECT_KEY] = [n for n in noted if id(n[1]) not in waited]
+    defer_link(sync, registry, job, ids, run_anyway)
     return job
+
+
+# -- a session's plain jobs, written around the ORM at the flush -------------------------
+#
+# ``session.enqueue`` adds a Job object to the session, as ``session.add`` would: it is
+# pending (in ``session.new``) until the flush, ``expunge`` or a rolled-back savepoint
+# drops it, and the flush writes it. Written by the ORM's unit of work, one job added
+# half the client's cost of a small transaction (``benchmarks/marginal.py``: 372 µs on
+# top of 706 for one business row): a second mapper to sort, collect, execute and
+# postfetch, and SQLAlchemy's execution around one INSERT. So at the flush, before the
+# ORM's own work, :func:`write_direct` sends the session's plain jobs itself
+# (``insert_job_row``, straight to psycopg on the session's connection, several in one
+# pipeline) and puts each object back in the session as persistent, with the values the
+# server gave it (id, run_at, created_at: the RETURNING), as the ORM's flush leaves it
+# (the session makes it transient again if its transaction rolls back, as the ORM
+# does: ``sqla_jobs.session._forget_written``). Whatever could tell the
+# difference goes the ORM's way as before: a watched connection (see
+# :func:`~sqla_jobs._direct.pipeline_allowed`), a session with flush listeners (they read
+# ``session.new``), a model with insert events, an inheritance, a version counter or a
+# column of its own with a Python default, a job object the application changed beyond
+# what enqueue set, a parent of a job with ``after=`` (linked by the ORM's flush), a
+# sharded session.
+
+#: The session ``info`` key of the plain jobs the flush may write itself, each with its
+#: registry, in the order they were enqueued.
+DIRECT_KEY = "sqla_jobs.direct"
+
+
+@dataclass(frozen=True, slots=True)
+class DirectShape:
+    """How a model's jobs are written around the ORM, worked out once per model."""
+
+    #: What a job object may hold for the INSERT to write it whole: the attributes of
+    #: its parameters (and SQLAlchemy's own state).
+    settable: frozenset[str]
+    #: The attributes of ``insert_job_row``'s RETURNING columns, in order.
+    returned: tuple[str, ...]
+
+
+_shapes: weakref.WeakKeyDictionary[type, DirectShape | None] = weakref.WeakKeyDictionary()
+
+
+def direct_shape(model: type) -> DirectShape | None:
+    """How ``model``'s plain jobs are written around the ORM, or None if they cannot be
+    (the ORM would do something the INSERT does not: an inheritance, a version counter,
+    a column of the application's own with a Python-side default, a column mapped
+    under several attributes). Insert events are checked at each flush: they may be
+    listened for later."""
+    try:
+        return _shapes[model]
+    except KeyError:
+        pass
+    shape = _shapes[model] = _work_out_shape(model)
+    return shape
+
+
+def _work_out_shape(model: type) -> DirectShape | None:
+    mapper: sa.orm.Mapper[Any] = sa.inspect(model)
+    table = mapper.local_table
+    if (
+        mapper.inherits is not None
+        or mapper.polymorphic_on is not None
+        or mapper.version_id_col is not None
+        or not isinstance(table, sa.Table)
+    ):
+        return None
+    key_of: dict[str, str] = {}
+    for prop in mapper.column_attrs:
+        [column] = prop.columns if len(prop.columns) == 1 else [None]
+        if not isinstance(column, sa.Column) or column.table is not table:
+            return None
+        key_of[column.name] = prop.key
+    inserted = set(INSERTED_COLUMNS)
+    for column in table.c:
+        if column.name not in key_of:
+            return None
+        if column.name not in inserted and column.default is not None:
+            return None  # the ORM would run it
+    returned = tuple(key_of[c.name] for c in filled_by_server(table))
+    settable = frozenset([*(key_of[name] for name in INSERTED_COLUMNS), "_sa_instance_state"])
+    return DirectShape(settable, returned)
+
+
+def write_direct(session: Session) -> list[Any]:
+    """Write the session's plain jobs that are still pending in it, in the session's
+    transaction, and take them out of it (see the section's comment); leave the rest
+    (expunged, rolled back, or for the ORM) where they are. Called by the session's
+    flush before the ORM's: a job's columns can name no application row (an object
+    holding such a value goes the ORM's way), so nothing it writes waits for one.
+
+    A failure leaves every job pending, as a failed flush does; the transaction, which
+    PostgreSQL has aborted, is its owner's to roll back. Returns the jobs it wrote: the
+    session makes them transient again if their transaction rolls back, as the ORM does
+    with the objects its flush wrote."""
+    noted: list[tuple[Jobs, Any]] | None = session.info.get(DIRECT_KEY)
+    if not noted:
+        return []
+    session.info[DIRECT_KEY] = []
+    watch = session.dispatch
+    if watch.before_flush or watch.after_flush or watch.after_flush_postexec:
+        return []  # listeners that read what the flush writes (session.new) see the jobs
+    if watch.pending_to_persistent:
+        return []  # and the lifecycle the ORM's flush gives each
+    written: list[Any] = []
+    key = session.hash_key
+    groups: dict[Jobs, list[InstanceState[Any]]] = {}
+    for registry, job in noted:
+        state = instance_state(job)
+        if state.session_id != key or state.key is not None:
+            continue  # expunged, rolled back with its savepoint, or flushed by the ORM
+        shape = _shapes[registry.model]
+        assert shape is not None  # noted only with a shape
+        if state.dict.keys() <= shape.settable:
+            groups.setdefault(registry, []).append(state)
+    for registry, group in groups.items():
+        dispatch = group[0].mapper.dispatch
+        if dispatch.before_insert or dispatch.after_insert:
+            continue
+        connection = session.connection(bind_arguments={"mapper": registry.model})
+        if not pipeline_allowed(connection):
+            continue
+        q = registry.queries
+        made = compiled(q.compiled, q.insert_job_row, connection.dialect)
+        found = execute_each(connection, made, [job_params(state.dict) for state in group])
+        shape = _shapes[registry.model]
+        assert shape is not None
+        for state, [row] in zip(group, found, strict=True):
+            # Pending no more: the row is written. Out, filled with the row's values, and
+            # back in as a persistent object, as the ORM's flush would leave it (its
+            # identity in the session, expired at commit, refreshed, deleted).
+            job = state.obj()
+            make_transient(job)
+            state.dict.update(zip(shape.returned, row, strict=True))
+            make_transient_to_detached(job)  # what it does not hold loads when read
+            Session.add(session, job)
+            written.append(job)
+    return written
 
 
 # -- many rows: enqueue_many and the schedules -------------------------------------------

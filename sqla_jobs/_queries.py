@@ -2027,7 +2027,7 @@ def _bulk_insert(t: sa.Table) -> sa.Insert:
 # options, so psycopg prepares it once; the arguments come as JSON text (the encoding
 # that checked them) and run_at defaults to now(). The unique variant skips a key held
 # by a live job (<table>_unique) and returns no row then.
-def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
+def _insert_job(t: sa.Table, *, unique: bool, whole_row: bool = False) -> sa.Insert:
     p = {name: sa.bindparam(name, type_=type_) for name, type_ in _BULK_COLUMNS}
     stmt = pg_insert(t).values(
         task=p["task"],
@@ -2043,7 +2043,30 @@ def _insert_job(t: sa.Table, *, unique: bool) -> sa.Insert:
     )
     if unique:
         stmt = stmt.on_conflict_do_nothing(index_elements=["unique_key"], index_where=UNIQUE_WHERE)
+    if whole_row:
+        return stmt.returning(*filled_by_server(t))
     return stmt.returning(t.c.id)
+
+
+#: The columns :func:`_insert_job` gives a value (its parameters; run_at through
+#: ``coalesce(:run_at, now())``).
+INSERTED_COLUMNS = (*(name for name, _ in _BULK_COLUMNS), "concurrency_key")
+
+
+def filled_by_server(t: sa.Table) -> list[sa.Column[Any]]:
+    """What the session's INSERT of a job (``insert_job_row``) returns: the id, run_at
+    (``now()`` when none was given), and each column the INSERT leaves to a server
+    default (attempts and created_at, and any an application's model adds), so that the
+    job object it wrote holds the row as stored, without a second read."""
+    return [
+        t.c.id,
+        t.c.run_at,
+        *(
+            c
+            for c in t.c
+            if c.server_default is not None and c.name not in INSERTED_COLUMNS and c.name != "id"
+        ),
+    ]
 
 
 # The live job that holds a unique key (<table>_unique): the answer of a unique enqueue
@@ -2427,6 +2450,9 @@ class Queries:
         self.bulk_insert = _bulk_insert(t)
         self.insert_job = _insert_job(t, unique=False)
         self.insert_job_unique = _insert_job(t, unique=True)
+        # session.enqueue's job, written at the flush (sqla_jobs._enqueue.write_direct):
+        # insert_job, returning what the server filled in.
+        self.insert_job_row = _insert_job(t, unique=False, whole_row=True)
         self.live_by_key = _live_by_key(t)
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)

@@ -12,7 +12,10 @@
 adds a ``Job`` object to the session and returns it. Like any object added to a session,
 it is INSERTed at the next flush, is visible to workers only once the caller commits, and
 is gone if the transaction rolls back. Nothing here commits on the caller's behalf, or
-flushes the session's objects where the caller's own commit would not.
+flushes the session's objects where the caller's own commit would not. The flush writes
+the job itself, for less client CPU than the ORM's unit of work, and leaves the object as
+the ORM would (persistent, holding what the server gave it), unless something could tell
+the difference (see :func:`sqla_jobs._enqueue.write_direct`).
 
 ``enqueue_many`` is for bulk, and is a statement, like SQLAlchemy's own bulk INSERT
 (``session.execute(insert(Job), rows)``): its rows are written at the call, by one
@@ -55,7 +58,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm import Session, SessionTransaction, make_transient
 
 from ._enqueue import (
     JOBS_KEY,
@@ -68,6 +71,7 @@ from ._enqueue import (
     many_values,
     place_on_session,
     same_run,
+    write_direct,
 )
 from ._storable import database_encodings, known_encodings
 from ._tasks import (
@@ -99,8 +103,59 @@ T = TypeVar("T", bound=Task[Any, Any])
 _JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
+#: (transaction, jobs) per flush: the jobs the flush wrote itself, in the transaction
+#: innermost then (see EnqueueMixin.flush).
+_WRITTEN_KEY = "sqla_jobs.written"
 #: Options that make a job unique, which needs an INSERT now (awaited, on asyncio).
 _UNIQUE_OPTIONS = ("unique_key", "unique_for", "unique_states", "unique_on_conflict")
+
+
+def _written_committed(session: Session) -> None:
+    # As _after_commit does for announcements: a released savepoint hands its jobs to
+    # its parent; the outermost commit keeps them for good.
+    entries: list[tuple[SessionTransaction, list[Any]]] | None = session.info.get(_WRITTEN_KEY)
+    if not entries:
+        return
+    released = session.get_nested_transaction()
+    if released is None:
+        session.info[_WRITTEN_KEY] = []
+        return
+    parent = released.parent
+    assert parent is not None
+    heir = _boundary_of(parent)
+    session.info[_WRITTEN_KEY] = [
+        (heir if boundary is released else boundary, jobs) for boundary, jobs in entries
+    ]
+
+
+def _written_rolled_back(session: Session) -> None:
+    """A transaction rolled back: the jobs the flush wrote in it (or in a savepoint
+    inside it) are transient again, holding what they held, as the ORM leaves the objects
+    its flush wrote (``Session.add`` would insert them anew). Fired before the session
+    expires what it holds, so they keep their values."""
+    entries: list[tuple[SessionTransaction, list[Any]]] | None = session.info.get(_WRITTEN_KEY)
+    if not entries:
+        return
+    rolled = session.get_nested_transaction() or session.get_transaction()
+    gone: list[tuple[SessionTransaction, list[Any]]] = []
+    kept: list[tuple[SessionTransaction, list[Any]]] = []
+    for boundary, jobs in entries:
+        inside: SessionTransaction | None = boundary
+        while inside is not None and inside is not rolled:
+            inside = inside.parent
+        (gone if inside is not None else kept).append((boundary, jobs))
+    session.info[_WRITTEN_KEY] = kept
+    for _, jobs in gone:
+        for job in jobs:
+            if inspect(job).session_id == session.hash_key:
+                make_transient(job)
+
+
+def _forget_written(session: Session, transaction: SessionTransaction) -> None:
+    # The outermost transaction ended: what it committed is for good, and what it rolled
+    # back was handled; a session closed with it open leaves its objects detached.
+    if transaction.parent is None and session.info.get(_WRITTEN_KEY):
+        session.info[_WRITTEN_KEY] = []
 
 
 class EnqueueMixin:
@@ -122,18 +177,46 @@ class EnqueueMixin:
         if jobs is not None:
             self.info[_JOBS_KEY] = jobs
 
-    def flush(self, objects: Any = None) -> Any:
-        """Flush the session, then write the waiting ``enqueue_many`` rows.
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """A ``Session`` class that mixes this in listens for its sessions' commits and
+        rollbacks (once per class: subclasses inherit the listeners), for the jobs its
+        flush wrote itself (see :func:`_written_rolled_back`). On the class, not on each
+        session: listening on an instance costs every new session more than the write
+        it serves."""
+        super().__init_subclass__(**kw)
+        if issubclass(cls, Session) and not getattr(cls, "_sqla_jobs_listening", False):
+            setattr(cls, "_sqla_jobs_listening", True)  # noqa: B010 - a mark, not a field
+            event.listen(cls, "after_commit", _written_committed)
+            event.listen(cls, "after_rollback", _written_rolled_back)
+            event.listen(cls, "after_transaction_end", _forget_written)
 
-        Why not only the ``after_flush`` hook: SQLAlchemy skips a flush (and its hooks)
-        when the session holds no changed object of its own, so a session whose only work
-        is ``enqueue_many`` rows would write nothing at ``flush()`` or at an autoflush, and
-        a query right after would not see them. The rows go into the current transaction
-        (the innermost savepoint), whose fate they already share. On an ``AsyncSession``
-        this returns the awaitable of its ``flush``.
+    def flush(self, objects: Any = None) -> Any:
+        """Write the jobs ``enqueue`` added, flush the session, then write the waiting
+        ``enqueue_many`` rows.
+
+        The plain jobs are written first, by :func:`~sqla_jobs._enqueue.write_direct`
+        (one prepared INSERT each, all in one round trip, for less client CPU than the
+        ORM's unit of work), and are persistent afterwards as if the ORM had written
+        them; what it leaves pending, the ORM writes. A flush of chosen ``objects`` leaves
+        them all to the ORM.
+
+        Why not only the ``after_flush`` hook for the rows: SQLAlchemy skips a flush (and
+        its hooks) when the session holds no changed object of its own, so a session
+        whose only work is ``enqueue_many`` rows would write nothing at ``flush()`` or at
+        an autoflush, and a query right after would not see them. The rows go into the
+        current transaction (the innermost savepoint), whose fate they already share. On
+        an ``AsyncSession`` this returns the awaitable of its ``flush``.
         """
         parent: Any = super()
         if isinstance(self, Session):
+            if objects is None:
+                written = write_direct(self)
+                if written:
+                    boundary = self.get_nested_transaction() or self.get_transaction()
+                    entries = self.info.get(_WRITTEN_KEY)
+                    if entries is None:
+                        entries = self.info[_WRITTEN_KEY] = []
+                    entries.append((boundary, written))
             parent.flush(objects)
             _insert_pending(self)
             return None
@@ -233,7 +316,10 @@ class EnqueueMixin:
         if not ascii_row(pending.row):
             _check_encoding(session, registry, [pending.row], shard)
         job: JobMixin | None
-        job, inserted = place_on_session(self, pending, shard)
+        # Written by this class's flush (write_direct), unless the session lacks it (the
+        # plain one behind an AsyncSession of the application's) or is sharded.
+        direct = shard is None and isinstance(self, EnqueueMixin)
+        job, inserted = place_on_session(self, pending, shard, direct=direct)
         if inserted and registry.events.wants("enqueued"):
             _announce(session, registry, [job], boundary)
         return job

@@ -1,0 +1,345 @@
+"""``session.enqueue``'s jobs, written by the session's flush itself (issue 23, item 1).
+
+A plain job is added to the session as ``session.add`` would add it, and the flush writes
+it around the ORM's unit of work (:func:`sqla_jobs._enqueue.write_direct`): one prepared
+INSERT, several jobs in one pipeline, and the object back in the session as persistent,
+holding the row as stored. These tests hold it to what the ORM's flush did: the same
+rows, the same object afterwards, the same fate under savepoints, rollbacks and errors,
+and the ORM's own way wherever something could tell the difference.
+
+How a test tells which way a job went: the direct write reads the server's defaults back
+with the INSERT (its RETURNING), where the ORM's flush (``eager_defaults=False``) leaves
+them to load when read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from sqla_jobs import JobMixin, Jobs, JobSession
+from sqla_jobs._enqueue import DIRECT_KEY, direct_shape
+
+from . import app
+from .helpers import count, rows
+
+
+@pytest.fixture
+def send(jobs: Jobs) -> Any:
+    @jobs.task(queue="mail")
+    def send_email(to: str) -> None:
+        pass
+
+    return send_email
+
+
+def written_directly(job: Any) -> bool:
+    """The job was written by the session's flush itself: persistent, its server
+    defaults read back."""
+    state = sa.inspect(job)
+    return state.persistent and not {"run_at", "attempts", "created_at"} & state.unloaded
+
+
+def test_jobs_are_written_in_enqueue_order_and_left_persistent_and_whole(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        session.add(app.Link(code="x7Kp", url="https://example.com"))
+        made = [session.enqueue(send, f"{n}@example.com") for n in range(3)]
+        assert all(job in session.new for job in made)  # pending until the flush
+        session.flush()
+        assert all(written_directly(job) for job in made)
+        assert [job.id for job in made] == sorted(job.id for job in made)
+        job = made[0]
+        # The server's own values, read back by the INSERT; the rest loads when read.
+        assert job.attempts == 0 and job.run_at == job.created_at  # now(), both
+        assert job.locked_by is None and job.meta is None
+        assert session.get(app.Job, job.id) is job  # in the session's identity map
+        ids = [j.id for j in made]
+        session.commit()
+    stored = rows(db)
+    assert [r.id for r in stored] == ids
+    assert [r.args["to"] for r in stored] == [f"{n}@example.com" for n in range(3)]
+    assert {r.status for r in stored} == {"ready"} and {r.queue for r in stored} == {"mail"}
+    assert count(db, app.Link) == 1
+
+
+def test_a_written_job_behaves_as_one_the_orm_wrote(Session: Any, db: sa.Engine, send: Any) -> None:
+    with Session() as session:
+        kept = session.enqueue(send, "kept")
+        deleted = session.enqueue(send, "deleted")
+        session.flush()
+        assert written_directly(kept) and written_directly(deleted)
+        session.delete(deleted)  # a persistent object: deleted at the next flush
+        kept.priority = 7  # and updated
+        session.commit()
+        assert sa.inspect(kept).expired_attributes  # expired at COMMIT, as any object
+        assert kept.priority == 7  # and loaded again
+    (row,) = rows(db)
+    assert row.args == {"to": "kept"} and row.priority == 7
+
+
+def test_expunged_or_rolled_back_before_the_flush_is_never_written(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        session.expunge(session.enqueue(send, "expunged"))
+        with pytest.raises(RuntimeError), session.begin_nested():
+            session.enqueue(send, "in a rolled-back savepoint")
+            raise RuntimeError
+        session.enqueue(send, "kept")
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["kept"]
+
+
+def test_a_savepoint_that_rolls_back_takes_its_written_jobs_and_makes_them_transient(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        before = session.enqueue(send, "before")
+        with pytest.raises(RuntimeError), session.begin_nested():
+            inside = session.enqueue(send, "inside")
+            session.flush()
+            assert written_directly(inside)
+            raise RuntimeError
+        assert sa.inspect(inside).transient  # as the ORM leaves what it wrote there
+        assert sa.inspect(before).persistent  # written before the SAVEPOINT, kept
+        with session.begin_nested():
+            released = session.enqueue(send, "released")
+            session.flush()
+        session.commit()
+        assert sa.inspect(released).persistent
+    assert [r.args["to"] for r in rows(db)] == ["before", "released"]
+
+
+def test_an_outer_rollback_makes_the_written_jobs_transient(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        job = session.enqueue(send, "gone")
+        session.flush()
+        assert written_directly(job)
+        session.rollback()
+        assert sa.inspect(job).transient
+        session.add(job)  # a new job, as after the ORM's rolled-back flush
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["gone"]
+
+
+def test_what_postgresql_refuses_leaves_the_jobs_pending_and_nothing_written(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        good = session.enqueue(send, "good")
+        bad = session.enqueue(send, "bad")
+        bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks, as a later edit is
+        with pytest.raises(sa.exc.DataError):
+            session.flush()
+        assert good in session.new and bad in session.new  # as a failed flush leaves them
+        session.rollback()
+        assert sa.inspect(good).transient
+        session.enqueue(send, "after the rollback")
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["after the rollback"]
+
+
+def test_a_terminated_backend_writes_nothing_and_the_session_recovers(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        session.add(app.Link(code="t", url="https://example.com"))
+        session.flush()  # the transaction has its connection
+        pid = session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        job = session.enqueue(send, "lost")
+        with db.connect() as other:
+            other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+        with pytest.raises(sa.exc.OperationalError) as raised:
+            session.flush()
+        assert raised.value.connection_invalidated
+        assert job in session.new
+        session.rollback()
+        session.enqueue(send, "again")
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["again"]
+    assert count(db, app.Link) == 0
+
+
+def test_a_session_of_nothing_but_jobs_writes_them_at_commit(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session.begin() as session:
+        jobs_made = [session.enqueue(send, "a"), session.enqueue(send, "b")]
+    assert [r.args["to"] for r in rows(db)] == ["a", "b"]
+    assert all(sa.inspect(j).detached for j in jobs_made)
+
+
+# -- where the ORM writes the job, as before -------------------------------------------
+
+
+def test_a_watched_connection_goes_the_orms_way(Session: Any, db: sa.Engine, send: Any) -> None:
+    seen: list[str] = []
+
+    def statement(conn: Any, cursor: Any, sql: str, *rest: Any) -> None:
+        seen.append(sql)
+
+    event.listen(db, "before_cursor_execute", statement)
+    try:
+        with Session() as session:
+            job = session.enqueue(send, "watched")
+            session.flush()
+            assert sa.inspect(job).persistent and not written_directly(job)
+            session.commit()
+    finally:
+        event.remove(db, "before_cursor_execute", statement)
+    assert any("INSERT INTO" in s and "jobs" in s for s in seen)
+    assert count(db) == 1
+
+
+def test_flush_listeners_see_the_jobs_in_session_new(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    new: list[Any] = []
+    with Session() as session:
+
+        @event.listens_for(session, "before_flush")
+        def before_flush(s: Any, context: Any, objects: Any) -> None:
+            new.extend(o for o in s.new if isinstance(o, app.Job))
+
+        job = session.enqueue(send, "seen")
+        session.commit()
+    assert new == [job]
+    assert count(db) == 1
+
+
+def test_insert_events_of_the_model_still_fire(Session: Any, db: sa.Engine, send: Any) -> None:
+    fired: list[Any] = []
+
+    def before_insert(mapper: Any, connection: Any, target: Any) -> None:
+        fired.append(target)
+
+    event.listen(app.Job, "before_insert", before_insert)
+    try:
+        with Session.begin() as session:
+            job = session.enqueue(send, "evented")
+    finally:
+        event.remove(app.Job, "before_insert", before_insert)
+    assert fired == [job]
+    assert count(db) == 1
+
+
+def test_a_job_changed_after_enqueue_is_written_with_its_change(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        job = session.enqueue(send, "changed")
+        job.last_error = "set by the application"  # a column enqueue does not write
+        session.flush()
+        assert not written_directly(job)
+        session.commit()
+    (row,) = rows(db)
+    assert row.last_error == "set by the application"
+
+
+def test_the_parents_of_a_job_with_after_are_linked_in_the_same_flush(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session.begin() as session:
+        first = session.enqueue(send, "first")
+        second = session.enqueue(send, "second")
+        child = session.enqueue(send.with_options(after=[first]), "child")
+        assert [j for _, j in session.info[DIRECT_KEY]] == [second]
+        session.flush()
+        first_id, child_id = first.id, child.id
+    stored = {r.args["to"]: r for r in rows(db)}
+    assert stored["child"].parents == [first_id] and stored["child"].waiting == 1
+    assert first_id < child_id
+
+
+def test_a_model_with_a_python_default_of_its_own_goes_the_orms_way(
+    engine: sa.Engine, send: Any
+) -> None:
+    schema = f"direct_{uuid.uuid4().hex[:8]}"
+
+    class Base(DeclarativeBase):
+        metadata = sa.MetaData(schema=schema)
+
+    class TenantJob(JobMixin, Base):
+        __tablename__ = "jobs"
+        tenant: Mapped[str] = mapped_column(default="acme")
+
+    class PlainJob(JobMixin, Base):
+        __tablename__ = "plain_jobs"
+        note: Mapped[str | None] = mapped_column(server_default="hello")
+
+    assert direct_shape(TenantJob) is None
+    assert direct_shape(PlainJob) is not None
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        Base.metadata.create_all(conn)
+    try:
+        tenant_jobs, plain_jobs = Jobs(TenantJob), Jobs(PlainJob)
+
+        @tenant_jobs.task
+        def tenant_task() -> None: ...
+
+        @plain_jobs.task
+        def plain_task() -> None: ...
+
+        Session = sessionmaker(engine, class_=JobSession)
+        with Session.begin() as session:
+            tenant = session.enqueue(tenant_task)
+            plain = session.enqueue(plain_task)
+            session.flush()
+            assert written_directly(plain) and plain.note == "hello"  # read back
+            assert tenant.tenant == "acme"
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql(f'SELECT tenant FROM "{schema}".jobs').scalar() == "acme"
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+# -- asyncio ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def async_session(db: sa.Engine, jobs: Jobs) -> Iterator[Any]:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from sqla_jobs.aio import AsyncJobSession
+
+    url = db.url.set(drivername="postgresql+psycopg")
+    yield lambda: (create_async_engine(url), AsyncJobSession)
+    del async_sessionmaker
+
+
+def test_an_async_session_writes_its_jobs_in_one_round_trip(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from sqla_jobs.aio import AsyncJobSession
+
+    async def main() -> list[Any]:
+        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
+        try:
+            ASession = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+            async with ASession() as session:
+                made = [session.enqueue(send, f"{n}") for n in range(3)]
+                await session.flush()
+                assert all(written_directly(j) for j in made)
+                ids = [j.id for j in made]
+                await session.commit()
+                return ids
+        finally:
+            await engine.dispose()
+
+    ids = asyncio.run(main())
+    assert [r.id for r in rows(db)] == ids == sorted(ids)
