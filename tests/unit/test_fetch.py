@@ -165,6 +165,37 @@ def test_slow_handlers_and_prefetch_off_claim_only_into_free_slots(frozen: FakeC
     assert _claims(core) == []
 
 
+def test_a_worker_of_limited_queues_only_claims_ahead_too(frozen: FakeClock) -> None:
+    """The claim-ahead is estimated from the claims' round trips: a limited claim's counts
+    like any (it did not, and a worker serving only limited queues never claimed past its
+    free slots: a never-binding limit drained at two thirds of the unlimited rate)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("lim", concurrency=1_000_000)
+
+    @jobs.task(queue="lim", name="limited")
+    def limited() -> None: ...
+
+    driver = FakeDriver()
+    settings = WorkerSettings(queues=("lim",), concurrency=10, claim_limit=10)
+    core = WorkerCore(jobs, settings, driver)
+    asked: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io)
+        frozen.advance(0.01)  # each claim takes 10 ms
+        limit = step.args[1]["limit"]
+        asked.append(limit)
+        return LimitedClaim([row(next(_ids), queue="lim") for _ in range(limit)], False, None)
+
+    run_steps(core.fetcher.claim(), answer)
+    assert core.fetcher.rtt == pytest.approx(0.01)
+    _finishing(core, 1000, core.fetcher.rtt)  # 1,000 jobs/s: twenty end in two claims
+    asked.clear()
+    run_steps(core.fetcher.claim(), answer)
+    assert asked == [10]  # ahead of the ten slots, all busy
+    assert core.running == 20 and core.free == -10
+
+
 def test_a_limited_queue_shares_the_claim_ahead_room(frozen: FakeClock) -> None:
     """A busy queue claimed ahead keeps the free slots below zero; a limited queue must
     still be claimed from the room (kept to the free slots, it starved until the busy
