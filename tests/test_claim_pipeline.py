@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from sqla_jobs import Jobs, create_async_engine, create_engine
 from sqla_jobs._direct import pipeline_allowed
@@ -289,3 +290,72 @@ def test_the_fair_claim_runs_on_the_generic_plan_in_a_transaction_of_its_own(
             .group_by(t.c.concurrency_key)
         ).all()
     assert sorted(per_tenant) == [(f"t{i}", 12) for i in range(4)]
+
+
+# -- the asyncio worker's plain claim, awaited on psycopg itself -------------------------
+
+
+def test_the_asyncio_plain_claim_goes_straight_to_psycopg_and_fails_as_sqlalchemy_does(
+    db: sa.Engine, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_HeldConnection.claim`` (the asyncio worker's plain claim) awaits psycopg itself
+    when nothing watches the statements, and takes the jobs the sync claim would; a
+    connection the server ended raises SQLAlchemy's error, invalidated, the held
+    connection is let go, and the next claim connects again. Watched, the claim goes
+    through ``run_sync``, and the listener sees it."""
+    from sqla_jobs.worker.aio import _HeldConnection
+
+    with db.begin() as c:
+        app.jobs.enqueue_many(c, app.record_run, [{"n": n} for n in range(6)])
+    params = claim_params("records", 2, interval(30), "claimer")
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        held = _HeldConnection(engine)
+        greenlets: list[str] = []
+        run_sync = AsyncConnection.run_sync
+
+        async def recorded(self: Any, fn: Any, *args: Any, **kw: Any) -> Any:
+            greenlets.append(getattr(fn, "__name__", ""))
+            return await run_sync(self, fn, *args, **kw)
+
+        monkeypatch.setattr(AsyncConnection, "run_sync", recorded)
+        try:
+            first = await held.claim(app.jobs.queries, params)
+            assert [r[0] for r in first] == [1, 2]  # oldest first, as the sync claim
+            assert "claim" not in greenlets  # awaited on psycopg, not through run_sync
+            conn = held._conn
+            assert conn is not None
+            pid = (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar()
+            with db.connect() as other:
+                other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+            def gone() -> bool:
+                with db.connect() as other:
+                    found = other.execute(
+                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
+                        {"pid": pid},
+                    )
+                    return found.scalar() == 0
+
+            await asyncio.to_thread(wait_for, gone)
+            with pytest.raises(sa.exc.DBAPIError) as raised:
+                await held.claim(app.jobs.queries, params)
+            assert raised.value.connection_invalidated
+            assert held._conn is None  # let go: the next claim connects anew
+            assert [r[0] for r in await held.claim(app.jobs.queries, params)] == [3, 4]
+
+            seen: list[str] = []
+
+            def statement(conn: Any, cursor: Any, sql: str, *rest: Any) -> None:
+                seen.append(sql)
+
+            sa.event.listen(engine.sync_engine, "before_cursor_execute", statement)
+            assert [r[0] for r in await held.claim(app.jobs.queries, params)] == [5, 6]
+            assert any("next_jobs" in s for s in seen) and "claim" in greenlets
+        finally:
+            await held.close()
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert count(db, status="running") == 6
