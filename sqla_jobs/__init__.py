@@ -9,7 +9,7 @@ whose job was lost. Workers claim jobs with ``FOR NO KEY UPDATE SKIP LOCKED``.
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
 from .db import create_async_engine, create_engine
 from .errors import (
@@ -78,8 +78,22 @@ __all__ = [
     "current_job",
 ]
 
-try:
+if TYPE_CHECKING:
     #: The installed distribution's version: ``pyproject.toml`` is its one source.
-    __version__ = _metadata.version("sqla-jobs")
-except _metadata.PackageNotFoundError:  # imported from a checkout that was never installed
-    __version__ = "0+unknown"
+    __version__: str
+
+
+def __getattr__(name: str) -> Any:
+    """``__version__``, read from the installed distribution when first asked for:
+    ``importlib.metadata`` took 40 ms to import, a tenth of a worker's start-up, for a
+    string that the worker never reads."""
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            version = metadata.version("sqla-jobs")
+        except metadata.PackageNotFoundError:  # a checkout that was never installed
+            version = "0+unknown"
+        globals()["__version__"] = version
+        return version
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

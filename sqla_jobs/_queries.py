@@ -1063,11 +1063,8 @@ def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
     capped = params.get("concurrency") is not None
     fifo = bool(params.get("fifo"))
     keyed = params.get("keyed", True) or key_rated or fifo
-    if rated and capped and keyed:
-        # Every part: the statements built up front (and the fifo ones, built once).
-        if fifo:
-            return queries.fifo_claim(key_rated=key_rated)
-        return queries.key_rated_claim if key_rated else queries.limited_claim
+    if rated and capped and keyed and fifo:
+        return queries.fifo_claim(key_rated=key_rated)
     return queries.shaped_claim(
         key_rated=key_rated, fifo=fifo, rated=rated, capped=capped, keyed=keyed
     )
@@ -2407,9 +2404,9 @@ class Queries:
         self.claim = _claim(t)
         self.session_claim = _claim(t, for_session=True)
         self.limit_lock = _limit_lock(t)
-        self.limited_claim = _limited_claim(t)
-        self.key_rated_claim = _limited_claim(t, key_rated=True)
-        # The claims of queues with key_order="fifo" or fair=True, built when first used.
+        # The claims of limited queues (the shape each queue's limits need), built when
+        # first used: a quarter of building every statement, which every worker, web
+        # process and CLI command does at start.
         self._built: dict[tuple[Any, ...], sa.Select[Any]] = {}
         #: Statements compiled for sending straight to psycopg (``sqla_jobs._direct``),
         #: by (id, dialect): each is one of the statements held here, so its id is stable.
@@ -2508,6 +2505,16 @@ class Queries:
             capped=capped,
             keyed=keyed,
         )
+
+    @property
+    def limited_claim(self) -> sa.Select[Any]:
+        """The limited claim with every part but the key rate's."""
+        return self.shaped_claim(key_rated=False, fifo=False, rated=True, capped=True)
+
+    @property
+    def key_rated_claim(self) -> sa.Select[Any]:
+        """The limited claim with every part."""
+        return self.shaped_claim(key_rated=True, fifo=False, rated=True, capped=True)
 
     def _once(self, key: tuple[Any, ...], build: Any, **kw: Any) -> sa.Select[Any]:
         """A statement built the first time a worker or a session asks for it: most

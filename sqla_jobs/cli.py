@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
-from . import __version__, _present, admin, logs, sharding
+from . import _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS, JSON_MAX_DEPTH, json_text_depth
 from ._tasks import json_problem
 from .db import SCHEMA_FIX, create_engine, normalize_url, url_connect_args
@@ -1658,6 +1658,16 @@ def _filter_options(parser: argparse.ArgumentParser, accepted: str, default: str
     )
 
 
+class _Version(argparse.Action):
+    """``--version``: the version read only when asked for (see ``sqla_jobs.__getattr__``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> NoReturn:
+        from . import __version__
+
+        print(f"{parser.prog} {__version__}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sqla-jobs",
@@ -1669,7 +1679,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="PostgreSQL URL (default: $DATABASE_URL)",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _add_worker(sub)
