@@ -524,7 +524,10 @@ def _limited_claim(
     )
     claimed = (
         sa.update(t)
-        .where(c.id == chosen.c.id, c.status == status_literal(JobStatus.READY))
+        # By id = ANY(ARRAY(...)), a probe of the primary key per chosen row: as a join,
+        # the generic plan of the keyed shapes hashed the chosen ids and scanned the whole
+        # table for them (a claim of 200 at 20,000 jobs: 2.7 ms of its 9.7).
+        .where(c.id == sa.any_(_ids_of(chosen.c.id)), c.status == status_literal(JobStatus.READY))
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
