@@ -50,6 +50,8 @@ from typing import Any, NoReturn
 
 import sqlalchemy as sa
 
+import sqla_jobs
+
 from . import _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS, JSON_MAX_DEPTH, json_text_depth
 from ._tasks import json_problem
@@ -1662,9 +1664,7 @@ class _Version(argparse.Action):
     """``--version``: the version read only when asked for (see ``sqla_jobs.__getattr__``)."""
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> NoReturn:
-        from . import __version__
-
-        print(f"{parser.prog} {__version__}")
+        print(f"{parser.prog} {sqla_jobs.__version__}")
         parser.exit()
 
 
