@@ -125,9 +125,13 @@ def test_an_outer_rollback_makes_the_written_jobs_transient(
     with Session() as session:
         job = session.enqueue(send, "gone")
         session.flush()
-        assert written_directly(job)
+        with session.begin_nested():  # released into the outer transaction
+            released = session.enqueue(send, "released, then rolled back")
+            session.flush()
+        assert written_directly(job) and written_directly(released)
         session.rollback()
-        assert sa.inspect(job).transient
+        assert sa.inspect(job).transient and sa.inspect(released).transient
+        assert released.args == {"to": "released, then rolled back"}  # kept, as the ORM
         session.add(job)  # a new job, as after the ORM's rolled-back flush
         session.commit()
     assert [r.args["to"] for r in rows(db)] == ["gone"]
