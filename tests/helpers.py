@@ -30,6 +30,15 @@ def wait_for(check: Callable[[], T], timeout: float = 10.0, interval: float = 0.
         time.sleep(interval)
 
 
+def terminate_backend(engine: sa.Engine, pid: int) -> None:
+    """End the server process ``pid`` and wait until it is gone: the signal is sent at
+    once and the backend ends a moment later, so a statement sent in between could still
+    be answered (``pg_terminate_backend``'s timeout waits for the end, up to 10 s)."""
+    with engine.connect() as other:
+        ended = other.execute(sa.text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
+        assert ended.scalar(), f"backend {pid} did not end within 10 s"
+
+
 def rows(engine: sa.Engine, model: Any = app.Job) -> list[Any]:
     """All rows of a model's table (or of a Table), in primary key order."""
     with engine.connect() as conn:

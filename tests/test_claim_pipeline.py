@@ -21,7 +21,7 @@ from sqla_jobs._queries import claim_params, fair_claim_params, interval, queue_
 from sqla_jobs.worker import _statements as worker_db
 
 from . import app
-from .helpers import count, rows, wait_for
+from .helpers import count, rows, terminate_backend
 
 jobs = app.limited_jobs
 
@@ -144,17 +144,7 @@ def test_a_pipelined_claim_whose_connection_the_server_ends_invalidates_it(
     with db.begin() as c:
         jobs.enqueue(c, app.limited_work, seconds=0)
     pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-    with db.connect() as other:
-        other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-
-    def gone() -> bool:
-        with db.connect() as other:
-            alive = other.execute(
-                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
-            )
-            return alive.scalar() == 0
-
-    wait_for(gone)  # the signal is sent at once, the backend ends a moment later
+    terminate_backend(db, pid)
     with pytest.raises(sa.exc.DBAPIError) as raised:
         worker_db.claim_limited(conn, jobs.queries, _params("limited"))
     assert raised.value.connection_invalidated and conn.invalidated
@@ -327,18 +317,7 @@ def test_the_asyncio_plain_claim_goes_straight_to_psycopg_and_fails_as_sqlalchem
             conn = held._conn
             assert conn is not None
             pid = (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar()
-            with db.connect() as other:
-                other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-
-            def gone() -> bool:
-                with db.connect() as other:
-                    found = other.execute(
-                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
-                        {"pid": pid},
-                    )
-                    return found.scalar() == 0
-
-            await asyncio.to_thread(wait_for, gone)
+            await asyncio.to_thread(terminate_backend, db, pid)
             with pytest.raises(sa.exc.DBAPIError) as raised:
                 await held.claim(app.jobs.queries, params)
             assert raised.value.connection_invalidated

@@ -18,7 +18,7 @@ from sqla_jobs.worker import _statements as worker_db
 from sqla_jobs.worker.job import Outcome, OutcomeKind, decode_rows
 
 from . import app
-from .helpers import rows
+from .helpers import rows, terminate_backend
 
 jobs = app.limited_jobs
 
@@ -184,21 +184,9 @@ def test_a_write_whose_connection_the_server_ended_writes_and_claims_nothing(
     """The backend is gone when the batch and its claim are sent: the error is a lost
     connection (the completer writes the batch again on a new one), the job is still
     running, nothing was claimed, and the batch written again frees and claims."""
-    from .helpers import wait_for
-
     claimed = _running(db, conn, 5)
     pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-    with db.connect() as other:
-        other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-
-    def gone() -> bool:
-        with db.connect() as other:
-            alive = other.execute(
-                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
-            )
-            return alive.scalar() == 0
-
-    wait_for(gone)
+    terminate_backend(db, pid)
     batch = [Outcome(OutcomeKind.SUCCEEDED, claimed[0])]
     with pytest.raises(sa.exc.DBAPIError) as raised:
         worker_db.write_and_claim(conn, jobs.queries, batch, _params())

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqla_jobs import EnqueueError, Jobs
 
 from . import app
-from .helpers import count, rows
+from .helpers import count, rows, terminate_backend
 
 
 @pytest.fixture
@@ -273,25 +273,12 @@ def test_an_enqueue_on_a_connection_the_server_ended_invalidates_it(
     SQLAlchemy's, flagged as a lost connection, the connection is invalidated, nothing was
     written, and after the rollback SQLAlchemy asks for the same connection enqueues on a
     new one."""
-    from .helpers import wait_for
-
     with db.connect() as conn:
         jobs.enqueue(conn, send, "first@example.com")
         conn.commit()
         pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
         conn.commit()
-        with db.connect() as other:
-            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-
-        def gone() -> bool:
-            with db.connect() as other:
-                alive = other.execute(
-                    sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"),
-                    {"pid": pid},
-                )
-                return alive.scalar() == 0
-
-        wait_for(gone)
+        terminate_backend(db, pid)
         with pytest.raises(sa.exc.DBAPIError) as raised:
             jobs.enqueue(conn, send, "lost@example.com")
         assert raised.value.connection_invalidated and conn.invalidated

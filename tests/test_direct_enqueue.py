@@ -28,7 +28,7 @@ from sqla_jobs import JobMixin, Jobs, JobSession
 from sqla_jobs._enqueue import DIRECT_KEY, direct_shape
 
 from . import app
-from .helpers import count, rows
+from .helpers import count, rows, terminate_backend
 
 
 @pytest.fixture
@@ -162,8 +162,7 @@ def test_a_terminated_backend_writes_nothing_and_the_session_recovers(
         session.flush()  # the transaction has its connection
         pid = session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
         job = session.enqueue(send, "lost")
-        with db.connect() as other:
-            other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+        terminate_backend(db, pid)
         with pytest.raises(sa.exc.OperationalError) as raised:
             session.flush()
         assert raised.value.connection_invalidated
