@@ -485,7 +485,7 @@ def _session_after(session: Any, pending: PendingJob) -> Any:
 # pipeline) and puts each object back in the session as persistent, with the values the
 # server gave it (id, run_at, created_at: the RETURNING), as the ORM's flush leaves it
 # (the session makes it transient again if its transaction rolls back, as the ORM
-# does: ``sqla_jobs.session._forget_written``). Whatever could tell the
+# does: ``sqla_jobs.session._written_rolled_back``). Whatever could tell the
 # difference goes the ORM's way as before: a watched connection (see
 # :func:`~sqla_jobs._direct.pipeline_allowed`), a session with flush listeners (they read
 # ``session.new``), a model with insert events, an inheritance, a version counter or a

@@ -61,6 +61,7 @@ from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction, make_transient
 
 from ._enqueue import (
+    DIRECT_KEY,
     JOBS_KEY,
     UniformRows,
     _sync,
@@ -153,9 +154,12 @@ def _written_rolled_back(session: Session) -> None:
 
 def _forget_written(session: Session, transaction: SessionTransaction) -> None:
     # The outermost transaction ended: what it committed is for good, and what it rolled
-    # back was handled; a session closed with it open leaves its objects detached.
-    if transaction.parent is None and session.info.get(_WRITTEN_KEY):
-        session.info[_WRITTEN_KEY] = []
+    # back was handled; a session closed with it open leaves its objects detached. Jobs
+    # still noted for the flush went with the transaction.
+    if transaction.parent is None:
+        for key in (_WRITTEN_KEY, DIRECT_KEY):
+            if session.info.get(key):
+                session.info[key] = []
 
 
 class EnqueueMixin:
@@ -317,8 +321,9 @@ class EnqueueMixin:
             _check_encoding(session, registry, [pending.row], shard)
         job: JobMixin | None
         # Written by this class's flush (write_direct), unless the session lacks it (the
-        # plain one behind an AsyncSession of the application's) or is sharded.
-        direct = shard is None and isinstance(self, EnqueueMixin)
+        # plain one behind an AsyncSession of the application's, whatever mixes this in
+        # front of it) or is sharded.
+        direct = shard is None and isinstance(session, EnqueueMixin)
         job, inserted = place_on_session(self, pending, shard, direct=direct)
         if inserted and registry.events.wants("enqueued"):
             _announce(session, registry, [job], boundary)

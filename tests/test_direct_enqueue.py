@@ -346,3 +346,33 @@ def test_an_async_session_writes_its_jobs_in_one_round_trip(
 
     ids = asyncio.run(main())
     assert [r.id for r in rows(db)] == ids == sorted(ids)
+
+
+def test_an_async_session_of_the_applications_own_leaves_its_jobs_to_the_orm(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """``EnqueueMixin`` in front of the application's own ``AsyncSession``, whose session
+    behind is a plain one: its flush is SQLAlchemy's, so the ORM writes the jobs, and
+    nothing is noted for a flush that will never look."""
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+
+    from sqla_jobs import EnqueueMixin
+
+    class AppSession(EnqueueMixin, AsyncSession):
+        pass
+
+    async def main() -> None:
+        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
+        try:
+            ASession = async_sessionmaker(engine, class_=AppSession, jobs=jobs)
+            async with ASession() as session:
+                job = session.enqueue(send, "app's own")
+                assert not session.sync_session.info.get(DIRECT_KEY)
+                await session.flush()
+                assert sa.inspect(job).persistent and not written_directly(job)
+                await session.commit()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert [r.args["to"] for r in rows(db)] == ["app's own"]
