@@ -290,12 +290,13 @@ class JobMixin:
     """
 
     __sqla_jobs__: ClassVar[bool] = True
-    #: ``session.enqueue`` INSERTs through the ORM, whose default ("auto") adds every
-    #: server-default column (run_at, attempts, created_at, ...) to the RETURNING list and
-    #: processes it, only for ``Session.begin()`` to expire it all at COMMIT. With
-    #: ``False`` the INSERT returns the id alone and the rest loads if and when it is
-    #: read. About a tenth of the cost of enqueueing one job per transaction. A model that
-    #: sets its own ``__mapper_args__`` replaces this.
+    #: Where ``session.enqueue``'s job goes the ORM's way (see
+    #: :func:`sqla_jobs._enqueue.write_direct`), the ORM INSERTs it, and its default
+    #: ("auto") adds every server-default column (run_at, attempts, created_at, ...) to
+    #: the RETURNING list and processes it, only for ``Session.begin()`` to expire it all
+    #: at COMMIT. With ``False`` the INSERT returns the id alone and the rest loads if and
+    #: when it is read. About a tenth of the cost of enqueueing one job per transaction
+    #: that way. A model that sets its own ``__mapper_args__`` replaces this.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
 
     id: Mapped[int] = _column(_ID, sa.Identity(always=False), primary_key=True)
