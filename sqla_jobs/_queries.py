@@ -2057,7 +2057,8 @@ def filled_by_server(t: sa.Table) -> list[sa.Column[Any]]:
     """What the session's INSERT of a job (``insert_job_row``) returns: the id, run_at
     (``now()`` when none was given), and each column the INSERT leaves to a server
     default (attempts and created_at, and any an application's model adds), so that the
-    job object it wrote holds the row as stored, without a second read."""
+    job object it wrote holds the values the server gave it without a second read (what
+    the ORM's flush would leave to load when read)."""
     return [
         t.c.id,
         t.c.run_at,
