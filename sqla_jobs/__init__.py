@@ -85,8 +85,9 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     """``__version__``, read from the installed distribution when first asked for:
-    ``importlib.metadata`` took 40 ms to import, a tenth of a worker's start-up, for a
-    string that the worker never reads."""
+    reading it (``importlib.metadata``'s search of ``sys.path`` and its e-mail header
+    parser) was a few hundredths of a second of every worker's start, for a string that
+    the worker never reads."""
     if name == "__version__":
         from importlib import metadata
 

@@ -575,7 +575,7 @@ def write_direct(session: Session) -> list[Any]:
         return []  # and the lifecycle the ORM's flush gives each
     written: list[Any] = []
     key = session.hash_key
-    groups: dict[Jobs, list[InstanceState[Any]]] = {}
+    groups: dict[Jobs, tuple[DirectShape, list[InstanceState[Any]]]] = {}
     for registry, job in noted:
         state = instance_state(job)
         if state.session_id != key or state.key is not None:
@@ -583,8 +583,8 @@ def write_direct(session: Session) -> list[Any]:
         shape = _shapes[registry.model]
         assert shape is not None  # noted only with a shape
         if state.dict.keys() <= shape.settable:
-            groups.setdefault(registry, []).append(state)
-    for registry, group in groups.items():
+            groups.setdefault(registry, (shape, []))[1].append(state)
+    for registry, (shape, group) in groups.items():
         dispatch = group[0].mapper.dispatch
         if dispatch.before_insert or dispatch.after_insert:
             continue
@@ -594,8 +594,6 @@ def write_direct(session: Session) -> list[Any]:
         q = registry.queries
         made = compiled(q.compiled, q.insert_job_row, connection.dialect)
         found = execute_each(connection, made, [job_params(state.dict) for state in group])
-        shape = _shapes[registry.model]
-        assert shape is not None
         for state, [row] in zip(group, found, strict=True):
             # Pending no more: the row is written. Out, filled with the row's values, and
             # back in as a persistent object, as the ORM's flush would leave it (its

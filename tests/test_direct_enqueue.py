@@ -376,3 +376,33 @@ def test_an_async_session_of_the_applications_own_leaves_its_jobs_to_the_orm(
 
     asyncio.run(main())
     assert [r.args["to"] for r in rows(db)] == ["app's own"]
+
+
+def test_an_async_session_whose_jobs_postgresql_refuses_writes_none_of_them(
+    db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """The asyncio pipeline's failure is the sync one's: SQLAlchemy's error, every job
+    still pending, nothing written, and the session enqueues again after its rollback."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from sqla_jobs.aio import AsyncJobSession
+
+    async def main() -> None:
+        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
+        try:
+            ASession = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+            async with ASession() as session:
+                good = session.enqueue(send, "good")
+                bad = session.enqueue(send, "bad")
+                bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks
+                with pytest.raises(sa.exc.DataError):
+                    await session.flush()
+                assert good in session.new and bad in session.new
+                await session.rollback()
+                session.enqueue(send, "after the rollback")
+                await session.commit()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert [r.args["to"] for r in rows(db)] == ["after the rollback"]
