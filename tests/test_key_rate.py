@@ -146,6 +146,42 @@ def test_concurrent_claims_share_each_key_rate(db: sa.Engine) -> None:
     assert [len(_logs(db, "kr")[k].log) for k in "ab"] == [3, 3]
 
 
+def test_a_log_partly_out_of_its_window_leaves_room_for_what_left_it(db: sa.Engine) -> None:
+    """The claim takes a log's length as an upper bound of the starts in the window, and
+    counts the log only when that bound says no: a full log of three whose two oldest
+    starts have left the window gives its key room for exactly two more, and the key's
+    new log is the start still in the window and the two new ones, trimmed and full."""
+    jobs = Jobs(app.Job)
+    jobs.queue("kr", key_rate="3/minute")
+
+    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
+    def sync(account: str) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, sync, [{"account": "a"}] * 3)
+    assert sum(len(f.rows) for f in _race(db, jobs, "kr", 1, key_rate=3, key_period=60.0)) == 3
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, sync, [{"account": "a"}] * 5)
+        # The two oldest starts moved out of the window, the third kept; the key no longer
+        # held by full_until, so only its log decides.
+        conn.execute(
+            sa.text(
+                f"UPDATE {KEY_STARTS.fullname} SET full_until = NULL, "
+                "log = ARRAY[now() - interval '90 seconds', now() - interval '61 seconds', "
+                "now() - interval '10 seconds']"
+            )
+        )
+    found = _race(db, jobs, "kr", 1, key_rate=3, key_period=60.0)
+    assert sum(len(f.rows) for f in found) == 2
+    log = _logs(db, "kr")["a"]
+    now = datetime.now(timezone.utc)
+    assert len(log.log) == 3 and 5 < (now - log.log[0]).total_seconds() < 30
+    assert all((now - at).total_seconds() < 5 for at in log.log[1:])
+    assert log.full_until is not None
+    # Full again: nothing more until the oldest start in the window leaves it.
+    assert sum(len(f.rows) for f in _race(db, jobs, "kr", 2, key_rate=3, key_period=60.0)) == 0
+
+
 def test_a_key_held_by_its_rate_wakes_the_worker_when_it_has_room(
     db: sa.Engine, make_worker: Any
 ) -> None:
