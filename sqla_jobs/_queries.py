@@ -269,7 +269,12 @@ def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
     )
     return (
         sa.update(t)
-        .where(c.id == nxt.c.id)
+        # By id = ANY(ARRAY(...)), a probe of the primary key per locked row. As a join
+        # (UPDATE ... FROM next_jobs), the planner, costing each probe as a random read,
+        # hashed the locked ids and scanned the whole table for them whenever the table
+        # was small enough for that to look cheaper: a claim of 200 at 20,000 jobs spent
+        # 1.5 ms of its 2.5 there, and took longer the more jobs waited behind it.
+        .where(c.id == sa.any_(_ids_of(nxt.c.id)))
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
@@ -1435,7 +1440,7 @@ def _promote(t: sa.Table, channel: str) -> sa.Select[Any]:
     )
     promoted = (
         sa.update(t)
-        .where(c.id == due.c.id)
+        .where(c.id == sa.any_(_ids_of(due.c.id)))  # a probe per row, as the claim
         .values(status=JobStatus.READY.value)
         .returning(c.queue)
         .cte("promoted")
@@ -1457,7 +1462,7 @@ def _rescue(t: sa.Table, channel: str) -> sa.Select[Any]:
     out_of_attempts = c.attempts >= c.max_attempts
     rescued = (
         sa.update(t)
-        .where(c.id == expired.c.id)
+        .where(c.id == sa.any_(_ids_of(expired.c.id)))  # a probe per row, as the claim
         .values(
             status=sa.case((out_of_attempts, JobStatus.DEAD.value), else_=JobStatus.READY.value),
             finished_at=sa.case((out_of_attempts, sa.func.now()), else_=None),
@@ -1509,9 +1514,9 @@ def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        .cte("old_jobs")
     )
-    return sa.delete(t).where(c.id.in_(old))
+    return sa.delete(t).where(c.id == sa.any_(_ids_of(old.c.id)))  # a probe per row
 
 
 # Retention of done jobs: as _prune, except a row whose kept result (locked_until, set by
@@ -1527,9 +1532,9 @@ def _prune_done(t: sa.Table) -> sa.Delete:
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        .cte("old_jobs")
     )
-    return sa.delete(t).where(c.id.in_(old))
+    return sa.delete(t).where(c.id == sa.any_(_ids_of(old.c.id)))  # a probe per row
 
 
 # -- workflows ----------------------------------------------------------------------------
