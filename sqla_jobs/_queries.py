@@ -1064,9 +1064,17 @@ def limited_claim_params(
     hold: bool = True,
 ) -> LimitedClaimParams:
     """The plain claim's parameters and the queue's limits. ``scan``: how many ready rows
-    the per-key choice looks at: for a keyed queue, enough that a few busy keys at the
-    head do not hide the others' jobs (the rows of keys already at their limit are
-    skipped before it); for a queue without keys, ``limit``, as the plain claim."""
+    the per-key choice looks at (in key order, how many keys it visits): for a keyed
+    queue, twice the claim, so that a few keys holding several rows each at the head do
+    not leave it short (the rows of keys already at their limit are skipped before it);
+    for a queue without keys, ``limit``, as the plain claim.
+
+    Twice, not four times as before: the scan, its sort by key and its window were most
+    of what a keyed claim cost beyond the plain one (a claim of 200 over 1,000 keys,
+    alternating: 5.9-6.3 ms at twice against 7.8-9.3 at four times; the keyed drain 0.67
+    and 0.81 of the unlimited one, against 0.57 and 0.66). What it gives up: a claim
+    whose first rows hold more than two rows per key on average comes back smaller than
+    asked, and the worker claims again for the rest."""
     limit = params["limit"]
     return {
         **params,
@@ -1074,7 +1082,7 @@ def limited_claim_params(
         "rate": rate,
         "period": None if period is None else interval(period),
         "key_limit": key_limit,
-        "scan": max(limit * 4, 64) if keyed else limit,
+        "scan": max(limit * 2, 64) if keyed else limit,
         "key_rate": key_rate,
         "key_period": None if key_period is None else interval(key_period),
         "fifo": fifo,
