@@ -466,21 +466,12 @@ def _limited_claim(
     ).cte("candidates")
 
     # A key's log as last written (NULL: none), one probe of the primary key: trimmed to
-    # the window then, so its length is an upper bound of the starts still in it. Read
-    # as it is, not unnested, sorted and aggregated per key, and only for the candidates
-    # the claim gets to (below): a key's log holds a start per job of each claim in the
-    # last period, and reading every candidate key's log that way at every claim was most
-    # of what a key rate cost (a claim of 200 over 1,000 keys spent 9 of its 16 ms
-    # sorting 8,800 starts at 10,000 a second).
-    def key_log(key: Any) -> sa.ScalarSelect[Any]:
-        return (
-            sa.select(ks.c.log)
-            .where(ks.c.queue == queue_name, ks.c.key == key, key_rate.is_not(None))
-            # Correlated with the row whose key it reads, however deep it sits.
-            .correlate_except(ks)
-            .scalar_subquery()
-        )
-
+    # the window then, so its length is an upper bound of the starts still in it. Read as
+    # it is, not unnested, sorted and aggregated per key, and only for the candidates the
+    # claim gets to (below), once each, carried on to the log's rewrite: a key's log holds
+    # a start per job of each claim in the last period, and reading every candidate key's
+    # log that way at every claim was most of what a key rate cost (a claim of 200 over
+    # 1,000 keys spent 9 of its 16 ms sorting 8,800 starts at 10,000 a second).
     cutoff = sa.select(clock.c.at - key_period).scalar_subquery()
     chosen_from: sa.Select[Any]
     # What the chosen rows are ordered from: the candidates, or the head when no key.
@@ -505,13 +496,28 @@ def _limited_claim(
             .subquery("ranked")
         )
         r = ranked.c
-        chosen_from = sa.select(r.id).where(
-            sa.or_(
-                r.concurrency_key.is_(None),
-                sa.and_(
-                    sa.or_(key_limit.is_(None), r.nth + sa.func.coalesce(r.busy, 0) <= key_limit),
-                    _key_room(r.nth, key_log(r.concurrency_key), key_rate, cutoff),
-                ),
+        # LATERAL, with a LIMIT that keeps PostgreSQL from turning it into a plain join:
+        # a nested loop over the ordered candidates, one probe each, up to the claim's
+        # LIMIT (as a join, it hashed the logs of every key of the queue, at every claim).
+        key_log = (
+            sa.select(ks.c.log)
+            .where(ks.c.queue == queue_name, ks.c.key == r.concurrency_key, key_rate.is_not(None))
+            .limit(1)
+            .lateral("key_log")
+        )
+        chosen_from = (
+            sa.select(r.id, key_log.c.log)
+            .select_from(ranked.outerjoin(key_log, sa.true()))
+            .where(
+                sa.or_(
+                    r.concurrency_key.is_(None),
+                    sa.and_(
+                        sa.or_(
+                            key_limit.is_(None), r.nth + sa.func.coalesce(r.busy, 0) <= key_limit
+                        ),
+                        _key_room(r.nth, key_log.c.log, key_rate, cutoff),
+                    ),
+                )
             )
         )
     else:
@@ -566,8 +572,15 @@ def _limited_claim(
     if key_rated:
         # Each claimed key's log: trimmed, plus one start per job claimed; full_until when it
         # holds :key_rate starts (the oldest one that counts, plus the period).
+        # Per claimed key: its jobs claimed, and its log as the choice read it (the same
+        # on each of the key's rows: min() picks it).
         key_counts = (
-            sa.select(claimed.c.concurrency_key.label("key"), sa.func.count().label("n"))
+            sa.select(
+                claimed.c.concurrency_key.label("key"),
+                sa.func.count().label("n"),
+                sa.func.min(chosen.c.log).label("log"),
+            )
+            .select_from(claimed.join(chosen, chosen.c.id == claimed.c.id))
             .where(claimed.c.concurrency_key.is_not(None), key_rate.is_not(None))
             .group_by(claimed.c.concurrency_key)
             .subquery("key_counts")
@@ -577,7 +590,7 @@ def _limited_claim(
                 key_counts.c.key,
                 sa.type_coerce(
                     sa.func.coalesce(
-                        _in_window(key_log(key_counts.c.key), cutoff),
+                        _in_window(key_counts.c.log, cutoff),
                         sa.cast(sa.literal_column("'{}'"), stamps),
                     ).op("||")(
                         sa.func.array_fill(
@@ -679,10 +692,13 @@ def _limited_claim(
 
 def _in_window(log: Any, cutoff: Any) -> sa.ColumnElement[Any]:
     """A key's log without the starts at or before ``cutoff`` (in its order, oldest first):
-    ``ARRAY(SELECT at FROM unnest(log) WITH ORDINALITY ... ORDER BY ordinality)``."""
+    the log itself when its oldest start is after it, else ``ARRAY(SELECT at FROM
+    unnest(log) WITH ORDINALITY ... ORDER BY ordinality)``."""
     stamp = sa.func.unnest(log).table_valued("at", with_ordinality="i").render_derived(name="kept")
     kept = sa.select(stamp.c.at).where(stamp.c.at > cutoff).order_by(stamp.c.i)
-    return sa.func.array(kept.scalar_subquery(), type_=ARRAY(sa.DateTime(timezone=True)))
+    trimmed = sa.func.array(kept.scalar_subquery(), type_=ARRAY(sa.DateTime(timezone=True)))
+    # Oldest first: when the oldest start is still in the window, so is the whole log.
+    return sa.case((log[1] > cutoff, log), else_=trimmed)
 
 
 def _key_room(nth: Any, log: Any, key_rate: Any, cutoff: Any) -> sa.ColumnElement[bool]:
