@@ -464,14 +464,7 @@ def _limited_claim(
         )
         .label("nth"),
     ).cte("candidates")
-
-    # A key's log as last written (NULL: none), one probe of the primary key: trimmed to
-    # the window then, so its length is an upper bound of the starts still in it. Read as
-    # it is, not unnested, sorted and aggregated per key, and only for the candidates the
-    # claim gets to (below), once each, carried on to the log's rewrite: a key's log holds
-    # a start per job of each claim in the last period, and reading every candidate key's
-    # log that way at every claim was most of what a key rate cost (a claim of 200 over
-    # 1,000 keys spent 9 of its 16 ms sorting 8,800 starts at 10,000 a second).
+    # With a key rate: a start at or before this no longer counts.
     cutoff = sa.select(clock.c.at - key_period).scalar_subquery()
     chosen_from: sa.Select[Any]
     # What the chosen rows are ordered from: the candidates, or the head when no key.
@@ -496,9 +489,16 @@ def _limited_claim(
             .subquery("ranked")
         )
         r = ranked.c
-        # LATERAL, with a LIMIT that keeps PostgreSQL from turning it into a plain join:
-        # a nested loop over the ordered candidates, one probe each, up to the claim's
-        # LIMIT (as a join, it hashed the logs of every key of the queue, at every claim).
+        # Each candidate's key log as last written (NULL: none), one probe of the primary
+        # key: trimmed to the window then, so its length is an upper bound of the starts
+        # still in it (see _key_room). Read as it is, not unnested, sorted and aggregated
+        # per key, only for the candidates the claim gets to, and carried on to the log's
+        # rewrite (key_counts): reading every candidate key's log that way at every claim
+        # was most of what a key rate cost (a claim of 200 over 1,000 keys spent 9 of its
+        # 16 ms sorting 8,800 starts at 10,000 a second). LATERAL, with a LIMIT that keeps
+        # PostgreSQL from turning it into a plain join: a nested loop over the ordered
+        # candidates, up to the claim's LIMIT (as a join, it hashed the logs of every key
+        # of the queue, at every claim).
         key_log = (
             sa.select(ks.c.log)
             .where(ks.c.queue == queue_name, ks.c.key == r.concurrency_key, key_rate.is_not(None))
@@ -571,9 +571,8 @@ def _limited_claim(
     key_free_in: list[sa.ColumnElement[Any]] = []
     if key_rated:
         # Each claimed key's log: trimmed, plus one start per job claimed; full_until when it
-        # holds :key_rate starts (the oldest one that counts, plus the period).
-        # Per claimed key: its jobs claimed, and its log as the choice read it (the same
-        # on each of the key's rows: min() picks it).
+        # holds :key_rate starts (the oldest one that counts, plus the period). The log is
+        # the one the choice read (the same on each of the key's rows: min() picks it).
         key_counts = (
             sa.select(
                 claimed.c.concurrency_key.label("key"),
