@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -312,39 +312,39 @@ def test_a_model_with_a_python_default_of_its_own_goes_the_orms_way(
 # -- asyncio ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def async_session(db: sa.Engine, jobs: Jobs) -> Iterator[Any]:
+def _in_async_session(
+    db: sa.Engine, jobs: Jobs, body: Callable[[Any], Awaitable[Any]], session_class: Any = None
+) -> Any:
+    """``body(session)`` in an asyncio session of ``session_class`` (``AsyncJobSession``
+    by default) on ``db``'s database, through psycopg's async driver; what it returns."""
     from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
     from sqla_jobs.aio import AsyncJobSession
 
-    url = db.url.set(drivername="postgresql+psycopg")
-    yield lambda: (create_async_engine(url), AsyncJobSession)
-    del async_sessionmaker
+    async def main() -> Any:
+        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
+        try:
+            made = async_sessionmaker(engine, class_=session_class or AsyncJobSession, jobs=jobs)
+            async with made() as session:
+                return await body(session)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
 
 
 def test_an_async_session_writes_its_jobs_in_one_round_trip(
     db: sa.Engine, jobs: Jobs, send: Any
 ) -> None:
-    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+    async def body(session: Any) -> list[Any]:
+        made = [session.enqueue(send, f"{n}") for n in range(3)]
+        await session.flush()
+        assert all(written_directly(j) for j in made)
+        ids = [j.id for j in made]
+        await session.commit()
+        return ids
 
-    from sqla_jobs.aio import AsyncJobSession
-
-    async def main() -> list[Any]:
-        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
-        try:
-            ASession = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
-            async with ASession() as session:
-                made = [session.enqueue(send, f"{n}") for n in range(3)]
-                await session.flush()
-                assert all(written_directly(j) for j in made)
-                ids = [j.id for j in made]
-                await session.commit()
-                return ids
-        finally:
-            await engine.dispose()
-
-    ids = asyncio.run(main())
+    ids = _in_async_session(db, jobs, body)
     assert [r.id for r in rows(db)] == ids == sorted(ids)
 
 
@@ -354,27 +354,21 @@ def test_an_async_session_of_the_applications_own_leaves_its_jobs_to_the_orm(
     """``EnqueueMixin`` in front of the application's own ``AsyncSession``, whose session
     behind is a plain one: its flush is SQLAlchemy's, so the ORM writes the jobs, and
     nothing is noted for a flush that will never look."""
-    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+    from sqlalchemy.ext.asyncio import AsyncSession
 
     from sqla_jobs import EnqueueMixin
 
     class AppSession(EnqueueMixin, AsyncSession):
         pass
 
-    async def main() -> None:
-        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
-        try:
-            ASession = async_sessionmaker(engine, class_=AppSession, jobs=jobs)
-            async with ASession() as session:
-                job = session.enqueue(send, "app's own")
-                assert not session.sync_session.info.get(DIRECT_KEY)
-                await session.flush()
-                assert sa.inspect(job).persistent and not written_directly(job)
-                await session.commit()
-        finally:
-            await engine.dispose()
+    async def body(session: Any) -> None:
+        job = session.enqueue(send, "app's own")
+        assert not session.sync_session.info.get(DIRECT_KEY)
+        await session.flush()
+        assert sa.inspect(job).persistent and not written_directly(job)
+        await session.commit()
 
-    asyncio.run(main())
+    _in_async_session(db, jobs, body, AppSession)
     assert [r.args["to"] for r in rows(db)] == ["app's own"]
 
 
@@ -383,26 +377,17 @@ def test_an_async_session_whose_jobs_postgresql_refuses_writes_none_of_them(
 ) -> None:
     """The asyncio pipeline's failure is the sync one's: SQLAlchemy's error, every job
     still pending, nothing written, and the session enqueues again after its rollback."""
-    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 
-    from sqla_jobs.aio import AsyncJobSession
+    async def body(session: Any) -> None:
+        good = session.enqueue(send, "good")
+        bad = session.enqueue(send, "bad")
+        bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks
+        with pytest.raises(sa.exc.DataError):
+            await session.flush()
+        assert good in session.new and bad in session.new
+        await session.rollback()
+        session.enqueue(send, "after the rollback")
+        await session.commit()
 
-    async def main() -> None:
-        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
-        try:
-            ASession = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
-            async with ASession() as session:
-                good = session.enqueue(send, "good")
-                bad = session.enqueue(send, "bad")
-                bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks
-                with pytest.raises(sa.exc.DataError):
-                    await session.flush()
-                assert good in session.new and bad in session.new
-                await session.rollback()
-                session.enqueue(send, "after the rollback")
-                await session.commit()
-        finally:
-            await engine.dispose()
-
-    asyncio.run(main())
+    _in_async_session(db, jobs, body)
     assert [r.args["to"] for r in rows(db)] == ["after the rollback"]

@@ -55,6 +55,18 @@ def test_bad_key_rates_are_refused_at_declaration(key_rate: Any, message: str) -
     assert "q" not in jobs.queue_limits
 
 
+def _key_rated(key_rate: str) -> tuple[Jobs, Any]:
+    """A registry whose queue "kr" has ``key_rate``, and its no-op task keyed by the
+    ``account`` argument (None: no key)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("kr", key_rate=key_rate)
+
+    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
+    def sync(account: str | None) -> None: ...
+
+    return jobs, sync
+
+
 def _race(
     db: sa.Engine, jobs: Jobs, queue: str, claimers: int, **limits: Any
 ) -> list[worker_db.LimitedClaim]:
@@ -101,11 +113,7 @@ def test_concurrent_claims_share_each_key_rate(db: sa.Engine) -> None:
     """Six connections claim at once: each key starts three jobs a minute, however the
     claims interleave; a key with fewer ready jobs than its rate starts them all; jobs
     without a key are not held; nothing held spends an attempt."""
-    jobs = Jobs(app.Job)
-    jobs.queue("kr", key_rate="3/minute")
-
-    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
-    def sync(account: str | None) -> None: ...
+    jobs, sync = _key_rated("3/minute")
 
     with db.begin() as conn:
         for account in ("a", "b"):
@@ -151,11 +159,7 @@ def test_a_log_partly_out_of_its_window_leaves_room_for_what_left_it(db: sa.Engi
     counts the log only when that bound says no: a full log of three whose two oldest
     starts have left the window gives its key room for exactly two more, and the key's
     new log is the start still in the window and the two new ones, trimmed and full."""
-    jobs = Jobs(app.Job)
-    jobs.queue("kr", key_rate="3/minute")
-
-    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
-    def sync(account: str) -> None: ...
+    jobs, sync = _key_rated("3/minute")
 
     with db.begin() as conn:
         jobs.enqueue_many(conn, sync, [{"account": "a"}] * 3)
@@ -270,11 +274,7 @@ def test_two_keys_at_ten_per_second_across_workers(
 def test_retention_forgets_key_logs_that_left_their_window(db: sa.Engine) -> None:
     """A key's log row lives until its newest start leaves the window (``expires_at``),
     then the pruner deletes it; the logs still in their window stay."""
-    jobs = Jobs(app.Job)
-    jobs.queue("kr", key_rate="5/minute")
-
-    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
-    def sync(account: str) -> None: ...
+    jobs, sync = _key_rated("5/minute")
 
     with db.begin() as conn:
         jobs.enqueue_many(conn, sync, [{"account": a} for a in "abc"])
@@ -294,11 +294,7 @@ def test_retention_forgets_key_logs_that_left_their_window(db: sa.Engine) -> Non
 def test_session_claim_honours_the_key_rate(db: sa.Engine) -> None:
     """``session.claim`` of a key-rated queue starts ten jobs of a key a minute, across
     transactions (the second sees the first's log)."""
-    jobs = Jobs(app.Job)
-    jobs.queue("kr", key_rate="10/minute")
-
-    @jobs.task(queue="kr", concurrency_key=lambda account, **_: account)
-    def sync(account: str) -> None: ...
+    jobs, sync = _key_rated("10/minute")
 
     with db.begin() as conn:
         jobs.enqueue_many(conn, sync, [{"account": "a"}] * 15)
