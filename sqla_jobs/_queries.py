@@ -1125,26 +1125,6 @@ def limited_statement(queries: Queries, params: LimitedClaimParams) -> Any:
     )
 
 
-def claim_plan_mode(params: LimitedClaimParams) -> str:
-    """The ``plan_cache_mode`` the limited claim for ``params`` runs under (``SET LOCAL`` in
-    its transaction): the generic plan, planned once per connection, for every shape.
-
-    psycopg prepares the claim after a few runs; PostgreSQL then compares the generic
-    plan's estimate with the custom plans' and keeps whichever looked cheaper at that
-    moment, for as long as the connection lives, so the same claim ran on either from one
-    run to the next (and a claim prepared while the table was small kept a plan chosen for
-    a small table). Measured on both, a claim of 10 over 1,000 keys, 4,000 to 100,000 jobs
-    (embedded PostgreSQL 18): keyed 0.73 ms generic against 1.2 ms custom, ``key_rate``
-    1.3-1.7 against 2.4-2.5, fifo 1.3 against 2.6 (planning them was most of their cost,
-    and their generic plan is the one a custom plan picks). The shapes without keys once
-    ran on custom plans, their generic plan then joining the claimed ids to a scan of the
-    whole table; since the claim probes them by primary key (``id = ANY(...)``) their
-    generic plan is the custom one, without the planning: a never-binding claim of 10 at
-    20,000 jobs 0.82-0.87 ms against 1.1, at 200,000 jobs 0.40 against 0.71, a rated one
-    0.65-0.8 against 1.0. ``params`` is kept for a shape that may want otherwise."""
-    return "force_generic_plan"
-
-
 class FairClaimParams(ClaimParams):
     scan: int
     after_key: str | None
