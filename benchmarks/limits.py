@@ -363,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.rows:
             words = [w.strip() for w in args.rows.split(",") if w.strip()]
             names = [names[0]] + [n for n in names[1:] if any(w in n for w in words)]
+            if len(names) == 1:
+                raise SystemExit(
+                    f"--rows {args.rows!r} names no drain; the rows are: "
+                    + "; ".join(list(VARIANTS)[1:])
+                )
         for name in names:  # warm-up: compiled cache, prepared statements, buffers
             preload(admin, app, 500, name)
             drain(app, engine, 500, name, settings)
