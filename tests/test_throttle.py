@@ -247,6 +247,41 @@ def test_concurrent_claims_never_pass_the_concurrency_limit(db: sa.Engine) -> No
     assert sum(len(f.rows) for f in _race(db, app.limited_jobs, "limited", 3, concurrency=3)) == 0
 
 
+def test_a_claim_past_the_concurrency_reads_one_row_more_to_tell_it_held_jobs_back(
+    db: sa.Engine,
+) -> None:
+    """A claim of 10 from a queue of ``concurrency=3`` reads four ready rows, not ten (see
+    ``limited_claim_params``): with exactly three ready it takes them and holds nothing
+    back; with a fourth, it takes three and says the limit held the queue."""
+    queries = app.limited_jobs.queries
+
+    def claim(worker: str) -> Any:
+        params = limited_claim_params(
+            claim_params("limited", 10, interval(30), worker),
+            concurrency=3,
+            rate=None,
+            period=None,
+            key_limit=None,
+            keyed=False,
+        )
+        assert params["scan"] == 4
+        with db.connect() as c:
+            conn = c.execution_options(isolation_level="AUTOCOMMIT")
+            return worker_db.claim_limited(conn, queries, params)
+
+    with db.begin() as conn:
+        app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 3)
+    exact = claim("a")
+    assert len(exact.rows) == 3 and not exact.held
+    with db.begin() as conn:
+        t = app.Job.__table__
+        conn.execute(sa.update(t).where(t.c.status == "running").values(status="done"))
+        app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 4)
+    over = claim("b")
+    assert len(over.rows) == 3 and over.held
+    assert count(db, status="running") == 3 and count(db, status="ready") == 1
+
+
 def test_concurrent_claims_take_one_job_per_key(db: sa.Engine) -> None:
     with db.begin() as conn:
         for account in "abc":
