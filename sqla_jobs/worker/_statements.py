@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from .. import periodic
 from .._direct import Rows, compiled, execute, pipeline_allowed, run_pipeline
 from .._queries import (
-    CLAIMED_COLUMNS,
     ClaimParams,
     FairClaimParams,
     LimitedClaimParams,
@@ -129,7 +128,7 @@ def claim_fair(
         found, names = list(result), list(result[0]._fields) if result else []
     if not found:
         return [], None, None
-    rows = [r[: len(CLAIMED_COLUMNS)] for r in found if r[0] is not None]
+    rows = _claimed_rows(found)
     first = found[0]
     key, floor = first[names.index("floor_key")], first[names.index("floor_id")]
     return rows, first[names.index("last_key")], None if key is None else (key, floor)
@@ -181,10 +180,23 @@ def _limited_steps(
     return [(queries.limit_lock, {"queue_name": params["queue_name"]}), (statement, params)]
 
 
+def _claimed_rows(result: Sequence[Any]) -> list[Any]:
+    """The claimed jobs' rows of a limited or fair claim's result, as they came: the
+    claimed columns (:data:`~sqla_jobs._queries.CLAIMED_COLUMNS`) first, then what the
+    claim says of its limits, which the worker, reading by position, never looks at.
+
+    The result is ``info LEFT JOIN claimed ON true``: one row of NULL jobs when nothing
+    was claimed, else one row per job. Slicing each row down to its job's columns copied
+    every row of every claim (28 µs against 3.4 for a claim of 200, timeit)."""
+    if not result or result[0][0] is None:
+        return []
+    return list(result)
+
+
 def _limited_found(result: Sequence[Any], names: Sequence[str]) -> LimitedClaim:
     """A limited claim's rows read: the jobs, and what its first row says of the limits."""
     column = {name: i for i, name in enumerate(names)}
-    rows = [r[: len(CLAIMED_COLUMNS)] for r in result if r[0] is not None]
+    rows = _claimed_rows(result)
     first = result[0]
 
     def info(name: str) -> Any:
