@@ -18,6 +18,12 @@ may:
 * :func:`raise_as_dbapi_error`: a driver error is raised as SQLAlchemy's ``DBAPIError``, as
   SQLAlchemy raises its own, and a connection the server ended is invalidated, so that the
   worker's outage handling, the pool and the caller's rollback treat it alike.
+
+Their rows come in PostgreSQL's binary format (``binary=True``), to the same Python values
+as the text format: a claim's rows hold two timestamps each, which psycopg reads from
+binary without parsing text (a plain claim of 200 rows: 758 µs of client CPU against 853
+in text, alternating). The JSON columns are sent as text by the statements themselves
+(``CAST(args AS TEXT)``), decoded by the worker, row by row.
 """
 
 from __future__ import annotations
@@ -136,13 +142,14 @@ def execute(
 
             rows: list[tuple[Any, ...]] = await_only(_execute_async(driver, made.sql, values))
             return rows
-        return cast("list[tuple[Any, ...]]", driver.execute(made.sql, values).fetchall())
+        cursor = driver.execute(made.sql, values, binary=True)
+        return cast("list[tuple[Any, ...]]", cursor.fetchall())
     except connection.dialect.loaded_dbapi.Error as exc:
         raise_as_dbapi_error(connection, made.sql, exc)
 
 
 async def _execute_async(driver: Any, sql: str, values: dict[str, Any]) -> list[tuple[Any, ...]]:
-    cursor = await driver.execute(sql, values)
+    cursor = await driver.execute(sql, values, binary=True)
     return cast("list[tuple[Any, ...]]", await cursor.fetchall())
 
 
@@ -171,7 +178,7 @@ def execute_each(
             found: list[list[tuple[Any, ...]]] = await_only(_each_async(driver, made.sql, values))
             return found
         with driver.pipeline():
-            cursors = [driver.execute(made.sql, v) for v in values]
+            cursors = [driver.execute(made.sql, v, binary=True) for v in values]
         return [cursor.fetchall() for cursor in cursors]
     except connection.dialect.loaded_dbapi.Error as exc:
         raise_as_dbapi_error(connection, made.sql, exc)
@@ -181,7 +188,7 @@ async def _each_async(
     driver: Any, sql: str, values: list[dict[str, Any]]
 ) -> list[list[tuple[Any, ...]]]:
     async with driver.pipeline():
-        cursors = [await driver.execute(sql, v) for v in values]
+        cursors = [await driver.execute(sql, v, binary=True) for v in values]
     return [await cursor.fetchall() for cursor in cursors]
 
 
@@ -217,7 +224,7 @@ def _run_sync(
 ) -> list[Rows]:
     try:
         with driver.pipeline():
-            cursors = [driver.execute(sql, params) for sql, params in statements]
+            cursors = [driver.execute(sql, params, binary=True) for sql, params in statements]
         return [
             (cursors[i].fetchall(), [column.name for column in cursors[i].description or ()])
             for i in rows_of
@@ -232,7 +239,7 @@ async def _run_async(
 ) -> list[Rows]:
     try:
         async with driver.pipeline():
-            cursors = [await driver.execute(sql, params) for sql, params in statements]
+            cursors = [await driver.execute(sql, params, binary=True) for sql, params in statements]
         return [
             (await cursors[i].fetchall(), [column.name for column in cursors[i].description or ()])
             for i in rows_of

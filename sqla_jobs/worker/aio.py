@@ -380,7 +380,8 @@ class _HeldConnection:
         driver: Any = sync.connection.driver_connection
         try:
             try:
-                cursor = await driver.execute(made.sql, made.params(params))
+                # Binary rows, as sqla_jobs._direct reads them (and why).
+                cursor = await driver.execute(made.sql, made.params(params), binary=True)
                 return list(await cursor.fetchall())
             except sync.dialect.loaded_dbapi.Error as exc:
                 await conn.run_sync(raise_as_dbapi_error, made.sql, exc)
