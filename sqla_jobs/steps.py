@@ -51,6 +51,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import sqlalchemy as sa
+from sqlalchemy.ext.horizontal_shard import ShardedSession
 
 from ._storable import BIGINT_MAX
 from ._tasks import json_problem, long_int_problem
@@ -388,9 +389,20 @@ def _signal_plan(q: StepQueries, job_id: int, name: str, payload: str) -> Plan:
     return ("woken" if woken is not None else "kept"), None
 
 
-def _signal_args(jobs: Any, job_id: Any, name: Any, payload: Any) -> tuple[StepQueries, str]:
+def _signal_args(
+    connection: Any, jobs: Any, job_id: Any, name: Any, payload: Any
+) -> tuple[StepQueries, str]:
     if isinstance(job_id, bool) or not isinstance(job_id, int):
         raise TypeError(f"jobs.signal: job_id must be an int, got {job_id!r}")
+    if isinstance(getattr(connection, "sync_session", connection), ShardedSession):
+        # Each shard numbers its jobs itself: an id names a job only within its shard,
+        # and the session's choosers would send the statements wherever they send a
+        # statement that names no object (the first shard, all of them, or an error).
+        raise TypeError(
+            f"jobs.signal: a sharded session cannot tell which shard holds job {job_id} "
+            "(each shard numbers its own jobs); pass that shard's connection, "
+            "session.connection(bind_arguments={'shard_id': ...})"
+        )
     if not 0 < job_id <= BIGINT_MAX:  # PostgreSQL would refuse to compare it with an id
         raise SignalError(job_id, name, "unknown", "no such job (not a job id)")
     _check_name(name)
@@ -402,7 +414,7 @@ def signal(
 ) -> str:
     """Send signal ``name`` to job ``job_id``, in the caller's transaction (see
     :meth:`Jobs.signal <sqla_jobs.Jobs.signal>`)."""
-    q, text = _signal_args(jobs, job_id, name, payload)
+    q, text = _signal_args(connection, jobs, job_id, name, payload)
     plan = _signal_plan(q, job_id, name, text)
     request = next(plan)
     try:
@@ -420,7 +432,7 @@ async def signal_async(
     payload: Any = None,
 ) -> str:
     """:func:`signal`, awaited, on an ``AsyncConnection`` or an ``AsyncSession``."""
-    q, text = _signal_args(jobs, job_id, name, payload)
+    q, text = _signal_args(connection, jobs, job_id, name, payload)
     plan = _signal_plan(q, job_id, name, text)
     request = next(plan)
     try:

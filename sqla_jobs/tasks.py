@@ -720,6 +720,10 @@ class Jobs(Registry):
         which serialises the signal with the wait and with its timeout: one of them wins,
         once.
 
+        On a sharded database, ``connection`` is the shard's (``session.connection(
+        bind_arguments={"shard_id": ...})``): each shard numbers its own jobs, so a
+        ``ShardedSession`` is refused with ``TypeError`` rather than left to pick one.
+
         :raises SignalError: no such job (never enqueued, or finished and deleted), a
             finished, dead or cancelled job, a wait that already has its signal or timed
             out, a step of that name that is no wait (its ``reason`` says which). Nothing is

@@ -20,6 +20,7 @@ from sqlalchemy.orm import sessionmaker
 
 from sqla_jobs import EnqueueError, Jobs, create_engine, sharding
 from sqla_jobs.db import embedded_url, normalize_url
+from sqla_jobs.model import companion_tables
 from sqla_jobs.sharding import ShardedJobSession, ShardedWorker
 
 from . import app
@@ -199,6 +200,33 @@ def test_a_job_whose_shard_cannot_be_told_is_refused(
         session.rollback()
     for engine in shards.values():
         assert _count(engine, JOB) == 0
+
+
+def test_a_signal_goes_to_the_shard_whose_connection_it_is_sent_on(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    """Each shard numbers its own jobs: the first job of shard a and the first of shard b
+    have the same id. A signal through the sharded session is refused (it cannot tell
+    which of the two is meant); through a shard's connection it reaches that shard's job
+    and no other."""
+    fetch = _task(jobs)
+    for code in ("a1", "b1"):
+        with Sharded.begin() as session:
+            session.add(app.Link(code=code, url="u"))
+            session.enqueue(fetch, code=code)
+    ids = set()
+    for engine in shards.values():
+        with engine.connect() as conn:
+            ids.add(conn.execute(sa.select(JOB.c.id)).scalar_one())
+    [job_id] = ids
+    with Sharded() as session, pytest.raises(TypeError, match="pass that shard's connection"):
+        jobs.signal(session, job_id, "go")
+    with Sharded.begin() as session:
+        on_b = session.connection(bind_arguments={"shard_id": "b"})
+        assert jobs.signal(on_b, job_id, "go", {"n": 1}) == "kept"
+    steps = companion_tables(JOB).steps
+    assert _count(shards["a"], steps) == 0
+    assert _count(shards["b"], steps, steps.c.name == "go") == 1
 
 
 def test_a_unique_job_is_unique_within_its_shard(
@@ -436,6 +464,8 @@ def test_async_session_lands_jobs_with_their_rows_and_rolls_back_with_them(
                 with pytest.raises(EnqueueError, match="enqueue_unique"):
                     session.enqueue(unique, code="b1-u")
                 session.enqueue(fetch, code="to-a", shard="a")
+                with pytest.raises(TypeError, match="pass that shard's connection"):
+                    await jobs.signal_async(session, 1, "go")  # which shard's job 1?
             assert job.id is not None and sa.inspect(job).identity_token == "b"
             async with make() as session:
                 with pytest.raises(EnqueueError, match="writes no rows"):
