@@ -259,6 +259,27 @@ def test_the_whole_comparison_runs_later_in_the_background_or_not_at_all(
     assert f"schema: index 'jobs_dead' on '{schema}.jobs' is missing" in caplog.text
 
 
+def test_a_worker_until_empty_leaves_the_whole_comparison_to_check(
+    engine: sa.Engine, schema: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A ``--until-empty`` worker never runs the comparison, however long its drain: it
+    would compete with the drain for the interpreter (see ``_LaterCheck``). What it has is
+    said in ``/healthz``, and nothing is logged."""
+    from sqla_jobs import cli
+
+    alter(engine, schema, "DROP INDEX {s}.jobs_dead")
+    table = reference_table("jobs", schema)
+    monkeypatch.setattr(cli, "SCHEMA_CHECK_DELAY", 0.0)
+    check = cli._LaterCheck(
+        table, {"": engine}, argparse.Namespace(registry=JOBS, until_empty=True)
+    )
+    check.start()
+    assert check._thread is None
+    check.stop()
+    assert check() == [cli.UNTIL_EMPTY_UNCOMPARED]
+    assert "schema:" not in caplog.text
+
+
 def test_healthz_says_checking_until_the_comparison_has_run() -> None:
     """``/healthz`` reads the comparison's result when asked: "checking", then the list."""
     from sqla_jobs.health import _with_schema
