@@ -281,11 +281,15 @@ def test_an_operator_finds_a_dead_job_retries_it_and_pauses_a_queue(
     assert row.locator(".badge").first.inner_text() == "active"
 
     # The other pages.
+    # (A click does not wait for the page it opens: the URL is waited for, so that no
+    # assertion reads the page it left. Without it this failed once in CI.)
     page.click("header nav >> text=Schedules")
-    assert page.locator("td:has-text('nightly-digest')").count() == 1
+    page.wait_for_url(re.compile(r".*/schedules$"))
+    expect(page.locator("td:has-text('nightly-digest')")).to_have_count(1)
     shot(page, "schedules")
     page.click("header nav >> text=Workers")
-    assert "shop.send_receipt" in page.locator("main").inner_text()
+    page.wait_for_url(re.compile(r".*/workers$"))
+    expect(page.locator("main")).to_contain_text("shop.send_receipt")
     shot(page, "workers")
     page.close()
 
