@@ -401,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                     preload(admin, app, n, one)
                     got[one] = drain(app, engine, n, one, settings)
                     rates[one].append(got[one])
-                for name in group[1:]:
-                    paired[name].append(got[name] / got[unlimited])
-                name = group[1]
-                if name in compared:
-                    direct[name].append(got[name] / got[compared[name]])
-                if name == RATED:
-                    against_allowed.append(got[name] / rate_allows(n, RATE, got[unlimited]))
+                for one in group[1:]:
+                    paired[one].append(got[one] / got[unlimited])
+                row = group[1]
+                if row in compared:
+                    direct[row].append(got[row] / got[compared[row]])
+                if row == RATED:
+                    against_allowed.append(got[row] / rate_allows(n, RATE, got[unlimited]))
         print(f"\n### A. drain of {n:,} no-op jobs, one Worker, jobs/s, median of {repeat}\n")
         print(
             "Each limited drain ran next to an unlimited one; its ratio is the median of "

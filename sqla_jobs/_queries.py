@@ -1097,17 +1097,19 @@ def limited_claim_params(
     whose first rows hold more than two rows per key on average comes back smaller than
     asked, and the worker claims again for the rest."""
     limit = params["limit"]
+    if keyed:
+        scan = max(limit * 2, 64)
+    elif concurrency is None:
+        scan = limit
+    else:
+        scan = min(limit, concurrency + 1)
     return {
         **params,
         "concurrency": concurrency,
         "rate": rate,
         "period": None if period is None else interval(period),
         "key_limit": key_limit,
-        "scan": max(limit * 2, 64)
-        if keyed
-        else limit
-        if concurrency is None
-        else min(limit, concurrency + 1),
+        "scan": scan,
         "key_rate": key_rate,
         "key_period": None if key_period is None else interval(key_period),
         "fifo": fifo,
