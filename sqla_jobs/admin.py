@@ -37,7 +37,9 @@ a vocabulary of its own:
 
 Each read takes one connection; over several databases, :mod:`sqla_jobs.sharding` runs
 it on each shard (:func:`~sqla_jobs.sharding.across`) and sums the queues
-(:func:`~sqla_jobs.sharding.total`), and a single database is the shard of one. See
+(:func:`~sqla_jobs.sharding.total`), and a single database is the shard of one. A
+``ShardedSession`` is refused (``TypeError``): each shard numbers its own jobs, so an id or
+a queue names something only within a shard; give the shard's connection. See
 ``docs/design/operators.md``.
 
 What each action may touch
@@ -76,6 +78,7 @@ from typing import (
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.horizontal_shard import ShardedSession
 from sqlalchemy.orm import Session
 
 from . import _present
@@ -1904,6 +1907,17 @@ def _registry_queues(jobs: JobSource) -> set[str]:
 
 
 def _execute(bind: Bind, stmt: sa.Executable, params: Mapping[str, Any] | None = None) -> Any:
+    if isinstance(bind, ShardedSession):
+        # Every function here speaks of one database: each shard numbers its own jobs and
+        # keeps its own queues, and a sharded session would send these statements, which
+        # name no mapped object, wherever its choosers send such a statement (one shard,
+        # or all of them: cancelling job 1 would then cancel one job on every shard).
+        raise TypeError(
+            "sqla_jobs.admin: a sharded session cannot tell which shard's jobs are meant "
+            "(each shard numbers its own); pass that shard's connection, "
+            "session.connection(bind_arguments={'shard_id': ...}), or use "
+            "sqla_jobs.sharding for every shard"
+        )
     return bind.execute(stmt, dict(params or {}))
 
 

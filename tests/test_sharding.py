@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
-from sqla_jobs import EnqueueError, Jobs, create_engine, sharding
+from sqla_jobs import EnqueueError, Jobs, admin, create_engine, sharding
 from sqla_jobs.db import embedded_url, normalize_url
 from sqla_jobs.model import companion_tables
 from sqla_jobs.sharding import ShardedJobSession, ShardedWorker
@@ -227,6 +227,42 @@ def test_a_signal_goes_to_the_shard_whose_connection_it_is_sent_on(
     steps = companion_tables(JOB).steps
     assert _count(shards["a"], steps) == 0
     assert _count(shards["b"], steps, steps.c.name == "go") == 1
+
+
+def test_the_admin_functions_refuse_a_sharded_session(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    """The same id on both shards: given the sharded session, cancelling job 1 would act
+    wherever the choosers send a statement that names no object (here: both shards, two
+    jobs cancelled for one). Every admin function refuses it before its first statement;
+    the shard's connection acts on that shard's job alone."""
+    fetch = _task(jobs)
+    for code in ("a1", "b1"):
+        with Sharded.begin() as session:
+            session.add(app.Link(code=code, url="u"))
+            session.enqueue(fetch, code=code)
+    [job_id] = {_first_id(engine) for engine in shards.values()}
+    with Sharded() as session:
+        for call in (
+            lambda: admin.cancel_jobs(session, jobs, ids=[job_id]),
+            lambda: admin.retry_jobs(session, jobs, ids=[job_id]),
+            lambda: admin.purge_jobs(session, jobs, ids=[job_id], status="ready"),
+            lambda: admin.get_job(session, jobs, job_id),
+            lambda: admin.queue_states(session, jobs),
+            lambda: admin.pause_queue(session, jobs, "default"),
+        ):
+            with pytest.raises(TypeError, match="pass that shard's connection"):
+                call()
+    with Sharded.begin() as session:
+        on_b = session.connection(bind_arguments={"shard_id": "b"})
+        assert admin.cancel_jobs(on_b, jobs, ids=[job_id]) == 1
+    assert _count(shards["a"], JOB, JOB.c.status == "cancelled") == 0
+    assert _count(shards["b"], JOB, JOB.c.status == "cancelled") == 1
+
+
+def _first_id(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(JOB.c.id)).scalar_one())
 
 
 def test_a_unique_job_is_unique_within_its_shard(
