@@ -305,13 +305,25 @@ def claim_params(queue: str, limit: int, lease: timedelta, worker: str) -> Claim
 # the table (first key) and the queue (second key). The two-key form has a key space of its
 # own, apart from the pruner's one-key lock. Run first in the claim's transaction, so that
 # the limited claim after it sees every claim committed before the lock was granted.
-def _limit_lock(t: sa.Table) -> sa.Select[Any]:
-    return sa.select(
-        sa.func.pg_advisory_xact_lock(
-            sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),
-            sa.func.hashtext(sa.bindparam("queue_name", type_=sa.Text)),
-        )
+# ``generic_plan``: the same statement also asks for PostgreSQL's generic plan for the rest
+# of the transaction (``set_config(..., true)``, as SET LOCAL), one statement for two.
+def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
+    lock = sa.func.pg_advisory_xact_lock(
+        sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),
+        sa.func.hashtext(sa.bindparam("queue_name", type_=sa.Text)),
     )
+    if not generic_plan:
+        return sa.select(lock)
+    return sa.select(GENERIC_PLAN, lock)
+
+
+#: ``SET LOCAL plan_cache_mode = force_generic_plan`` as an expression, which a SELECT can
+#: carry beside another call (see ``_limit_lock``), and which, unlike SET LOCAL, says nothing
+#: when the transaction is the implicit one of a pipeline (SET LOCAL warns that it is not
+#: in a transaction block, and applies all the same).
+GENERIC_PLAN = sa.func.set_config(
+    sa.literal_column("'plan_cache_mode'"), sa.literal_column("'force_generic_plan'"), sa.true()
+)
 
 
 # Limited claim: the plain claim's order and lease, but only as many jobs as the queue's
@@ -2453,6 +2465,8 @@ class Queries:
         self.claim = _claim(t)
         self.session_claim = _claim(t, for_session=True)
         self.limit_lock = _limit_lock(t)
+        self.limit_lock_generic = _limit_lock(t, generic_plan=True)
+        self.generic_plan = sa.select(GENERIC_PLAN)
         # The claims of limited queues (the shape each queue's limits need), built when
         # first used: a quarter of building every statement, which every worker, web
         # process and CLI command does at start.

@@ -21,7 +21,7 @@ from sqla_jobs._queries import claim_params, fair_claim_params, interval, queue_
 from sqla_jobs.worker import _statements as worker_db
 
 from . import app
-from .helpers import count, rows, terminate_backend
+from .helpers import count, rows, terminate_backend, wait_for
 
 jobs = app.limited_jobs
 
@@ -207,6 +207,57 @@ def test_the_pipelined_claim_on_an_asyncio_connection_holds_the_limit(
     found = asyncio.run(main())
     assert sum(len(f.rows) for f in found) == 3
     assert count(db, status="running") == 3 and count(db, status="ready") == 7
+
+
+@pytest.mark.parametrize("default", ["read committed", "repeatable read", "serializable"])
+def test_a_limited_claim_counts_what_committed_while_it_waited_for_the_lock(
+    db: sa.Engine, database_url: str, default: str
+) -> None:
+    """Another claimer holds the queue's lock and marks three jobs running (the queue's
+    limit) when the claim is already waiting for the lock; once it commits, the claim
+    counts those three and takes nothing, whatever the server's default isolation. The
+    pipelined claim is the server's implicit transaction only under READ COMMITTED; under
+    REPEATABLE READ that transaction's snapshot would be the lock statement's, taken before
+    the wait, and the claim would take three more."""
+    with db.begin() as c:
+        jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 6)
+    option = "-c default_transaction_isolation=" + default.replace(" ", "\\ ")
+    engine = create_engine(database_url, connect_args={"options": option})
+    found: list[Any] = []
+    t = app.Job.__table__
+    try:
+        with engine.connect() as c:
+            claimer = c.execution_options(isolation_level="AUTOCOMMIT")
+            assert claimer.exec_driver_sql("SHOW default_transaction_isolation").scalar() == default
+            assert pipeline_allowed(claimer)
+            with db.connect() as holder:
+                holder.begin()
+                holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+                thread = threading.Thread(
+                    target=lambda: found.append(
+                        worker_db.claim_limited(claimer, jobs.queries, _params("limited"))
+                    )
+                )
+                thread.start()
+                waiting = sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND wait_event = 'advisory' AND datname = current_database()"
+                )
+                with db.connect() as look:
+                    wait_for(lambda: look.execute(waiting).scalar_one() == 1 or look.rollback())
+                three = sa.select(t.c.id).where(t.c.status == "ready").limit(3)
+                holder.execute(
+                    sa.update(t)
+                    .where(t.c.id.in_(three.scalar_subquery()))
+                    .values(status="running", locked_by="other", locked_until=sa.func.now())
+                )
+                holder.commit()
+                thread.join(30)
+    finally:
+        engine.dispose()
+    [claim] = found
+    assert claim.rows == [] and claim.held
+    assert count(db, status="running") == 3 and count(db, status="ready") == 3
 
 
 @pytest.mark.parametrize("watched", [False, True], ids=["pipelined", "through SQLAlchemy"])

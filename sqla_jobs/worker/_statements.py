@@ -113,8 +113,8 @@ def claim_fair(
     next claim's floor, see :func:`~sqla_jobs._queries.fair_claim_params`), or None.
 
     When :func:`~sqla_jobs._direct.pipeline_allowed` says it may, the statement runs on
-    PostgreSQL's generic plan, asked for in a transaction of its own (BEGIN, ``SET LOCAL
-    plan_cache_mode``, the claim, COMMIT: one pipeline, one round trip). Left to itself,
+    PostgreSQL's generic plan, asked for in a transaction of its own (the plan mode, the
+    claim: one pipeline, one round trip, see :func:`_claim_in_pipeline`). Left to itself,
     PostgreSQL keeps custom plans for it, and planning the walk over the keys was a third
     of the claim: a claim of 200 took 4.9 ms on custom plans and 3.8 on the generic one, a
     claim of 10 2.3 and 1.2 (20,000 and 101,000 jobs alike, embedded PostgreSQL 18).
@@ -122,7 +122,7 @@ def claim_fair(
     SQLAlchemy, on whatever plan PostgreSQL keeps."""
     statement = queries.fair_claim()
     if pipeline_allowed(conn):
-        [(found, names)] = _claim_in_pipeline(conn, queries, [(statement, params)])
+        [(found, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=False)
     else:
         result = conn.execute(statement, dict(params)).all()
         found, names = list(result), list(result[0]._fields) if result else []
@@ -157,27 +157,19 @@ def claim_limited(
     lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
     transaction is begun and ended here, by hand.
 
-    The statements (BEGIN, the plan mode, the lock, the claim, COMMIT) go in one psycopg
-    pipeline, one round trip, when :func:`~sqla_jobs._direct.pipeline_allowed` says they
-    may: the round trips were most of what a limited claim cost beyond the plain one
-    (``benchmarks/limits.py --round-trips``). Otherwise (another driver, a
-    ``schema_translate_map``, something listening for the statements), one round trip
-    each, through SQLAlchemy."""
+    The statements (the lock with the plan mode, the claim) go in one psycopg pipeline,
+    one round trip and one transaction (see :func:`_claim_in_pipeline`), when
+    :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the round trips were most
+    of what a limited claim cost beyond the plain one (``benchmarks/limits.py
+    --round-trips``). Otherwise (another driver, a ``schema_translate_map``, something
+    listening for the statements), BEGIN, the plan mode, the lock, the claim and COMMIT,
+    one round trip each, through SQLAlchemy."""
     statement = limited_statement(queries, params)
     if pipeline_allowed(conn):
-        [(result, names)] = _claim_in_pipeline(
-            conn, queries, _limited_steps(queries, statement, params)
-        )
+        [(result, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=True)
         return _limited_found(result, names)
     stepwise = _claim_limited_stepwise(conn, queries, statement, params)
     return _limited_found(stepwise, list(stepwise[0]._fields) if stepwise else [])
-
-
-def _limited_steps(
-    queries: Queries, statement: sa.ClauseElement, params: LimitedClaimParams
-) -> list[tuple[sa.ClauseElement, Mapping[str, Any]]]:
-    """The limited claim's two statements: the queue's lock, then the claim."""
-    return [(queries.limit_lock, {"queue_name": params["queue_name"]}), (statement, params)]
 
 
 def _claimed_rows(result: Sequence[Any]) -> list[Any]:
@@ -216,25 +208,71 @@ def _limited_found(result: Sequence[Any], names: Sequence[str]) -> LimitedClaim:
 def _claim_in_pipeline(
     conn: sa.Connection,
     queries: Queries,
-    steps: Sequence[tuple[sa.ClauseElement, Mapping[str, Any]]],
+    statement: sa.ClauseElement,
+    params: Mapping[str, Any],
+    *,
+    locked: bool,
     before: Sequence[tuple[sa.Executable, Mapping[str, Any]]] = (),
 ) -> list[Rows]:
-    """A claim's transaction in one psycopg pipeline: BEGIN, the statements ``before`` it
-    (an outcome batch's, see :func:`write_and_claim`), its plan mode, ``steps``, COMMIT;
-    each a Core statement of ``queries``, compiled once. The rows and column names of
-    each statement of ``before``, then of the last step."""
+    """A claim's transaction in one psycopg pipeline: the statements ``before`` it (an
+    outcome batch's, see :func:`write_and_claim`), its plan mode, with ``locked`` the
+    queue's lock, then the claim ``statement``; each a Core statement of ``queries``,
+    compiled once. The rows and column names of each statement of ``before``, then of the
+    claim.
+
+    No BEGIN and no COMMIT where :func:`_implicit_transaction` says the server's own
+    transaction is the one wanted: the statements of a pipeline before its Sync are one
+    implicit transaction (the lock is held to its end, and an error rolls all of them
+    back), and the plan mode rides with the lock (:data:`~sqla_jobs._queries.GENERIC_PLAN`).
+    Two statements instead of five: each is another wait on the socket in psycopg's
+    pipeline, which gives the GIL up and waits to take it back; beside 64 threads busy in
+    Python a limited claim of 200 took 24 ms in five statements and 18 in two, against 10
+    for the plain claim's one (a worker's executor threads are such neighbours). Elsewhere,
+    as before: BEGIN ISOLATION LEVEL READ COMMITTED, the plan mode, the lock, the claim,
+    COMMIT."""
 
     def sent(statement: Any, params: Mapping[str, Any]) -> tuple[str, Any]:
         made = compiled(queries.compiled, statement, conn.dialect)
         return made.sql, made.params(params)
 
-    statements: list[tuple[str, dict[str, Any] | None]] = [(_BEGIN, None)]
-    statements += [sent(statement, params) for statement, params in before]
-    statements.append((_PLAN, None))
-    statements += [sent(statement, params) for statement, params in steps]
-    statements.append(("COMMIT", None))
-    rows_of = [*range(1, 1 + len(before)), len(statements) - 2]
-    return run_pipeline(conn, statements, rows_of)
+    lock = {"queue_name": params["queue_name"]}
+    statements: list[tuple[str, dict[str, Any] | None]]
+    if _implicit_transaction(conn):
+        statements = [sent(s, p) for s, p in before]
+        if locked:
+            statements.append(sent(queries.limit_lock_generic, lock))
+        else:
+            statements.append(sent(queries.generic_plan, {}))
+        statements.append(sent(statement, params))
+        return run_pipeline(conn, statements, [*range(len(before)), len(statements) - 1])
+    statements = [(_BEGIN, None), *(sent(s, p) for s, p in before), (_PLAN, None)]
+    if locked:
+        statements.append(sent(queries.limit_lock, lock))
+    statements += [sent(statement, params), ("COMMIT", None)]
+    return run_pipeline(conn, statements, [*range(1, 1 + len(before)), len(statements) - 2])
+
+
+#: Where :func:`_implicit_transaction` keeps what it found, in the pooled connection's
+#: ``info`` (it lives as long as the database connection does).
+_READ_COMMITTED = "sqla_jobs.read_committed"
+
+
+def _implicit_transaction(conn: sa.Connection) -> bool:
+    """Whether a claim's pipeline may be the server's implicit transaction: the driver
+    connection is in autocommit (else psycopg would begin a transaction of its own and
+    leave it open), and the server's ``default_transaction_isolation`` is READ COMMITTED
+    (the limited claim must see what committed while it waited for the lock, which a
+    REPEATABLE READ snapshot, taken by the lock's statement, would not). The isolation is
+    asked once per database connection (one query, at its first claim)."""
+    driver: Any = conn.connection.driver_connection
+    if not driver.autocommit:
+        return False
+    info = conn.connection.info
+    found = info.get(_READ_COMMITTED)
+    if found is None:
+        level = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
+        found = info[_READ_COMMITTED] = level == "read committed"
+    return bool(found)
 
 
 def _claim_limited_stepwise(
@@ -323,10 +361,7 @@ def write_and_claim(
         before = [(_sent(queries, s), p) for s, p in plain]
         try:
             *results, (found, names) = _claim_in_pipeline(
-                conn,
-                queries,
-                _limited_steps(queries, statement, limited),
-                before,
+                conn, queries, statement, limited, locked=True, before=before
             )
         except sa.exc.DBAPIError as exc:
             if exc.connection_invalidated:
