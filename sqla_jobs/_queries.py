@@ -384,13 +384,25 @@ def _limited_claim(
     running = (c.status == status_literal(JobStatus.RUNNING), c.queue == queue_name)
 
     clock = sa.select(sa.func.clock_timestamp().label("at")).cte("clock")
-    stamp = sa.func.unnest(queues.c.rate_log).table_valued("at").render_derived(name="stamp")
+    # The log's entries within the window, oldest first: one per claim, its time and how
+    # many jobs it started (a NULL count, from a log written one entry per job, is one).
+    stamp = (
+        sa.func.unnest(queues.c.rate_log, queues.c.rate_counts)
+        .table_valued("at", "n")
+        .render_derived(name="stamp")
+    )
+    started = sa.func.coalesce(stamp.c.n, 1)
     recent = (
         sa.select(
             sa.func.coalesce(
                 sa.func.array_agg(aggregate_order_by(stamp.c.at, stamp.c.at)),
                 sa.cast(sa.literal_column("'{}'"), ARRAY(sa.DateTime(timezone=True))),
-            ).label("log")
+            ).label("log"),
+            sa.func.coalesce(
+                sa.func.array_agg(aggregate_order_by(started, stamp.c.at)),
+                sa.cast(sa.literal_column("'{}'"), ARRAY(sa.Integer)),
+            ).label("counts"),
+            sa.func.coalesce(sa.func.sum(started), 0).label("started"),
         )
         .select_from(queues.join(stamp, sa.true()).join(clock, sa.true()))
         .where(queues.c.name == queue_name, stamp.c.at > clock.c.at - period)
@@ -406,7 +418,7 @@ def _limited_claim(
         if capped:
             terms.append(sa.bindparam("concurrency", type_=sa.Integer) - n_running.c.n)
             budget_from.append(n_running)
-        terms.append(rate - sa.func.cardinality(recent.c.log))
+        terms.append(rate - recent.c.started)
         budget_from.append(recent)
         joined: sa.FromClause = budget_from[0]
         for other in budget_from[1:]:
@@ -564,18 +576,21 @@ def _limited_claim(
         .cte("claimed")
     )
     n_claimed = sa.select(sa.func.count()).select_from(claimed).scalar_subquery()
-    new_log = recent.c.log.op("||")(
-        sa.func.array_fill(clock.c.at, pg_array([sa.cast(n_claimed, sa.Integer)]))
-    )
+    new_log = sa.func.array_append(recent.c.log, clock.c.at)
+    new_counts = sa.func.array_append(recent.c.counts, sa.cast(n_claimed, sa.Integer))
     log_insert = pg_insert(queues).from_select(
-        ["name", "rate_log"],
-        sa.select(queue_name, new_log)
+        ["name", "rate_log", "rate_counts"],
+        sa.select(queue_name, new_log, new_counts)
         .select_from(recent.join(clock, sa.true()))
         .where(rate.is_not(None), n_claimed > 0),
     )
     logged = (
         log_insert.on_conflict_do_update(
-            index_elements=[queues.c.name], set_={"rate_log": log_insert.excluded.rate_log}
+            index_elements=[queues.c.name],
+            set_={
+                "rate_log": log_insert.excluded.rate_log,
+                "rate_counts": log_insert.excluded.rate_counts,
+            },
         )
         .returning(queues.c.name)
         .cte("logged")
@@ -659,7 +674,7 @@ def _limited_claim(
         # means the limits held some back, as ``seen`` would say, without a fourth scan
         # of the table to plan.
         seen = head
-    used = sa.func.cardinality(recent.c.log) + n_claimed
+    used = recent.c.started + n_claimed
     oldest = sa.func.coalesce(recent.c.log[1], clock.c.at)
     free_in: sa.ColumnElement[Any] = sa.case(
         (used >= rate, sa.extract("epoch", oldest + period - clock.c.at)), else_=None

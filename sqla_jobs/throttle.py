@@ -31,10 +31,11 @@ Why this design
   retries, rescues, hand-backs and cancels. A job whose worker died keeps counting until
   its lease passes and it is rescued, so a dead worker can hold a slot for up to one lease:
   the limit errs on the side of running fewer, never more.
-* **The rate.** A sliding log: ``<table>_queues.rate_log`` holds the start times of the
-  jobs started within the last period (at most N of them), written by the claim under the
-  lock. "At most N in any window of the period" holds exactly, unlike a fixed window or a
-  token bucket, which allow up to 2N across a boundary. A job that cannot start stays
+* **The rate.** A sliding log: ``<table>_queues.rate_log`` holds when each claim within
+  the last period started its jobs, and ``rate_counts`` how many, written by the claim
+  under the lock (one entry per claim: a log of one per job grew with the rate). "At
+  most N in any window of the period" holds exactly, unlike a fixed window or a token
+  bucket, which allow up to 2N across a boundary. A job that cannot start stays
   ``ready`` (no attempt spent), and the worker skips that queue until the oldest start
   leaves the window, while it keeps claiming its other queues.
 * **The rate of a key.** The same sliding log, one per (queue, key), in the companion

@@ -603,7 +603,8 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
     make_project: Any,
 ) -> None:
     """A table made before limits existed: autogenerate writes the ``concurrency_key``
-    column, the ``<table>_keys`` index and ``<table>_queues.rate_log``, nothing by hand."""
+    column, the ``<table>_keys`` index and ``<table>_queues.rate_log`` and ``rate_counts``,
+    nothing by hand."""
     project = make_project(explicit_schema=True)
     first = project.autogenerate("jobs")
     project.edit(
@@ -611,15 +612,19 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
     )
     # <table>_queues is an op.create_table of its own, outside create_jobs_table.
     lines = first.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if "sa.Column('rate_log'" not in line]
-    assert len(kept) == len(lines) - 1
+    kept = [
+        line
+        for line in lines
+        if "sa.Column('rate_log'" not in line and "sa.Column('rate_counts'" not in line
+    ]
+    assert len(kept) == len(lines) - 2
     first.write_text("".join(kept))
     shutil.rmtree(first.parent / "__pycache__", ignore_errors=True)
     project.upgrade()
 
     second = project.autogenerate("limits")
     upgrade = section(second, "upgrade")
-    assert len(upgrade) == 4, upgrade
+    assert len(upgrade) == 5, upgrade
     schema = project.schema
     assert (
         "op.add_column('jobs', sa.Column('concurrency_key', sa.Text(), nullable=True), "
@@ -634,6 +639,8 @@ def test_limits_columns_reach_an_existing_table_through_autogenerate(
     assert "['queue', 'concurrency_key', 'id']" in key_order
     add_log = next(s for s in upgrade if "rate_log" in s)
     assert add_log.startswith("op.add_column('jobs_queues', sa.Column('rate_log', ")
+    add_counts = next(s for s in upgrade if "rate_counts" in s)
+    assert add_counts.startswith("op.add_column('jobs_queues', sa.Column('rate_counts', ")
 
     project.upgrade()
     project.check()

@@ -311,9 +311,41 @@ def test_concurrent_claims_share_one_rate(db: sa.Engine) -> None:
     assert late and all(f.held and 60 - took - 1 < (f.rate_free_in or 0) <= 60 for f in late)
     queues = app.limited_jobs.queries.queues_table
     with db.connect() as conn:
-        log = conn.execute(sa.select(queues.c.rate_log).where(queues.c.name == "rated")).scalar()
-    assert len(log) == 7
+        log, counts = conn.execute(
+            sa.select(queues.c.rate_log, queues.c.rate_counts).where(queues.c.name == "rated")
+        ).one()
+    # One entry per claim that started jobs, with how many it started.
+    assert len(log) == len(counts) and sum(counts) == 7
+    assert sorted(counts) == sorted(len(f.rows) for f in found if f.rows)
     assert all(abs((datetime.now(timezone.utc) - at).total_seconds()) < 30 for at in log)
+
+
+def test_the_rate_log_keeps_one_entry_per_claim_and_reads_a_log_of_one_per_job(
+    db: sa.Engine,
+) -> None:
+    """A claim of five jobs adds one entry to the log, counting five, however many jobs it
+    starts (a log of one entry per job grew with the rate: 10,000 timestamps rewritten at
+    every claim at 10,000 a second). An entry without a count, as a log written one entry
+    per job has, counts one: six of them and a rate of seven leave room for one."""
+    with db.begin() as conn:
+        app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 12)
+    [first] = _race(db, app.limited_jobs, "rated", 1, rate=100, period=60.0)
+    queues = app.limited_jobs.queries.queues_table
+    logged = sa.select(queues.c.rate_log, queues.c.rate_counts).where(queues.c.name == "rated")
+    with db.connect() as conn:
+        log, counts = conn.execute(logged).one()
+    assert len(first.rows) == 10 and len(log) == 1 and counts == [10]
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(queues)
+            .where(queues.c.name == "rated")
+            .values(rate_log=sa.func.array_fill(sa.func.now(), sa.literal([6])), rate_counts=None)
+        )
+    [second] = _race(db, app.limited_jobs, "rated", 1, rate=7, period=60.0)
+    assert len(second.rows) == 1 and second.held and second.rate_free_in is not None
+    with db.connect() as conn:
+        log, counts = conn.execute(logged).one()
+    assert len(log) == 7 and counts == [1] * 7
 
 
 def test_an_unlimited_queue_keeps_the_plain_claim(db: sa.Engine, make_worker: Any) -> None:
@@ -526,19 +558,25 @@ def test_one_job_per_key_at_a_time_across_workers(
 
 @contextlib.contextmanager
 def server_stamps(
-    db: sa.Engine, table: str, key: str, log: str
+    db: sa.Engine, table: str, key: str, log: str, counts: str | None = None
 ) -> Iterator[Callable[[], list[tuple[str, datetime, int]]]]:
     """Every claim's starts, as the server stamped them, for a rate's sliding log: column
-    ``log`` of companion table ``table`` (``<table>_queues.rate_log`` by queue name,
-    ``<table>_key_starts.log`` by key). A claim appends its clock_timestamp() once per job
-    it claimed; a trigger keeps each write's new stamp and how many jobs it counts, where
-    the log itself is trimmed to its window. Yields a function that reads them:
-    (queue or key, at, jobs).
+    ``log`` of companion table ``table`` (``<table>_queues.rate_log`` by queue name, with
+    ``counts``, ``rate_counts``: a claim appends its clock_timestamp() once, and how many
+    jobs it claimed; ``<table>_key_starts.log`` by key: a claim appends its stamp once per
+    job). A trigger keeps each write's new stamp and how many jobs it counts, where the
+    log itself is trimmed to its window. Yields a function that reads them: (queue or key,
+    at, jobs).
 
     The worker's clock sees when a claim was *sent*, and on a busy machine a claim can
     wait a while for the queue's lock before the server runs it: 18 jobs of a key rated
     at 10/s were "sent within 0.8 s" by that clock in CI, each claim within the rate."""
     schema = app.SCHEMA
+    jobs = (
+        f"NEW.{counts}[cardinality(NEW.{counts})]"
+        if counts
+        else f"(SELECT count(*) FROM unnest(NEW.{log}) AS s WHERE s = newest)"
+    )
     ddl = [
         f'CREATE TABLE "{schema}".claim_stamps (key text, at timestamptz, n integer)',
         f"""CREATE FUNCTION "{schema}".claim_stamp() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -550,9 +588,7 @@ def server_stamps(
             THEN
                 RETURN NULL;
             END IF;
-            INSERT INTO "{schema}".claim_stamps VALUES
-                (NEW.{key}, newest,
-                 (SELECT count(*) FROM unnest(NEW.{log}) AS s WHERE s = newest));
+            INSERT INTO "{schema}".claim_stamps VALUES (NEW.{key}, newest, {jobs});
             RETURN NULL;
         END $$""",
         f'CREATE TRIGGER claim_stamp AFTER INSERT OR UPDATE ON "{schema}"."{table}" '
@@ -594,7 +630,7 @@ def test_a_rate_of_twenty_per_second_across_workers(
     db: sa.Engine, workers: list[subprocess.Popen[str]]
 ) -> None:
     queues = app.limited_jobs.queries.queues_table
-    with server_stamps(db, queues.name, "name", "rate_log") as claimed:
+    with server_stamps(db, queues.name, "name", "rate_log", "rate_counts") as claimed:
         workers += _start_workers(3, "rated", 8, db)
         with db.begin() as conn:
             app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 300)

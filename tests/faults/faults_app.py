@@ -554,8 +554,8 @@ class JobEvent(Base):
 
 class RateStamp(Base):
     """Every write of a queue's rate log (``jobs_queues.rate_log``) that added starts, by a
-    trigger: the stamp the claim appended and how many times (its jobs). The log itself is
-    trimmed to its window; this keeps them all."""
+    trigger: the stamp the claim appended and its jobs (the last of ``rate_counts``). The
+    log itself is trimmed to its window; this keeps them all."""
 
     __tablename__ = "rate_stamps"
     id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
@@ -600,8 +600,9 @@ _LIMIT_TRIGGER_DDL = (
     DECLARE
         newest timestamptz := NEW.rate_log[cardinality(NEW.rate_log)];
     BEGIN
-        -- A claim appends its clock_timestamp() once per job it claimed, after the stamps
-        -- still in the window: the newest stamp, unless it was there before.
+        -- A claim appends its clock_timestamp() once, and how many jobs it claimed to
+        -- rate_counts, after the claims still in the window: the newest stamp, unless it
+        -- was there before.
         IF newest IS NULL THEN
             RETURN NULL;
         END IF;
@@ -609,8 +610,7 @@ _LIMIT_TRIGGER_DDL = (
             RETURN NULL;
         END IF;
         INSERT INTO "{SCHEMA}".rate_stamps (queue, at, n)
-        VALUES (NEW.name, newest,
-                (SELECT count(*) FROM unnest(NEW.rate_log) AS s WHERE s = newest));
+        VALUES (NEW.name, newest, NEW.rate_counts[cardinality(NEW.rate_counts)]);
         RETURN NULL;
     END $$
     """,
