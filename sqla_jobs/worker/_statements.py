@@ -155,7 +155,7 @@ def claim_limited(
     """Claim within a queue's limits (see :mod:`sqla_jobs.throttle`): take the queue's
     lock, then claim in a second statement, which sees every claim committed before the
     lock was granted; commit. ``conn`` is in autocommit (the claim connection), so the
-    transaction is begun and ended here, by hand.
+    transaction is the pipeline's implicit one, or begun and ended here, by hand.
 
     The statements (the lock with the plan mode, the claim) go in one psycopg pipeline,
     one round trip and one transaction (see :func:`_claim_in_pipeline`), when
