@@ -43,6 +43,12 @@ B. **one claim statement** (microseconds, median over ``--claims`` claims of 10 
    plain claim against the limited one (non-binding concurrency limit; keyed; per-key
    rate), the statement's own cost without a worker around it.
 
+``--handler-ms N`` gives every drained job N milliseconds of waiting (``time.sleep`` in
+the executor thread, around the handler through ``jobs.around_run``), as a handler that
+calls a service does: with no-op handlers a binding limit's turn (write the outcomes and
+claim the next jobs, then run them) cannot overlap the running, since the 64 no-op jobs
+end together; handlers that wait end apart, and the completer writes as slots free.
+
 C. **round trips** (``--round-trips``, instead of A and B): the limited claim of the
    non-binding queue sent as four round trips (BEGIN, the lock, the claim, COMMIT: how
    the worker sends it through SQLAlchemy when something listens for its statements, and
@@ -56,6 +62,7 @@ A and B run the worker's own code, so their limited rows are the pipelined claim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -63,6 +70,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -317,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schema", default="sqla_jobs_bench_limits")
     p.add_argument("--round-trips", action="store_true", help="run only C (round trips)")
     p.add_argument(
+        "--handler-ms",
+        type=float,
+        default=0.0,
+        help="every drained job waits this long in its executor thread (default: none)",
+    )
+    p.add_argument(
         "--rows",
         default="",
         help="only the drains whose names contain one of these comma-separated words (and "
@@ -338,6 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine(url)
     app = bench.build_app(args.schema)
     declare(app)
+    if args.handler_ms:
+        wait = args.handler_ms / 1000
+
+        @app.jobs.around_run
+        @contextlib.contextmanager
+        def waiting(job: Any) -> Iterator[None]:
+            time.sleep(wait)
+            yield
+
     settings = WorkerSettings(
         concurrency=bench.DEFAULT_CONCURRENCY,
         claim_limit=bench.DEFAULT_CLAIM_LIMIT,
@@ -408,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                     direct[row].append(got[row] / got[compared[row]])
                 if row == RATED:
                     against_allowed.append(got[row] / rate_allows(n, RATE, got[unlimited]))
-        print(f"\n### A. drain of {n:,} no-op jobs, one Worker, jobs/s, median of {repeat}\n")
+        what = f"jobs that wait {args.handler_ms:g} ms" if args.handler_ms else "no-op jobs"
+        print(f"\n### A. drain of {n:,} {what}, one Worker, jobs/s, median of {repeat}\n")
         print(
             "Each limited drain ran next to an unlimited one; its ratio is the median of "
             "those pairs' ratios.\n"
