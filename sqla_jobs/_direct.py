@@ -37,6 +37,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 __all__ = [
     "Compiled",
+    "autocommit",
     "compiled",
     "execute",
     "execute_each",
@@ -89,6 +90,12 @@ def compiled(
     if found is None:
         found = cache[key] = Compiled(statement, dialect)
     return found
+
+
+def autocommit(connection: sa.Connection) -> bool:
+    """Whether the driver connection commits every statement by itself (psycopg's own
+    flag: asking SQLAlchemy for the isolation level would cost a round trip)."""
+    return bool(getattr(connection.connection.driver_connection, "autocommit", False))
 
 
 def pipeline_allowed(connection: sa.Connection) -> bool:

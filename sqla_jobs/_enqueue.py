@@ -46,7 +46,7 @@ from sqlalchemy.orm import InstanceState, Session, make_transient, make_transien
 from sqlalchemy.orm.attributes import instance_state
 
 from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
-from ._direct import compiled, execute, execute_each, pipeline_allowed
+from ._direct import autocommit, compiled, execute, execute_each, pipeline_allowed
 from ._queries import INSERTED_COLUMNS, _dumps, args_json, filled_by_server
 from ._storable import Encodings, database_encodings
 from ._tasks import (
@@ -268,12 +268,6 @@ def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple
         [(job_id,)] = execute(connection, made, params)  # RETURNING id, no conflict clause
         return int(job_id), True
     return connection.execute(q.insert_job, params).scalar_one(), True
-
-
-def autocommit(connection: sa.Connection) -> bool:
-    """Whether the driver connection commits every statement by itself (psycopg's own
-    flag: asking SQLAlchemy for the isolation level would cost a round trip)."""
-    return bool(getattr(connection.connection.driver_connection, "autocommit", False))
 
 
 def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:

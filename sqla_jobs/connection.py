@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy import event
 
+from ._direct import autocommit
 from ._enqueue import (
-    autocommit,
     bind_call,
     insert_json,
     insert_rows,

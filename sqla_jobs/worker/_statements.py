@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from .. import periodic
-from .._direct import Rows, compiled, execute, pipeline_allowed, run_pipeline
+from .._direct import Rows, autocommit, compiled, execute, pipeline_allowed, run_pipeline
 from .._queries import (
     ClaimParams,
     FairClaimParams,
@@ -73,18 +73,18 @@ BATCH = PRUNE_BATCH = 1000
 #: default: the limited claim must see what committed while it waited for the lock, which
 #: a REPEATABLE READ snapshot would not.
 _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
-#: The plan the limited and fair claims run on: PostgreSQL's generic plan, planned once
-#: per connection; LOCAL: it ends with the claim's transaction. Left alone, once psycopg
-#: has prepared a claim PostgreSQL compares the generic plan's estimate with the custom
-#: plans' and keeps whichever looked cheaper at that moment, for the connection's life, so
-#: the same claim ran on either from one run to the next. Measured on both (a claim of 10,
-#: embedded PostgreSQL 18): over 1,000 keys at 4,000 to 100,000 jobs, keyed 0.73 ms
-#: generic against 1.2 custom, ``key_rate`` 1.3-1.7 against 2.4-2.5, fifo 1.3 against 2.6
-#: (planning them was most of their cost); without keys, once the claim probed its rows
-#: by primary key (``id = ANY(...)``; its generic plan had joined them to a scan of the
-#: whole table), 0.82-0.87 against 1.1 at 20,000 jobs and 0.40 against 0.71 at 200,000,
-#: a rated one 0.65-0.8 against 1.0.
-_PLAN = "SET LOCAL plan_cache_mode = force_generic_plan"
+# The plan the limited and fair claims run on (``GENERIC_PLAN``, sent with the queue's lock
+# or alone before the claim): PostgreSQL's generic plan, planned once per connection, for
+# the claim's transaction only. Left alone, once psycopg has prepared a claim PostgreSQL
+# compares the generic plan's estimate with the custom plans' and keeps whichever looked
+# cheaper at that moment, for the connection's life, so the same claim ran on either from
+# one run to the next. Measured on both (a claim of 10,
+# embedded PostgreSQL 18): over 1,000 keys at 4,000 to 100,000 jobs, keyed 0.73 ms
+# generic against 1.2 custom, ``key_rate`` 1.3-1.7 against 2.4-2.5, fifo 1.3 against 2.6
+# (planning them was most of their cost); without keys, once the claim probed its rows
+# by primary key (``id = ANY(...)``; its generic plan had joined them to a scan of the
+# whole table), 0.82-0.87 against 1.1 at 20,000 jobs and 0.40 against 0.71 at 200,000,
+# a rated one 0.65-0.8 against 1.0.
 
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
@@ -162,8 +162,8 @@ def claim_limited(
     :func:`~sqla_jobs._direct.pipeline_allowed` says they may: the round trips were most
     of what a limited claim cost beyond the plain one (``benchmarks/limits.py
     --round-trips``). Otherwise (another driver, a ``schema_translate_map``, something
-    listening for the statements), BEGIN, the plan mode, the lock, the claim and COMMIT,
-    one round trip each, through SQLAlchemy."""
+    listening for the statements), BEGIN, the lock with the plan mode, the claim and
+    COMMIT, one round trip each, through SQLAlchemy."""
     statement = limited_statement(queries, params)
     if pipeline_allowed(conn):
         [(result, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=True)
@@ -228,28 +228,29 @@ def _claim_in_pipeline(
     pipeline, which gives the GIL up and waits to take it back; beside 64 threads busy in
     Python a limited claim of 200 took 24 ms in five statements and 18 in two, against 10
     for the plain claim's one (a worker's executor threads are such neighbours). Elsewhere,
-    as before: BEGIN ISOLATION LEVEL READ COMMITTED, the plan mode, the lock, the claim,
-    COMMIT."""
+    the same statements between BEGIN ISOLATION LEVEL READ COMMITTED and COMMIT."""
 
     def sent(statement: Any, params: Mapping[str, Any]) -> tuple[str, Any]:
         made = compiled(queries.compiled, statement, conn.dialect)
         return made.sql, made.params(params)
 
-    lock = {"queue_name": params["queue_name"]}
-    statements: list[tuple[str, dict[str, Any] | None]]
+    first = _plan_and_lock(queries, params, locked)
+    statements = [*(sent(s, p) for s, p in before), sent(*first), sent(statement, params)]
+    rows_of = [*range(len(before)), len(statements) - 1]
     if _implicit_transaction(conn):
-        statements = [sent(s, p) for s, p in before]
-        if locked:
-            statements.append(sent(queries.limit_lock_generic, lock))
-        else:
-            statements.append(sent(queries.generic_plan, {}))
-        statements.append(sent(statement, params))
-        return run_pipeline(conn, statements, [*range(len(before)), len(statements) - 1])
-    statements = [(_BEGIN, None), *(sent(s, p) for s, p in before), (_PLAN, None)]
+        return run_pipeline(conn, statements, rows_of)
+    explicit = [(_BEGIN, None), *statements, ("COMMIT", None)]
+    return run_pipeline(conn, explicit, [i + 1 for i in rows_of])
+
+
+def _plan_and_lock(
+    queries: Queries, params: Mapping[str, Any], locked: bool
+) -> tuple[sa.Executable, Mapping[str, Any]]:
+    """The statement a claim's transaction begins with: the generic plan asked for, with
+    ``locked`` in the same statement as the queue's lock."""
     if locked:
-        statements.append(sent(queries.limit_lock, lock))
-    statements += [sent(statement, params), ("COMMIT", None)]
-    return run_pipeline(conn, statements, [*range(1, 1 + len(before)), len(statements) - 2])
+        return queries.limit_lock_generic, {"queue_name": params["queue_name"]}
+    return queries.generic_plan, {}
 
 
 #: Where :func:`_implicit_transaction` keeps what it found, in the pooled connection's
@@ -264,8 +265,7 @@ def _implicit_transaction(conn: sa.Connection) -> bool:
     (the limited claim must see what committed while it waited for the lock, which a
     REPEATABLE READ snapshot, taken by the lock's statement, would not). The isolation is
     asked once per database connection (one query, at its first claim)."""
-    driver: Any = conn.connection.driver_connection
-    if not driver.autocommit:
+    if not autocommit(conn):
         return False
     info = conn.connection.info
     found = info.get(_READ_COMMITTED)
@@ -280,8 +280,7 @@ def _claim_limited_stepwise(
 ) -> list[Any]:
     conn.exec_driver_sql(_BEGIN)
     try:
-        conn.exec_driver_sql(_PLAN)
-        conn.execute(queries.limit_lock, {"queue_name": params["queue_name"]})
+        conn.execute(*_plan_and_lock(queries, params, locked=True))
         result = list(conn.execute(statement, dict(params)).all())
     except BaseException:
         with contextlib.suppress(Exception):
