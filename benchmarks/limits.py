@@ -50,11 +50,13 @@ claim the next jobs, then run them) cannot overlap the running, since the 64 no-
 end together; handlers that wait end apart, and the completer writes as slots free.
 
 C. **round trips** (``--round-trips``, instead of A and B): the limited claim of the
-   non-binding queue sent as four round trips (BEGIN, the lock, the claim, COMMIT: how
-   the worker sends it through SQLAlchemy when something listens for its statements, and
-   how it sent it before 0.2) against the same four statements in one psycopg pipeline
-   (one round trip, as the worker sends it otherwise), alternating claim by claim on one
-   bare psycopg connection.
+   non-binding queue sent as four round trips (BEGIN, the lock with the plan mode, the
+   claim, COMMIT: how the worker sends it through SQLAlchemy when something listens for
+   its statements, and how it sent it before 0.2), as the same four statements in one
+   psycopg pipeline (one round trip: how the worker sends it where the server's default
+   isolation is not READ COMMITTED), and as the lock and the claim alone in one pipeline,
+   the server's implicit transaction (how the worker sends it otherwise), alternating
+   claim by claim on one bare psycopg connection.
 
 A and B run the worker's own code, so their limited rows are the pipelined claim.
 """
@@ -241,9 +243,10 @@ def claim_micros(
 def round_trips(
     app: bench.App, engine: sa.Engine, admin: psycopg.Connection[Any], url: str, claims: int
 ) -> dict[str, list[float]]:
-    """Microseconds per limited claim of 10 jobs: four round trips, or one (pipelined)."""
+    """Microseconds per limited claim of 10 jobs: four round trips, or one pipeline of four
+    statements, or one of two (no BEGIN, no COMMIT)."""
     queue = VARIANTS["concurrency=1,000,000 (never binds)"][0]
-    preload(admin, app, claims * 20 + 100, "concurrency=1,000,000 (never binds)")
+    preload(admin, app, claims * 30 + 100, "concurrency=1,000,000 (never binds)")
     queries = app.jobs.queries
     params = limited_claim_params(
         claim_params(queue, 10, interval(30), "bench"),
@@ -253,7 +256,7 @@ def round_trips(
         key_limit=1,
         keyed=False,
     )
-    lock = queries.limit_lock.compile(dialect=engine.dialect)
+    lock = queries.limit_lock_generic.compile(dialect=engine.dialect)
     claim = limited_statement(queries, params).compile(dialect=engine.dialect)
     lock_sql, lock_params = str(lock), lock.construct_params({"queue_name": queue})
     claim_sql, claim_args = str(claim), claim.construct_params(dict(params))
@@ -274,14 +277,21 @@ def round_trips(
             pg.execute("COMMIT")
         return cursor.fetchall()
 
+    def two() -> list[Any]:
+        with pg.pipeline():
+            pg.execute(lock_sql, lock_params)
+            cursor = pg.execute(claim_sql, claim_args)
+        return cursor.fetchall()
+
     ways = {
         "4 round trips (through SQLAlchemy, watched)": four,
-        "1 round trip (one pipeline, as the worker)": one,
+        "1 round trip, 4 statements (BEGIN ... COMMIT in one pipeline)": one,
+        "1 round trip, 2 statements (the implicit transaction, as the worker)": two,
     }
     micros: dict[str, list[float]] = {name: [] for name in ways}
     try:
         for i in range(claims):
-            for name in list(ways)[:: 1 if i % 2 else -1]:
+            for name in list(ways)[i % len(ways) :] + list(ways)[: i % len(ways)]:
                 start = time.perf_counter()
                 rows = ways[name]()
                 micros[name].append((time.perf_counter() - start) * 1e6)
