@@ -305,8 +305,10 @@ def claim_params(queue: str, limit: int, lease: timedelta, worker: str) -> Claim
 # the table (first key) and the queue (second key). The two-key form has a key space of its
 # own, apart from the pruner's one-key lock. Run first in the claim's transaction, so that
 # the limited claim after it sees every claim committed before the lock was granted.
-# ``generic_plan``: the same statement also asks for PostgreSQL's generic plan for the rest
-# of the transaction (``set_config(..., true)``, as SET LOCAL), one statement for two.
+# ``generic_plan``: the worker's form. The same statement also asks for PostgreSQL's
+# generic plan for the rest of the transaction (``set_config(..., true)``, as SET LOCAL),
+# one statement for two, and makes sure the transaction is READ COMMITTED
+# (``READ_COMMITTED``), which the worker may have only assumed.
 def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
     lock = sa.func.pg_advisory_xact_lock(
         sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),
@@ -314,7 +316,7 @@ def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
     )
     if not generic_plan:
         return sa.select(lock)
-    return sa.select(GENERIC_PLAN, lock)
+    return sa.select(READ_COMMITTED, GENERIC_PLAN, lock)
 
 
 #: ``SET LOCAL plan_cache_mode = force_generic_plan`` as an expression, which a SELECT can
@@ -324,6 +326,23 @@ def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
 GENERIC_PLAN = sa.func.set_config(
     sa.literal_column("'plan_cache_mode'"), sa.literal_column("'force_generic_plan'"), sa.true()
 )
+
+#: The check that a limited claim's transaction is READ COMMITTED, free when it is: setting
+#: ``transaction_isolation`` to the level the transaction already has does nothing, and to
+#: any other level once the statement has its snapshot fails with SQLSTATE 25001
+#: (``SET TRANSACTION ISOLATION LEVEL must be called before any query``), which rolls the
+#: claim back before it claims anything. The worker sends its limited claims without BEGIN
+#: where the server's ``default_transaction_isolation`` was READ COMMITTED when it asked;
+#: a reload of the server's configuration changes that default in live sessions too, and
+#: under REPEATABLE READ the claim would not see the claims that committed while it waited
+#: for the queue's lock (``sqla_jobs.worker._statements._claim_in_pipeline`` then asks
+#: again and sends BEGIN ISOLATION LEVEL READ COMMITTED).
+READ_COMMITTED = sa.func.set_config(
+    sa.literal_column("'transaction_isolation'"), sa.literal_column("'read committed'"), sa.true()
+)
+
+#: The SQLSTATE of :data:`READ_COMMITTED`'s refusal.
+NOT_READ_COMMITTED = "25001"
 
 
 # Limited claim: the plain claim's order and lease, but only as many jobs as the queue's

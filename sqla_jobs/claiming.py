@@ -183,9 +183,14 @@ def _claim_limited(
     """The workers' limited claim (:mod:`sqla_jobs.throttle`) in the caller's transaction:
     the queue's lock, held until that transaction ends (so the queue's other limited
     claims wait for it), then the claim. Needs READ COMMITTED, under which the claim sees
-    what committed while it waited for the lock."""
+    what committed while it waited for the lock, and a transaction that holds the lock
+    to its end: in autocommit the lock's own statement would release it at once.
+    SQLAlchemy's ``get_isolation_level`` names the level beneath autocommit, so the
+    driver's own flag is read for that."""
     connection = session.connection()
     level = connection.get_isolation_level()
+    if getattr(connection.connection.dbapi_connection, "autocommit", False):
+        level = "AUTOCOMMIT"
     if level != "READ COMMITTED":
         raise ValueError(
             f"queue {limits.name!r} has limits, which session.claim can only enforce under "

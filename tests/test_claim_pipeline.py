@@ -260,6 +260,62 @@ def test_a_limited_claim_counts_what_committed_while_it_waited_for_the_lock(
     assert count(db, status="running") == 3 and count(db, status="ready") == 3
 
 
+@pytest.mark.parametrize("level", ["repeatable read", "serializable"])
+def test_a_limited_claim_checks_the_isolation_it_assumed(
+    db: sa.Engine, database_url: str, level: str
+) -> None:
+    """The worker asks the server's default isolation once per connection, but a reload
+    of the server's configuration changes it under live connections. Here the default
+    changes after the connection's first claim (a session-level SET, which only this
+    connection sees): the next claim, sent without BEGIN on the answer it kept, must still
+    count the three jobs another claimer marked running while it waited for the lock, and
+    take nothing; the one after it asks again."""
+    with db.begin() as c:
+        jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 6)
+    engine = create_engine(database_url)
+    found: list[Any] = []
+    t = app.Job.__table__
+    try:
+        with engine.connect() as c:
+            claimer = c.execution_options(isolation_level="AUTOCOMMIT")
+            assert pipeline_allowed(claimer)
+            # The first claim (of an empty limited queue) keeps "read committed".
+            assert worker_db.claim_limited(claimer, jobs.queries, _params("rated")).rows == []
+            assert claimer.connection.info[worker_db._READ_COMMITTED] is True
+            claimer.exec_driver_sql(f"SET default_transaction_isolation = '{level}'")
+            with db.connect() as holder:
+                holder.begin()
+                holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+                thread = threading.Thread(
+                    target=lambda: found.append(
+                        worker_db.claim_limited(claimer, jobs.queries, _params("limited"))
+                    )
+                )
+                thread.start()
+                waiting = sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND wait_event = 'advisory' AND datname = current_database()"
+                )
+                with db.connect() as look:
+                    wait_for(lambda: look.execute(waiting).scalar_one() == 1 or look.rollback())
+                three = sa.select(t.c.id).where(t.c.status == "ready").limit(3)
+                holder.execute(
+                    sa.update(t)
+                    .where(t.c.id.in_(three.scalar_subquery()))
+                    .values(status="running", locked_by="other", locked_until=sa.func.now())
+                )
+                holder.commit()
+                thread.join(30)
+            [claim] = found
+            assert claim.rows == [] and claim.held
+            assert count(db, status="running") == 3 and count(db, status="ready") == 3
+            # Asked again: the claims of this connection now begin their own transaction.
+            assert worker_db.claim_limited(claimer, jobs.queries, _params("limited")).rows == []
+            assert claimer.connection.info[worker_db._READ_COMMITTED] is False
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("watched", [False, True], ids=["pipelined", "through SQLAlchemy"])
 def test_every_limited_claim_runs_on_the_generic_plan(
     db: sa.Engine, conn: sa.Connection, watched: bool

@@ -721,6 +721,21 @@ def test_session_claim_of_a_limited_queue_needs_read_committed(db: sa.Engine) ->
             session.claim("limited")
 
 
+def test_session_claim_of_a_limited_queue_refuses_autocommit(db: sa.Engine) -> None:
+    """In autocommit the queue's lock would end with its own statement, and two claims
+    could count the same free slots. SQLAlchemy's ``get_isolation_level`` says READ
+    COMMITTED there (the level beneath autocommit), so the driver's flag is what tells."""
+    with db.begin() as conn:
+        app.limited_jobs.enqueue_many(conn, app.limited_work, [{"seconds": 0}] * 2)
+    bind = db.execution_options(isolation_level="AUTOCOMMIT")
+    with (
+        JobSession(bind, jobs=app.limited_jobs) as session,
+        pytest.raises(ValueError, match="this transaction is AUTOCOMMIT"),
+    ):
+        session.claim("limited")
+    assert count(db, status="running") == 0
+
+
 def test_a_rate_held_queue_waits_without_spinning_or_blocking_others(
     db: sa.Engine, make_worker: Any
 ) -> None:

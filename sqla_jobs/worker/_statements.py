@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from .. import periodic
 from .._direct import Rows, autocommit, compiled, execute, pipeline_allowed, run_pipeline
 from .._queries import (
+    NOT_READ_COMMITTED,
     ClaimParams,
     FairClaimParams,
     LimitedClaimParams,
@@ -228,7 +229,13 @@ def _claim_in_pipeline(
     pipeline, which gives the GIL up and waits to take it back; beside 64 threads busy in
     Python a limited claim of 200 took 24 ms in five statements and 18 in two, against 10
     for the plain claim's one (a worker's executor threads are such neighbours). Elsewhere,
-    the same statements between BEGIN ISOLATION LEVEL READ COMMITTED and COMMIT."""
+    the same statements between BEGIN ISOLATION LEVEL READ COMMITTED and COMMIT.
+
+    The server's default isolation, asked once per connection, can change under a live
+    connection (a reload of its configuration): the lock's statement checks the level
+    (:data:`~sqla_jobs._queries.READ_COMMITTED`), and where it finds another, nothing was
+    claimed or written, the connection's answer is forgotten, and the claim is sent again
+    between BEGIN and COMMIT."""
 
     def sent(statement: Any, params: Mapping[str, Any]) -> tuple[str, Any]:
         made = compiled(queries.compiled, statement, conn.dialect)
@@ -238,7 +245,12 @@ def _claim_in_pipeline(
     statements = [*(sent(s, p) for s, p in before), sent(*first), sent(statement, params)]
     rows_of = [*range(len(before)), len(statements) - 1]
     if _implicit_transaction(conn):
-        return run_pipeline(conn, statements, rows_of)
+        try:
+            return run_pipeline(conn, statements, rows_of)
+        except sa.exc.DBAPIError as exc:
+            if not locked or getattr(exc.orig, "sqlstate", None) != NOT_READ_COMMITTED:
+                raise
+            conn.connection.info.pop(_READ_COMMITTED, None)  # asked again at the next claim
     explicit = [(_BEGIN, None), *statements, ("COMMIT", None)]
     return run_pipeline(conn, explicit, [i + 1 for i in rows_of])
 
