@@ -501,6 +501,18 @@ class DirectShape:
     settable: frozenset[str]
     #: The attributes of ``insert_job_row``'s RETURNING columns, in order.
     returned: tuple[str, ...]
+    #: Every other column attribute: what the INSERT sent, or NULL. A written job holds
+    #: each (None where the object holds nothing), as the ORM's flush leaves its objects:
+    #: one left out would be expired, loaded by a query when read, and unreadable once
+    #: the session is closed or from an ``AsyncSession`` (``expire_on_commit=False``).
+    rest: tuple[str, ...]
+    #: The attributes of the INSERT's columns that may not be NULL: a job holding None
+    #: in one (set so by the application after enqueue) goes the ORM's way, which leaves
+    #: it out of the INSERT for the column's server default.
+    required: tuple[str, ...]
+    #: Those of ``rest`` whose type writes None as something other than SQL NULL (JSON's
+    #: ``null``): taken out again when a rolled-back job becomes transient.
+    json_rest: tuple[str, ...]
 
 
 _shapes: weakref.WeakKeyDictionary[type, DirectShape | None] = weakref.WeakKeyDictionary()
@@ -510,8 +522,10 @@ def direct_shape(model: type) -> DirectShape | None:
     """How ``model``'s plain jobs are written around the ORM, or None if they cannot be
     (the ORM would do something the INSERT does not: an inheritance, a version counter,
     a column of the application's own with a Python-side default, a column mapped
-    under several attributes). Insert events are checked at each flush: they may be
-    listened for later."""
+    under several attributes, a foreign key, which the ORM's flush fills from a
+    relationship, such as an ``owner.jobs`` collection the job was appended to, without
+    the job object showing a change). Insert events are checked at each flush: they may
+    be listened for later."""
     try:
         return _shapes[model]
     except KeyError:
@@ -528,6 +542,7 @@ def _work_out_shape(model: type) -> DirectShape | None:
         or mapper.polymorphic_on is not None
         or mapper.version_id_col is not None
         or not isinstance(table, sa.Table)
+        or any(column.foreign_keys for column in table.c)
     ):
         return None
     key_of: dict[str, str] = {}
@@ -544,20 +559,28 @@ def _work_out_shape(model: type) -> DirectShape | None:
             return None  # the ORM would run it
     returned = tuple(key_of[c.name] for c in filled_by_server(table))
     settable = frozenset([*(key_of[name] for name in INSERTED_COLUMNS), "_sa_instance_state"])
-    return DirectShape(settable, returned)
+    rest = tuple(key for key in key_of.values() if key not in returned)
+    json_rest = tuple(
+        key_of[c.name] for c in table.c if key_of[c.name] in rest and c.type.should_evaluate_none
+    )
+    required = tuple(key_of[name] for name in INSERTED_COLUMNS if not table.c[name].nullable)
+    return DirectShape(settable, returned, rest, required, json_rest)
 
 
 def write_direct(session: Session) -> list[Any]:
     """Write the session's plain jobs that are still pending in it, in the session's
     transaction, and take them out of it (see the section's comment); leave the rest
     (expunged, rolled back, or for the ORM) where they are. Called by the session's
-    flush before the ORM's: a job's columns can name no application row (an object
-    holding such a value goes the ORM's way), so nothing it writes waits for one.
+    flush before the ORM's: a job's columns can name no application row (a model with a
+    foreign key goes the ORM's way), so nothing it writes waits for one.
 
-    A failure leaves every job pending, as a failed flush does; the transaction, which
-    PostgreSQL has aborted, is its owner's to roll back. Returns the jobs it wrote: the
-    session makes them transient again if their transaction rolls back, as the ORM does
-    with the objects its flush wrote."""
+    The jobs of a model are written in the order they were enqueued, whatever registry
+    enqueued them (their ids order the claims of one ``run_at``). All are sent before any
+    becomes persistent: a failure leaves every job pending, and the caller fails the
+    flush as the ORM's own failure does (the transaction, which PostgreSQL has aborted,
+    rolled back; see ``EnqueueMixin.flush``). Returns the jobs it wrote: the session makes
+    them transient again if their transaction rolls back, as the ORM does with the
+    objects its flush wrote."""
     noted: list[tuple[Jobs, Any]] | None = session.info.get(DIRECT_KEY)
     if not noted:
         return []
@@ -565,37 +588,55 @@ def write_direct(session: Session) -> list[Any]:
     watch = session.dispatch
     if watch.before_flush or watch.after_flush or watch.after_flush_postexec:
         return []  # listeners that read what the flush writes (session.new) see the jobs
-    if watch.pending_to_persistent:
-        return []  # and the lifecycle the ORM's flush gives each
-    written: list[Any] = []
+    if (
+        watch.pending_to_persistent
+        or watch.pending_to_transient
+        or watch.detached_to_persistent
+        or watch.before_attach
+        or watch.after_attach
+    ):
+        return []  # the lifecycle the ORM's flush gives each (and no other)
+    groups: dict[type, tuple[Jobs, DirectShape, list[InstanceState[Any]]]] = {}
     key = session.hash_key
-    groups: dict[Jobs, tuple[DirectShape, list[InstanceState[Any]]]] = {}
     for registry, job in noted:
         state = instance_state(job)
         if state.session_id != key or state.key is not None:
             continue  # expunged, rolled back with its savepoint, or flushed by the ORM
         shape = _shapes[registry.model]
         assert shape is not None  # noted only with a shape
-        if state.dict.keys() <= shape.settable:
-            groups.setdefault(registry, (shape, []))[1].append(state)
-    for registry, (shape, group) in groups.items():
+        values = state.dict
+        if values.keys() <= shape.settable and all(
+            values.get(name, True) is not None for name in shape.required
+        ):
+            groups.setdefault(registry.model, (registry, shape, []))[2].append(state)
+    sent: list[tuple[DirectShape, list[InstanceState[Any]], list[list[tuple[Any, ...]]]]] = []
+    for model, (registry, shape, group) in groups.items():
         dispatch = group[0].mapper.dispatch
         if dispatch.before_insert or dispatch.after_insert:
             continue
-        connection = session.connection(bind_arguments={"mapper": registry.model})
+        connection = session.connection(bind_arguments={"mapper": model})
         if not pipeline_allowed(connection):
             continue
         q = registry.queries
         made = compiled(q.compiled, q.insert_job_row, connection.dialect)
-        found = execute_each(connection, made, [job_params(state.dict) for state in group])
+        # The arguments encoded from the object, not the text their check wrote: the
+        # application may have changed them in place since, as the ORM would write.
+        params = [job_params(state.dict, encode=True) for state in group]
+        sent.append((shape, group, execute_each(connection, made, params)))
+    written: list[Any] = []
+    for shape, group, found in sent:
         for state, [row] in zip(group, found, strict=True):
             # Pending no more: the row is written. Out, filled with the row's values, and
             # back in as a persistent object, as the ORM's flush would leave it (its
             # identity in the session, expired at commit, refreshed, deleted).
             job = state.obj()
             make_transient(job)
-            state.dict.update(zip(shape.returned, row, strict=True))
-            make_transient_to_detached(job)  # what it does not hold loads when read
+            values = state.dict
+            values.update(zip(shape.returned, row, strict=True))
+            for name in shape.rest:
+                if name not in values:
+                    values[name] = None  # sent as NULL (or left NULL)
+            make_transient_to_detached(job)
             Session.add(session, job)
             written.append(job)
     return written
@@ -617,13 +658,14 @@ class JobParams(TypedDict):
     concurrency_key: str | None
 
 
-def job_params(values: dict[str, Any]) -> JobParams:
-    """Parameters of ``insert_job`` from checked values (:meth:`Jobs.bind_row`)."""
+def job_params(values: dict[str, Any], *, encode: bool = False) -> JobParams:
+    """Parameters of ``insert_job`` from checked values (:meth:`Jobs.bind_row`); with
+    ``encode``, the arguments encoded anew rather than the text their check wrote."""
     meta = values.get("meta")
     return {
         "task": values["task"],
         "queue": values["queue"],
-        "args": args_json(values["args"]),
+        "args": _dumps(values["args"]) if encode else args_json(values["args"]),
         "priority": values["priority"],
         "max_attempts": values["max_attempts"],
         "status": values["status"],

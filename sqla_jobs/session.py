@@ -53,6 +53,7 @@ call                           written
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Generator, Iterable, Mapping, Sequence, Sized
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
@@ -66,6 +67,7 @@ from ._enqueue import (
     UniformRows,
     _sync,
     bind_call,
+    direct_shape,
     insert_json,
     insert_rows,
     many_json,
@@ -105,10 +107,24 @@ _JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
 #: (transaction, jobs) per flush: the jobs the flush wrote itself, in the transaction
-#: innermost then (see EnqueueMixin.flush).
+#: innermost then (see EnqueueMixin.flush); weak references, as the session's identity
+#: map holds its objects, so that a long transaction does not keep every job alive.
 _WRITTEN_KEY = "sqla_jobs.written"
 #: Options that make a job unique, which needs an INSERT now (awaited, on asyncio).
 _UNIQUE_OPTIONS = ("unique_key", "unique_for", "unique_states", "unique_on_conflict")
+
+
+def _fail_as_a_flush(session: Session) -> None:
+    """What SQLAlchemy's flush does when its work fails (call it while handling the
+    error): roll the transaction back to its boundary (the innermost savepoint, or the
+    whole transaction), whose pending objects become transient, and leave the session
+    needing ``rollback()``, so that a ``commit()`` raises ``PendingRollbackError`` instead
+    of sending a COMMIT that PostgreSQL answers with ROLLBACK and no error, losing what the
+    transaction wrote before. The jobs this class writes around the ORM fail outside its
+    flush; SQLAlchemy offers this only through the flush's own (private) subtransaction,
+    the two calls its ``Session._flush`` makes."""
+    transaction = session._autobegin_t()._begin()
+    transaction.rollback(_capture_exception=True)
 
 
 def _written_committed(session: Session) -> None:
@@ -134,22 +150,41 @@ def _written_rolled_back(session: Session) -> None:
     inside it) are transient again, holding what they held, as the ORM leaves the objects
     its flush wrote (``Session.add`` would insert them anew). Fired before the session
     expires what it holds, so they keep their values."""
-    entries: list[tuple[SessionTransaction, list[Any]]] | None = session.info.get(_WRITTEN_KEY)
+    entries: list[tuple[SessionTransaction, list[weakref.ref[Any]]]] | None = session.info.get(
+        _WRITTEN_KEY
+    )
     if not entries:
         return
     rolled = session.get_nested_transaction() or session.get_transaction()
-    gone: list[tuple[SessionTransaction, list[Any]]] = []
-    kept: list[tuple[SessionTransaction, list[Any]]] = []
+    gone: list[tuple[SessionTransaction, list[weakref.ref[Any]]]] = []
+    kept: list[tuple[SessionTransaction, list[weakref.ref[Any]]]] = []
     for boundary, jobs in entries:
         inside: SessionTransaction | None = boundary
         while inside is not None and inside is not rolled:
             inside = inside.parent
         (gone if inside is not None else kept).append((boundary, jobs))
     session.info[_WRITTEN_KEY] = kept
-    for _, jobs in gone:
-        for job in jobs:
-            if inspect(job).session_id == session.hash_key:
-                make_transient(job)
+    _make_transient(session, gone)
+
+
+def _make_transient(
+    session: Session, entries: list[tuple[SessionTransaction, list[weakref.ref[Any]]]]
+) -> None:
+    """The jobs of ``entries`` still in ``session`` made transient, holding what they
+    held before their flush: a JSON column it filled with None goes (a job added again
+    would write JSON ``null`` for it, not SQL NULL, as the ORM leaves such a column out)."""
+    for _, refs in entries:
+        for ref in refs:
+            job = ref()
+            if job is None or inspect(job).session_id != session.hash_key:
+                continue
+            make_transient(job)
+            shape = direct_shape(type(job))
+            if shape is not None:
+                values = inspect(job).dict
+                for name in shape.json_rest:
+                    if name in values and values[name] is None:
+                        del values[name]
 
 
 def _forget_written(session: Session, transaction: SessionTransaction) -> None:
@@ -214,15 +249,23 @@ class EnqueueMixin:
         parent: Any = super()
         if isinstance(self, Session):
             if objects is None:
-                written = write_direct(self)
+                try:
+                    written = write_direct(self)
+                except BaseException:
+                    _fail_as_a_flush(self)
+                    raise
                 if written:
                     boundary = self.get_nested_transaction() or self.get_transaction()
                     entries = self.info.get(_WRITTEN_KEY)
                     if entries is None:
                         entries = self.info[_WRITTEN_KEY] = []
-                    entries.append((boundary, written))
+                    entries.append((boundary, [weakref.ref(job) for job in written]))
             parent.flush(objects)
-            _insert_pending(self)
+            try:
+                _insert_pending(self)
+            except BaseException:
+                _fail_as_a_flush(self)
+                raise
             return None
 
         async def flush_async() -> None:

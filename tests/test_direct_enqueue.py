@@ -15,14 +15,16 @@ them to load when read.
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
 from sqla_jobs import JobMixin, Jobs, JobSession
 from sqla_jobs._enqueue import DIRECT_KEY, direct_shape
@@ -137,21 +139,58 @@ def test_an_outer_rollback_makes_the_written_jobs_transient(
     assert [r.args["to"] for r in rows(db)] == ["gone"]
 
 
-def test_what_postgresql_refuses_leaves_the_jobs_pending_and_nothing_written(
-    Session: Any, db: sa.Engine, send: Any
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "through the ORM"])
+def test_what_postgresql_refuses_fails_the_flush_as_the_orm_does(
+    Session: Any, db: sa.Engine, send: Any, orm: bool
 ) -> None:
+    """A refused job fails the flush the way the ORM's own failure does: the transaction
+    rolled back (PostgreSQL had aborted it), every pending object transient, and the
+    session needing ``rollback()``. A ``commit()`` instead raises: PostgreSQL answers the
+    COMMIT of an aborted transaction with ROLLBACK and no error, so a session that let it
+    through would report success and lose the row it flushed before."""
     with Session() as session:
+        if orm:
+            event.listen(session, "before_flush", lambda *_: None)  # the ORM's own path
+        session.add(app.Link(code="t", url="https://example.com"))
+        session.flush()
         good = session.enqueue(send, "good")
         bad = session.enqueue(send, "bad")
         bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks, as a later edit is
         with pytest.raises(sa.exc.DataError):
             session.flush()
-        assert good in session.new and bad in session.new  # as a failed flush leaves them
+        assert sa.inspect(good).transient and sa.inspect(bad).transient
+        session.expunge_all()
+        with pytest.raises(sa.exc.PendingRollbackError):
+            session.commit()
         session.rollback()
-        assert sa.inspect(good).transient
         session.enqueue(send, "after the rollback")
         session.commit()
     assert [r.args["to"] for r in rows(db)] == ["after the rollback"]
+    assert count(db, app.Link) == 0
+
+
+def test_a_failure_of_a_second_table_leaves_the_first_tables_jobs_unwritten(
+    Session: Any, db: sa.Engine, jobs: Jobs, send: Any
+) -> None:
+    """Every table's jobs are sent before any becomes persistent: when a later table's
+    INSERT fails, the earlier one's jobs are not left persistent with ids of rows the
+    rollback took away (a ``session.add`` of such a job would then write nothing)."""
+    other = Jobs(app.OtherJob)
+
+    @other.task
+    def other_task(x: str) -> None: ...
+
+    with Session() as session:
+        first = session.enqueue(send, "first")
+        bad = session.enqueue(other_task, "bad")
+        bad.args = {"x": "nul \x00 inside"}
+        with pytest.raises(sa.exc.DataError):
+            session.flush()
+        assert sa.inspect(first).transient
+        session.rollback()
+        session.add(first)  # as after the ORM's failed flush: added anew
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["first"]
 
 
 def test_a_terminated_backend_writes_nothing_and_the_session_recovers(
@@ -166,7 +205,7 @@ def test_a_terminated_backend_writes_nothing_and_the_session_recovers(
         with pytest.raises(sa.exc.OperationalError) as raised:
             session.flush()
         assert raised.value.connection_invalidated
-        assert job in session.new
+        assert sa.inspect(job).transient  # as the ORM's failed flush leaves its objects
         session.rollback()
         session.enqueue(send, "again")
         session.commit()
@@ -376,7 +415,7 @@ def test_an_async_session_whose_jobs_postgresql_refuses_writes_none_of_them(
     db: sa.Engine, jobs: Jobs, send: Any
 ) -> None:
     """The asyncio pipeline's failure is the sync one's: SQLAlchemy's error, every job
-    still pending, nothing written, and the session enqueues again after its rollback."""
+    transient, nothing written, and the session enqueues again after its rollback."""
 
     async def body(session: Any) -> None:
         good = session.enqueue(send, "good")
@@ -384,10 +423,237 @@ def test_an_async_session_whose_jobs_postgresql_refuses_writes_none_of_them(
         bad.args = {"to": "nul \x00 inside"}  # past enqueue's checks
         with pytest.raises(sa.exc.DataError):
             await session.flush()
-        assert good in session.new and bad in session.new
+        assert sa.inspect(good).transient and sa.inspect(bad).transient
+        with pytest.raises(sa.exc.PendingRollbackError):
+            await session.commit()
         await session.rollback()
         session.enqueue(send, "after the rollback")
         await session.commit()
 
     _in_async_session(db, jobs, body)
     assert [r.args["to"] for r in rows(db)] == ["after the rollback"]
+
+
+# -- what the ORM's flush leaves, the direct write leaves (found by an audit) -------------
+#
+# Each ``orm`` twin sends the jobs through the ORM's unit of work (a ``before_flush``
+# listener turns the direct write off): the reference the direct write is held to.
+
+
+def _orm_way(session: Any) -> None:
+    event.listen(session, "before_flush", lambda *_: None)
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_in_place_change_of_args_after_enqueue_is_written(
+    Session: Any, db: sa.Engine, send: Any, orm: bool
+) -> None:
+    """The ORM encodes the dict the job holds at the flush; the direct write once sent the
+    JSON text enqueue's check wrote, and lost a change made in place since."""
+    with Session.begin() as session:
+        if orm:
+            _orm_way(session)
+        job = session.enqueue(send, "before")
+        job.args["to"] = "after"  # in place, as an application may
+        session.flush()
+        assert job.args == {"to": "after"}
+    (row,) = rows(db)
+    assert row.args == {"to": "after"}
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_lifecycle_events_as_the_orm(Session: Any, db: sa.Engine, send: Any, orm: bool) -> None:
+    seen: list[str] = []
+    with Session() as session:
+        if orm:
+            _orm_way(session)
+        for name in (
+            "transient_to_pending",
+            "pending_to_transient",
+            "detached_to_persistent",
+            "persistent_to_transient",
+            "persistent_to_detached",
+            "before_attach",
+            "after_attach",
+        ):
+            event.listen(session, name, (lambda n: lambda *a: seen.append(n))(name))
+        session.enqueue(send, "x")
+        session.flush()
+        session.commit()
+    # what the ORM's flush fires (pending_to_persistent is not listened for here: it
+    # turns the direct write off)
+    assert seen == ["before_attach", "after_attach", "transient_to_pending"]
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_expire_on_commit_false_then_read_after_close(
+    db: sa.Engine, jobs: Jobs, send: Any, orm: bool
+) -> None:
+    made = sessionmaker(db, class_=JobSession, jobs=jobs, expire_on_commit=False)
+    with made() as session:
+        if orm:
+            _orm_way(session)
+        job = session.enqueue(send, "x")
+        session.commit()
+    # detached: what the object holds is readable, as for any object the ORM wrote
+    assert job.id is not None
+    assert job.args == {"to": "x"} and job.queue == "mail"
+    assert job.locked_by is None and job.last_error is None and job.finished_at is None
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_async_expire_on_commit_false_read_after_commit(
+    db: sa.Engine, jobs: Jobs, send: Any, orm: bool
+) -> None:
+    """The common asyncio setup: async_sessionmaker(expire_on_commit=False), then read the
+    job after the commit (no I/O may happen implicitly on asyncio)."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from sqla_jobs.aio import AsyncJobSession
+
+    async def main() -> Any:
+        engine = create_async_engine(db.url.set(drivername="postgresql+psycopg"))
+        try:
+            made = async_sessionmaker(
+                engine, class_=AsyncJobSession, jobs=jobs, expire_on_commit=False
+            )
+            async with made() as session:
+                if orm:
+                    _orm_way(session.sync_session)
+                job = session.enqueue(send, "x")
+                await session.commit()
+                return {"id": job.id, "meta": job.meta, "last_error": job.last_error}
+        finally:
+            await engine.dispose()
+
+    out = asyncio.run(main())
+    assert out["meta"] is None and out["last_error"] is None
+
+
+@pytest.mark.parametrize("nullable", [False, True], ids=["not_null", "nullable"])
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_job_added_to_a_one_to_many_collection(
+    engine: sa.Engine, orm: bool, nullable: bool
+) -> None:
+    """A model whose jobs belong to an application row (a NOT NULL foreign key), the job
+    put in the parent's collection (a one-to-many without backref): the ORM sets the key
+    from the parent at the flush and writes it in the INSERT."""
+    schema = f"owned_{uuid.uuid4().hex[:8]}"
+
+    class Base(DeclarativeBase):
+        metadata = sa.MetaData(schema=schema)
+
+    class OwnedJob(JobMixin, Base):
+        __tablename__ = "jobs"
+        owner_id: Mapped[int] = mapped_column(
+            sa.ForeignKey(f"{schema}.owners.id"), nullable=nullable
+        )
+
+    class Owner(Base):
+        __tablename__ = "owners"
+        id: Mapped[int] = mapped_column(primary_key=True)
+        jobs: Mapped[list[OwnedJob]] = relationship()
+
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        Base.metadata.create_all(conn)
+    try:
+        owned = Jobs(OwnedJob)
+
+        @owned.task
+        def work(n: int) -> None: ...
+
+        made = sessionmaker(engine, class_=JobSession)
+        with made.begin() as session:
+            if orm:
+                _orm_way(session)
+            owner = Owner(id=1)
+            session.add(owner)
+            job = session.enqueue(work, 1)
+            owner.jobs.append(job)
+        with engine.connect() as conn:
+            got = conn.exec_driver_sql(f'SELECT owner_id FROM "{schema}".jobs').all()
+        assert got == [(1,)]
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_written_jobs_are_not_kept_alive_by_the_session(
+    Session: Any, db: sa.Engine, send: Any, orm: bool
+) -> None:
+    """The ORM holds persistent objects weakly (identity map, the transaction's snapshot):
+    a long transaction that writes jobs and lets go of them does not keep them all."""
+    with Session() as session:
+        if orm:
+            _orm_way(session)
+        refs = []
+        for n in range(50):
+            job = session.enqueue(send, str(n))
+            session.flush()
+            refs.append(weakref.ref(job))
+        del job
+        gc.collect()
+        alive = sum(1 for r in refs if r() is not None)
+        session.commit()
+    assert alive == 0, alive
+
+
+def test_two_registries_on_one_table_keep_enqueue_order(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    second = Jobs(app.Job)
+
+    @second.task
+    def other(to: str) -> None: ...
+
+    with Session.begin() as session:
+        made = [session.enqueue(send, "1"), session.enqueue(other, "2"), session.enqueue(send, "3")]
+        session.flush()
+        ids = [j.id for j in made]
+    assert ids == sorted(ids), ids
+
+
+@pytest.mark.parametrize("orm", [False, True], ids=["direct", "orm"])
+def test_option_set_to_none_after_enqueue(
+    Session: Any, db: sa.Engine, send: Any, orm: bool
+) -> None:
+    with Session.begin() as session:
+        if orm:
+            _orm_way(session)
+        job = session.enqueue(send, "x")
+        job.priority = None  # the ORM leaves a None out of the INSERT: the server default
+    assert rows(db)[0].priority == 0
+
+
+def test_rollback_with_savepoints_open(Session: Any, db: sa.Engine, send: Any) -> None:
+    with Session() as session:
+        a = session.enqueue(send, "a")
+        session.begin_nested()
+        b = session.enqueue(send, "b")
+        session.begin_nested()
+        c = session.enqueue(send, "c")
+        session.flush()
+        session.rollback()
+        assert all(sa.inspect(j).transient for j in (a, b, c))
+        session.enqueue(send, "d")
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["d"]
+
+
+def test_rollback_of_an_outer_savepoint_with_an_inner_open(
+    Session: Any, db: sa.Engine, send: Any
+) -> None:
+    with Session() as session:
+        a = session.enqueue(send, "a")
+        sp1 = session.begin_nested()
+        b = session.enqueue(send, "b")
+        session.begin_nested()
+        c = session.enqueue(send, "c")
+        session.flush()
+        sp1.rollback()
+        assert sa.inspect(a).persistent
+        assert sa.inspect(b).transient and sa.inspect(c).transient
+        session.commit()
+    assert [r.args["to"] for r in rows(db)] == ["a"]
