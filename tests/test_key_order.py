@@ -328,3 +328,26 @@ def test_order_per_key_across_worker_processes(
         if s.started < o.ended and o.started < s.ended
     )
     assert overlapping > 0, "no two keys ever ran at the same time"
+
+
+def test_run_until_empty_ends_beside_a_key_held_by_a_dead_head(
+    db: sa.Engine, make_worker: Any
+) -> None:
+    """A key held behind a dead head waits for an operator, so ``run_until_empty`` (and
+    ``--until-empty``) calls its queue empty, as it does a paused one; it waited forever.
+    While the head runs (another worker's job), the key is only waiting for it, and the
+    run waits too."""
+    import time
+
+    ids = _enqueue(db, "aab")
+    assert _claim(db) == [ids[0], ids[2]]
+    _finish(db, [ids[2]])  # b is done; a's head runs elsewhere
+    worker = make_worker(jobs, db, queues=["ordered"], poll_interval=0.1)
+    began = time.monotonic()
+    assert worker.run_until_empty(timeout=1.0) == 0  # waited for the running head
+    assert time.monotonic() - began >= 0.9
+    _finish(db, [ids[0]], "dead")
+    began = time.monotonic()
+    assert worker.run_until_empty(timeout=30) == 0
+    assert time.monotonic() - began < 10
+    assert count(db, status="ready") == 1 and [b.key for b in _blocked(db)] == ["a"]

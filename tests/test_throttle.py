@@ -656,6 +656,26 @@ def test_a_rate_of_twenty_per_second_across_workers(
     assert all(r.attempts <= 1 and r.max_attempts == 5 for r in rows(db))
 
 
+@pytest.mark.parametrize("also", [{}, {"concurrency": 5}], ids=["key_rate", "and concurrency"])
+def test_run_until_empty_waits_for_a_key_s_rate(
+    db: sa.Engine, make_worker: Any, also: dict[str, Any]
+) -> None:
+    """Jobs a key's rate holds back wait for its window too, a concurrency limit beside it
+    or not: nothing runs while they wait, yet time frees them (the run calls a queue empty
+    only when nothing can, see the fifo key behind a dead head)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("per_key", key_rate="3/s", **also)
+
+    @jobs.task(queue="per_key", concurrency_key=lambda account, **_: account)
+    def tick(account: str) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, tick, [{"account": "a"}] * 5)
+    worker = make_worker(jobs, db, queues=["per_key"], concurrency=8, poll_interval=30)
+    assert worker.run_until_empty(timeout=30) == 5
+    assert count(db) == 0
+
+
 def test_run_until_empty_waits_for_the_rate(db: sa.Engine, make_worker: Any) -> None:
     """Ready jobs that the rate holds back are not "empty": the run waits for the window,
     and spends no attempt on them."""

@@ -57,6 +57,9 @@ class Fetcher(Duty):
         self.held: dict[str, float] = {}
         #: Those of them held by their rate (a completion does not end that wait).
         self.rate_held: set[str] = set()
+        #: Those of them whose last claim found a rate or a key's rate holding jobs back:
+        #: time frees them, whatever else holds them too (see held_for_good).
+        self.time_held: set[str] = set()
         #: Queues in key order: the key where each one's last claim stopped walking.
         self.key_cursor: dict[str, str | None] = {}
         #: Fair queues: the floor of the key the last claim took most from, and since when
@@ -94,9 +97,14 @@ class Fetcher(Duty):
                     self.dry.clear()  # "empty" means every queue looked at now
                     yield from maintenance.run_once()
                     # A limited queue that held ready jobs back is not empty: wait for
-                    # its slot or its rate window (the sleep below ends when it is due).
+                    # its slot or its rate window (the sleep below ends when it is due),
+                    # unless nothing can free it (see held_for_good).
                     claimed = yield from self.claim()
-                    if not claimed and not self.held and not maintenance.due_soon(wait_scheduled):
+                    if (
+                        not claimed
+                        and not maintenance.due_soon(wait_scheduled)
+                        and (not self.held or (yield from self.held_for_good()))
+                    ):
                         return
                 if failures:
                     failures = 0
@@ -118,6 +126,34 @@ class Fetcher(Duty):
                 continue
             if not self.more:
                 yield Sleep(self.sleep_for())
+
+    def held_for_good(self) -> Generator[Step, Any, bool]:
+        """Whether the limited queues holding ready jobs back hold them until an operator
+        acts, so that ``run_until_empty`` may call them empty: none is held by a rate or
+        a key's rate (time frees those) and none has a running job (whose end frees a
+        slot, a key, or the head of a key in order). What is left is a key in order behind a dead or
+        cancelled head (``on_head_failure="hold"``): waiting for it would never end.
+
+        A hold may be older than the end of the jobs that made it (this worker's own,
+        finished since): with nothing running, the held queues are claimed once more, and
+        only a hold that this claim finds again, still with nothing running, counts."""
+        core = self.core
+        for attempt in (1, 2):
+            with core._lock:
+                held = sorted(self.held)
+                if not held or self.time_held & set(held):
+                    return False
+            running: bool = yield Io(statements.running_in, (core.queries, held), Conn.CLAIM)
+            if running:
+                return False
+            if attempt == 2:
+                return True
+            with core._lock:
+                for queue in held:
+                    self.held.pop(queue, None)
+            if (yield from self.claim()):
+                return False
+        return True
 
     def claim_order(self) -> list[str]:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
@@ -313,7 +349,10 @@ class Fetcher(Duty):
         # waits in freed() and claims in ride().
         with core._lock:
             self.rate_held.discard(queue)
+            self.time_held.discard(queue)
             if len(found.rows) < params["limit"] and found.held:
+                if found.rate_free_in is not None or found.key_free_in is not None:
+                    self.time_held.add(queue)
                 wait = LIMIT_RECHECK
                 if found.rate_free_in is not None:
                     wait = found.rate_free_in

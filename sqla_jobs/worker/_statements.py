@@ -28,6 +28,7 @@ from .._queries import (
     batch_params,
     heartbeat_params,
     limited_statement,
+    status_literal,
     throughput_params,
 )
 
@@ -86,6 +87,15 @@ _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # by primary key (``id = ANY(...)``; its generic plan had joined them to a scan of the
 # whole table), 0.82-0.87 against 1.1 at 20,000 jobs and 0.40 against 0.71 at 200,000,
 # a rated one 0.65-0.8 against 1.0.
+
+
+def running_in(conn: sa.Connection, queries: Queries, queues: Sequence[str]) -> bool:
+    """Whether any of ``queues`` has a running job, whichever worker runs it."""
+    t = queries.table
+    found = sa.select(
+        sa.exists().where(t.c.status == status_literal("running"), t.c.queue.in_(list(queues)))
+    )
+    return bool(conn.execute(found).scalar())
 
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
