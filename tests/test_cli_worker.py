@@ -65,6 +65,24 @@ def test_signal_stops_gracefully(db: sa.Engine, database_url: str, sig: int) -> 
     assert "stopping" in out
 
 
+def test_a_signal_stops_a_worker_running_until_empty_gracefully(db: sa.Engine) -> None:
+    """``--until-empty`` installs no signal handlers of its own: the launcher's early ones
+    stop it gracefully, and say so without "while starting" once it runs."""
+    enqueue_slow(db, 3, 1.0)
+    proc = start_worker(
+        "--queues", "records", "--concurrency", "1", "--until-empty", "--log-level", "INFO"
+    )
+    try:
+        wait_for(lambda: count(db, app.Run) == 1, timeout=20)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert count(db, status="running") == 0 and count(db, app.Run) == 1
+    assert "received SIGTERM, stopping" in out and "while starting" not in out, out
+
+
 def test_sigkilled_workers_jobs_are_retaken_after_the_lease(db: sa.Engine) -> None:
     enqueue_slow(db, 2, 30.0)
     first = start_worker("--queues", "records", "--concurrency", "2", "--lease", "1")

@@ -61,7 +61,8 @@ class EarlyStop:
     the process (a supervisor or an orchestrator that stops a worker as soon as it is
     healthy saw exit -15, not 0). While :meth:`installed` holds, such a signal is kept
     and stops the worker given to :meth:`attach` gracefully (at once if it is attached
-    later); once the worker runs, its own handlers take over, as before.
+    later); once the worker runs, its own handlers take over, as before (a worker that
+    runs until empty installs none: this one stops it).
     """
 
     def __init__(self) -> None:
@@ -75,8 +76,12 @@ class EarlyStop:
             worker.stop()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # Also the handler of a worker that runs until empty, which installs none of its
+        # own: "while starting" only before a worker is attached.
         logging.getLogger("sqla_jobs.worker").info(
-            "received %s while starting, stopping", signal.Signals(signum).name
+            "received %s%s, stopping",
+            signal.Signals(signum).name,
+            " while starting" if self._worker is None else "",
         )
         self._signum = signum
         if self._worker is not None:
