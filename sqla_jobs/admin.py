@@ -1199,7 +1199,18 @@ def _retry_where(
             ),
         )
     )
-    return where, sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
+    held = sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
+    return where, sa.or_(held, _still_running(table))
+
+
+def _still_running(table: sa.Table) -> sa.ColumnElement[bool]:
+    """A job cancelled while it ran whose lease has not passed: its handler, which a
+    cancel does not stop (a thread cannot be), may still be running, and a retry now
+    would run the job a second time beside it."""
+    c = table.c
+    # coalesce: a NULL lease must read false, not NULL, under the NOT of the retry's WHERE
+    leased = sa.func.coalesce(c.locked_until > sa.func.now(), sa.false())
+    return sa.and_(c.status == _lit("cancelled"), leased)
 
 
 def _retry_count(bind: Bind, jobs: JobSource, selection: Selection) -> int:
@@ -1223,6 +1234,9 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
         ),
     ).all()
     held_back = [r for r in marked if r.ended is not None]
+    leased = _execute(
+        bind, sa.select(c.id, c.locked_until).where(*where, _still_running(table))
+    ).all()
     where.append(~held)
     retried = (
         sa.update(table)
@@ -1263,6 +1277,14 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     _notify(bind, table, {r.queue for r in rows} | ready)
     back = {r.id for r in walked}
     blocked = [(r.id, _held_reason(r.ended)) for r in held_back if r.id not in back]
+    blocked += [
+        (
+            r.id,
+            "it was cancelled while it ran, and its handler may still be running: retry it "
+            f"once its lease has passed ({r.locked_until:%Y-%m-%d %H:%M:%S %Z})",
+        )
+        for r in leased
+    ]
     direct = {r.id for r in selected}
     blocked += [(i, "a job it waits for ended meanwhile") for i in free if i not in direct]
     return _Retried([r.id for r in (*rows, *selected)], blocked, [r.id for r in walked])
@@ -1287,12 +1309,13 @@ def cancel_jobs(
     """Cancel scheduled, ready and running jobs; return how many.
 
     A cancelled job keeps its row (``finished_at`` set) until it is purged or pruned.
-    A *running* job is cancelled too, and its lease dropped: the worker running it can
-    no longer change it, since completing, failing and heartbeating all require
-    ``status = 'running'``. Workers are asked (NOTIFY, at commit) to heartbeat at once;
-    the heartbeat finds the job gone and sets :attr:`ClaimedJob.cancelled
-    <sqla_jobs.ClaimedJob.cancelled>`, which a long handler checks between steps. The
-    handler itself is not interrupted.
+    A *running* job is cancelled too, and keeps its lease, no longer renewed: the
+    handler may run on until it passes, so :func:`retry_jobs` leaves the job alone until
+    then (it would run twice at once). The worker running it can no longer change it,
+    since completing, failing and heartbeating all require ``status = 'running'``.
+    Workers are asked (NOTIFY, at commit) to heartbeat at once; the heartbeat finds the
+    job gone and sets :attr:`ClaimedJob.cancelled <sqla_jobs.ClaimedJob.cancelled>`,
+    which a long handler checks between steps. The handler itself is not interrupted.
 
     ``seen`` and ``up_to_id`` narrow the selection as for :func:`retry_jobs`.
     """
@@ -1315,7 +1338,13 @@ def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) ->
     changed = (
         sa.update(table)
         .where(c.id == target.c.id)
-        .values(status=JobStatus.CANCELLED, finished_at=sa.func.now(), locked_until=None)
+        # A running job keeps its lease, no longer renewed: its handler may still run
+        # until it passes, and a retry waits for that (see _still_running).
+        .values(
+            status=JobStatus.CANCELLED,
+            finished_at=sa.func.now(),
+            locked_until=sa.case((target.c.was == _lit("running"), c.locked_until), else_=None),
+        )
         .returning(c.id, target.c.was)
     )
     rows = _execute(bind, changed).all()
@@ -1376,8 +1405,16 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
             where.append(sa.func.coalesce(table.c.finished_at, table.c.created_at) < cutoff)
     if dry_run:
         return [0] * _count(bind, table, where)
-    deleted = sa.delete(table).where(*where).returning(table.c.id)
-    return list(_execute(bind, deleted).scalars())
+    deleted = sa.delete(table).where(*where).returning(table.c.id, table.c.status)
+    rows = _execute(bind, deleted).all()
+    # Workflows: a deleted job that did not succeed will not: what waits on it is
+    # cancelled (or released, for jobs that run anyway), in this transaction, as a cancel
+    # does. A job that died by its lease left that to retention, and a scheduled or ready
+    # one never got to it; without this their children waited forever.
+    ended = [r.id for r in rows if r.status != JobStatus.DONE]
+    if ended:
+        settle_children(bind, _queries(jobs), [], ended)
+    return [r.id for r in rows]
 
 
 @dataclass(frozen=True)

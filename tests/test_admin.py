@@ -229,6 +229,74 @@ def test_retry_selects_dead_and_cancelled_only(db: sa.Engine, jobs: Jobs) -> Non
     assert count(db, status="ready") == 6
 
 
+def test_a_job_cancelled_while_it_ran_is_retried_once_its_lease_has_passed(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """A cancel does not stop a running handler (a thread cannot be stopped), so the job
+    keeps its lease, no longer renewed, and a retry before it passes would run the job a
+    second time beside it: the retry skips it and says why. Found by an audit, which saw
+    attempt 2 start while attempt 1 still ran."""
+    [job_id] = add(db)
+    claimed = claim(db, jobs)
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, [claimed.id]) == 1
+    row = job(db, job_id)
+    assert row.status == "cancelled" and row.locked_until is not None
+    with db.begin() as conn:
+        assert admin.retry_jobs(conn, jobs, [job_id]) == 0
+        report = admin.act(conn, jobs, "retry", admin.Selection(ids=[job_id]))
+    assert report.acted == () and "its handler may still be running" in report.skipped[0][1]
+    assert job(db, job_id).status == "cancelled"
+    with db.begin() as conn:  # the lease passes
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == job_id)
+            .values(locked_until=sa.func.now() - sa.text("interval '1 second'"))
+        )
+        assert admin.retry_jobs(conn, jobs, [job_id]) == 1
+    assert job(db, job_id).status == "ready"
+    # A job cancelled before it ran has no lease to wait for.
+    [waiting] = add(db)
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, [waiting]) == 1
+        assert job(db, waiting).locked_until is None
+        assert admin.retry_jobs(conn, jobs, [waiting]) == 1
+
+
+@pytest.mark.parametrize("how", ["dead by its lease", "ready"])
+def test_purging_a_parent_that_did_not_succeed_settles_its_children(
+    Session: Any, db: sa.Engine, jobs: Jobs, how: str
+) -> None:
+    """A purged parent will never succeed: what waits on it is cancelled, as a cancel
+    does. A parent that died by its lease leaves its children to retention, and a ready one
+    never got to settle them; purged first, their children waited forever (an audit)."""
+
+    @jobs.task(queue="flow", max_attempts=1)
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a = session.enqueue(step)
+        b = session.enqueue(step.with_options(after=[a]))
+        session.flush()
+        a_id, b_id = a.id, b.id
+    if how == "dead by its lease":
+        claimed = claim(db, jobs, "flow")
+        assert claimed.id == a_id
+        with db.begin() as conn:
+            conn.execute(
+                sa.update(app.Job)
+                .where(app.Job.id == a_id)
+                .values(locked_until=sa.func.now() - sa.text("interval '1 minute'"))
+            )
+            conn.execute(jobs.queries.rescue, {"limit": 10}).all()
+        assert job(db, a_id).status == "dead"
+    with db.begin() as conn:
+        status = "dead" if how == "dead by its lease" else "ready"
+        assert admin.purge_jobs(conn, jobs, [a_id], status=status) == 1
+    child = job(db, b_id)
+    assert child.status == "cancelled" and f"job {a_id}" in child.last_error
+
+
 def test_retry_respects_unique_keys(db: sa.Engine, jobs: Jobs) -> None:
     older, newer = add(db, 2, status="dead", unique_key="k1", finished_at=sa.func.now())
     [blocked] = add(db, status="dead", unique_key="k2", finished_at=sa.func.now())
@@ -260,7 +328,8 @@ def test_cancel_ready_scheduled_and_running(db: sa.Engine, jobs: Jobs, listening
     for i in (ready, running, scheduled):
         row = job(db, i)
         assert row.status == "cancelled" and row.finished_at is not None
-        assert row.locked_until is None
+        # The claimed one keeps its lease, no longer renewed (a retry waits for it).
+        assert (row.locked_until is not None) is (i == claimed.id)
     assert job(db, dead).status == "dead"
     # The running worker's heartbeat and completion match nothing.
     params = {"ids": [claimed.id], "attempt_list": [claimed.attempts]}
