@@ -265,3 +265,28 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
     assert sorted(ran) == list(range(n)) and count(db) == 0
     assert most_running <= 3
     assert most_held > 3  # it did claim ahead: without that, this test proves nothing
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+def test_a_worker_refuses_a_pool_it_cannot_run_on(database_url: str, jobs: Jobs, kind: str) -> None:
+    """A pool of fewer than three connections starves the worker: the claims' and the
+    completer's connections are held while it runs, and its upkeep then waits on the pool
+    in turn, times out, and outcomes go unwritten (an audit saw a run overrun its timeout
+    and jobs run again). Said at once, naming the pool's settings."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sqla_jobs import Worker, create_engine
+    from sqla_jobs.worker import AsyncWorker
+
+    def engine(**pool: Any) -> Any:
+        if kind == "threads":
+            return create_engine(database_url, **pool)
+        url = sa.make_url(database_url).set(drivername="postgresql+psycopg")
+        return create_async_engine(url, **pool)
+
+    make: Any = Worker if kind == "threads" else AsyncWorker
+    small = engine(pool_size=1, max_overflow=1)
+    with pytest.raises(ValueError, match=r"pool_size=1, max_overflow=1\); a worker holds two"):
+        make(jobs, small)
+    make(jobs, engine(pool_size=1, max_overflow=2))  # three: enough to run
+    make(jobs, engine(poolclass=sa.pool.NullPool))  # no limit to check

@@ -84,6 +84,7 @@ class DriverBase(Generic[E]):
         self.jobs = jobs
         self.core = WorkerCore(jobs, self.settings, self)
         self.engine: E = self._make_engine(bind)
+        check_pool(self.engine)
         #: Set while the listener holds its LISTEN (a ``threading.Event``, so that any
         #: thread can wait on it: tests, health checks).
         self.listening = self.core.listening
@@ -150,6 +151,35 @@ class DriverBase(Generic[E]):
 
     def written(self) -> None:
         self._wakeups.written.set()
+
+
+#: Connections a worker cannot run without: the claims' and the completer's, each held
+#: as long as it runs, and one for its upkeep (heartbeat, presence, maintenance, in turn).
+MIN_CONNECTIONS = 3
+
+
+def check_pool(engine: Any) -> None:
+    """Refuse an engine whose pool cannot give a worker :data:`MIN_CONNECTIONS`.
+
+    With fewer, the upkeep and the completer wait on the pool in turn, time out, retry
+    with warnings, and the outcomes of jobs that ran go unwritten (so those jobs run
+    again once their leases pass); said at once instead. Only a ``QueuePool`` (the
+    default, sync or asyncio) has a limit to check: its ``max_overflow`` is read from the
+    pool, which has no public accessor for it."""
+    pool = engine.pool
+    size = getattr(pool, "size", None)
+    overflow = getattr(pool, "_max_overflow", None)
+    if not callable(size) or not isinstance(overflow, int) or overflow < 0:
+        return
+    capacity = size() + overflow
+    if capacity < MIN_CONNECTIONS:
+        raise ValueError(
+            f"the engine's pool holds at most {capacity} connection(s) (pool_size={size()}, "
+            f"max_overflow={overflow}); a worker holds two for as long as it runs (claims, "
+            f"completions) and needs one more for its upkeep: give it at least "
+            f"{MIN_CONNECTIONS}, and one more per transactional task running at once "
+            f"(the worker's own engine pools concurrency + 4)"
+        )
 
 
 def pool_size(concurrency: int) -> int:
