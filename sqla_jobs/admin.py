@@ -1405,13 +1405,18 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
             where.append(sa.func.coalesce(table.c.finished_at, table.c.created_at) < cutoff)
     if dry_run:
         return [0] * _count(bind, table, where)
-    deleted = sa.delete(table).where(*where).returning(table.c.id, table.c.status)
+    deleted = (
+        sa.delete(table)
+        .where(*where)
+        .returning(table.c.id, table.c.status, _q._has_children(table))
+    )
     rows = _execute(bind, deleted).all()
-    # Workflows: a deleted job that did not succeed will not: what waits on it is
+    # Workflows: a deleted parent that did not succeed will not: what waits on it is
     # cancelled (or released, for jobs that run anyway), in this transaction, as a cancel
     # does. A job that died by its lease left that to retention, and a scheduled or ready
-    # one never got to it; without this their children waited forever.
-    ended = [r.id for r in rows if r.status != JobStatus.DONE]
+    # one never got to it; without this their children waited forever. Only parents are
+    # looked at (a purge of many finished jobs holds few of them).
+    ended = [r.id for r in rows if r.status != JobStatus.DONE and r.has_children]
     if ended:
         settle_children(bind, _queries(jobs), [], ended)
     return [r.id for r in rows]
