@@ -209,6 +209,39 @@ def test_the_pipelined_claim_on_an_asyncio_connection_holds_the_limit(
     assert count(db, status="running") == 3 and count(db, status="ready") == 7
 
 
+def _claim_while_another_marks_three_running(db: sa.Engine, claimer: sa.Connection) -> Any:
+    """A limited claim of the queue "limited" on ``claimer``, sent while another claimer
+    holds the queue's lock; once the claim waits for it, that one marks three jobs running
+    (the queue's limit) and commits. What the claim found."""
+    t = app.Job.__table__
+    found: list[Any] = []
+    with db.connect() as holder:
+        holder.begin()
+        holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+        thread = threading.Thread(
+            target=lambda: found.append(
+                worker_db.claim_limited(claimer, jobs.queries, _params("limited"))
+            )
+        )
+        thread.start()
+        waiting = sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND wait_event = 'advisory' AND datname = current_database()"
+        )
+        with db.connect() as look:
+            wait_for(lambda: look.execute(waiting).scalar_one() == 1 or look.rollback())
+        three = sa.select(t.c.id).where(t.c.status == "ready").limit(3)
+        holder.execute(
+            sa.update(t)
+            .where(t.c.id.in_(three.scalar_subquery()))
+            .values(status="running", locked_by="other", locked_until=sa.func.now())
+        )
+        holder.commit()
+        thread.join(30)
+    [claim] = found
+    return claim
+
+
 @pytest.mark.parametrize("default", ["read committed", "repeatable read", "serializable"])
 def test_a_limited_claim_counts_what_committed_while_it_waited_for_the_lock(
     db: sa.Engine, database_url: str, default: str
@@ -223,39 +256,14 @@ def test_a_limited_claim_counts_what_committed_while_it_waited_for_the_lock(
         jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 6)
     option = "-c default_transaction_isolation=" + default.replace(" ", "\\ ")
     engine = create_engine(database_url, connect_args={"options": option})
-    found: list[Any] = []
-    t = app.Job.__table__
     try:
         with engine.connect() as c:
             claimer = c.execution_options(isolation_level="AUTOCOMMIT")
             assert claimer.exec_driver_sql("SHOW default_transaction_isolation").scalar() == default
             assert pipeline_allowed(claimer)
-            with db.connect() as holder:
-                holder.begin()
-                holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
-                thread = threading.Thread(
-                    target=lambda: found.append(
-                        worker_db.claim_limited(claimer, jobs.queries, _params("limited"))
-                    )
-                )
-                thread.start()
-                waiting = sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND wait_event = 'advisory' AND datname = current_database()"
-                )
-                with db.connect() as look:
-                    wait_for(lambda: look.execute(waiting).scalar_one() == 1 or look.rollback())
-                three = sa.select(t.c.id).where(t.c.status == "ready").limit(3)
-                holder.execute(
-                    sa.update(t)
-                    .where(t.c.id.in_(three.scalar_subquery()))
-                    .values(status="running", locked_by="other", locked_until=sa.func.now())
-                )
-                holder.commit()
-                thread.join(30)
+            claim = _claim_while_another_marks_three_running(db, claimer)
     finally:
         engine.dispose()
-    [claim] = found
     assert claim.rows == [] and claim.held
     assert count(db, status="running") == 3 and count(db, status="ready") == 3
 
@@ -273,8 +281,6 @@ def test_a_limited_claim_checks_the_isolation_it_assumed(
     with db.begin() as c:
         jobs.enqueue_many(c, app.limited_work, [{"seconds": 0}] * 6)
     engine = create_engine(database_url)
-    found: list[Any] = []
-    t = app.Job.__table__
     try:
         with engine.connect() as c:
             claimer = c.execution_options(isolation_level="AUTOCOMMIT")
@@ -283,30 +289,7 @@ def test_a_limited_claim_checks_the_isolation_it_assumed(
             assert worker_db.claim_limited(claimer, jobs.queries, _params("rated")).rows == []
             assert claimer.connection.info[worker_db._READ_COMMITTED] is True
             claimer.exec_driver_sql(f"SET default_transaction_isolation = '{level}'")
-            with db.connect() as holder:
-                holder.begin()
-                holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
-                thread = threading.Thread(
-                    target=lambda: found.append(
-                        worker_db.claim_limited(claimer, jobs.queries, _params("limited"))
-                    )
-                )
-                thread.start()
-                waiting = sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND wait_event = 'advisory' AND datname = current_database()"
-                )
-                with db.connect() as look:
-                    wait_for(lambda: look.execute(waiting).scalar_one() == 1 or look.rollback())
-                three = sa.select(t.c.id).where(t.c.status == "ready").limit(3)
-                holder.execute(
-                    sa.update(t)
-                    .where(t.c.id.in_(three.scalar_subquery()))
-                    .values(status="running", locked_by="other", locked_until=sa.func.now())
-                )
-                holder.commit()
-                thread.join(30)
-            [claim] = found
+            claim = _claim_while_another_marks_three_running(db, claimer)
             assert claim.rows == [] and claim.held
             assert count(db, status="running") == 3 and count(db, status="ready") == 3
             # Asked again: the claims of this connection now begin their own transaction.

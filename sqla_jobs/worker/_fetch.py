@@ -131,29 +131,31 @@ class Fetcher(Duty):
         """Whether the limited queues holding ready jobs back hold them until an operator
         acts, so that ``run_until_empty`` may call them empty: none is held by a rate or
         a key's rate (time frees those) and none has a running job (whose end frees a
-        slot, a key, or the head of a key in order). What is left is a key in order behind a dead or
-        cancelled head (``on_head_failure="hold"``): waiting for it would never end.
+        slot, a key, or the head of a key in order). What is left is a key in order
+        behind a dead or cancelled head (``on_head_failure="hold"``): waiting for it
+        would never end.
 
         A hold may be older than the end of the jobs that made it (this worker's own,
         finished since): with nothing running, the held queues are claimed once more, and
         only a hold that this claim finds again, still with nothing running, counts."""
+        if not (yield from self._held_and_idle()):
+            return False
+        with self.core._lock:
+            self.held.clear()
+        if (yield from self.claim()):
+            return False
+        return (yield from self._held_and_idle())
+
+    def _held_and_idle(self) -> Generator[Step, Any, bool]:
+        """Some limited queue holds ready jobs back, none by time, and none of them has a
+        running job (see :meth:`held_for_good`)."""
         core = self.core
-        for attempt in (1, 2):
-            with core._lock:
-                held = sorted(self.held)
-                if not held or self.time_held & set(held):
-                    return False
-            running: bool = yield Io(statements.running_in, (core.queries, held), Conn.CLAIM)
-            if running:
+        with core._lock:
+            held = sorted(self.held)
+            if not held or self.time_held & set(held):
                 return False
-            if attempt == 2:
-                return True
-            with core._lock:
-                for queue in held:
-                    self.held.pop(queue, None)
-            if (yield from self.claim()):
-                return False
-        return True
+        running: bool = yield Io(statements.running_in, (core.queries, held), Conn.CLAIM)
+        return not running
 
     def claim_order(self) -> list[str]:
         """The queues to claim from this round: unpaused ones, starting from a rotating one
