@@ -127,6 +127,18 @@ def _fail_as_a_flush(session: Session) -> None:
     transaction.rollback(_capture_exception=True)
 
 
+def _insert_pending_as_a_flush(session: Session) -> None:
+    """:func:`_insert_pending` at a flush: a failure fails the flush (:func:`_fail_as_a_flush`),
+    on this class's session and on a plain one behind an ``AsyncSession`` (the
+    application's with this class mixed in, or an ``AsyncJobSession`` given a
+    ``sync_session_class`` without it)."""
+    try:
+        _insert_pending(session)
+    except BaseException:
+        _fail_as_a_flush(session)
+        raise
+
+
 def _written_committed(session: Session) -> None:
     # As _after_commit does for announcements: a released savepoint hands its jobs to
     # its parent; the outermost commit keeps them for good.
@@ -261,11 +273,7 @@ class EnqueueMixin:
                         entries = self.info[_WRITTEN_KEY] = []
                     entries.append((boundary, [weakref.ref(job) for job in written]))
             parent.flush(objects)
-            try:
-                _insert_pending(self)
-            except BaseException:
-                _fail_as_a_flush(self)
-                raise
+            _insert_pending_as_a_flush(self)
             return None
 
         async def flush_async() -> None:
@@ -273,7 +281,7 @@ class EnqueueMixin:
             # Already written when the sync session is ours; not with a sync_session_class
             # of the caller's that lacks this mixin.
             if self.info.get(_PENDING_KEY):
-                await self.run_sync(_insert_pending)  # type: ignore[attr-defined]
+                await self.run_sync(_insert_pending_as_a_flush)  # type: ignore[attr-defined]
 
         return flush_async()
 
@@ -723,7 +731,7 @@ else:
             after it, as :class:`JobSession`'s flush writes them."""
             await super().flush(objects)
             if self.sync_session.info.get(_PENDING_KEY):
-                await self.run_sync(_insert_pending)
+                await self.run_sync(_insert_pending_as_a_flush)
 
 
 def refuse_unique(task: Any, kwargs: Mapping[str, Any]) -> None:

@@ -411,6 +411,63 @@ def test_an_async_session_of_the_applications_own_leaves_its_jobs_to_the_orm(
     assert [r.args["to"] for r in rows(db)] == ["app's own"]
 
 
+@pytest.mark.parametrize("kind", ["AsyncJobSession", "the app's session", "a plain one behind"])
+def test_unawaited_enqueue_many_rows_postgresql_refuses_fail_the_flush(
+    db: sa.Engine, jobs: Jobs, send: Any, kind: str
+) -> None:
+    """The rows of an ``enqueue_many`` that was not awaited (0.1's way) are written at
+    the flush, after the ORM's own work; when PostgreSQL refuses them, the flush fails as
+    the ORM's does, so that ``commit()`` raises instead of ending the aborted transaction
+    without a word (and without the row flushed before). On ``AsyncJobSession`` and on an
+    application's ``AsyncSession`` that mixes ``EnqueueMixin`` in front of a plain one, and
+    on an ``AsyncJobSession`` given a plain ``sync_session_class``."""
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from sqla_jobs import EnqueueMixin
+    from sqla_jobs.aio import AsyncJobSession
+
+    class AppSession(EnqueueMixin, AsyncSession):
+        pass
+
+    class PlainBehind(AsyncJobSession):
+        sync_session_class = Session
+
+    session_class = {"the app's session": AppSession, "a plain one behind": PlainBehind}
+
+    table = app.Job.__table__.fullname
+    schema = app.Job.__table__.schema
+    with db.begin() as conn:  # what PostgreSQL refuses: a row the test marks
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION {schema}.refuse_marked() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN IF NEW.args->>'to' = 'refused' THEN RAISE EXCEPTION 'refused'; END IF; "
+            "RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER refuse_marked BEFORE INSERT ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION {schema}.refuse_marked()"
+        )
+
+    async def body(session: Any) -> None:
+        session.add(app.Link(code="t", url="https://example.com"))
+        await session.flush()
+        session.enqueue_many(send, [{"to": "refused"}])  # not awaited: written at the flush
+        with pytest.raises(sa.exc.DBAPIError, match="refused"):
+            await session.flush()
+        with pytest.raises(sa.exc.PendingRollbackError):
+            await session.commit()
+        await session.rollback()
+
+    try:
+        with pytest.warns(DeprecationWarning, match="awaited"):
+            _in_async_session(db, jobs, body, session_class.get(kind))
+    finally:
+        with db.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER refuse_marked ON {table}")
+            conn.exec_driver_sql(f"DROP FUNCTION {schema}.refuse_marked()")
+    assert count(db) == 0 and count(db, app.Link) == 0
+
+
 def test_an_async_session_whose_jobs_postgresql_refuses_writes_none_of_them(
     db: sa.Engine, jobs: Jobs, send: Any
 ) -> None:
