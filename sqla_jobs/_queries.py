@@ -32,6 +32,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from .model import (
     CANCELLED_BY_PARENT_KEY,
     CHILDREN_KEY,
+    KEEP_KEY,
     KEY_ORDER_STATUSES,
     LIVE_STATUSES,
     RESULTS_KEY,
@@ -1511,8 +1512,9 @@ def _promote(t: sa.Table, channel: str) -> sa.Select[Any]:
 
 
 # Rescue jobs whose lease has passed, through <table>_running: their worker died or hung.
-# Ready again (the next claim counts the attempt), or dead if none are left.
-def _rescue(t: sa.Table, channel: str) -> sa.Select[Any]:
+# Ready again (the next claim counts the attempt), or dead if none are left (announced
+# to the waiters of a kept result).
+def _rescue(t: sa.Table, channel: str, results_channel: str) -> sa.Select[Any]:
     c = t.c
     expired = (
         sa.select(c.id)
@@ -1531,7 +1533,7 @@ def _rescue(t: sa.Table, channel: str) -> sa.Select[Any]:
             locked_until=None,
             last_error=LEASE_EXPIRED,
         )
-        .returning(c.queue, c.status)
+        .returning(c.queue, c.status, announce_end(c, results_channel, out_of_attempts))
         .cte("rescued")
     )
     return _notify_queues(channel, rescued)
@@ -1785,6 +1787,21 @@ def _marked(meta: Any) -> sa.ColumnElement[Any]:
         "||", return_type=JSONB
     )(sa.text(f"""'{{"{CANCELLED_BY_PARENT_KEY}": true}}'::jsonb"""))
     return marked
+
+
+def announce_end(
+    c: Any, results_channel: str, ended: sa.ColumnElement[bool] | None = None
+) -> sa.ColumnElement[Any]:
+    """A RETURNING column that announces, on the results channel, a row that keeps its
+    result (its ``meta`` says so) and has ``ended``: NULL for other rows, which nobody
+    waits on (:meth:`Jobs.result` refuses them at its first look).
+
+    For the ways a job ends outside the worker's own completion (an operator's cancel,
+    a lease that ran out on the last attempt): without it a waiter learned of the end
+    only at its next re-check, up to 5 seconds later. NOTIFY is sent at commit."""
+    keeps = _has_key(c, KEEP_KEY)
+    note = sa.func.pg_notify(sa.literal(results_channel), sa.cast(c.id, sa.Text))
+    return sa.case((keeps if ended is None else sa.and_(ended, keeps), note), else_=None)
 
 
 def _has_key(c: Any, key: str) -> sa.ColumnElement[bool]:
@@ -2532,7 +2549,7 @@ class Queries:
         self.rearm_children = rearm_children(t, _parents_match(t))
 
         self.promote = _promote(t, channel)
-        self.rescue = _rescue(t, channel)
+        self.rescue = _rescue(t, channel, results)
         self.next_due = _next_due(t)
         self.ready_depth = _ready_depth(t)
         self.prune_dead = _prune(t, (JobStatus.DEAD, JobStatus.CANCELLED))

@@ -99,6 +99,7 @@ from .model import (
     companion_tables,
     job_table,
     notify_channel,
+    result_channel,
 )
 from .tasks import Jobs
 from .worker.job import CANCEL_PAYLOAD
@@ -1345,7 +1346,8 @@ def _cancel(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) ->
             finished_at=sa.func.now(),
             locked_until=sa.case((target.c.was == _lit("running"), c.locked_until), else_=None),
         )
-        .returning(c.id, target.c.was)
+        # A waiter on a kept result hears of the cancel at commit, not at its re-check.
+        .returning(c.id, target.c.was, _q.announce_end(c, result_channel(table)))
     )
     rows = _execute(bind, changed).all()
     if rows:
@@ -1405,10 +1407,19 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
             where.append(sa.func.coalesce(table.c.finished_at, table.c.created_at) < cutoff)
     if dry_run:
         return [0] * _count(bind, table, where)
+    c = table.c
+    # A waiter on the kept result of a job deleted before it finished hears of it at
+    # commit (its next look raises LookupError), not at its re-check.
+    unfinished = c.status.notin_([_lit(s) for s in FINISHED_STATUSES])
     deleted = (
         sa.delete(table)
         .where(*where)
-        .returning(table.c.id, table.c.status, _q._has_children(table))
+        .returning(
+            c.id,
+            c.status,
+            _q._has_children(table),
+            _q.announce_end(c, result_channel(table), unfinished),
+        )
     )
     rows = _execute(bind, deleted).all()
     # Workflows: a deleted parent that did not succeed will not: what waits on it is

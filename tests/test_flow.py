@@ -1056,3 +1056,101 @@ def test_cli_and_dashboard_retry_a_parent_and_say_what_came_back(
     )
     assert "Retried 1 job. 2 jobs they had cancelled by ending wait for them again." in result.text
     assert "left alone" not in result.text
+
+
+# -- a kept result that ends outside the worker's completion ----------------------------
+
+
+def _waiter(jobs: Jobs, db: sa.Engine, job_id: int) -> tuple[threading.Thread, list[Any]]:
+    """A thread waiting on ``jobs.result`` of ``job_id``, returned once it has listened
+    and looked at the row (so that it waits on the NOTIFY or on its 5 s re-check), with
+    a list that gets the exception its wait ended with."""
+    engine = create_engine(db.url, pool_size=1, max_overflow=0)
+    statements: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    ended: list[Any] = []
+
+    def wait() -> None:
+        try:
+            jobs.result(engine, job_id, timeout=20)
+        except Exception as exc:
+            ended.append(exc)
+        finally:
+            engine.dispose()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    # LISTEN, then the first look at the row: after that it waits.
+    wait_for(lambda: len(statements) >= 2 and not ended)
+    return thread, ended
+
+
+def _heard_within(thread: threading.Thread, seconds: float) -> float:
+    started = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive()
+    took = time.monotonic() - started
+    # Woken by a NOTIFY at the action's commit, not by the waiter's 5 s re-check.
+    assert took < seconds, f"the waiter heard after {took:.1f}s"
+    return took
+
+
+@pytest.mark.parametrize("was", ["ready", "running"])
+def test_a_result_waiter_hears_an_operator_cancel_at_once(
+    Session: Any, db: sa.Engine, jobs: Jobs, was: str
+) -> None:
+    @jobs.task(queue="q", keep_result=True)
+    def slow() -> None: ...
+
+    with Session.begin() as session:
+        job = session.enqueue(slow)
+    if was == "running":
+        with Session.begin() as session:
+            assert [claimed.id for claimed in session.claim("q")] == [job.id]
+    thread, ended = _waiter(jobs, db, job.id)
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, ids=[job.id]) == 1
+    _heard_within(thread, 3)
+    assert isinstance(ended[0], JobFailedError) and "cancelled" in str(ended[0])
+
+
+def test_a_result_waiter_hears_a_job_dead_by_its_lease_at_once(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    from sqla_jobs.worker._statements import refresh
+
+    @jobs.task(queue="q", keep_result=True, max_attempts=1)
+    def lost() -> None: ...
+
+    with Session.begin() as session:
+        job = session.enqueue(lost)
+    with Session.begin() as session:
+        assert [claimed.id for claimed in session.claim("q")] == [job.id]
+    # Its worker is gone: the lease has passed.
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == job.id)
+            .values(locked_until=sa.func.now() - timedelta(seconds=1))
+        )
+    thread, ended = _waiter(jobs, db, job.id)
+    with db.begin() as conn:
+        refresh(conn, jobs, rescue=True)
+    _heard_within(thread, 3)
+    assert isinstance(ended[0], JobFailedError) and "dead" in str(ended[0])
+    assert _row(db, job.id).status == "dead"
+
+
+def test_a_result_waiter_hears_its_unfinished_job_purged_at_once(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q", keep_result=True)
+    def never() -> None: ...
+
+    with Session.begin() as session:
+        job = session.enqueue(never)
+    thread, ended = _waiter(jobs, db, job.id)
+    with db.begin() as conn:
+        assert admin.purge_jobs(conn, jobs, ids=[job.id], status="ready") == 1
+    _heard_within(thread, 3)
+    assert isinstance(ended[0], LookupError)
