@@ -29,6 +29,10 @@ Events, in a job's life:
     the run was told to stop: the job was cancelled, its lease was lost, or it timed out
     (``event.reason``).
 
+The outcome events are the run's own account, fired when the handler ends and before
+the outcome is written: a job cancelled or rescued while it ran may still fire
+``succeeded``, and its guarded write then changes nothing. The table is the record.
+
 Listeners run in the worker's threads (or its event loop, for the asyncio worker), so they
 must be quick and thread-safe. An exception in a listener is logged, never raised into
 the worker. The registry is per :class:`~sqla_jobs.Jobs`, never global: two job tables have
