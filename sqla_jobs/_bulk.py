@@ -227,6 +227,12 @@ def copy_run(
             for i in range(0, len(args), COPY_BLOCK_ROWS)
         )
     first = next(chunks)  # made, and checked, before anything is sent
+    # The COPY goes around SQLAlchemy, which begins the connection's transaction only at
+    # its own first statement: without this, psycopg would open one that the Connection
+    # does not know of, its commit() would commit nothing, and the pool would roll the
+    # rows back (as _direct.execute does, and for the same reason).
+    if not connection.in_transaction():
+        connection.begin()
     driver = connection.connection.driver_connection
     guard = later and not (
         driver.autocommit  # type: ignore[union-attr]

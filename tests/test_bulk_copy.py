@@ -143,6 +143,38 @@ def test_the_copy_rolls_back_with_the_callers_transaction(
         assert conn.execute(sa.select(app.Link.code)).scalars().all() == ["kept"]
 
 
+def test_a_copy_on_a_connection_that_commits_as_it_goes_is_committed(
+    db: sa.Engine, database_url: str, jobs: Jobs, send: Any, statements: Callable[[], list[str]]
+) -> None:
+    """``engine.connect()`` without ``begin()``: SQLAlchemy begins the transaction at the
+    first statement, and the COPY is sent around it. It used to leave the Connection
+    believing nothing was begun: ``commit()`` committed nothing, and the pool rolled the
+    rows back, silently."""
+    from sqla_jobs import create_async_engine
+
+    sent = tricky_args(send)
+    with db.connect() as conn:
+        assert jobs.enqueue_many(conn, send, sent) == N
+        assert conn.in_transaction()
+        conn.commit()
+    assert count(db) == N
+    with db.connect() as conn:  # and a rollback takes them back
+        jobs.enqueue_many(conn, send, sent)
+        conn.rollback()
+    assert count(db) == N
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        async with engine.connect() as conn:
+            assert await jobs.enqueue_many(conn, send, sent) == N
+            await conn.commit()
+        await engine.dispose()
+
+    asyncio.run(main())
+    assert count(db) == 2 * N
+    assert statements() == ["COPY", "COPY"]
+
+
 def test_meta_run_at_and_options_reach_every_copied_row(
     db: sa.Engine, jobs: Jobs, send: Any, statements: Callable[[], list[str]]
 ) -> None:
