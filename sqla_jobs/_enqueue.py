@@ -431,7 +431,7 @@ def _link_flushed(session: Session, flush_context: Any) -> None:
                 )
             else:
                 ids.append(parent.id)
-        conn = session.connection(bind_arguments={"mapper": registry.model})
+        conn = session.connection(bind_arguments=_bind_of(state, parents))
         link(conn, registry.queries, child.id, ids, run_anyway)
         session.expire(
             child, ["status", "run_at", "parents", "waiting", "finished_at", "last_error"]
@@ -439,6 +439,27 @@ def _link_flushed(session: Session, flush_context: Any) -> None:
         for parent in parents:
             if not isinstance(parent, int):
                 session.expire(parent, ["meta"])
+
+
+def _bind_of(state: Any, parents: list[Any]) -> dict[str, Any]:
+    """Where a child's link runs: on its own shard when it has one (a sharded session
+    keeps it as the row's ``identity_token``; asked for by the mapper, a
+    ``ShardedSession`` would ask its chooser with no instance), else where the session
+    sends its model. A parent on another shard cannot be linked: its id names another
+    shard's row, or none (ids are per database)."""
+    shard = state.identity_token
+    if shard is None:
+        return {"mapper": state.mapper}
+    for parent in parents:
+        if isinstance(parent, int):
+            continue
+        theirs = inspect(parent).identity_token
+        if theirs != shard:
+            raise EnqueueError(
+                f"after=: {parent!r} is on shard {theirs!r} and the job that waits for it "
+                f"on shard {shard!r}; a job can wait only for jobs of its own shard"
+            )
+    return {"shard_id": shard}
 
 
 def _forget_links(session: Session, transaction: Any) -> None:

@@ -134,9 +134,15 @@ def group(
     row = pending.row
     row["args"].pop(results, None)
     row["meta"] = {**(row.get("meta") or {}), RESULTS_KEY: results}
+    # A sharded session (sqla_jobs.sharding): the callback goes to its members' shard,
+    # where its link and the ids it waits for are.
+    sync = _sync(session)
+    shard_of_jobs = getattr(sync, "shard_of_jobs", None)
+    shard = None if shard_of_jobs is None else shard_of_jobs(added, "jobs.group: the members")
     callback, _ = place_on_session(session, pending)
+    if shard is not None:
+        sync.place_on_shard(callback, shard)  # type: ignore[attr-defined]
     if registry.events.wants("enqueued"):
-        sync = _sync(session)
         _announce(sync, registry, [callback], _boundary(sync))
     return added, callback
 

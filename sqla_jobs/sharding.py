@@ -272,9 +272,8 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         )
         # A unique job is INSERTed now, on the shard's connection, and read back from it.
         job = self._enqueue_job(task, args, kwargs, shard=target)
-        state = inspect(job)
-        if state is not None and state.key is None:  # SQLAlchemy 2.0 types it Optional
-            state.info[_SHARD_KEY] = target
+        if job is not None:
+            self.place_on_shard(job, target)
         return job
 
     def enqueue_many(
@@ -340,12 +339,34 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
                 shards.add(shard)
         return shards
 
+    def shard_of_jobs(self, jobs: Iterable[Any], source: str) -> Any:
+        """The one shard of these jobs (a group's members, which its callback follows).
+
+        :raises EnqueueError: they are on more than one shard."""
+        shards = {self._shard_of(inspect(job)) for job in jobs}
+        if len(shards) != 1:
+            raise EnqueueError(
+                f"{source} are on shards {sorted(map(str, shards))}: the jobs that wait "
+                "for one another must be on one shard"
+            )
+        return self._known(next(iter(shards)), source)
+
+    def place_on_shard(self, job: Any, shard: Any) -> None:
+        """Send a new job object to ``shard`` at the flush (as ``enqueue`` does)."""
+        state = inspect(job)
+        if state.key is None:
+            state.info[_SHARD_KEY] = shard
+
     def _shard_of(self, state: Any) -> Any:
         if state.key is not None:
             return state.key[2]
         if state.identity_token is not None:
             return state.identity_token
-        # New: where its flush will send it (the chooser is asked again then).
+        # New: where its flush will send it (the chooser is asked again then): the shard
+        # enqueue chose for a job, else the application's chooser's.
+        chosen = state.info.get(_SHARD_KEY)
+        if chosen is not None:
+            return chosen
         return self._user_chooser(state.mapper, state.obj(), clause=None)
 
     def _known(self, shard: Any, source: str) -> Any:

@@ -164,6 +164,76 @@ def test_shard_with_and_explicit_shard(
         assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "b4"}]
 
 
+def test_shard_with_a_pending_job_follows_the_shard_enqueue_chose_for_it(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        first = session.enqueue(fetch, code="first", shard="b")
+        # Not the application's chooser's answer (it has none for a job): where the
+        # flush will send it.
+        assert session.shard_of_job(shard_with=first) == "b"
+        session.enqueue(fetch, code="second", shard_with=first)
+    assert _count(shards["b"], JOB) == 2
+    assert _count(shards["a"], JOB) == 0
+
+
+def test_a_workflow_is_linked_on_its_own_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    """``after=`` and ``jobs.group`` on a sharded session: the link runs on the child's
+    shard (it asked the chooser with no instance, and failed), and a group's callback
+    follows its members. Job ids repeat across shards (each has its own sequence), so a
+    link made on the wrong shard would wait for another shard's job."""
+    ran: list[str] = []
+    got: list[Any] = []
+
+    @jobs.task(queue="flow")
+    def step(name: str) -> None:
+        ran.append(name)
+
+    @jobs.task(queue="flow")
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="flow")
+    def total(results: list[int]) -> None:
+        got.append(results)
+
+    with Sharded.begin() as session:
+        session.add(app.Link(code="a1", url="u"))
+        session.enqueue(step, name="a-first")  # job 1 of shard a
+    with Sharded.begin() as session:
+        session.add(app.Link(code="b1", url="u"))
+        parent = session.enqueue(step, name="parent")  # job 1 of shard b
+        session.enqueue(step.with_options(after=[parent]), name="child")
+        jobs.group(
+            session, [(member, member.args(n=1)), (member, member.args(n=2))], (total, total.args())
+        )
+    with shards["b"].connect() as conn:
+        statuses = conn.execute(sa.select(JOB.c.status).order_by(JOB.c.id)).scalars().all()
+    assert statuses == ["ready", "scheduled", "ready", "ready", "scheduled"]
+    ShardedWorker(jobs, shards, concurrency=2, listen=False, poll_interval=0.05).run_until_empty(
+        timeout=30
+    )
+    assert sorted(ran) == ["a-first", "child", "parent"]
+    assert ran.index("parent") < ran.index("child")
+    assert got == [[1, 2]]
+
+
+def test_a_job_cannot_wait_for_a_job_of_another_shard(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    fetch = _task(jobs)
+    # Refused at the flush that would link it: the commit fails, and nothing is written.
+    refused = pytest.raises(EnqueueError, match=r"on shard 'a' .* on shard 'b'")
+    with refused, Sharded.begin() as session:
+        parent = session.enqueue(fetch, code="p", shard="a")
+        session.enqueue(fetch.with_options(after=[parent]), code="c", shard="b")
+    for engine in shards.values():
+        assert _count(engine, JOB) == 0
+
+
 def test_the_shard_of_rows_flushed_earlier_in_the_transaction(
     Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
 ) -> None:
@@ -528,6 +598,43 @@ def test_async_session_lands_jobs_with_their_rows_and_rolls_back_with_them(
         assert conn.execute(sa.select(JOB.c.args)).scalars().all() == [{"code": "to-a"}]
     assert _count(shards["a"], app.Link.__table__) == 0
     assert _count(shards["b"], app.Link.__table__) == 1
+
+
+def test_async_session_links_a_workflow_on_its_own_shard(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs.sharding import AsyncShardedJobSession
+
+    fetch = _task(jobs)
+
+    async def main() -> None:
+        engines = _async_engines(shards)
+        make = async_sessionmaker(
+            class_=AsyncShardedJobSession,
+            shards={name: e.sync_engine for name, e in engines.items()},
+            shard_chooser=_chooser,
+            identity_chooser=lambda *a, **kw: list(engines),
+            execute_chooser=lambda context: list(engines),
+            jobs=jobs,
+        )
+        try:
+            async with make.begin() as session:
+                session.add(app.Link(code="b1", url="u"))
+                parent = session.enqueue(fetch, code="parent")
+                session.enqueue(fetch.with_options(after=[parent]), code="child")
+        finally:
+            for engine in engines.values():
+                await engine.dispose()
+
+    asyncio.run(main())
+    with shards["b"].connect() as conn:
+        found = conn.execute(sa.select(JOB.c.status, JOB.c.waiting).order_by(JOB.c.id)).all()
+    assert [tuple(row) for row in found] == [("ready", None), ("scheduled", 1)]
+    assert _count(shards["a"], JOB) == 0
 
 
 def _async_task(jobs: Jobs, seen: list[str]) -> Any:
