@@ -91,6 +91,11 @@ class StepQueries:
 
         self.checkpoint = checkpoint(locked=False)
         self.checkpoint_locked = checkpoint(locked=True)
+        # Why a checkpoint wrote nothing, read only then: a row of another kind (a signal
+        # of that name) is the application's mistake, no row of it a claim lost.
+        self.kind_of = sa.select(c.kind).where(
+            c.job_id == sa.bindparam("job_id"), c.name == sa.bindparam("name")
+        )
 
         # A sleep or a wait, in one transaction. The step's row is the meeting point with
         # jobs.signal: taken first (inserted, or locked FOR UPDATE if it exists, which

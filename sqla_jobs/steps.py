@@ -48,7 +48,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import sqlalchemy as sa
 from sqlalchemy.ext.horizontal_shard import ShardedSession
@@ -134,6 +134,14 @@ class Claim(Protocol):
 
     @property
     def attempts(self) -> int: ...
+
+    @property
+    def is_cancelled(self) -> bool:
+        """The run was told to stop (cancelled, timed out, its lease lost)."""
+        ...
+
+    @property
+    def cancel_reason(self) -> str | None: ...
 
 
 class Host(Protocol):
@@ -569,6 +577,27 @@ class _Base:
     def _checkpoint(self, name: str, kind: str, state: str, text: str | None) -> dict[str, Any]:
         return self._ledger.guard(name=name, kind=kind, state=state, result=text)
 
+    def _go_on(self, name: str) -> None:
+        """Refuse to start a step once this run was told to stop (a timeout, a cancel, a
+        lease lost to another worker): its checkpoint would be refused, and the next
+        attempt would call the step's function again. Checked between steps, where a
+        stop that came while the handler's own code ran is seen."""
+        claim = self._ledger.claim
+        if claim.is_cancelled:
+            why = claim.cancel_reason or "it was told to stop"
+            raise StepError(
+                f"job {claim.id}: step {name!r} was not started: this run is over ({why})"
+            )
+
+    def _refused(self, name: str, kind: str, stored: str | None, what: str = "step") -> StepError:
+        """A checkpoint that wrote nothing: a row of another kind under the step's name
+        (a signal sent under it: the application's mistake, a failure like any other),
+        or the claim is no longer this worker's."""
+        if stored is not None and stored != kind:
+            return StepError(self._ledger.clash(name, kind, stored))
+        self._host.lost(f"{what} {name!r}: claim lost")
+        return self._ledger.lost(name)
+
     def _after_suspension(self, name: str, kind: str, outcome: tuple[str, Any]) -> Any:
         what, value = outcome
         if what == "lost":
@@ -631,11 +660,29 @@ class Steps(_Base):
                 conn.close()
 
     def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
+        """Run a statement on the held connection. Once more on a fresh one if that
+        connection was lost meanwhile (an idle reaper, a failover, while a step's function
+        ran): every statement sent here is a read or a fenced upsert that may be sent
+        twice, and failing the attempt would call a step's function again for a result
+        already in hand."""
+        try:
+            return self._held().execute(statement, params)
+        except sa.exc.DBAPIError as exc:
+            self.close()
+            if not exc.connection_invalidated:
+                raise
+        except BaseException:
+            self.close()
+            raise
         try:
             return self._held().execute(statement, params)
         except BaseException:
             self.close()
             raise
+
+    def _kind_of(self, name: str, bind: Any) -> str | None:
+        found = bind.execute(self._q.kind_of, {"job_id": self.job_id, "name": name}).scalar()
+        return cast("str | None", found)
 
     def _load(self) -> None:
         if self._ledger.records is None:
@@ -650,6 +697,7 @@ class Steps(_Base):
         record = self._ledger.use(name, Kind.RUN)
         if record is not None and record.state == State.DONE:
             return record.result
+        self._go_on(name)
         if _takes_session(fn) is not None:
             self.close()
             with self._make_session(self._engine) as session:
@@ -658,16 +706,17 @@ class Steps(_Base):
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
                 if session.execute(self._q.checkpoint_locked, params).first() is None:
                     session.rollback()
-                    self._host.lost(f"step {name!r}: claim lost")
-                    raise self._ledger.lost(name)
+                    stored = self._kind_of(name, session)
+                    session.rollback()
+                    raise self._refused(name, Kind.RUN, stored)
                 session.commit()
         else:
             value = fn(*args, **kwargs)
             text = encode(value, f"step {name!r}'s result")
             params = self._checkpoint(name, Kind.RUN, State.DONE, text)
             if self._execute(self._q.checkpoint, params).first() is None:
-                self._host.lost(f"step {name!r}: claim lost")
-                raise self._ledger.lost(name)
+                stored = self._execute(self._q.kind_of, {"job_id": self.job_id, "name": name})
+                raise self._refused(name, Kind.RUN, stored.scalar())
         result = json.loads(text)
         self._ledger.done(name, Kind.RUN, result)
         return result
@@ -683,6 +732,7 @@ class Steps(_Base):
         if record is not None and record.state == State.DONE:
             return
         after, at = self._times(name, seconds, until)
+        self._go_on(name)
         self._suspend(name, Kind.SLEEP, after, at)
 
     def wait(self, name: str, *, timeout: float | timedelta | None = None) -> Any:
@@ -699,7 +749,9 @@ class Steps(_Base):
             return record.result
         if record is not None and record.state == State.TIMED_OUT:
             raise WaitTimedOut(self.job_id, name)
-        return self._suspend(name, Kind.WAIT, _seconds(timeout, f"wait {name!r}'s timeout"), None)
+        after = _seconds(timeout, f"wait {name!r}'s timeout")
+        self._go_on(name)
+        return self._suspend(name, Kind.WAIT, after, None)
 
     def _suspend(self, name: str, kind: str, after: float | None, at: datetime | None) -> Any:
         self.close()
@@ -719,6 +771,11 @@ class Steps(_Base):
             except StopIteration as stop:
                 outcome = stop.value
             except BaseException:
+                # Settled, then failed before the COMMIT (the suspending UPDATE lost its
+                # connection): the claim is open again, so that the failure is recorded
+                # and the heartbeat renews the lease meanwhile.
+                if settled:
+                    self._host.unsettle()
                 trans.rollback()
                 raise
             try:
@@ -769,6 +826,7 @@ class Steps(_Base):
         # pre-ping at every batch.)
         with self._engine.connect() as conn, self._make_session(conn) as session:
             while True:
+                self._go_on(name)
                 result = session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())
                 if rows:
@@ -781,8 +839,9 @@ class Steps(_Base):
                 params = self._checkpoint(name, Kind.CURSOR, state, text)
                 if session.execute(self._q.checkpoint_locked, params).first() is None:
                     session.rollback()
-                    self._host.lost(f"iterate {name!r}: claim lost")
-                    raise self._ledger.lost(name)
+                    stored = self._kind_of(name, session)
+                    session.rollback()
+                    raise self._refused(name, Kind.CURSOR, stored, "iterate")
                 session.commit()
                 self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
                 if end:
@@ -824,11 +883,26 @@ class AsyncSteps(_Base):
                 await conn.close()
 
     async def _execute(self, statement: Any, params: dict[str, Any]) -> Any:
+        """:meth:`Steps._execute`: once more on a fresh connection if the held one was
+        lost meanwhile."""
+        try:
+            return await (await self._held()).execute(statement, params)
+        except sa.exc.DBAPIError as exc:
+            await self.close()
+            if not exc.connection_invalidated:
+                raise
+        except BaseException:
+            await self.close()
+            raise
         try:
             return await (await self._held()).execute(statement, params)
         except BaseException:
             await self.close()
             raise
+
+    async def _kind_of(self, name: str, session: AsyncSession) -> str | None:
+        found = await session.execute(self._q.kind_of, {"job_id": self.job_id, "name": name})
+        return cast("str | None", found.scalar())
 
     async def _load(self) -> None:
         if self._ledger.records is None:
@@ -841,6 +915,7 @@ class AsyncSteps(_Base):
         record = self._ledger.use(name, Kind.RUN)
         if record is not None and record.state == State.DONE:
             return record.result
+        self._go_on(name)
         if _takes_session(fn) is not None:
             await self.close()
             async with self._make_session(self._engine) as session:
@@ -849,8 +924,9 @@ class AsyncSteps(_Base):
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
                 if (await session.execute(self._q.checkpoint_locked, params)).first() is None:
                     await session.rollback()
-                    self._host.lost(f"step {name!r}: claim lost")
-                    raise self._ledger.lost(name)
+                    stored = await self._kind_of(name, session)
+                    await session.rollback()
+                    raise self._refused(name, Kind.RUN, stored)
                 await session.commit()
         else:
             # A plain function may block: it runs in a thread, as the asyncio worker runs
@@ -862,8 +938,8 @@ class AsyncSteps(_Base):
             text = encode(value, f"step {name!r}'s result")
             params = self._checkpoint(name, Kind.RUN, State.DONE, text)
             if (await self._execute(self._q.checkpoint, params)).first() is None:
-                self._host.lost(f"step {name!r}: claim lost")
-                raise self._ledger.lost(name)
+                stored = await self._execute(self._q.kind_of, {"job_id": self.job_id, "name": name})
+                raise self._refused(name, Kind.RUN, stored.scalar())
         result = json.loads(text)
         self._ledger.done(name, Kind.RUN, result)
         return result
@@ -877,6 +953,7 @@ class AsyncSteps(_Base):
         if record is not None and record.state == State.DONE:
             return
         after, at = self._times(name, seconds, until)
+        self._go_on(name)
         await self._suspend(name, Kind.SLEEP, after, at)
 
     async def wait(self, name: str, *, timeout: float | timedelta | None = None) -> Any:
@@ -888,6 +965,7 @@ class AsyncSteps(_Base):
         if record is not None and record.state == State.TIMED_OUT:
             raise WaitTimedOut(self.job_id, name)
         after = _seconds(timeout, f"wait {name!r}'s timeout")
+        self._go_on(name)
         return await self._suspend(name, Kind.WAIT, after, None)
 
     async def _suspend(self, name: str, kind: str, after: float | None, at: datetime | None) -> Any:
@@ -908,6 +986,8 @@ class AsyncSteps(_Base):
             except StopIteration as stop:
                 outcome = stop.value
             except BaseException:
+                if settled:  # see Steps._suspend
+                    self._host.unsettle()
                 await trans.rollback()
                 raise
             try:
@@ -941,6 +1021,7 @@ class AsyncSteps(_Base):
         # One connection and session, a transaction a batch (see Steps.iterate).
         async with self._engine.connect() as conn, self._make_session(conn) as session:
             while True:
+                self._go_on(name)
                 result = await session.execute(_page(statement, key, after, size))
                 rows = list(result.scalars().all() if entities else result.all())
                 if rows:
@@ -953,8 +1034,9 @@ class AsyncSteps(_Base):
                 params = self._checkpoint(name, Kind.CURSOR, state, text)
                 if (await session.execute(self._q.checkpoint_locked, params)).first() is None:
                     await session.rollback()
-                    self._host.lost(f"iterate {name!r}: claim lost")
-                    raise self._ledger.lost(name)
+                    stored = await self._kind_of(name, session)
+                    await session.rollback()
+                    raise self._refused(name, Kind.CURSOR, stored, "iterate")
                 await session.commit()
                 self._ledger.done(name, Kind.CURSOR, json.loads(text), state)
                 if end:
