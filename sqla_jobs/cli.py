@@ -1170,6 +1170,11 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
     retry = action.name == "retry"
     with _database_errors():
         with engine.connect() as conn:
+            if selection.ids is None:
+                # The jobs counted, not those enqueued while the question waits for an
+                # answer: bounded by the highest id now, as the dashboard's confirm page.
+                up_to_id = admin.max_job_id(conn, target)
+                selection = dataclasses.replace(selection, up_to_id=up_to_id)
             preview = admin.preview(conn, target, action.name, selection)
         if preview.missing:
             listed = ", ".join(map(str, preview.missing))

@@ -340,6 +340,42 @@ def test_a_terminal_is_asked_first(db: sa.Engine) -> None:
     assert {status_of(db, i) for i in failed} == {"ready"}
 
 
+def test_a_bulk_action_leaves_out_the_jobs_enqueued_while_it_asks(db: sa.Engine) -> None:
+    """The command counts, asks, then acts: the jobs that arrived while the question was
+    on the screen were acted on too (the dashboard bounds its confirm page by the highest
+    id it counted; the command now does the same)."""
+    import select
+
+    counted = dead(db, 2)
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            command("jobs", "retry", JOBS, "--status", "dead"),
+            cwd=ROOT,
+            env=environment(),
+            stdin=follower,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        err, deadline = b"", time.monotonic() + 60
+        while b"[y/N]" not in err:
+            assert time.monotonic() < deadline and proc.poll() is None, err
+            if select.select([proc.stderr], [], [], 0.5)[0]:
+                err += os.read(proc.stderr.fileno(), 4096)
+        assert b"Retry 2 jobs? [y/N]" in err
+        arrived = dead(db, 3)  # while the question waits for its answer
+        os.write(leader, b"y\n")
+        out, rest = proc.communicate(timeout=60)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 0, err + rest
+    assert b"retried 2 jobs" in out
+    assert {status_of(db, i) for i in counted} == {"ready"}
+    assert {status_of(db, i) for i in arrived} == {"dead"}
+
+
 def test_queues(db: sa.Engine) -> None:
     add(db, 1, queue="records")
     pause = cli("queues", "pause", JOBS, "records")

@@ -837,3 +837,116 @@ def test_sqla_jobs_web_refuses_a_bad_allowed_host_in_one_line() -> None:
         "sqla-jobs: error: allowed_hosts: 'x/' is not a host name, an "
         "address, '*.domain' or '*' (give no scheme, port or path)"
     ]
+
+
+# -- guards found by an audit of operator actions --------------------------------------------
+
+
+def _hidden(page: str) -> dict[str, str]:
+    return dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', page))
+
+
+def test_a_bulk_action_that_acted_on_more_than_confirmed_says_so(
+    client: TestClient, db: sa.Engine
+) -> None:
+    """A job below the page's highest id that came to match after the count (a running
+    job that died) is retried with the others: the notice said the others "changed
+    meanwhile and were left alone", the opposite of what happened."""
+    was_running = insert(db, status="running", attempts=1, locked_by="w")
+    dead = [insert(db, status="dead", attempts=1) for _ in range(2)]
+    page = client.get("/jobs/confirm?action=retry&queue=a&status=dead")
+    assert "Retry 2 jobs?" in page.text
+    with db.begin() as conn:  # its worker fails it for good meanwhile
+        conn.execute(
+            sa.update(TABLE)
+            .where(TABLE.c.id == was_running)
+            .values(status="dead", finished_at=sa.func.now(), locked_by=None)
+        )
+    done = client.post("/jobs/act-all", data=_hidden(page.text))
+    assert done.status_code == 200
+    assert [job(db, i).status for i in dead] == ["ready", "ready"]
+    assert "Retried 3 jobs. You confirmed 2; more matched by then" in done.text
+    assert "left alone" not in done.text
+
+
+def test_act_all_refuses_the_filters_a_bulk_action_cannot_take(
+    client: TestClient, db: sa.Engine
+) -> None:
+    """Its confirm page refuses a worker, a search or "suspended"; act-all dropped them,
+    so a form naming worker w1 cancelled the running jobs of every worker."""
+    insert(db, status="running", attempts=1, locked_by="w1")
+    other = insert(db, status="running", attempts=1, locked_by="w2")
+    assert client.get("/jobs/confirm?action=cancel&status=running&worker=w1").status_code == 400
+    form = {"action": "cancel", "status": "running", "up_to_id": other, "count": 1}
+    for extra in ({"worker": "w1"}, {"q": "work"}, {"suspended": "1"}):
+        response = post(client, "/jobs/act-all", **form, **extra)
+        assert response.status_code == 400 and "Not a bulk filter" in response.text
+    assert job(db, other).status == "running"
+
+
+def test_an_authorize_that_raises_leaves_every_page_readable(
+    make_client: Callable[..., TestClient], db: sa.Engine
+) -> None:
+    """Every page asks ``authorize`` whether to draw its buttons: one that raises (a
+    visitor its session middleware does not know) turned every page, the 404 page
+    included, into a bare "Internal Server Error". It now means "may not act"."""
+
+    def authorize(request: Any) -> bool:
+        return bool(request.session["user"])  # no SessionMiddleware: it raises
+
+    c = make_client(authorize=authorize)
+    job_id = insert(db, status="dead", attempts=1)
+    for url, code in (("/", 200), ("/jobs", 200), (f"/jobs/{job_id}", 200), ("/nowhere", 404)):
+        response = c.get(url)
+        assert response.status_code == code, (url, response.text[:200])
+        assert "read-only" in response.text, url
+    refused = post(c, f"/jobs/{job_id}/retry")
+    assert refused.status_code == 403 and job(db, job_id).status == "dead"
+
+
+def test_running_a_schedule_named_with_a_nul_is_a_404(client: TestClient) -> None:
+    response = post(client, "/schedules/run", name="a\x00b")
+    assert response.status_code == 404 and "No such schedule" in response.text
+
+
+def test_the_job_list_offers_only_the_bulk_actions_its_status_can_take(
+    client: TestClient, db: sa.Engine
+) -> None:
+    insert(db, status="running", attempts=1, locked_by="w1")
+    for status, offered in (
+        ("running", ["cancel"]),
+        ("dead", ["retry", "purge"]),
+        ("ready", ["cancel", "purge"]),
+        ("", ["retry", "cancel", "purge"]),
+    ):
+        page = client.get(f"/jobs?status={status}").text
+        links = re.findall(r'href="(/jobs/confirm\?[^"]*)"', page)
+        assert [re.search(r"action=(\w+)", link)[1] for link in links] == offered, status  # type: ignore[index]
+        for link in links:
+            assert client.get(link.replace("&amp;", "&")).status_code == 200, link
+
+
+def test_a_page_gives_a_503_while_the_jobs_table_is_locked(
+    make_client: Callable[..., TestClient], db: sa.Engine
+) -> None:
+    """A migration holds the jobs table (ACCESS EXCLUSIVE): a page waited without end,
+    holding a thread of the pool its host application's routes share. It now waits at
+    most the dashboard's lock timeout and says why."""
+    import threading
+
+    from sqla_jobs.web import app as web_app
+
+    c = make_client()
+    answers: list[Any] = []
+    with db.connect() as locker, locker.begin():
+        locker.execute(sa.text(f"LOCK TABLE {TABLE.fullname} IN ACCESS EXCLUSIVE MODE"))
+        started = time.monotonic()
+        thread = threading.Thread(target=lambda: answers.append(c.get("/jobs")), daemon=True)
+        thread.start()
+        thread.join(20)
+        took = time.monotonic() - started
+    assert answers, "no answer while the table was locked"
+    (response,) = answers
+    assert response.status_code == 503 and "Database busy" in response.text
+    assert took < int(web_app.LOCK_TIMEOUT.rstrip("s")) + 5
+    assert c.get("/jobs").status_code == 200  # and nothing stayed on the pooled connection

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -10,7 +11,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -229,12 +230,18 @@ class Dashboard:
     # -- rendering ---------------------------------------------------------------------------
 
     def can_act(self, request: Request) -> bool:
-        """Whether this request may change anything."""
+        """Whether this request may change anything. An ``authorize`` that raises (a
+        session middleware missing, a visitor logged out) says no, logged: every page
+        asks it (to draw its buttons), and reading is not what it guards."""
         if self.read_only:
             return False
         if self.authorize is None:
             return True
-        return bool(self.authorize(request))
+        try:
+            return bool(self.authorize(request))
+        except Exception:
+            log.exception("dashboard: the authorize callable failed")
+            return False
 
     def render(
         self, request: Request, template: str, status_code: int = 200, **context: Any
@@ -317,6 +324,17 @@ class Dashboard:
             PageError(405, "Method not allowed", f"{request.method} is not allowed here."),
         )
 
+    @contextlib.contextmanager
+    def _connect(self, *, begin: bool = False) -> Iterator[sa.Connection]:
+        """A connection for one page or action, in a transaction whose waits are bounded
+        (:data:`LOCK_TIMEOUT`, :data:`STATEMENT_TIMEOUT`; local to it, so nothing stays
+        on the pooled connection): a jobs table locked by a migration, or a query that
+        does not end, gives a 503 page rather than a request that never answers, each one
+        holding a thread of the pool the host application's own routes run in."""
+        with self.engine.begin() if begin else self.engine.connect() as conn:
+            conn.execute(_BOUNDED)
+            yield conn
+
     def _guarded(self, request: Request, page: Callable[[], Response]) -> Response:
         """Run a page; what goes wrong becomes an error page, never a traceback."""
         try:
@@ -324,6 +342,17 @@ class Dashboard:
         except PageError as error:
             return self.error_page(request, error)
         except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            if _timed_out(exc):
+                log.warning("dashboard: the database did not answer in time: %s", describe(exc))
+                return self.error_page(
+                    request,
+                    PageError(
+                        503,
+                        "Database busy",
+                        f"The database did not answer in time ({describe(exc)}): a lock "
+                        "held on the jobs table (a migration?) or a slow query. Try again.",
+                    ),
+                )
             log.warning("dashboard: database unreachable: %s", describe(exc))
             return self.error_page(
                 request,
@@ -358,7 +387,7 @@ class Dashboard:
         live = request.headers.get("hx-request") == "true"
 
         def page() -> Response:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 queues = admin.queue_states(conn, self.jobs, finished=False)
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
@@ -405,7 +434,7 @@ class Dashboard:
         f = Filters.of(request.query_params)
         before = _int_param(request.query_params.get("before"), "before")
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 found = admin.browse_jobs(
                     conn,
                     self.jobs,
@@ -457,7 +486,7 @@ class Dashboard:
     @_reads
     def job(self, request: Request) -> Response:
         job_id = _job_id(request.path_params["job_id"])
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
             paused = job.queue in admin.paused_queues(conn, self.jobs)
         notice, kind = _job_notice(
@@ -493,7 +522,7 @@ class Dashboard:
         field = request.path_params["field"]
         if field not in DOWNLOADS:
             raise PageError(404, "Not found", f"A job has no value {field[:40]!r} to download.")
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             job = _found(admin.get_job(conn, self.jobs, job_id), job_id)
         value = getattr(job, field)
         if field == "last_error":
@@ -516,13 +545,7 @@ class Dashboard:
         action = request.query_params.get("action", "")
         if action not in admin.ACTIONS:
             raise PageError(400, "Bad action", f"unknown action {action!r}")
-        f = Filters.of(request.query_params)
-        if f.q or f.worker or f.suspended:
-            raise PageError(
-                400,
-                "Not a bulk filter",
-                "Bulk actions take queue, task and status filters; select jobs instead.",
-            )
+        f = _bulk_filters(request.query_params)
         up_to_id, count = self._count(action, f)
         spec = admin.ACTIONS[action]
         verb = spec.label
@@ -548,7 +571,7 @@ class Dashboard:
 
     def _count(self, action: str, f: Filters) -> tuple[int, int]:
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 up_to_id = admin.max_job_id(conn, self.jobs)
                 report = admin.preview(conn, self.jobs, action, f.selection(up_to_id))
         except ValueError as exc:
@@ -559,7 +582,7 @@ class Dashboard:
     def schedules(self, request: Request) -> Response:
         table = admin.source_table(self.jobs)
         s = companion_tables(table).schedules
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             if isinstance(self.jobs, Jobs):
                 rows = periodic.list_schedules(conn, self.jobs)
             else:
@@ -581,7 +604,7 @@ class Dashboard:
 
     @_reads
     def workers(self, request: Request) -> Response:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             workers = admin.list_workers(conn, self.jobs)
             running = admin.browse_jobs(conn, self.jobs, status=JobStatus.RUNNING.value, limit=200)
         return self.render(
@@ -633,12 +656,7 @@ class Dashboard:
     def _refusal(self, request: Request) -> PageError | None:
         if self.read_only:
             return PageError(403, "Read-only", "This dashboard is read-only: it takes no actions.")
-        try:
-            allowed = self.can_act(request)
-        except Exception:
-            log.exception("dashboard: the authorize callable failed")
-            allowed = False
-        if not allowed:
+        if not self.can_act(request):
             return PageError(403, "Not allowed", "You are not allowed to act on the queue.")
         if not _same_origin(request):
             return PageError(403, "Cross-site request", "Actions must come from this site.")
@@ -668,7 +686,7 @@ class Dashboard:
         self, action: str, selection: admin.Selection | list[admin.SeenJob]
     ) -> admin.ActionReport:
         try:
-            with self.engine.begin() as conn:
+            with self._connect(begin=True) as conn:
                 return admin.act(conn, self.jobs, action, selection)
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
@@ -689,7 +707,9 @@ class Dashboard:
         action = _one(form, "action") or ""
         if action not in admin.ACTIONS:
             raise PageError(400, "Bad action", f"unknown action {action!r}")
-        f = Filters.of({k: v[0] for k, v in form.items()})
+        # The filters its confirm page took, and only those: another one (a worker, a
+        # search) would be dropped here, and the action would reach past it.
+        f = _bulk_filters({k: v[0] for k, v in form.items()})
         up_to_id = _required_int(_one(form, "up_to_id"), "up_to_id")
         confirmed = _required_int(_one(form, "count"), "count")
         # A retry also says what came back with the retried jobs.
@@ -717,9 +737,14 @@ class Dashboard:
                 f" {_jobs(len(report.skipped))} left alone: they changed, or {spec.label} does "
                 "not apply."
             )
-        if confirmed is not None and report.count != confirmed:
+        if confirmed is not None and report.count < confirmed:
             summary += (
                 f" You confirmed {confirmed:,}; the others changed meanwhile and were left alone."
+            )
+        elif confirmed is not None and report.count > confirmed:
+            summary += (
+                f" You confirmed {confirmed:,}; more matched by then (jobs that came to match "
+                "the filters after the count, or whose transaction was still open then)."
             )
         return self.render(
             request,
@@ -743,7 +768,7 @@ class Dashboard:
             raise PageError(404, "Not found", f"No queue action {action!r}.")
         name = _one(form, "name") or ""
         try:
-            with self.engine.begin() as conn:
+            with self._connect(begin=True) as conn:
                 if action == "pause":
                     admin.pause_queue(conn, self.jobs, name)
                 else:
@@ -758,12 +783,14 @@ class Dashboard:
     @_acts
     def run_schedule(self, request: Request, form: Form) -> Response:
         name = _one(form, "name") or ""
+        if "\x00" in name:  # PostgreSQL refuses it in text: no schedule has it
+            raise PageError(404, "No such schedule", "a schedule name has no NUL character")
         if not isinstance(self.jobs, Jobs):
             raise PageError(
                 400, "Needs the registry", "Running a schedule needs the Jobs registry."
             )
         try:
-            with self.engine.begin() as conn:
+            with self._connect(begin=True) as conn:
                 job_id = admin.run_schedule(conn, self.jobs, name)
         except LookupError as exc:
             raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
@@ -798,6 +825,36 @@ _NOTICES = {
 
 def _jobs(n: int) -> str:
     return _present.plural(n, grouped=True)
+
+
+#: How long a page or an action waits for a lock (a migration's on the jobs table, a
+#: worker's on a row) and for any one statement, before it gives a 503 page.
+LOCK_TIMEOUT = "5s"
+STATEMENT_TIMEOUT = "30s"
+_BOUNDED = sa.select(
+    sa.func.set_config("lock_timeout", LOCK_TIMEOUT, True),
+    sa.func.set_config("statement_timeout", STATEMENT_TIMEOUT, True),
+)
+#: SQLSTATEs of those two: lock_not_available, query_canceled.
+_TIMED_OUT = frozenset({"55P03", "57014"})
+
+
+def _timed_out(exc: Exception) -> bool:
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in _TIMED_OUT
+
+
+def _bulk_filters(params: Mapping[str, str]) -> Filters:
+    """The filters of a bulk action (its confirm page, and the action it posts): queue,
+    task and status. The others select jobs a bulk action cannot be bounded by, and are
+    refused rather than dropped."""
+    f = Filters.of(params)
+    if f.q or f.worker or f.suspended:
+        raise PageError(
+            400,
+            "Not a bulk filter",
+            "Bulk actions take queue, task and status filters; select jobs instead.",
+        )
+    return f
 
 
 def _bulk_text(f: Filters) -> str:
