@@ -7,7 +7,13 @@ asyncio support (``pip install 'sqla-jobs[asyncio]'``).
 
 from __future__ import annotations
 
-from .session import AsyncJobSession
+try:
+    from .session import AsyncJobSession
+except ImportError as exc:  # defined only where SQLAlchemy's asyncio support imports
+    raise ImportError(
+        "sqla_jobs.aio needs SQLAlchemy's asyncio support (greenlet): "
+        "pip install 'sqla-jobs[asyncio]'"
+    ) from exc
 from .worker.aio import AsyncWorker
 
 __all__ = ["AsyncJobSession", "AsyncWorker"]

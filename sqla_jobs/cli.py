@@ -1781,7 +1781,9 @@ def _add_worker(sub: Any) -> None:
 def _add_stats(sub: Any) -> None:
     stats = _command(sub, "stats", cmd_stats, "per-queue counts, lag and pause state")
     stats.add_argument(
-        "--json", action="store_true", help="one JSON object (keys: docs/reference/json-output.md)"
+        "--json",
+        action="store_true",
+        help="one JSON object (its keys: https://github.com/sqla-jobs/sqla-jobs/blob/main/docs/reference/json-output.md)",
     )
     stats.add_argument(
         "--watch",

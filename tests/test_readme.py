@@ -105,11 +105,19 @@ def test_the_readme_fits_on_a_few_screens() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
+#: Where the README's links into the repository point: the README is also the package
+#: index's project page, where a relative link resolves under the index's own URL.
+BLOB = "https://github.com/sqla-jobs/sqla-jobs/blob/main/"
+
+
 def test_the_readme_links_resolve() -> None:
-    """Each link into the repository names a file that is there, and a heading of it."""
+    """Each link into the repository is absolute (a relative one is a 404 on the package
+    index's page) and names a file that is there, and a heading of it."""
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text)
-    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    relative = [link for link in links if not re.match(r"([a-z]+://|#)", link)]
+    assert relative == [], "the package index's page cannot follow these"
+    local = [link.removeprefix(BLOB) for link in links if link.startswith(BLOB)]
     assert len(local) > 20, local
     for link in local:
         path, _, anchor = link.partition("#")

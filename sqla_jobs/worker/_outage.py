@@ -58,7 +58,8 @@ POOLING_ADVICE = (
     "or later), or turn preparing off for the worker's engine, "
     "connect_args={'prepare_threshold': None} (sqla-jobs worker --engine MODULE:ATTR, or "
     "?prepare_threshold=None in the URL); see the docs' PgBouncer section "
-    "(docs/operating/deploy.md). Until then such failures are retried at once and logged at DEBUG"
+    "(https://github.com/sqla-jobs/sqla-jobs/blob/main/docs/operating/deploy.md#pgbouncer). "
+    "Until then such failures are retried at once and logged at DEBUG"
 )
 
 

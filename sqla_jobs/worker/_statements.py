@@ -135,8 +135,8 @@ def claim_fair(
     if pipeline_allowed(conn):
         [(found, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=False)
     else:
-        result = conn.execute(statement, dict(params)).all()
-        found, names = list(result), list(result[0]._fields) if result else []
+        result: list[Any] = list(conn.execute(statement, dict(params)).all())
+        found, names = result, list(result[0]._fields) if result else []
     if not found:
         return [], None, None
     rows = _claimed_rows(found)

@@ -77,6 +77,20 @@ def test_project_urls_and_absolute_readme_images() -> None:
         assert (ROOT / url.removeprefix(raw)).is_file(), url
 
 
+def _source_copy(tmp_path: Path) -> Path:
+    """What the distributions are built from, copied out of the checkout (a ``build/``
+    directory left there would hide a missing package)."""
+    import shutil
+
+    source = tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for top in ("sqla_jobs", "alembic_ext", "tests"):
+        shutil.copytree(ROOT / top, source / top, ignore=ignore)
+    for name in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in"):
+        shutil.copy(ROOT / name, source / name)
+    return source
+
+
 def test_the_wheel_holds_every_module_and_data_file(tmp_path: Path) -> None:
     """The built wheel, not the checkout: the suite imports the package from the source
     tree (an editable install), so a module the wheel leaves out would pass every other
@@ -84,16 +98,10 @@ def test_the_wheel_holds_every_module_and_data_file(tmp_path: Path) -> None:
     ``build/`` directory left in the checkout would hide a missing package), without
     build isolation (no download: the dev extra installs setuptools), and compared file
     by file."""
-    import shutil
     import subprocess
     import zipfile
 
-    source = tmp_path / "source"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for top in ("sqla_jobs", "alembic_ext"):
-        shutil.copytree(ROOT / top, source / top, ignore=ignore)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, source / name)
+    source = _source_copy(tmp_path)
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
     built = subprocess.run(
         [*pip_wheel, "--no-build-isolation", "-w", str(tmp_path), str(source)],
@@ -108,3 +116,48 @@ def test_the_wheel_holds_every_module_and_data_file(tmp_path: Path) -> None:
             if path.is_file():
                 relative = path.relative_to(source).as_posix()
                 assert relative in names, f"{relative} is not in the wheel"
+
+
+def test_the_sdist_builds_the_package_and_holds_no_partial_suite(tmp_path: Path) -> None:
+    """setuptools adds ``tests/test*.py`` to an sdist by default, without the conftest,
+    helpers and fixtures they import: a suite that fails at its first import. MANIFEST.in
+    leaves the tests out (they live in the repository) and puts the changelog in."""
+    import subprocess
+    import tarfile
+
+    source = _source_copy(tmp_path)
+    built = subprocess.run(
+        [sys.executable, "-c", "from setuptools import build_meta as b; b.build_sdist('dist')"],
+        cwd=source,
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr
+    (sdist,) = (source / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert not [name for name in names if name.startswith("tests/")]
+    assert {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml"} <= names
+    for top in ("sqla_jobs", "alembic_ext"):
+        for path in (source / top).rglob("*"):
+            if path.is_file():
+                assert path.relative_to(source).as_posix() in names, path
+
+
+def test_sqla_jobs_aio_without_the_asyncio_extra_names_it() -> None:
+    """A core install has no greenlet, so SQLAlchemy's asyncio support does not import:
+    ``sqla_jobs.aio`` said only "cannot import name 'AsyncJobSession'"."""
+    import subprocess
+
+    code = "import sys; sys.modules['greenlet'] = None; import sqla_jobs.aio"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "pip install 'sqla-jobs[asyncio]'" in result.stderr.splitlines()[-1]
+
+
+def test_each_recipe_s_extra_brings_the_commands_its_readme_runs() -> None:
+    """The FastAPI recipe runs ``uvicorn``, and says ``.[examples]`` brings it."""
+    readme = (ROOT / "examples" / "fastapi_app" / "README.md").read_text()
+    assert re.search(r"^uvicorn ", readme, re.MULTILINE)
+    extra = project()["optional-dependencies"]["examples"]
+    assert any(re.match(r"uvicorn\b", requirement) for requirement in extra)

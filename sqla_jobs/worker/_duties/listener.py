@@ -76,7 +76,7 @@ class Listener(Duty):
             "(PgBouncer) or a proxy that does not pass notifications. It stops listening and "
             "polls every %gs. Run it with --no-listen (listen=False), or give it a direct "
             "connection (or a PgBouncer pool in session mode) to pick jobs up within "
-            "milliseconds; see the docs' PgBouncer section (docs/operating/deploy.md)",
+            "milliseconds; see the docs' PgBouncer section (https://github.com/sqla-jobs/sqla-jobs/blob/main/docs/operating/deploy.md#pgbouncer)",
             self.core.name,
             ", ".join(watch.missed_queues),
             watch.misses,
