@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from sqla_jobs import (
     AsyncSteps,
+    Backoff,
     Jobs,
     SignalError,
     StepError,
@@ -398,7 +399,9 @@ def test_iterate_resumes_after_the_last_committed_batch_and_writes_each_row_once
         conn.execute(sa.insert(app.Link), [{"code": f"{i:04}", "url": "old"} for i in range(1050)])
     seen: list[int] = []
 
-    @jobs.task(durable=True, queue="d", max_attempts=3)
+    # The retry waits a second: on the fixture's quick policy (0.05 s) a loaded machine
+    # could run it within the first drain, before the cursor is looked at.
+    @jobs.task(durable=True, queue="d", max_attempts=3, retry=Backoff(base=1, cap=1, jitter=0))
     def backfill(steps: Steps) -> int:
         stmt = sa.select(app.Link).order_by(app.Link.code)
         for batch in steps.iterate("links", stmt, key=app.Link.code, size=100):
