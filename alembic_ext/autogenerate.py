@@ -248,6 +248,20 @@ def _jobs_family(autogen_context: AutogenContext) -> list[tuple[sa.Table, list[s
     return family
 
 
+def _final_name(constraint: sa.Constraint, dialect: sa.Dialect) -> str:
+    """The name a constraint has in the database: a name over the dialect's limit (63
+    bytes on PostgreSQL; a naming convention that repeats a long table name makes one)
+    is shortened by SQLAlchemy when it creates it, with a hash of the whole name. Compared
+    under its full name, such a constraint was never found, and each autogenerate added
+    it again (PostgreSQL then truncated that name to another)."""
+    rendered = dialect.identifier_preparer.format_constraint(constraint)
+    if rendered is None:
+        return str(constraint.name)
+    if rendered.startswith('"'):
+        return rendered[1:-1].replace('""', '"')
+    return rendered
+
+
 def _add_missing_checks(
     autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps, schemas: set[str | None]
 ) -> None:
@@ -287,12 +301,13 @@ def _add_missing_checks(
                 continue
             have = {c["name"] for c in inspector.get_check_constraints(table.name, table.schema)}
             missing = {
-                str(c.name): str(c.sqltext)
+                final: str(c.sqltext)
                 for c in sorted(table.constraints, key=lambda c: str(c.name))
                 if isinstance(c, sa.CheckConstraint)
                 and c.name is not None
-                and c.name not in have
+                and (final := _final_name(c, connection.dialect)) not in have
                 and c.name not in added
+                and final not in added
             }
             if missing:
                 upgrade_ops.ops.append(CreateJobsChecksOp(table.name, missing, schema=table.schema))

@@ -929,3 +929,63 @@ def test_a_hand_written_drop_jobs_checks_reverses_to_the_installed_definitions()
     assert companion.checks == {"jobs_schedules_args_object": "jsonb_typeof(args) = 'object'"}
     with pytest.raises(ValueError, match="no CHECK constraint of this sqla-jobs is named"):
         DropJobsChecksOp("jobs", ["nope"]).reverse()
+
+
+# -- a naming convention that makes a CHECK's name longer than PostgreSQL keeps --------------
+
+_LONG_NAMES_MODELS_PY = """\
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase
+
+from sqla_jobs import JobMixin
+
+NC = {{
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}}
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(schema={schema!r}, naming_convention=NC)
+
+
+class Job(JobMixin, Base):
+    __tablename__ = {table!r}
+"""
+
+
+def test_a_convention_s_long_check_names_are_found_under_their_shortened_names(
+    make_project: Any,
+) -> None:
+    """``ck_%(table_name)s_%(constraint_name)s`` on a 23-character table name gives names
+    over 63 bytes, which SQLAlchemy shortens (with a hash) as it creates them. Compared
+    under the full name, ``alembic check`` failed right after ``upgrade head``, and each
+    autogenerate added the constraint once more (PostgreSQL then truncated that name to
+    yet another one); ``sqla-jobs check`` said the table lacked it."""
+    from alembic_ext.check import schema_differences
+
+    project: Project = make_project(table="notification_deliveries")
+    project.write_models(_LONG_NAMES_MODELS_PY)
+    project.autogenerate("init")
+    project.upgrade()
+    project.check()  # nothing to add
+    models = project.load_models()
+    with project.engine.connect() as conn:
+        assert [d.message for d in schema_differences(conn, models.Job.__table__)] == []
+        names = (
+            conn.execute(
+                sa.text(
+                    "SELECT conname FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid"
+                    " JOIN pg_namespace n ON n.oid = t.relnamespace WHERE contype = 'c'"
+                    " AND t.relname = 'notification_deliveries' AND n.nspname = :schema"
+                ),
+                {"schema": project.schema},
+            )
+            .scalars()
+            .all()
+        )
+    assert len(names) == len(set(names)) == 8
+    assert any(name.endswith("_atte_26c4") for name in names)  # shortened, once
