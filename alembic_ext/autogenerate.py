@@ -32,13 +32,17 @@ from alembic.autogenerate import comparators
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
 
-from sqla_jobs.model import STORAGE_PARAMETERS, derived_name
+from sqla_jobs.model import STORAGE_PARAMETERS, derived_name, notify_function_body
 
 from .ops import CreateJobsChecksOp, CreateJobsTableOp, DropJobsTableOp, ReplaceJobsDDLOp
 
 __all__ = ["rewrite_jobs_tables"]
 
 _Key = tuple[str | None, str]
+
+#: ``Table.info`` key of a copy made in another schema than its table's (a translate
+#: map's): the schema of the table it copies, whose notify channel its function uses.
+CHANNEL_SCHEMA = "sqla_jobs_channel_schema"
 
 
 def _after_builtin_comparators() -> dict[str, Any]:
@@ -189,6 +193,12 @@ def _replace_changed_ddl(
         if not inspector.has_table(table.name, schema=table.schema):
             continue
         wanted = ReplaceJobsDDLOp.installed(table.name, table.schema)
+        channel_schema = table.info.get(CHANNEL_SCHEMA, table.schema)
+        if channel_schema != table.schema:
+            # A copy placed in the schema a translate map gives it (check.schema_differences):
+            # its function notifies the channel of the table it was declared as.
+            named = sa.Table(table.name, sa.MetaData(), schema=channel_schema)
+            wanted.function_body = notify_function_body(named)
         found = _found_ddl(connection, table, wanted)
         if found is not None:
             wanted._reverse = found

@@ -36,7 +36,7 @@ from sqlalchemy.dialects import postgresql
 from sqla_jobs.db import SCHEMA_FIX
 from sqla_jobs.model import derived_name
 
-from .autogenerate import _is_jobs_table  # importing it registers the comparators
+from .autogenerate import CHANNEL_SCHEMA, _is_jobs_table  # importing registers comparators
 from .ops import CreateJobsChecksOp, CreateJobsTableOp, ReplaceJobsDDLOp
 
 __all__ = ["FIX", "Difference", "schema_differences"]
@@ -77,7 +77,22 @@ def schema_differences(connection: sa.Connection, table: sa.Table) -> list[Diffe
     a ``JobMixin`` model) with its companion tables, as Alembic's autogenerate sees it.
 
     Only those tables are compared (Alembic's ``include_name``/``include_object``), in
-    their schema; nothing else of the application's metadata is read."""
+    their schema; nothing else of the application's metadata is read. On a connection
+    with a ``schema_translate_map``, in the schema it gives them: Alembic reflects the
+    schema it is told, so the tables are compared as copies placed there, the map set
+    aside meanwhile (``execution_options`` changes a Connection in place)."""
+    if connection.schema_for_object(table) == table.schema:
+        return _differences(connection, table)
+    mapped = connection.get_execution_options().get("schema_translate_map")
+    copy = _translated(connection, table)
+    connection.execution_options(schema_translate_map=None)
+    try:
+        return _differences(connection, copy)
+    finally:
+        connection.execution_options(schema_translate_map=mapped)
+
+
+def _differences(connection: sa.Connection, table: sa.Table) -> list[Difference]:
     companions = table.info.get("sqla_jobs_companions") or ()
     names = {table.name, *(companion.name for companion in companions)}
     schema = table.schema
@@ -110,6 +125,31 @@ def schema_differences(connection: sa.Connection, table: sa.Table) -> list[Diffe
         if getattr(op, "table_name", None) in names and getattr(op, "schema", None) == schema
     ]
     return list(_describe(connection, ours))
+
+
+def _translated(connection: sa.Connection, table: sa.Table) -> sa.Table:
+    """Copies of ``table`` and its companion tables, each in the schema ``connection``'s
+    ``schema_translate_map`` gives it (the copy of the jobs table names its copied
+    companions)."""
+    companions = table.info.get("sqla_jobs_companions") or ()
+    metadata = sa.MetaData(naming_convention=table.metadata.naming_convention)
+
+    def schema_of(original: sa.Table) -> str | None:
+        return connection.schema_for_object(original)
+
+    copies = [
+        t.to_metadata(
+            metadata,
+            schema=schema_of(t),
+            referred_schema_fn=lambda _t, to_schema, _c, _referred: to_schema,
+        )
+        for t in (table, *companions)
+    ]
+    copy: sa.Table = copies[0]
+    copy.info[CHANNEL_SCHEMA] = table.schema
+    if companions:
+        copy.info["sqla_jobs_companions"] = type(companions)(*copies[1:])
+    return copy
 
 
 def _name(schema: str | None, name: str) -> str:

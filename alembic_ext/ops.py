@@ -123,6 +123,16 @@ def detached_index(index: sa.Index) -> sa.Index:
     return sa.Index(index.name, *expressions, unique=bool(index.unique), **options)
 
 
+def _schema_of(operations: Operations, table: sa.Table) -> str | None:
+    """The schema ``table`` is in for this migration: the one the connection's
+    ``schema_translate_map`` gives it (Alembic's own operations are compiled through it),
+    which the text statements of sqla-jobs must name themselves. Offline (``--sql``) there
+    is no connection, and the table's own."""
+    if operations.migration_context.as_sql:
+        return table.schema
+    return operations.get_bind().schema_for_object(table)
+
+
 def _sql(statement: str) -> sa.TextClause:
     """A DDL string as a text() construct, its colons escaped so none reads as a bind
     parameter (a schema or table name may hold one; the function body is quoted with $$)."""
@@ -454,7 +464,7 @@ def create_jobs_table(operations: Operations, operation: CreateJobsTableOp) -> s
     mode prints the same statements a live upgrade runs.
     """
     table = operations.invoke(operation.create_table_op())
-    for statement in ddl_statements(table):
+    for statement in ddl_statements(table, schema=_schema_of(operations, table)):
         operations.execute(_sql(statement))
     if operation.companions:
         installed = installed_jobs_table(operation.table_name, operation.schema)
@@ -471,9 +481,11 @@ def drop_jobs_table(operations: Operations, operation: DropJobsTableOp) -> None:
     if operation.companions:
         installed = installed_jobs_table(operation.table_name, operation.schema)
         for companion in reversed(companion_tables(installed)):
-            operations.execute(_sql(f"DROP TABLE IF EXISTS {_qualified(companion)}"))
+            schema = _schema_of(operations, companion)
+            operations.execute(_sql(f"DROP TABLE IF EXISTS {_qualified(companion, None, schema)}"))
     operations.drop_table(operation.table_name, schema=operation.schema)
-    for statement in drop_statements(_bare_table(operation.table_name, operation.schema)):
+    table = _bare_table(operation.table_name, operation.schema)
+    for statement in drop_statements(table, _schema_of(operations, table)):
         operations.execute(_sql(statement))
 
 
@@ -482,7 +494,8 @@ def replace_jobs_ddl(operations: Operations, operation: ReplaceJobsDDLOp) -> Non
     """Reset the storage parameters the definition drops, set its own, replace the function
     and re-create the trigger; or drop both when the definition has no function."""
     table = _bare_table(operation.table_name, operation.schema)
-    qualified = _qualified(table)
+    schema = _schema_of(operations, table)
+    qualified = _qualified(table, None, schema)
     # Parameters sqla-jobs manages (now, or in the definition being replaced) that the new
     # definition does not set go back to PostgreSQL's defaults.
     previous = operation._reverse.storage_parameters if operation._reverse else {}
@@ -491,7 +504,7 @@ def replace_jobs_ddl(operations: Operations, operation: ReplaceJobsDDLOp) -> Non
     if dropped:
         operations.execute(_sql(f"ALTER TABLE {qualified} RESET ({', '.join(dropped)})"))
     if not operation.function_body:
-        for statement in drop_statements(table):
+        for statement in drop_statements(table, schema):
             operations.execute(_sql(statement))
         if operation.storage_parameters:
             params = ", ".join(f"{k} = {v}" for k, v in operation.storage_parameters.items())
@@ -501,6 +514,7 @@ def replace_jobs_ddl(operations: Operations, operation: ReplaceJobsDDLOp) -> Non
         table,
         function_body=operation.function_body,
         storage_parameters=operation.storage_parameters,
+        schema=schema,
     )
     for statement in statements:
         operations.execute(_sql(statement))
@@ -515,7 +529,8 @@ def create_jobs_checks(operations: Operations, operation: CreateJobsChecksOp) ->
     adds = ", ".join(
         f"ADD CONSTRAINT {_quote(name)} CHECK ({sql})" for name, sql in operation.checks.items()
     )
-    operations.execute(_sql(f"ALTER TABLE {_qualified(table)} {adds}"))
+    qualified = _qualified(table, None, _schema_of(operations, table))
+    operations.execute(_sql(f"ALTER TABLE {qualified} {adds}"))
 
 
 @Operations.implementation_for(DropJobsChecksOp)
@@ -525,7 +540,8 @@ def drop_jobs_checks(operations: Operations, operation: DropJobsChecksOp) -> Non
         return
     table = _bare_table(operation.table_name, operation.schema)
     drops = ", ".join(f"DROP CONSTRAINT IF EXISTS {_quote(name)}" for name in operation.names)
-    operations.execute(_sql(f"ALTER TABLE {_qualified(table)} {drops}"))
+    qualified = _qualified(table, None, _schema_of(operations, table))
+    operations.execute(_sql(f"ALTER TABLE {qualified} {drops}"))
 
 
 # --- rendering ------------------------------------------------------------------------

@@ -633,15 +633,18 @@ def _required_missing(conn: sa.Connection, table: sa.Table) -> list[str]:
     lacks, worded as :func:`alembic_ext.check.schema_differences` words them: what the
     worker's statements need, read with one catalog query (no Alembic)."""
     tables = [table, *(table.info.get("sqla_jobs_companions") or ())]
+    # In the schema the connection's schema_translate_map gives it, where the worker's
+    # statements will look (the catalog query is text, which the map does not reach).
+    schema = conn.schema_for_object(table)
     rows = conn.execute(
-        _PRESENT_COLUMNS, {"schema": table.schema, "names": [t.name for t in tables]}
+        _PRESENT_COLUMNS, {"schema": schema, "names": [t.name for t in tables]}
     ).all()
     present: dict[str, set[str]] = {}
     for relname, column in rows:
         present.setdefault(relname, set()).add(column)
     missing = []
     for t in tables:
-        name = f"{t.schema}.{t.name}" if t.schema else t.name
+        name = f"{schema}.{t.name}" if schema else t.name
         have = present.get(t.name)
         if have is None:
             missing.append(f"table {name!r} is missing")

@@ -523,15 +523,21 @@ UNIQUE_WHERE = sa.text(f"unique_key IS NOT NULL AND status IN ({_status_list(LIV
 _quote = PGDialect().identifier_preparer.quote  # type: ignore[no-untyped-call]
 
 
-def _qualified(table: sa.Table, name: str | None = None) -> str:
+#: ``schema=`` left out: the table's own (``table.schema``).
+_OWN: Any = object()
+
+
+def _qualified(table: sa.Table, name: str | None = None, schema: str | None = _OWN) -> str:
     quote = _quote
     name = name or table.name
-    return f"{quote(table.schema)}.{quote(name)}" if table.schema else quote(name)
+    schema = table.schema if schema is _OWN else schema
+    return f"{quote(schema)}.{quote(name)}" if schema else quote(name)
 
 
-def trigger_function_name(table: sa.Table) -> str:
-    """The schema-qualified name of the table's notify trigger function."""
-    return _qualified(table, derived_name(table.name, "notify"))
+def trigger_function_name(table: sa.Table, schema: str | None = _OWN) -> str:
+    """The schema-qualified name of the table's notify trigger function (in ``schema``
+    when given: where a connection's ``schema_translate_map`` puts the table)."""
+    return _qualified(table, derived_name(table.name, "notify"), schema)
 
 
 def notify_function_body(table: sa.Table) -> str:
@@ -551,6 +557,7 @@ def ddl_statements(
     *,
     function_body: str | None = None,
     storage_parameters: dict[str, str] | None = None,
+    schema: str | None = _OWN,
 ) -> list[str]:
     """Statements that complete a freshly created jobs table.
 
@@ -565,8 +572,8 @@ def ddl_statements(
     statements can run again on a table that has them: the function is replaced and the
     trigger re-created.
     """
-    qualified = _qualified(table)
-    function = trigger_function_name(table)
+    qualified = _qualified(table, schema=schema)
+    function = trigger_function_name(table, schema)
     trigger = _quote(derived_name(table.name, "notify"))
     body = notify_function_body(table) if function_body is None else function_body
     storage = STORAGE_PARAMETERS if storage_parameters is None else storage_parameters
@@ -585,9 +592,9 @@ FOR EACH STATEMENT EXECUTE FUNCTION {function}()""",
     ]
 
 
-def drop_statements(table: sa.Table) -> list[str]:
+def drop_statements(table: sa.Table, schema: str | None = _OWN) -> list[str]:
     """Statements that remove what :func:`ddl_statements` added (the table drops its trigger)."""
-    return [f"DROP FUNCTION IF EXISTS {trigger_function_name(table)}() CASCADE"]
+    return [f"DROP FUNCTION IF EXISTS {trigger_function_name(table, schema)}() CASCADE"]
 
 
 def attach_ddl(table: sa.Table) -> None:
@@ -598,14 +605,19 @@ def attach_ddl(table: sa.Table) -> None:
 
     # PL/pgSQL and storage parameters: PostgreSQL's alone. Elsewhere (an application's
     # SQLite tests) the table is created without them.
+    # The statements are text, which a connection's schema_translate_map does not reach:
+    # they name the schema the map gives the table (the CREATE TABLE went there), or they
+    # would miss it, or change another schema's table of that name. The notify channel
+    # stays the table's own, which the workers compute alike.
     def _after_create(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
         if connection.dialect.name == "postgresql":
-            for statement in ddl_statements(target):
+            schema = connection.schema_for_object(target)
+            for statement in ddl_statements(target, schema=schema):
                 connection.exec_driver_sql(statement)
 
     def _after_drop(target: sa.Table, connection: sa.Connection, **kw: Any) -> None:
         if connection.dialect.name == "postgresql":
-            for statement in drop_statements(target):
+            for statement in drop_statements(target, connection.schema_for_object(target)):
                 connection.exec_driver_sql(statement)
 
     event.listen(table, "after_create", _after_create)

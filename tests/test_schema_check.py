@@ -308,3 +308,65 @@ def test_the_comparison_runs_without_prepared_statements(engine: sa.Engine) -> N
         inside = _unprepared(conn, lambda: raw.prepare_threshold)  # type: ignore[union-attr]
         assert inside is None
         assert raw.prepare_threshold == before  # type: ignore[union-attr]
+
+
+# -- a schema_translate_map (one schema per tenant) ------------------------------------------
+
+
+@pytest.fixture
+def tenant(engine: sa.Engine) -> Iterator[str]:
+    name = f"tenant_{uuid.uuid4().hex[:10]}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{name}"')
+    yield name
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+
+
+def _triggers(conn: sa.Connection, schema: str) -> list[str]:
+    return list(
+        conn.execute(
+            sa.text(
+                "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = :schema AND NOT t.tgisinternal"
+            ),
+            {"schema": schema},
+        ).scalars()
+    )
+
+
+@pytest.mark.parametrize("how", ["create_all", "alembic"])
+def test_a_translate_map_s_schema_gets_the_trigger_and_passes_the_check(
+    engine: sa.Engine, tenant: str, how: str
+) -> None:
+    """The trigger, its function and the storage parameters are text statements, which a
+    connection's ``schema_translate_map`` does not reach: they went to the untranslated
+    table (failing, or changing another schema's table of that name, silently), and the
+    tenant's table had no trigger. The check and the worker's start probe looked in the
+    untranslated schema too, and called every table missing."""
+    from alembic.operations import Operations
+    from alembic.runtime.migration import MigrationContext
+
+    from sqla_jobs.cli import _required_missing
+
+    table = reference_table("jobs", None)  # the application's model: no schema of its own
+    with engine.begin() as conn:
+        translated = conn.execution_options(schema_translate_map={None: tenant})
+        if how == "create_all":
+            table.metadata.create_all(translated)
+        else:
+            Operations(MigrationContext.configure(translated)).create_jobs_table(
+                "jobs", companions=True
+            )
+    with engine.connect() as conn:
+        assert _triggers(conn, tenant) == ["jobs_notify"]
+        translated = conn.execution_options(schema_translate_map={None: tenant})
+        assert [d.message for d in schema_differences(translated, table)] == []
+        assert _required_missing(translated, table) == []
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP INDEX "{tenant}".jobs_dead')
+    with engine.connect() as conn:
+        translated = conn.execution_options(schema_translate_map={None: tenant})
+        found = [d.message for d in schema_differences(translated, table)]
+    assert len(found) == 1 and "jobs_dead" in found[0] and tenant in found[0]
