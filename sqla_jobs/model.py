@@ -620,8 +620,10 @@ def attach_ddl(table: sa.Table) -> None:
             for statement in drop_statements(target, connection.schema_for_object(target)):
                 connection.exec_driver_sql(statement)
 
-    event.listen(table, "after_create", _after_create)
-    event.listen(table, "after_drop", _after_drop)
+    # propagate: a copy made with Table.to_metadata() (a tenant's schema) gets them too;
+    # it copies the table's info, flag included, but not its listeners otherwise.
+    event.listen(table, "after_create", _after_create, propagate=True)
+    event.listen(table, "after_drop", _after_drop, propagate=True)
 
 
 #: What ``<table>_throughput`` counts per minute and queue: the outcomes written, in this

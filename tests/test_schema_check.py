@@ -370,3 +370,27 @@ def test_a_translate_map_s_schema_gets_the_trigger_and_passes_the_check(
         translated = conn.execution_options(schema_translate_map={None: tenant})
         found = [d.message for d in schema_differences(translated, table)]
     assert len(found) == 1 and "jobs_dead" in found[0] and tenant in found[0]
+
+
+def test_a_copy_made_with_to_metadata_is_created_with_its_trigger(
+    engine: sa.Engine, tenant: str
+) -> None:
+    """``Table.to_metadata(..., schema=tenant)`` copies the table's info (which says the DDL
+    is attached) but not its listeners: the copy was created without trigger, silently."""
+    copies = sa.MetaData()
+    for table in reference_table("jobs", None).metadata.sorted_tables:
+        table.to_metadata(copies, schema=tenant)
+    with engine.begin() as conn:
+        copies.create_all(conn)
+    with engine.connect() as conn:
+        assert _triggers(conn, tenant) == ["jobs_notify"]
+    with engine.begin() as conn:
+        copies.drop_all(conn)
+        function = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                "WHERE n.nspname = :schema AND p.proname = 'jobs_notify'"
+            ),
+            {"schema": tenant},
+        ).scalar()
+    assert function == 0
