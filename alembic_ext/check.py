@@ -23,6 +23,7 @@ catalogs only, and changes nothing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +125,97 @@ def _differences(connection: sa.Connection, table: sa.Table) -> list[Difference]
         for op in script.upgrade_ops.ops
         if getattr(op, "table_name", None) in names and getattr(op, "schema", None) == schema
     ]
-    return list(_describe(connection, ours))
+    found = list(_describe(connection, ours))
+    redefined = _definition_differences(connection, table, [table, *companions])
+    # Alembic sees a UNIQUE index made plain (or the reverse) as one index missing and
+    # another one in its place, under the same name: the one line below says it better.
+    said = {d.message.split(" on ", 1)[0] for d in redefined}
+    found = [d for d in found if not (d.kind == "index" and d.message.split(" on ", 1)[0] in said)]
+    return found + redefined
+
+
+#: The definitions of the indexes and CHECK constraints of some tables of one schema, as
+#: PostgreSQL writes them back (``pg_get_indexdef``, ``pg_get_constraintdef``). Alembic
+#: compares indexes by their columns and CHECK constraints by name only: a partial index
+#: without its WHERE, or a condition changed by hand, passed the check.
+_DEFINITIONS = sa.text(
+    "SELECT c.relname, i.relname, 'index', pg_get_indexdef(x.indexrelid) "
+    "FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+    "JOIN pg_class c ON c.oid = x.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = :schema AND c.relname = ANY(CAST(:names AS text[])) "
+    "UNION ALL "
+    "SELECT c.relname, k.conname, 'check', pg_get_constraintdef(k.oid) "
+    "FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid "
+    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE k.contype = 'c' AND n.nspname = :schema AND c.relname = ANY(CAST(:names AS text[]))"
+)
+_SCHEMA_NOW = sa.text("SELECT coalesce(CAST(:schema AS text), current_schema())")
+_TEMP_SCHEMA = sa.text("SELECT nspname FROM pg_namespace WHERE oid = pg_my_temp_schema()")
+
+
+def _read_definitions(
+    connection: sa.Connection, schema: str, names: list[str]
+) -> dict[tuple[str, str, str], str]:
+    rows = connection.execute(_DEFINITIONS, {"schema": schema, "names": names}).all()
+    # An index's definition names its table, schema-qualified: only what follows USING
+    # (method, columns, WHERE) and whether it is UNIQUE are compared.
+    return {
+        (table, kind, name): (
+            re.sub(r"^CREATE (UNIQUE )?INDEX .*? USING ", r"\1USING ", text)
+            if kind == "index"
+            else text
+        )
+        for table, name, kind, text in rows
+    }
+
+
+def _definition_differences(
+    connection: sa.Connection, table: sa.Table, family: list[sa.Table]
+) -> list[Difference]:
+    """The indexes and CHECK constraints that exist under their declared names but with
+    another definition (another WHERE, not UNIQUE, another condition).
+
+    What they should be is read back from the same tables created as temporary tables in
+    a savepoint rolled back at once: PostgreSQL's own spelling of each definition, so
+    nothing is compared by text that PostgreSQL rewrites. Skipped where that cannot run
+    (a read-only transaction, a standby, a connection in autocommit): the rest of the
+    check does not depend on it."""
+    names = [t.name for t in family]
+    schema = connection.execute(_SCHEMA_NOW, {"schema": table.schema}).scalar_one()
+    found = _read_definitions(connection, schema, names)
+    if not found:
+        return []
+    metadata = sa.MetaData(naming_convention=table.metadata.naming_convention)
+    copies = [
+        t.to_metadata(
+            metadata,
+            schema="pg_temp",
+            referred_schema_fn=lambda _t, to_schema, _c, _referred: to_schema,
+        )
+        for t in family
+    ]
+    try:
+        with connection.begin_nested() as savepoint:
+            metadata.create_all(connection, tables=copies)
+            temp = connection.execute(_TEMP_SCHEMA).scalar_one()
+            declared = _read_definitions(connection, temp, names)
+            savepoint.rollback()
+    except sa.exc.DBAPIError:
+        return []
+    differences = []
+    for key in sorted(found.keys() & declared.keys()):
+        if found[key] == declared[key]:
+            continue
+        table_name, kind, name = key
+        where = _name(schema if table.schema is not None else None, table_name)
+        what = "index" if kind == "index" else "CHECK constraint"
+        message = (
+            f"{what} {name!r} on {where!r} differs: the database has {found[key]}; this "
+            f"version declares {declared[key]} (drop it and run the migration that creates "
+            "it, or re-create it by hand)"
+        )
+        differences.append(Difference(where, kind, message, False))
+    return differences
 
 
 def _translated(connection: sa.Connection, table: sa.Table) -> sa.Table:

@@ -394,3 +394,48 @@ def test_a_copy_made_with_to_metadata_is_created_with_its_trigger(
             {"schema": tenant},
         ).scalar()
     assert function == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (  # the partial index the claim reads, made whole
+            "DROP INDEX {s}.jobs_claim; "
+            "CREATE INDEX jobs_claim ON {s}.jobs (queue, priority DESC, run_at, id)",
+            "index 'jobs_claim'",
+        ),
+        (  # the unique index without its live statuses: a finished job keeps its key
+            "DROP INDEX {s}.jobs_unique; "
+            "CREATE UNIQUE INDEX jobs_unique ON {s}.jobs (unique_key) WHERE unique_key IS NOT NULL",
+            "index 'jobs_unique'",
+        ),
+        (  # the same index, no longer UNIQUE
+            "DROP INDEX {s}.jobs_unique; CREATE INDEX jobs_unique ON {s}.jobs (unique_key) "
+            "WHERE unique_key IS NOT NULL AND status IN ('scheduled', 'ready', 'running')",
+            "index 'jobs_unique'",
+        ),
+        (
+            "ALTER TABLE {s}.jobs DROP CONSTRAINT jobs_priority, "
+            "ADD CONSTRAINT jobs_priority CHECK (priority >= -5)",
+            "CHECK constraint 'jobs_priority'",
+        ),
+    ],
+)
+def test_an_index_or_check_with_another_definition_is_named(
+    engine: sa.Engine, schema: str, change: str, named: str
+) -> None:
+    """Alembic compares an index by its columns and a CHECK constraint by its name: a
+    partial index without its WHERE, a unique one made plain, a condition changed by
+    hand all passed the check (the unique index's, for one, then made an enqueue fail
+    with "keeps changing hands")."""
+    table = reference_table("jobs", schema)
+    with engine.connect() as conn:
+        assert schema_differences(conn, table) == []
+    with engine.begin() as conn:
+        conn.exec_driver_sql(change.format(s=f'"{schema}"'))
+    with engine.connect() as conn:
+        found = [d.message for d in schema_differences(conn, table)]
+        temp = conn.exec_driver_sql("SELECT count(*) FROM pg_class WHERE relpersistence = 't'")
+        assert temp.scalar() == 0  # the reference tables were rolled back
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{named} on '{schema}.jobs' differs: the database has ")
