@@ -32,6 +32,7 @@ Internal: the names here may change in any release.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import weakref
@@ -200,9 +201,16 @@ def _session_unique(session: Session, pending: PendingJob, shard: Any) -> tuple[
     connection = _on(session, shard)
     require_postgresql(connection, "a unique job (ON CONFLICT on a partial index)", EnqueueError)
     registry = pending.registry
-    job_id, inserted = _connection_unique(connection, registry, job_params(pending.row))
-    with session.no_autoflush:
-        return session.get(registry.model, job_id, identity_token=shard), inserted
+    params = job_params(pending.row)
+    for _ in range(5):
+        job_id, inserted = _connection_unique(connection, registry, params)
+        with session.no_autoflush:
+            job = session.get(registry.model, job_id, identity_token=shard)
+        # None: the holder finished (and was deleted) between its id's read and this
+        # one; the key is free again, so the job is inserted at the next turn.
+        if job is not None:
+            return job, inserted
+    raise EnqueueError(f"unique key {params['unique_key']!r} keeps changing hands; try again")
 
 
 def _session_scoped(session: Session, pending: PendingJob, shard: Any) -> tuple[Any, bool]:
@@ -270,6 +278,33 @@ def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple
     return connection.execute(q.insert_job, params).scalar_one(), True
 
 
+@contextlib.contextmanager
+def _atomic(connection: sa.Connection) -> Iterator[None]:
+    """Make two statements one: on a connection in autocommit (with no transaction of
+    its caller's open), inside a BEGIN/COMMIT of their own; otherwise they are in the
+    caller's transaction already. Each statement would otherwise commit alone, and what
+    the first one locked (a unique key's row) would be free before the second ran."""
+    own = autocommit(connection) and _idle(connection)
+    if own:
+        connection.exec_driver_sql("BEGIN")
+    try:
+        yield
+    except BaseException:
+        if own:
+            connection.exec_driver_sql("ROLLBACK")
+        raise
+    if own:
+        connection.exec_driver_sql("COMMIT")
+
+
+def _idle(connection: sa.Connection) -> bool:
+    """No transaction is open on the driver's connection (one the caller began with a
+    BEGIN of its own would be committed by ours)."""
+    info = getattr(connection.connection.driver_connection, "info", None)
+    status = getattr(info, "transaction_status", None)
+    return status is None or int(status) == 0  # psycopg's TransactionStatus.IDLE
+
+
 def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:
     """A job with ``after=``: INSERTed held, then linked to its parents, atomically (in
     autocommit, inside a BEGIN/COMMIT of its own)."""
@@ -278,18 +313,9 @@ def _connection_after(connection: sa.Connection, pending: PendingJob) -> int:
     run_anyway = bool((values.get("meta") or {}).get(RUN_ANYWAY_KEY))
     values["run_at"] = HELD_UNTIL
     q = registry.queries
-    own = autocommit(connection)
-    if own:
-        connection.exec_driver_sql("BEGIN")
-    try:
+    with _atomic(connection):
         job_id: int = connection.execute(q.insert_job, job_params(values)).scalar_one()
         link(connection, q, job_id, parents, run_anyway)
-    except BaseException:
-        if own:
-            connection.exec_driver_sql("ROLLBACK")
-        raise
-    if own:
-        connection.exec_driver_sql("COMMIT")
     return job_id
 
 
@@ -1001,18 +1027,22 @@ def enqueue_scoped(
     has finished and been deleted). Two statements: take the key's row (which waits for
     a concurrent enqueue of the key to commit or roll back), then place the job."""
     key = params["unique_key"]
-    holder, held = connection.execute(queries.take_key, {"key": key}).one()
-    row = connection.execute(
-        queries.place_scoped,
-        {
-            **{f"p_{name}": value for name, value in params.items()},
-            "holder": holder,
-            "held": held,
-            "states": list(scope.states),
-            "replace": scope.on_conflict == "replace",
-            "period": scope.period,
-        },
-    ).first()
+    # The key's row stays locked until the job is placed: in autocommit the two
+    # statements run in a transaction of their own (two producers both found the key
+    # free, and both placed a job).
+    with _atomic(connection):
+        holder, held = connection.execute(queries.take_key, {"key": key}).one()
+        row = connection.execute(
+            queries.place_scoped,
+            {
+                **{f"p_{name}": value for name, value in params.items()},
+                "holder": holder,
+                "held": held,
+                "states": list(scope.states),
+                "replace": scope.on_conflict == "replace",
+                "period": scope.period,
+            },
+        ).first()
     if row is None:
         return int(holder), "gone"
     return int(row[0]), str(row[1])

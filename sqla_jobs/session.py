@@ -751,12 +751,18 @@ def refuse_unique(task: Any, kwargs: Mapping[str, Any]) -> None:
 
 def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
     """``enqueue_unique``'s task, and its keywords (changed in place): ``unique=True``
-    unless a ``unique_key`` is given."""
+    unless the task, its options or the call already say how it is unique (a
+    ``Unique(...)``, a ``unique_key``, a scope), which ``unique=True`` would replace."""
+    bound = task.options if isinstance(task, ConfiguredTask) else {}
+    plain = task.task if isinstance(task, ConfiguredTask) else task
+    if (isinstance(plain, Task) and plain.unique) or any(
+        o.get("unique") or any(o.get(n) is not None for n in _UNIQUE_OPTIONS)
+        for o in (bound, kwargs)
+    ):
+        return task
     if isinstance(task, ConfiguredTask):
-        if task.options.get("unique_key") is None:
-            task = task.with_options(unique=True)
-    elif kwargs.get("unique_key") is None:
-        kwargs["unique"] = True
+        return task.with_options(unique=True)
+    kwargs["unique"] = True
     return task
 
 

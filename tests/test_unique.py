@@ -18,6 +18,7 @@ from sqla_jobs import (
     create_engine,
 )
 
+from . import app
 from .helpers import count, rows
 
 
@@ -164,3 +165,74 @@ def test_unique_value_is_the_flat_options_grouped(Session: Any, db: sa.Engine, j
     assert count(db) == 3
     with pytest.raises(ValueError, match="one unique key"):
         jobs.task(unique=Unique(key="k"))
+
+
+def test_a_unique_enqueue_whose_holder_ends_meanwhile_returns_the_new_job(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """The holder's id is read, then the holder is loaded: a worker that finished (and
+    deleted) it in between made ``session.enqueue(unique=True)`` return None, with
+    nothing enqueued. The key is free then, so the job is inserted."""
+    from sqlalchemy import event
+
+    Session = sa.orm.sessionmaker(db, class_=JobSession, jobs=jobs)
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None: ...
+
+    with Session() as session:
+        holder_id = session.enqueue(refresh, 1, unique=True).id
+        session.commit()
+    done = threading.Event()
+
+    def finish_the_holder(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        # Right after the statement that found the live holder.
+        where = statement.split("WHERE", 1)[-1]
+        if not done.is_set() and "unique_key" in where and statement.lstrip().startswith("SELECT"):
+            done.set()
+            Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=10)
+
+    with Session() as session:
+        event.listen(session.connection(), "after_cursor_execute", finish_the_holder)
+        job = session.enqueue(refresh, 1, unique=True)
+        assert done.is_set() and job is not None and job.id != holder_id
+        job_id = job.id
+        session.commit()
+    assert [r.id for r in rows(db)] == [job_id]
+
+
+def test_the_async_enqueue_unique_keeps_the_unique_it_is_given(
+    database_url: str, db: sa.Engine, jobs: Jobs
+) -> None:
+    """``enqueue_unique`` set ``unique=True`` over a ``Unique(...)`` given to it: two calls
+    with one key and other arguments made two jobs, and a scope made none."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import Unique, create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+    from sqla_jobs.model import companion_tables
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None: ...
+
+    async def main() -> tuple[Any, Any]:
+        engine = create_async_engine(database_url)
+        make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+        async with make() as session:
+            a = await session.enqueue_unique(refresh, 1, unique=Unique(key="profile:1"))
+            b = await session.enqueue_unique(refresh, 2, unique=Unique(key="profile:1"))
+            await session.enqueue_unique(refresh, 3, unique=Unique(within=3600))
+            ids = (a.id, b.id)
+            await session.commit()
+        await engine.dispose()
+        return ids
+
+    a, b = asyncio.run(main())
+    assert a == b
+    with db.connect() as conn:
+        keys = sorted(conn.execute(sa.select(app.Job.unique_key)).scalars(), key=str)
+        scoped = conn.execute(
+            sa.select(sa.func.count()).select_from(companion_tables(app.Job.__table__).unique_keys)
+        ).scalar()
+    assert len(keys) == 2 and "profile:1" in keys
+    assert scoped == 1  # the scope's period is remembered

@@ -408,3 +408,77 @@ def _waiting_on_a_lock(db: sa.Engine) -> bool:
                 )
             ).scalar()
         )
+
+
+def test_a_scoped_enqueue_in_autocommit_holds_the_key_until_its_job_is_placed(
+    database_url: str, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Two statements, the key's row taken then the job placed: in autocommit each one
+    committed alone, so a second producer found the key free while the first had not
+    placed its job yet, and both placed one (2 to 6 live jobs per key under 6 producers).
+    They now run in a transaction of their own: the second producer waits for the first."""
+    from sqlalchemy import event
+
+    @jobs.task(queue="q")
+    def report(customer_id: int) -> None: ...
+
+    hourly = report.with_options(unique_for=3600)
+    engine = create_engine(database_url, pool_size=2, isolation_level="AUTOCOMMIT")
+    first_took, go_on = threading.Event(), threading.Event()
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def pause(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        # The first producer stops between the key's row and the job's placement.
+        if statement.lstrip().startswith("WITH replaced AS") and not first_took.is_set():
+            first_took.set()
+            assert go_on.wait(10)
+
+    ids: list[int] = []
+
+    def produce() -> None:
+        with engine.connect() as conn:
+            ids.append(jobs.enqueue(conn, hourly, 7))
+
+    first = threading.Thread(target=produce)
+    first.start()
+    assert first_took.wait(10)
+    second = threading.Thread(target=produce)
+    second.start()
+    second.join(1)
+    assert second.is_alive()  # waiting for the key's row, which the first one holds
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    engine.dispose()
+    assert count(db) == 1 and len(set(ids)) == 1
+
+
+def test_scoped_enqueues_in_autocommit_racing_leave_one_live_job_per_key(
+    database_url: str, db: sa.Engine, jobs: Jobs
+) -> None:
+    @jobs.task(queue="q")
+    def report(k: str) -> None: ...
+
+    hourly = report.with_options(unique_for=3600)
+    producers, keys = 6, 20
+    engine = create_engine(database_url, pool_size=producers, isolation_level="AUTOCOMMIT")
+    barrier = threading.Barrier(producers, timeout=30)
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with engine.connect() as conn:
+                for k in range(keys):
+                    barrier.wait()
+                    jobs.enqueue(conn, hourly, f"k{k}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce) for _ in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    engine.dispose()
+    assert errors == []
+    assert count(db) == keys
