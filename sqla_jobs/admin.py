@@ -56,6 +56,7 @@ purge      done, dead, cancelled           also scheduled or ready, when named;
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -97,6 +98,7 @@ from .model import (
     SUSPENDED_STEP_STATES,
     JobStatus,
     companion_tables,
+    derived_name,
     job_table,
     notify_channel,
     result_channel,
@@ -1253,7 +1255,7 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
         )
         .returning(c.id, c.queue)
     )
-    rows = _execute(bind, retried).all()
+    rows = _past_uncommitted_twins(bind, table, retried)
     selected: list[Any] = []
     free = [r.id for r in marked if r.ended is None]
     if free:
@@ -1289,6 +1291,26 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     direct = {r.id for r in selected}
     blocked += [(i, "a job it waits for ended meanwhile") for i in free if i not in direct]
     return _Retried([r.id for r in (*rows, *selected)], blocked, [r.id for r in walked])
+
+
+def _past_uncommitted_twins(bind: Bind, table: sa.Table, retried: sa.Update) -> list[Any]:
+    """Run the retry's UPDATE. Its "no live twin" test cannot see a twin whose enqueue
+    has not committed: the UPDATE then waits on that twin's key in ``<table>_unique`` and
+    fails with a unique violation once it commits (it raised ``IntegrityError`` where the
+    job should have been skipped). In a savepoint, rolled back on that violation and run
+    again: the twin is committed by then, and the job is left alone as any other whose
+    key is held."""
+    unique_index = derived_name(table.name, "unique")
+    for _ in range(3):
+        savepoint = bind.begin_nested() if bind.in_transaction() else contextlib.nullcontext()
+        try:
+            with savepoint:
+                return list(_execute(bind, retried).all())
+        except sa.exc.IntegrityError as exc:
+            diag = getattr(exc.orig, "diag", None)
+            if getattr(diag, "constraint_name", None) != unique_index:
+                raise
+    return list(_execute(bind, retried).all())
 
 
 def _held_reason(ended: str | None) -> str:

@@ -439,3 +439,65 @@ def test_run_schedule_needs_the_registry_and_a_schedule(db: sa.Engine, jobs: Job
             admin.run_schedule(conn, jobs.table, "x")  # type: ignore[arg-type]
         with pytest.raises(LookupError, match="no schedule named 'x'"):
             admin.run_schedule(conn, jobs, "x")
+
+
+def test_a_retry_racing_an_uncommitted_twin_skips_the_job(db: sa.Engine, jobs: Jobs) -> None:
+    """A retry leaves a dead unique job alone while a live job holds its key; a twin
+    enqueued but not yet committed is invisible to that test, and the UPDATE waited on
+    its key and raised ``IntegrityError`` when it committed. It is now left alone."""
+    import threading
+
+    from .helpers import wait_for
+
+    table = app.Job.__table__
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None: ...
+
+    with db.begin() as conn:
+        dead = conn.execute(
+            sa.insert(table)
+            .values(
+                task=refresh.name,
+                queue="q",
+                args={"user_id": 1},
+                status="dead",
+                unique_key="k",
+                attempts=1,
+                finished_at=sa.func.now(),
+            )
+            .returning(table.c.id)
+        ).scalar_one()
+    out: dict[str, Any] = {}
+
+    def retry() -> None:
+        try:
+            with db.begin() as conn:
+                out["pid"] = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+                out["report"] = admin.retry_report(conn, jobs, [dead])
+        except BaseException as exc:
+            out["error"] = exc
+
+    with db.connect() as producer:
+        producer.begin()
+        twin = jobs.enqueue(producer, refresh, 1, unique_key="k")
+        thread = threading.Thread(target=retry)
+        thread.start()
+        wait_for(lambda: "pid" in out)
+
+        def waiting() -> bool:  # the retry's UPDATE waits on the twin's key
+            with db.connect() as conn:
+                event = conn.execute(
+                    sa.text("SELECT wait_event_type FROM pg_stat_activity WHERE pid = :pid"),
+                    {"pid": out["pid"]},
+                ).scalar()
+            return bool(event == "Lock")
+
+        wait_for(waiting)
+        producer.commit()
+    thread.join(10)
+    assert "error" not in out, out.get("error")
+    assert out["report"].acted == ()
+    with db.connect() as conn:
+        statuses = dict(conn.execute(sa.select(table.c.id, table.c.status)).all())
+    assert statuses == {dead: "dead", twin: "ready"}
