@@ -2341,8 +2341,24 @@ def _prune_unique_keys(t: sa.Table, k: sa.Table) -> sa.Delete:
 # Due schedules, oldest tick first, through <table>_schedules_due. SKIP LOCKED: each worker
 # takes the rows no other worker is handling, so a tick is enqueued by one of them.
 def _due_schedules(s: sa.Table) -> sa.Select[Any]:
+    """The due schedules, each in a form the driver can always read (as the claim reads
+    a job's row, see :func:`claimed_columns`): their arguments as JSON text, decoded row
+    by row, and a tick Python cannot hold (``-infinity``, BC) as NULL. A schedule row
+    written around the API with such a value raised for the whole pass, which also
+    promotes retries and rescues leases: every worker of the table stopped claiming."""
+    c = s.c
+    readable = c.next_run_at.between(_READABLE_FROM, _READABLE_UNTIL)
     return (
-        sa.select(s)
+        sa.select(
+            c.name,
+            c.task,
+            sa.cast(c.args, sa.Text).label("args"),
+            c.cron,
+            c.tz,
+            c.queue,
+            c.priority,
+            sa.case((readable, c.next_run_at), else_=sa.null()).label("next_run_at"),
+        )
         .where(s.c.enabled, s.c.next_run_at <= sa.bindparam("now"))
         .order_by(s.c.next_run_at)
         .limit(sa.bindparam("limit"))

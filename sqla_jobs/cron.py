@@ -8,11 +8,12 @@ could never work fails there, with its reason, and never inside a worker.
 
 Daylight saving time
 --------------------
-In a time zone with DST, a tick in the hour that is skipped in spring fires once, at the
-first minute that exists after it (``30 2 * * *`` in Paris fires at 03:00 on the last
-Sunday of March), and a tick in the hour that repeats in autumn fires once, the first time
-(02:30 CEST, not again at 02:30 CET): a daily job runs once a day, an hourly job once for
-each wall-clock hour.
+In a time zone with DST, an expression that fires at a fixed hour inside the hour that is
+skipped in spring fires once, at the first minute that exists after it (``30 2 * * *`` in
+Paris fires at 03:00 on the last Sunday of March); an hourly one has no tick in the
+skipped hour (``15 * * * *``: 01:15, then 03:15; croniter's reading). A tick in the hour
+that repeats in autumn fires once, the first time (02:30 CEST, not again at 02:30 CET): a
+daily job runs once a day, an hourly job once for each wall-clock hour.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ def check_cron(expression: str, *, now: datetime | None = None, tz: str | None =
             f"invalid cron expression {expression!r}: expected five fields "
             "(minute hour day-of-month month day-of-week)"
         )
+    for part in expression.split():
+        for token in part.split(","):
+            if token.upper() == "R" or token.upper().startswith("R("):
+                # croniter draws a random value each time it reads the expression, and a
+                # worker reads it at every tick: "0 R * * *" fired several times a day.
+                raise ValueError(
+                    f"invalid cron expression {expression!r}: a random field (R) is drawn "
+                    "anew at each tick; pick the value yourself"
+                )
     try:
         next_tick(expression, now or datetime.now(timezone.utc), tz)
     except CroniterError as exc:
@@ -92,6 +102,42 @@ def next_tick(expression: str, after: datetime, tz: str | None = None) -> dateti
         if not _repeated(result, zone):
             return result.astimezone(timezone.utc)
     raise CroniterError(f"[{expression}] no tick outside repeated hours")  # pragma: no cover
+
+
+def latest_tick(expression: str, due: datetime, now: datetime, tz: str | None = None) -> datetime:
+    """The latest tick at or before ``now``, counting from ``due`` (a tick already due):
+    the one a schedule fires for after missing some, ``due`` itself if no later one has
+    come.
+
+    Read back from the tick after ``now`` (one step back), and kept if stepping forward
+    from it lands there again, as :func:`next_tick` would have; otherwise (a time zone's
+    change of offset that steps back and forth read differently) walked forward from
+    ``due``, on one iterator, bounded. Walking forward always cost a step per missed tick:
+    a minutely schedule down for a week, 10,000 steps and 1.4 s of CPU, inside the pass
+    that also promotes and rescues; and its bound left one down longer firing for a tick
+    a day old."""
+    ahead = next_tick(expression, now, tz)
+    zone = check_timezone(tz)
+    back = croniter(expression, ahead.astimezone(zone))
+    for _ in range(10_000):
+        candidate = back.get_prev(datetime)
+        assert isinstance(candidate, datetime)
+        if not _repeated(candidate, zone):
+            break
+    latest = candidate.astimezone(timezone.utc)
+    if latest <= now and next_tick(expression, latest, tz) == ahead:
+        return max(latest, due)
+    latest = due
+    ticks = croniter(expression, due.astimezone(zone))
+    for _ in range(100_000):
+        after = ticks.get_next(datetime)
+        assert isinstance(after, datetime)
+        if _repeated(after, zone):
+            continue
+        if after.astimezone(timezone.utc) > now:
+            break
+        latest = after.astimezone(timezone.utc)
+    return latest
 
 
 def _repeated(moment: datetime, zone: tzinfo) -> bool:

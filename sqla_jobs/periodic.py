@@ -30,6 +30,7 @@ worker.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -39,7 +40,7 @@ import sqlalchemy as sa
 
 from ._enqueue import insert_rows
 from ._tasks import check_schedule_name
-from .cron import Schedule, check_cron, check_timezone, next_tick
+from .cron import Schedule, check_cron, check_timezone, latest_tick, next_tick
 from .errors import EnqueueError
 
 if TYPE_CHECKING:
@@ -158,24 +159,20 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
     now = conn.execute(q.now).scalar_one()
     rows: list[dict[str, Any]] = []
     for row in conn.execute(q.due_schedules, {"now": now, "limit": limit}).all():
-        tick: datetime = row.next_run_at
+        tick: datetime | None = row.next_run_at
         try:
-            # A row written around the API may have a name whose job key would not fit.
+            # A row written around the API may have a name whose job key would not fit,
+            # a tick Python cannot hold, or arguments it cannot decode.
             check_schedule_name(row.name)
+            if tick is None:
+                raise ValueError("its next_run_at is a time Python cannot hold")
+            args = _decode_args(row.args)
             check_cron(row.cron, now=now, tz=row.tz)
             following = next_tick(row.cron, now, row.tz)
-            # The latest missed tick: walk forward from the due one (bounded).
-            latest = tick
-            for _ in range(10000):
-                after = next_tick(row.cron, latest, row.tz)
-                if after > now:
-                    break
-                latest = after
+            latest = latest_tick(row.cron, tick, now, row.tz)
             # A tick is unique by its own key, not by a scope its task may declare.
-            values, _, _ = jobs.bind_row(
-                row.task, (), dict(row.args), queue=row.queue, priority=row.priority
-            )
-        except (ValueError, EnqueueError) as exc:
+            values, _, _ = jobs.bind_row(row.task, (), args, queue=row.queue, priority=row.priority)
+        except (ValueError, EnqueueError, RecursionError) as exc:
             log.error("schedule %r: %s", row.name, exc)
             conn.execute(
                 q.schedule_failed,
@@ -195,6 +192,17 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
     if rows:
         insert_rows(conn, q, rows)
     return len(rows)
+
+
+def _decode_args(text: str) -> dict[str, Any]:
+    """A schedule's arguments, from the JSON text the row holds: an object."""
+    try:
+        args = json.loads(text)
+    except RecursionError:
+        raise ValueError("its args are nested deeper than Python can decode") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"its args are not a JSON object: {text[:80]}")
+    return args
 
 
 def periodic_key(name: str, tick: datetime) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -202,3 +203,156 @@ def test_schedules_in_a_time_zone_are_stored_and_tick_in_it(db: sa.Engine) -> No
     (code,) = [r for r in rows(db, again.queries.schedules_table) if r.name == "morning"]
     assert code.tz == "Asia/Tokyo"
     assert code.next_run_at.astimezone(ZoneInfo("Asia/Tokyo")).hour == 9
+
+
+# -- rows and outages a pass must get through (found by an audit) -----------------------------
+
+#: Schedule rows written around the API with values Python cannot read, each of which
+#: raised for the whole maintenance pass (which also promotes retries and rescues leases):
+#: every worker of the table stopped claiming, or stopped for good.
+_POISON = {
+    "a tick of -infinity": {"next_run_at": "'-infinity'"},
+    "args nested 10,000 deep": {
+        "args": """('{"x": ' || repeat('[', 10000) || repeat(']', 10000) || '}')::jsonb""",
+        "next_run_at": "now() - interval '1 min'",
+    },
+    "a 5,000-digit number": {
+        "args": """('{"x": ' || repeat('9', 5000) || '}')::jsonb""",
+        "next_run_at": "now() - interval '1 min'",
+    },
+}
+
+
+@pytest.mark.parametrize("poison", list(_POISON))
+def test_a_schedule_row_python_cannot_read_is_failed_alone(
+    db: sa.Engine, jobs: Jobs, poison: str
+) -> None:
+    ran: list[str] = []
+
+    @jobs.task(queue="q")
+    def work(x: object = None) -> None:
+        ran.append("tick" if x is None else "plain")
+
+    table = jobs.queries.schedules_table
+    columns = {"name": "'poison'", "task": f"'{work.name}'", "cron": "'* * * * *'"}
+    columns.update(_POISON[poison])
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"INSERT INTO {table.schema}.{table.name} ({', '.join(columns)}) "
+                f"VALUES ({', '.join(columns.values())})"
+            )
+        )
+        add_schedule(conn, jobs, "good", work, "* * * * *")
+        jobs.enqueue(conn, work, x=1)
+    make_due(db, jobs, "good", timedelta(minutes=1))
+    worker = Worker(jobs, db, queues=["q"], poll_interval=0.05, listen=False)
+    with running(worker):
+        wait_for(lambda: sorted(ran) == ["plain", "tick"])
+    with db.connect() as conn:
+        error = conn.execute(
+            sa.select(table.c.last_error).where(table.c.name == "poison")
+        ).scalar_one()
+    assert error  # the row says why it did not run, and the others ran
+
+
+def test_a_schedule_down_for_days_fires_once_for_its_latest_tick(db: sa.Engine, jobs: Jobs) -> None:
+    """The latest missed tick was found by stepping forward from the due one, at most
+    10,000 steps: a minutely schedule down for eight days fired for a tick a day old (and
+    each such schedule cost 1.4 s of CPU inside the maintenance pass)."""
+
+    @jobs.task(queue="q")
+    def every_minute() -> None: ...
+
+    with db.begin() as conn:
+        add_schedule(conn, jobs, "m", every_minute, "* * * * *")
+    make_due(db, jobs, "m", timedelta(days=8))
+    with db.begin() as conn:
+        assert enqueue_due(conn, jobs) == 1
+    table = jobs.queries.schedules_table
+    with db.connect() as conn:
+        latest = conn.execute(
+            sa.select(table.c.last_run_at).where(table.c.name == "m")
+        ).scalar_one()
+    now = datetime.now(timezone.utc)
+    assert now - timedelta(minutes=1) <= latest <= now
+    (job,) = rows(db)
+    assert job.unique_key == f"periodic:m:{latest.isoformat()}"
+
+
+def _plain_and_yearly(db: sa.Engine, jobs: Jobs) -> list[str]:
+    """A declared yearly schedule (its row synced) and a plain job waiting to run."""
+    ran: list[str] = []
+
+    @jobs.periodic("0 0 1 1 *", name="yearly")
+    @jobs.task(queue="q", name="yearly_task")
+    def yearly() -> None: ...
+
+    @jobs.task(queue="q", name="plain")
+    def plain() -> None:
+        ran.append("plain")
+
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+        jobs.enqueue(conn, plain)
+    return ran
+
+
+def test_a_starting_worker_claims_beside_a_schedule_row_another_worker_holds(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """A worker paused in its pass holds the rows of the schedules it took. A worker
+    starting then (a deploy) synced the declared schedules before anything else, its
+    upsert waiting on that lock without end: it claimed nothing while the other was
+    paused. The sync now waits a second at most and is tried again at the next pass."""
+    ran = _plain_and_yearly(db, jobs)
+    table = jobs.queries.schedules_table
+    holder = create_engine(database_url)
+    try:
+        with holder.begin() as held:
+            held.execute(
+                sa.select(table).where(table.c.name == "yearly").with_for_update(key_share=True)
+            ).all()
+            worker = Worker(jobs, db, queues=["q"], poll_interval=0.05, listen=False)
+            with running(worker):
+                wait_for(lambda: ran == ["plain"])  # while the row is still held
+    finally:
+        holder.dispose()
+
+
+def test_a_worker_waits_out_a_database_error_in_its_schedule_sync(
+    db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """The sync ran at start, outside the worker's supervision: its backend terminated (a
+    failover) ended ``Worker.run`` with the error, where every other database error is
+    waited out."""
+    from .helpers import terminate_backend
+
+    ran = _plain_and_yearly(db, jobs)
+    engine = create_engine(database_url)
+    cut: list[int] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def cut_the_sync(conn: Any, cursor: Any, statement: str, *a: Any) -> None:
+        if not cut and "_schedules" in statement and statement.lstrip().startswith("INSERT"):
+            cut.append(conn.connection.driver_connection.info.backend_pid)
+            terminate_backend(db, cut[0])
+
+    errors: list[BaseException] = []
+    worker = Worker(jobs, engine, queues=["q"], poll_interval=0.05, listen=False)
+
+    def run() -> None:
+        try:
+            worker.run(install_signal_handlers=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: ran == ["plain"] or errors)
+    finally:
+        worker.stop()
+        thread.join(15)
+        engine.dispose()
+    assert cut and errors == [] and ran == ["plain"]

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import periodic
 from .._queries import interval
 from .._settle import format_error, worker_name
 from ..errors import ResultError, WorkerError, describe, unreachable
@@ -668,8 +667,9 @@ class WorkerCore:
     # -- starting and stopping ---------------------------------------------------------
 
     def starting(self) -> Steps:
-        """Before the first claim: make the code-declared schedules' rows match the code."""
-        yield Io(periodic.sync_declared, (self.jobs,), Conn.TX)
+        """Before the first claim. (The code-declared schedules' rows are made to match
+        the code by the first maintenance pass: see ``statements.sync_schedules``.)"""
+        yield from ()
         log.info(
             "worker %s started: queues %s, concurrency %d",
             self.name,

@@ -598,6 +598,34 @@ class Refresh:
     woken: frozenset[str] = frozenset()
 
 
+#: How long a worker's schedule sync waits for a schedule's row: another worker's pass
+#: holds it while it enqueues that schedule's tick (a worker paused there, for as long as
+#: it is paused).
+SYNC_LOCK_TIMEOUT = "1s"
+_SYNC_BOUNDED = sa.select(sa.func.set_config("lock_timeout", SYNC_LOCK_TIMEOUT, True))
+
+
+def sync_schedules(conn: sa.Connection, jobs: Jobs) -> bool:
+    """:func:`sqla_jobs.periodic.sync_declared` in the maintenance, before its first
+    refresh: False when a schedule's row was locked past :data:`SYNC_LOCK_TIMEOUT` (the
+    next pass tries again; the refresh goes on meanwhile).
+
+    Not at the worker's start, where it ran outside any supervision: a paused worker's
+    lock on a schedule row kept a starting worker from claiming anything for as long as
+    it was paused (a rolling deploy stalled), and a database error there (a terminated
+    backend) ended ``Worker.run`` with it, where every other database error is waited
+    out. Here, a failure is the maintenance's, retried as any."""
+    conn.execute(_SYNC_BOUNDED)  # local to this transaction
+    try:
+        with conn.begin_nested():
+            periodic.sync_declared(conn, jobs)
+    except sa.exc.OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
+        return False
+    return True
+
+
 def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
     """Every worker's maintenance, each poll interval, in one transaction: rescue expired
     leases (if asked), promote due jobs, enqueue due cron ticks, and read the pause state

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -76,3 +76,36 @@ def test_utc_is_the_default_and_bad_zones_are_refused() -> None:
         check_cron("* * * * *", tz="Europe/Pariss")
     with pytest.raises(ValueError, match="time zone must be an IANA name"):
         check_cron("* * * * *", tz="")
+
+
+def _walked(expression: str, due: datetime, now: datetime, tz: str | None) -> datetime:
+    """The latest tick at or before ``now`` from ``due``, one step at a time."""
+    latest = due
+    while (after := next_tick(expression, latest, tz)) <= now:
+        latest = after
+    return latest
+
+
+@pytest.mark.parametrize("tz", [None, "Europe/Paris", "America/New_York", "Australia/Lord_Howe"])
+@pytest.mark.parametrize("expression", ["* * * * *", "15 * * * *", "30 2 * * *", "0 */3 * * 1-5"])
+def test_the_latest_tick_is_the_one_stepping_forward_finds(expression: str, tz: str | None) -> None:
+    """``latest_tick`` reads it back from the tick after ``now`` (one step, where walking
+    forward was a step per missed tick); it must land where walking forward lands,
+    through the changes of offset of each zone (spring and autumn, 2026)."""
+    from sqla_jobs.cron import latest_tick
+
+    starts = [datetime(2026, 3, 7, tzinfo=timezone.utc), datetime(2026, 10, 1, tzinfo=timezone.utc)]
+    for start in starts:
+        due = next_tick(expression, start, tz)
+        for hours in (0, 1, 5, 26, 24 * 3):
+            now = due + timedelta(hours=hours, minutes=7)
+            assert latest_tick(expression, due, now, tz) == _walked(expression, due, now, tz)
+
+
+@pytest.mark.parametrize("expression", ["0 R * * *", "R * * * *", "r(0-30) * * * *"])
+def test_a_random_field_is_refused(expression: str) -> None:
+    """croniter draws ``R`` anew each time it reads the expression, at every tick: a
+    "daily at a random hour" fired several times a day."""
+    with pytest.raises(ValueError, match="random field"):
+        check_cron(expression)
+    assert check_cron("0 0 * MAR FRI")  # names with an R are no random field

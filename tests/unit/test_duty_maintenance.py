@@ -24,6 +24,8 @@ def _answer(refresh: Refresh, deleted: list[int | None] | None = None) -> Any:
         assert isinstance(step, s.Io) and step.on is s.Conn.TX
         if step.fn is statements.refresh:
             return refresh
+        if step.fn is statements.sync_schedules:
+            return True
         assert step.fn is statements.prune_batch
         return next(batches)
 
@@ -37,7 +39,9 @@ def test_the_refresh_runs_once_per_poll_interval_and_rescues_only_when_its_time_
     steps, _ = run_steps(
         maintenance.run_once(), _answer(Refresh(None, frozenset({"a"}), frozenset({"b"})))
     )
-    (refresh, *prunes) = steps
+    (sync, refresh, *prunes) = steps
+    # The first pass makes the code-declared schedules' rows match the code, once.
+    assert isinstance(sync, s.Io) and sync.fn is statements.sync_schedules
     assert isinstance(refresh, s.Io) and refresh.args == (core.jobs, True)  # rescue at once
     assert [p.fn for p in prunes if isinstance(p, s.Io)] == [statements.prune_batch]  # lock held
     assert maintenance.paused == {"a"} and "b" not in core.fetcher.dry  # woken: not dry
@@ -84,3 +88,26 @@ def test_retention_deletes_in_batches_until_one_is_short_and_stops_when_another_
         core.maintenance.prune(max_batches=2), _answer(Refresh(None, frozenset()), [full] * 10)
     )
     assert total == 2 * full * len(statements.prune_work(core.jobs))
+
+
+def test_the_schedules_are_synced_until_a_pass_can_lock_their_rows() -> None:
+    """The first pass syncs the code-declared schedules before its refresh; a sync that
+    met a locked row (False) is tried again at the next pass, and the refresh runs
+    either way (a paused worker's lock must hold back neither)."""
+    core, _, _ = make(queues=("a",), poll_interval=60)
+    maintenance = core.maintenance
+    answers = iter([False, True])
+
+    def answer(step: s.Step) -> Any:
+        assert isinstance(step, s.Io)
+        if step.fn is statements.sync_schedules:
+            return next(answers)
+        return _answer(Refresh(None, frozenset()))(step)
+
+    for expected in (False, True):
+        steps, _ = run_steps(maintenance.now(), answer)
+        fns = [st.fn for st in steps if isinstance(st, s.Io)]
+        assert fns[:2] == [statements.sync_schedules, statements.refresh]
+        assert maintenance.synced is expected
+    steps, _ = run_steps(maintenance.now(), answer)
+    assert statements.sync_schedules not in [st.fn for st in steps if isinstance(st, s.Io)]

@@ -262,6 +262,8 @@ def _poll_idle(
             return Refresh(None, frozenset())
         if name == "prune_batch":
             return None  # another worker prunes
+        if name == "sync_schedules":
+            return True
         claims[step.args[1]["queue_name"]].append(clock.now)
         clock.advance(0.003 if name == "claim" else 0.006)
         return LimitedClaim([], False, None) if name == "claim_limited" else []

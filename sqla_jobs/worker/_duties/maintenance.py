@@ -40,6 +40,8 @@ class Maintenance(Duty):
         self.next_prune = 0.0
         #: The paused queues, as of the last refresh.
         self.paused: frozenset[str] = frozenset()
+        #: The code-declared schedules' rows match the code (see statements.sync_schedules).
+        self.synced = False
 
     def now(self) -> Steps:
         """Run the maintenance now, whatever its schedule says."""
@@ -55,6 +57,8 @@ class Maintenance(Duty):
         if now < self.next_refresh and not due:
             return
         rescue = now >= self.next_rescue
+        if not self.synced:
+            self.synced = yield Io(statements.sync_schedules, (core.jobs,), Conn.TX)
         result: Refresh = yield Io(statements.refresh, (core.jobs, rescue), Conn.TX)
         now = time.monotonic()
         settings = core.settings
