@@ -108,6 +108,20 @@ def default_queues(jobs: Jobs, queues: Iterable[str] | None) -> list[str]:
 # -- the core ---------------------------------------------------------------------------
 
 
+#: SQLSTATEs of a database the worker cannot work with whatever it waits for: a privilege
+#: the role lacks, a table, column or function that is not there.
+_MISCONFIGURED = frozenset({"42501", "42P01", "42703", "42883"})
+
+
+def _misconfigured(exc: BaseException) -> bool:
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in _MISCONFIGURED
+
+
+def _unreached(exc: BaseException) -> bool:
+    """No server answered: the connection could not be made (no SQLSTATE)."""
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) is None
+
+
 class WorkerCore:
     """The state of one worker and every decision about it."""
 
@@ -667,9 +681,27 @@ class WorkerCore:
     # -- starting and stopping ---------------------------------------------------------
 
     def starting(self) -> Steps:
-        """Before the first claim. (The code-declared schedules' rows are made to match
-        the code by the first maintenance pass: see ``statements.sync_schedules``.)"""
-        yield from ()
+        """Before the first claim: make the code-declared schedules' rows match the code
+        (``statements.sync_schedules``). A database it cannot reach, a role that lacks a
+        privilege on the tables, or tables that are not there, stop the start here with
+        that error (a sharded worker starts that shard's worker again later, as a
+        process supervisor does a process). Any other error of a database it reached (its
+        backend terminated mid-sync), or a schedule's row locked past the sync's bound,
+        leaves the sync to the maintenance passes, which retry it as they retry
+        anything: it once ended ``Worker.run`` with the error, or kept a starting worker
+        from claiming while another worker held a row."""
+        try:
+            synced = yield Io(statements.sync_schedules, (self.jobs,), Conn.TX)
+        except Exception as exc:
+            if not is_database_error(exc) or _misconfigured(exc) or _unreached(exc):
+                raise
+            log.warning(
+                "worker %s: the declared schedules will be synced by the maintenance: %s",
+                self.name,
+                describe(exc),
+            )
+            synced = False
+        self.maintenance.synced = synced
         log.info(
             "worker %s started: queues %s, concurrency %d",
             self.name,
