@@ -327,12 +327,13 @@ class Dashboard:
     @contextlib.contextmanager
     def _connect(self, *, begin: bool = False) -> Iterator[sa.Connection]:
         """A connection for one page or action, in a transaction whose waits are bounded
-        (:data:`LOCK_TIMEOUT`, :data:`STATEMENT_TIMEOUT`; local to it, so nothing stays
-        on the pooled connection): a jobs table locked by a migration, or a query that
-        does not end, gives a 503 page rather than a request that never answers, each one
-        holding a thread of the pool the host application's own routes run in."""
+        (:data:`LOCK_TIMEOUT`, :data:`STATEMENT_TIMEOUT`, or for an action (``begin``)
+        :data:`ACTION_STATEMENT_TIMEOUT`; local to it, so nothing stays on the pooled
+        connection): a jobs table locked by a migration, or a query that does not end,
+        gives a 503 page rather than a request that never answers, each one holding a
+        thread of the pool the host application's own routes run in."""
         with self.engine.begin() if begin else self.engine.connect() as conn:
-            conn.execute(_BOUNDED)
+            conn.execute(_BOUNDED_ACTION if begin else _BOUNDED)
             yield conn
 
     def _guarded(self, request: Request, page: Callable[[], Response]) -> Response:
@@ -828,13 +829,21 @@ def _jobs(n: int) -> str:
 
 
 #: How long a page or an action waits for a lock (a migration's on the jobs table, a
-#: worker's on a row) and for any one statement, before it gives a 503 page.
+#: worker's on a row) and for any one statement, before it gives a 503 page. An action
+#: may take longer than a page: a bulk retry of half a million dead jobs is one UPDATE.
 LOCK_TIMEOUT = "5s"
 STATEMENT_TIMEOUT = "30s"
-_BOUNDED = sa.select(
-    sa.func.set_config("lock_timeout", LOCK_TIMEOUT, True),
-    sa.func.set_config("statement_timeout", STATEMENT_TIMEOUT, True),
-)
+ACTION_STATEMENT_TIMEOUT = "300s"
+
+
+def _bounded(statement_timeout: str) -> sa.Select[Any]:
+    return sa.select(
+        sa.func.set_config("lock_timeout", LOCK_TIMEOUT, True),
+        sa.func.set_config("statement_timeout", statement_timeout, True),
+    )
+
+
+_BOUNDED, _BOUNDED_ACTION = _bounded(STATEMENT_TIMEOUT), _bounded(ACTION_STATEMENT_TIMEOUT)
 #: SQLSTATEs of those two: lock_not_available, query_canceled.
 _TIMED_OUT = frozenset({"55P03", "57014"})
 
