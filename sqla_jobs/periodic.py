@@ -124,8 +124,9 @@ def list_schedules(session: sa.orm.Session | sa.Connection, jobs: Jobs) -> list[
 
 
 def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
-    """Make the rows of code-declared schedules match the code (run by a worker's first
-    maintenance pass: see ``sqla_jobs.worker._statements.sync_schedules``).
+    """Make the rows of code-declared schedules match the code (run as a worker starts,
+    or by a maintenance pass if that could not finish: see
+    ``sqla_jobs.worker._statements.sync_schedules``).
 
     A changed expression restarts from its next tick; an unchanged one keeps its place,
     so restarting workers never skips or repeats a tick. Code schedules that the code no

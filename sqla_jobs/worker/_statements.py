@@ -606,15 +606,13 @@ _SYNC_BOUNDED = sa.select(sa.func.set_config("lock_timeout", SYNC_LOCK_TIMEOUT, 
 
 
 def sync_schedules(conn: sa.Connection, jobs: Jobs) -> bool:
-    """:func:`sqla_jobs.periodic.sync_declared` in the maintenance, before its first
-    refresh: False when a schedule's row was locked past :data:`SYNC_LOCK_TIMEOUT` (the
-    next pass tries again; the refresh goes on meanwhile).
+    """:func:`sqla_jobs.periodic.sync_declared`, as a worker starts and, until it has
+    succeeded, before each maintenance refresh: False when a schedule's row was locked
+    past :data:`SYNC_LOCK_TIMEOUT` (the next pass tries again; the refresh goes on).
 
-    Not at the worker's start, where it ran outside any supervision: a paused worker's
-    lock on a schedule row kept a starting worker from claiming anything for as long as
-    it was paused (a rolling deploy stalled), and a database error there (a terminated
-    backend) ended ``Worker.run`` with it, where every other database error is waited
-    out. Here, a failure is the maintenance's, retried as any."""
+    It waited on such a lock without bound: a paused worker's lock on a schedule row kept
+    a starting worker from claiming anything for as long as it was paused (a rolling
+    deploy stalled). See ``WorkerCore.starting`` for the errors that stop a start."""
     conn.execute(_SYNC_BOUNDED)  # local to this transaction
     try:
         with conn.begin_nested():
