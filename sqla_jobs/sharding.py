@@ -811,7 +811,8 @@ else:
                         pause = self._after_failure(name, exc, failures, deadline)
                         if pause is None:
                             return
-                        with contextlib.suppress(TimeoutError):
+                        # asyncio.TimeoutError: not the builtin before Python 3.11.
+                        with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(wakeup.wait(), pause)
                             return  # stopped while waiting
 
