@@ -21,6 +21,7 @@ from sqla_jobs import (
     current_job,
 )
 from sqla_jobs.session import AsyncJobSession
+from sqla_jobs.worker._driver import pool_options
 
 from . import app
 from .conftest import AsyncWorkerInThread
@@ -221,3 +222,118 @@ def test_a_session_factory_that_misfits_fails_the_run_with_a_clear_error(
 def _begun(session: Session) -> Session:
     session.begin()
     return session
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+def test_handlers_that_hold_connections_leave_the_worker_its_own(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, kind: str, caplog: Any
+) -> None:
+    """Transactional handlers beyond what the engine's pool holds wait for a connection
+    instead of taking the ones the worker's heartbeat needs: no lease lapses while they
+    run, and the worker says so at start. (Before, six handlers on a pool of five held
+    every free connection, the heartbeat waited on the pool, and every lease lapsed:
+    another worker's rescue would have run the jobs again.)"""
+    release = threading.Event()
+    lock = threading.Lock()
+    holding: list[int] = []
+    most = [0]
+
+    def started(i: int) -> None:
+        with lock:
+            holding.append(i)
+            most[0] = max(most[0], len(holding))
+
+    def ended(i: int) -> None:
+        with lock:
+            holding.remove(i)
+
+    if kind == "threads":
+
+        @jobs.task(queue="q", transactional=True)
+        def hold(i: int, session: Any) -> None:
+            session.execute(sa.text("SELECT 1"))
+            started(i)
+            release.wait(30)
+            ended(i)
+
+        # Five connections in all: the worker keeps three, two are the handlers'.
+        engine: Any = create_engine(database_url, pool_size=4, max_overflow=1)
+        worker: Any = Worker(jobs, engine, queues=["q"], concurrency=6, lease=1.0, listen=False)
+    else:
+        import asyncio
+
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        from sqla_jobs.aio import AsyncWorker
+
+        @jobs.task(queue="q", transactional=True)
+        async def hold(i: int, session: Any) -> None:
+            await session.execute(sa.text("SELECT 1"))
+            started(i)
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            ended(i)
+
+        engine = create_async_engine(database_url, pool_size=4, max_overflow=1)
+        worker = AsyncWorker(jobs, engine, queues=["q"], concurrency=6, lease=1.0, listen=False)
+
+    assert worker.handler_connections == 2
+    assert "at most 2 transactional or durable handlers run at once" in caplog.text
+    with Session.begin() as session:
+        for i in range(6):
+            session.enqueue(hold, i)
+
+    def run() -> None:
+        if kind == "threads":
+            worker.run(install_signal_handlers=False)
+        else:
+            import asyncio
+
+            async def main() -> None:
+                try:
+                    await worker.run(install_signal_handlers=False)
+                finally:
+                    await engine.dispose()
+
+            asyncio.run(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(holding) >= 2, timeout=20)
+        lapsed = sa.text(
+            f'SELECT count(*) FROM "{app.SCHEMA}".jobs '
+            "WHERE status = 'running' AND locked_until < clock_timestamp()"
+        )
+        # Three leases' worth of time: the heartbeat must renew them all the while.
+        deadline = threading.Event()
+        threading.Timer(3.0, deadline.set).start()
+        while not deadline.is_set():
+            with db.connect() as conn:
+                assert conn.execute(lapsed).scalar() == 0
+            deadline.wait(0.1)
+        # The four waiting jobs are claimed too, their leases kept.
+        assert count(db, status="running") == 6
+        release.set()
+        wait_for(lambda: count(db) == 0, timeout=30)  # all done (and deleted, as done jobs are)
+        assert most[0] == 2
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(30)
+        if kind == "threads":
+            engine.dispose()
+
+
+def test_a_worker_makes_its_own_pool_large_enough_for_every_handler() -> None:
+    from sqla_jobs.worker._driver import MIN_CONNECTIONS, handler_connections
+
+    for concurrency in (1, 10, 40, 64, 500):
+        engine = create_engine(
+            "postgresql+psycopg://nobody@127.0.0.1:1/none", **pool_options(concurrency)
+        )
+        assert handler_connections(engine, concurrency) is None
+        pool: Any = engine.pool
+        assert pool.size() <= 36  # kept open when idle
+        assert pool.size() + pool._max_overflow >= concurrency + MIN_CONNECTIONS
+        engine.dispose()

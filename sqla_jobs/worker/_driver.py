@@ -11,6 +11,7 @@ have ``set``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
     from .job import ClaimedJob, Outcome
     from .settings import WorkerOptions, WorkerSettings
 
-__all__ = ["DriverBase", "Wakeups", "run_session"]
+__all__ = ["DriverBase", "Wakeups", "handler_connections", "pool_options", "run_session"]
+
+_log = logging.getLogger("sqla_jobs.worker")
 
 E = TypeVar("E")
 S = TypeVar("S", bound="Session | AsyncSession")
@@ -85,6 +88,24 @@ class DriverBase(Generic[E]):
         self.core = WorkerCore(jobs, self.settings, self)
         self.engine: E = self._make_engine(bind)
         check_pool(self.engine)
+        #: How many transactional or durable handlers may hold a connection at once, when
+        #: the pool cannot give one to each (None: it can).
+        self.handler_connections = handler_connections(self.engine, self.settings.concurrency)
+        if self.handler_connections is not None and any(
+            task.transactional or task.durable for task in jobs.tasks.values()
+        ):
+            _log.warning(
+                "worker %s: the engine's pool holds %d connections, %d of them for the "
+                "worker itself: at most %d transactional or durable handlers run at once, "
+                "not concurrency=%d (the others wait for a connection); give the engine "
+                "pool_size + max_overflow >= %d to run them all",
+                self.core.name,
+                self.handler_connections + MIN_CONNECTIONS,
+                MIN_CONNECTIONS,
+                self.handler_connections,
+                self.settings.concurrency,
+                self.settings.concurrency + MIN_CONNECTIONS,
+            )
         #: Set while the listener holds its LISTEN (a ``threading.Event``, so that any
         #: thread can wait on it: tests, health checks).
         self.listening = self.core.listening
@@ -158,34 +179,61 @@ class DriverBase(Generic[E]):
 MIN_CONNECTIONS = 3
 
 
+def pool_capacity(engine: Any) -> int | None:
+    """The most connections ``engine``'s pool gives out at once, or None for no limit (or
+    one that cannot be read). Only a ``QueuePool`` (the default, sync or asyncio) has one:
+    its ``max_overflow`` is read from the pool, which has no public accessor for it."""
+    pool = engine.pool
+    size = getattr(pool, "size", None)
+    overflow = getattr(pool, "_max_overflow", None)
+    if not callable(size) or not isinstance(overflow, int) or overflow < 0:
+        return None
+    return int(size()) + overflow
+
+
 def check_pool(engine: Any) -> None:
     """Refuse an engine whose pool cannot give a worker :data:`MIN_CONNECTIONS`.
 
     With fewer, the upkeep and the completer wait on the pool in turn, time out, retry
     with warnings, and the outcomes of jobs that ran go unwritten (so those jobs run
-    again once their leases pass); said at once instead. Only a ``QueuePool`` (the
-    default, sync or asyncio) has a limit to check: its ``max_overflow`` is read from the
-    pool, which has no public accessor for it."""
-    pool = engine.pool
-    size = getattr(pool, "size", None)
-    overflow = getattr(pool, "_max_overflow", None)
-    if not callable(size) or not isinstance(overflow, int) or overflow < 0:
-        return
-    capacity = size() + overflow
-    if capacity < MIN_CONNECTIONS:
+    again once their leases pass); said at once instead."""
+    capacity = pool_capacity(engine)
+    if capacity is not None and capacity < MIN_CONNECTIONS:
+        pool = engine.pool
         raise ValueError(
-            f"the engine's pool holds at most {capacity} connection(s) (pool_size={size()}, "
-            f"max_overflow={overflow}); a worker holds two for as long as it runs (claims, "
-            f"completions) and needs one more for its upkeep: give it at least "
-            f"{MIN_CONNECTIONS}, and one more per transactional task running at once "
-            f"(the worker's own engine pools concurrency + 4)"
+            f"the engine's pool holds at most {capacity} connection(s) (pool_size="
+            f"{pool.size()}, max_overflow={pool._max_overflow}); a worker holds two for as "
+            f"long as it runs (claims, completions) and needs one more for its upkeep: give "
+            f"it at least {MIN_CONNECTIONS}, and one more per transactional task running at "
+            f"once (the worker's own engine has room for concurrency + {MIN_CONNECTIONS + 1})"
         )
 
 
-def pool_size(concurrency: int) -> int:
-    """Connections a worker made from a URL pools: claims, completions, heartbeat and
-    maintenance each hold one briefly, and a transactional task holds one while it runs."""
-    return min(concurrency, 32) + 4
+def handler_connections(engine: Any, concurrency: int) -> int | None:
+    """How many handlers may hold one of ``engine``'s pooled connections at once (a
+    transactional run's session, a durable run's steps), or None when every one of
+    ``concurrency`` handlers may.
+
+    Beyond what the pool holds, handlers would take the connections the worker's own
+    upkeep needs: the heartbeat would wait on the pool, every lease would lapse while the
+    handlers ran (another worker's rescue would then run them again, and this worker would
+    take its own jobs for lost), and the handlers left waiting would fail on the pool's
+    timeout. So :data:`MIN_CONNECTIONS` stay the worker's, and the handlers share the
+    rest: one that finds none free waits for one, its lease kept by the heartbeat."""
+    capacity = pool_capacity(engine)
+    if capacity is None or capacity - MIN_CONNECTIONS >= concurrency:
+        return None
+    return max(1, capacity - MIN_CONNECTIONS)
+
+
+def pool_options(concurrency: int) -> dict[str, int]:
+    """The pool of an engine a worker makes from a URL: room for every handler to hold a
+    connection at once (a transactional task holds one while it runs) beside the
+    worker's own (claims, completions, and upkeep: heartbeat, presence, maintenance), so
+    that none waits (:func:`handler_connections`). At most 36 are kept open when idle;
+    the rest are opened when needed and closed when returned."""
+    size = min(concurrency, 32) + 4
+    return {"pool_size": size, "max_overflow": max(10, concurrency + MIN_CONNECTIONS + 1 - size)}
 
 
 def run_session(jobs: Jobs, bind: Any, kind: type[S]) -> S:

@@ -33,7 +33,7 @@ from .. import sharding
 from ..db import create_async_engine
 from ..health import Schema, serve_health
 from ..sharding import ShardedWorker
-from ._driver import pool_size
+from ._driver import pool_options
 from ._signals import EarlyStop
 from .supervisor import supervise
 from .threaded import Worker
@@ -223,7 +223,7 @@ class LaunchPlan:
 
         async def main() -> None:
             engine = (
-                create_async_engine(bind, pool_size=pool_size(self.settings.concurrency))
+                create_async_engine(bind, **pool_options(self.settings.concurrency))
                 if _is_url(bind)
                 else bind
             )

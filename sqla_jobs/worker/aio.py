@@ -35,7 +35,7 @@ from ..steps import AsyncSteps
 from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost
-from ._driver import DriverBase, Wakeups, pool_size, run_session
+from ._driver import DriverBase, Wakeups, pool_options, run_session
 from ._signals import signalled
 from .job import ClaimedJob, Outcome
 
@@ -57,7 +57,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     def _make_engine(self, bind: AsyncEngine | str) -> AsyncEngine:
         if isinstance(bind, AsyncEngine):
             return bind
-        return create_async_engine(bind, pool_size=pool_size(self.settings.concurrency))
+        return create_async_engine(bind, **pool_options(self.settings.concurrency))
 
     def _prepare(self) -> None:
         # asyncio primitives belong to the loop that first waits on them, and each run may
@@ -76,6 +76,10 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         self._duties: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done = False
+        #: Held by a transactional or durable run while the pool cannot give every
+        #: handler a connection (see ``handler_connections``).
+        n = self.handler_connections
+        self._connection_slots = None if n is None else asyncio.Semaphore(n)
 
     def stop(self) -> None:
         """Ask the worker to stop gracefully. Safe from any thread or signal handler."""
@@ -261,10 +265,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             run = self.core.start(job)
             if not isinstance(run, Run):
                 outcome = run  # an unknown task's failure, or None: handed back unstarted
-            elif run.task.transactional:
-                outcome = await self._transactional(run)
-            elif run.task.durable:
-                outcome = await self._durable(run)
+            elif run.task.transactional or run.task.durable:
+                outcome = await self._holding_connection(run)
             else:
                 task = run.task
                 with run:
@@ -282,6 +284,23 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 self._start_waiting()
         if outcome is not None:
             self.core.finished(job, outcome)
+
+    async def _holding_connection(self, run: Run) -> Outcome:
+        """A transactional or durable run, once a connection is free for it (see
+        ``handler_connections``); cancelled while it waits (a timeout, a stop), it ends
+        as a run cancelled at its start would."""
+        slots = self._connection_slots
+        run_it = self._transactional if run.task.transactional else self._durable
+        if slots is None:
+            return await run_it(run)
+        try:
+            await slots.acquire()
+        except BaseException as exc:
+            return run.end(exc)
+        try:
+            return await run_it(run)
+        finally:
+            slots.release()
 
     async def _transactional(self, run: Run) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs

@@ -31,7 +31,7 @@ from ..steps import Steps
 from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost
-from ._driver import DriverBase, Wakeups, pool_size, run_session
+from ._driver import DriverBase, Wakeups, pool_options, run_session
 from ._signals import stopped_by_signals
 from .job import ClaimedJob, Outcome, OutcomeKind
 
@@ -52,7 +52,7 @@ class Worker(DriverBase[sa.Engine]):
     def _make_engine(self, bind: sa.Engine | str) -> sa.Engine:
         if isinstance(bind, sa.Engine):
             return bind
-        return create_engine(bind, pool_size=pool_size(self.settings.concurrency))
+        return create_engine(bind, **pool_options(self.settings.concurrency))
 
     def _prepare(self) -> None:
         self._claim_conn = statements.HeldConnection(self.engine)
@@ -64,6 +64,10 @@ class Worker(DriverBase[sa.Engine]):
         self._duties: list[threading.Thread] = []
         self._coroutines: dict[tuple[int, int], tuple[asyncio.AbstractEventLoop, Any]] = {}
         self._done = False
+        #: Held by a transactional or durable run while the pool cannot give every
+        #: handler a connection (see ``handler_connections``).
+        n = self.handler_connections
+        self._connection_slots = None if n is None else threading.BoundedSemaphore(n)
 
     @property
     def stopping(self) -> bool:
@@ -255,10 +259,12 @@ class Worker(DriverBase[sa.Engine]):
         run = self.core.start(job)
         if not isinstance(run, Run):
             return run  # an unknown task's failure, or None: handed back before it started
-        if run.task.transactional:
-            return self._transactional(run, session)
-        if run.task.durable:
-            return self._durable(run, session)
+        if run.task.transactional or run.task.durable:
+            slots = self._connection_slots if session is None else None
+            with slots or contextlib.nullcontext():
+                if run.task.transactional:
+                    return self._transactional(run, session)
+                return self._durable(run, session)
         with run:
             result = run.task.fn(*run.args, **run.kwargs)
             if run.task.is_async:
