@@ -1433,7 +1433,14 @@ def _hand_back(t: sa.Table, channel: str) -> sa.Select[Any]:
 # the progress notes their handlers left since the last beat (a third array, NULL for "no
 # news": COALESCE keeps the row's; a missing array is all NULLs, as unnest pads it). Claims
 # that do not come back were lost (lease expired and retaken) or cancelled.
-def _heartbeat(t: sa.Table) -> sa.Update:
+#
+# A row another transaction holds locked is skipped, not waited for, and comes back as
+# still held if it was so when the statement began: renewed at a later beat, or found lost
+# then. Waiting for it (a maintenance pass of a worker paused in its rescue, an operator's
+# open transaction) stalled the whole beat, so every other lease of the worker lapsed
+# too, and a job it was running was rescued and run again beside itself. A skipped row's
+# progress note waits for the next one.
+def _heartbeat(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     batch = (
         sa.func.unnest(
@@ -1444,15 +1451,23 @@ def _heartbeat(t: sa.Table) -> sa.Update:
         .table_valued("id", "attempts", "progress")
         .render_derived(name="batch")
     )
-    return (
-        sa.update(t)
+    held = sa.select(c.id, c.attempts).where(guarded(t, batch)).cte("held")
+    free = (
+        sa.select(c.id)
         .where(guarded(t, batch))
+        .with_for_update(of=t, skip_locked=True, key_share=True)
+        .cte("free")
+    )
+    renewed = (
+        sa.update(t)
+        .where(guarded(t, batch), c.id.in_(sa.select(free.c.id)))
         .values(
             locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
             progress=_latest_progress(c, batch.c.progress),
         )
-        .returning(c.id, c.attempts)
+        .cte("renewed")
     )
+    return sa.select(held.c.id, held.c.attempts).add_cte(renewed)
 
 
 class HeartbeatParams(BatchParams):

@@ -1,11 +1,10 @@
 """A worker's heartbeat and its completions lock rows of the same running set, on two
-connections: they must lock them in one order (id order), or they can deadlock.
+connections: they must not deadlock.
 
-The deadlock needs a particular interleaving, which the test builds with a third
-connection holding the lowest row: the heartbeat queues for it first, then the
-completion, given its claims in the opposite order, starts. When the third lets go, the
-heartbeat gets the row and goes on to the next; had the completion locked that next one
-before queueing (the unsorted order), each would wait for the other.
+The completions lock rows in one order (id order). The heartbeat waits for no row: one
+another transaction holds is skipped (and kept as held), so a third connection holding
+the lowest row stalls neither the heartbeat nor the worker's other leases, and the
+completion, queued behind that row, goes on when it is let go.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _waiting_on_a_lock(db: sa.Engine, pid: int) -> Callable[[], bool]:
     return check
 
 
-def test_a_heartbeat_and_a_completion_of_the_same_jobs_do_not_deadlock(
+def test_a_heartbeat_skips_a_held_row_and_a_completion_waits_for_it(
     db: sa.Engine, jobs: Jobs, Session: Any
 ) -> None:
     @jobs.task
@@ -63,14 +62,13 @@ def test_a_heartbeat_and_a_completion_of_the_same_jobs_do_not_deadlock(
     with db.begin() as conn:
         conn.execute(
             sa.update(t).values(
-                status="running", attempts=1, locked_until=sa.func.now() + timedelta(hours=1)
+                status="running", attempts=1, locked_until=sa.func.now() + timedelta(seconds=5)
             )
         )
     ids = sorted(r.id for r in rows(db))
     claims = [Claim(i, 1) for i in ids]
     q = jobs.queries
     errors: list[BaseException] = []
-    beat_rows: list[Any] = []
 
     def in_thread(target: Callable[[], None]) -> threading.Thread:
         def run() -> None:
@@ -84,10 +82,7 @@ def test_a_heartbeat_and_a_completion_of_the_same_jobs_do_not_deadlock(
         return thread
 
     with db.connect() as holder, db.connect() as beating, db.connect() as completing:
-        pids = [
-            c.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
-            for c in (beating, completing)
-        ]
+        pid = completing.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
         for c in (beating, completing):
             # The plan a big table gets: a nested loop over the batch, one index lookup
             # per id, locking rows in the batch's order (six rows alone would be scanned,
@@ -98,22 +93,26 @@ def test_a_heartbeat_and_a_completion_of_the_same_jobs_do_not_deadlock(
         holder.begin()
         holder.execute(sa.select(t.c.id).where(t.c.id == ids[0]).with_for_update())
 
-        def beat() -> None:
-            with beating.begin():
-                params = heartbeat_params(claims, timedelta(seconds=30))
-                beat_rows.extend(beating.execute(q.heartbeat, dict(params)).all())
+        # Not waiting for the held row: all six still held, five renewed.
+        with beating.begin():
+            params = heartbeat_params(claims, timedelta(hours=1))
+            beat_rows = beating.execute(q.heartbeat, dict(params)).all()
+        assert sorted(r.id for r in beat_rows) == ids
+        renewed = {r.id for r in rows(db) if r.locked_until > sa_now(db) + timedelta(minutes=30)}
+        assert renewed == set(ids[1:])
 
         def complete() -> None:
             with completing.begin():
                 completing.execute(q.complete, dict(batch_params(reversed(claims))))
 
-        first = in_thread(beat)
-        wait_for(_waiting_on_a_lock(db, pids[0]))
-        second = in_thread(complete)
-        wait_for(_waiting_on_a_lock(db, pids[1]))
+        waiting = in_thread(complete)
+        wait_for(_waiting_on_a_lock(db, pid))
         holder.rollback()
-        first.join(10)
-        second.join(10)
+        waiting.join(10)
     assert not errors, errors
-    assert len(beat_rows) == len(ids)  # the heartbeat went first, the completion after
     assert rows(db) == []
+
+
+def sa_now(db: sa.Engine) -> Any:
+    with db.connect() as conn:
+        return conn.execute(sa.select(sa.func.now())).scalar_one()

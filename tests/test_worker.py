@@ -389,6 +389,52 @@ def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
     assert count(db) == 0
 
 
+def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any, caplog: Any
+) -> None:
+    """Another transaction holds one running job's row locked for several leases (a
+    worker paused in its rescue pass, an operator's open transaction): the heartbeat
+    renews the worker's other leases meanwhile, and keeps the held job as its own. (It
+    waited for the row, so every other lease lapsed, and a rescue ran those jobs again
+    beside themselves.)"""
+    runs: list[tuple[int, int]] = []
+    release = threading.Event()
+
+    @jobs.task(queue="q")
+    def long(i: int) -> None:
+        runs.append((i, current_job().attempts))
+        release.wait(20)
+
+    with Session.begin() as session:
+        held, other = (session.enqueue(long, i) for i in range(2))
+        session.flush()
+        held_id, other_id = held.id, other.id
+    worker = make_worker(jobs, db, queues=["q"], lease=0.6, listen=False, concurrency=2)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    t = app.Job.__table__
+    lease_of = sa.select(t.c.locked_until > sa.func.clock_timestamp()).where(t.c.id == other_id)
+    try:
+        wait_for(lambda: len(runs) == 2, timeout=10)
+        with db.connect() as holder:
+            holder.execute(sa.select(t.c.id).where(t.c.id == held_id).with_for_update())
+            deadline = time.monotonic() + 2.0  # over three leases
+            while time.monotonic() < deadline:
+                with db.connect() as conn:
+                    assert conn.execute(lease_of).scalar() is True
+                time.sleep(0.05)
+            holder.rollback()
+        # Renewed again once it is free.
+        wait_for(lambda: count(db, status="running") == 2, timeout=5)
+        assert "lease lost" not in caplog.text
+    finally:
+        release.set()
+        worker.stop()
+        thread.join(10)
+    assert sorted(runs) == [(0, 1), (1, 1)]
+    assert count(db) == 0
+
+
 @pytest.mark.parametrize("driver", ["threads", "asyncio"])
 def test_stop_hands_back_claimed_jobs_that_never_started(
     Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, driver: str
