@@ -535,6 +535,45 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
             os.kill(pid, 0)
 
 
+def test_children_of_a_killed_supervisor_stop_by_themselves(db: sa.Engine) -> None:
+    """A supervisor killed outright (``kill -9``, the OOM killer) passes no signal on: its
+    children see their parent gone and stop as on SIGTERM, handing their jobs back,
+    instead of claiming jobs unsupervised for ever beside the next supervisor."""
+    with JobSession(db) as session:
+        session.enqueue_many(app.slow_record, [{"seconds": 30.0}, {"seconds": 30.0}])
+        session.commit()
+    argv = ["--queues", "records", "--concurrency", "1", "--processes", "2"]
+    proc = subprocess.Popen(
+        command("worker", JOBS, *argv, "--grace-period", "1"),
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    with reaped(proc):
+        children = wait_for(
+            lambda: {r.pid for r in rows(db, app.Run)} if count(db, app.Run) == 2 else None,
+            timeout=30,
+        )
+        proc.kill()
+        proc.communicate(timeout=30)
+
+        def gone() -> bool:
+            for pid in children:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                return False
+            return True
+
+        wait_for(gone, timeout=20)
+    assert count(db, status="running") == 0
+    assert count(db, status="ready") == 2  # handed back, for the next supervisor
+
+
 def test_a_heroku_style_url_works(db: sa.Engine, database_url: str) -> None:
     heroku = sa.make_url(database_url).set(drivername="postgres")
     url = heroku.render_as_string(hide_password=False)

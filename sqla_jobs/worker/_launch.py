@@ -35,7 +35,7 @@ from ..health import Schema, serve_health
 from ..sharding import ShardedWorker
 from ._driver import pool_options
 from ._signals import EarlyStop
-from .supervisor import supervise
+from .supervisor import supervise, watch_supervisor
 from .threaded import Worker
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class LaunchPlan:
                 grace_period=self.settings.grace_period,
                 child_args=self._own_argv,
             )
-        with self._early.installed():
+        with self._early.installed(), watch_supervisor():
             self._run_here(schema_drift)
         return 0
 

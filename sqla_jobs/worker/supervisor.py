@@ -7,25 +7,39 @@ the signal on and waits for all of them to stop gracefully.
 
 Children are fresh interpreters started with ``subprocess``, not forks: a fork would copy
 the parent's threads, connection pool and locks in whatever state they were in.
+
+A child watches its supervisor (:func:`watch_supervisor`): a supervisor killed without a
+chance to pass a signal on (``kill -9``, the OOM killer, a unit stopped with
+``KillMode=process``) would otherwise leave its children claiming jobs unsupervised, for
+ever, and a restarted supervisor would run beside them (old code beside new after a
+deploy). A child whose supervisor is gone stops as if sent SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
-__all__ = ["supervise"]
+__all__ = ["SUPERVISOR_ENV", "supervise", "watch_supervisor"]
 
 log = logging.getLogger("sqla_jobs.supervisor")
 
 #: A child that dies sooner than this after starting counts as crashing: restarts back off.
 _HEALTHY_AFTER = 5.0
+
+#: The environment variable that gives a child its supervisor's process id.
+SUPERVISOR_ENV = "SQLA_JOBS_SUPERVISOR_PID"
+
+#: How often a child looks for its supervisor.
+_WATCH_EVERY = 0.5
 
 
 def supervise(
@@ -37,15 +51,17 @@ def supervise(
 ) -> int:
     """Run ``processes`` copies of ``python -m sqla_jobs.cli <child_argv>`` until signalled.
 
-    Returns 0 after a graceful stop. A child that exits while the supervisor is running is
-    restarted (with a growing delay if it keeps dying at once, so a broken deploy does not
-    spin). Children get ``grace_period`` seconds plus a margin after the stop signal, then
-    are killed. ``child_args(i)`` adds arguments of child ``i`` (0 to ``processes - 1``, the
-    same for its restarts): its own metrics and health ports.
+    Returns 0 after a graceful stop, 1 if a child had to be killed. A child that exits
+    while the supervisor is running is restarted (with a growing delay if it keeps dying
+    at once, so a broken deploy does not spin). Children get ``grace_period`` seconds plus
+    a margin after the stop signal, then are killed. ``child_args(i)`` adds arguments of
+    child ``i`` (0 to ``processes - 1``, the same for its restarts): its own metrics and
+    health ports.
     """
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     command = [sys.executable, "-m", "sqla_jobs.cli", *child_argv]
+    env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -78,11 +94,12 @@ def supervise(
                     restart_at[i] = now + delay
                 if children[i] is None and now >= restart_at[i]:
                     own = list(child_args(i)) if child_args is not None else []
-                    children[i] = subprocess.Popen([*command, *own])
+                    children[i] = subprocess.Popen([*command, *own], env=env)
                     started[i] = now
                     log.info("supervisor: started worker process %d", children[i].pid)  # type: ignore[union-attr]
             stopping.wait(0.1)
     finally:
+        killed = 0
         live = [c for c in children if c is not None and c.poll() is None]
         for child in live:
             child.send_signal(signal.SIGTERM)
@@ -94,7 +111,47 @@ def supervise(
                 log.error("supervisor: worker process %d did not stop; killing it", child.pid)
                 child.kill()
                 child.wait()
+                killed += 1
         for sig, old in previous.items():
             signal.signal(sig, old)
+    if killed:
+        log.error("supervisor: %d worker process(es) had to be killed", killed)
+        return 1
     log.info("supervisor: all worker processes stopped")
     return 0
+
+
+@contextlib.contextmanager
+def watch_supervisor() -> Iterator[None]:
+    """In a child of :func:`supervise`, while the block runs: stop this process gracefully
+    (SIGTERM to itself, which the worker's own handlers take) once its supervisor is
+    gone, seen as a parent process id that changed. Outside a supervisor, nothing.
+
+    Polled (every half second) rather than asked of the kernel (Linux's parent-death
+    signal follows the thread that started the child, not the process, and exists
+    nowhere else). The variable is taken out of the environment, so that a process this
+    one starts does not watch a supervisor that is not its parent."""
+    given = os.environ.pop(SUPERVISOR_ENV, None)
+    if not given:
+        yield
+        return
+    supervisor = int(given)
+    done = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == supervisor:
+            if done.wait(_WATCH_EVERY):
+                return
+        log.warning(
+            "worker process %d: its supervisor (process %d) is gone: stopping",
+            os.getpid(),
+            supervisor,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="sqla-jobs-supervisor-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
