@@ -38,9 +38,20 @@ def format_error(exc: BaseException) -> str:
 
 
 def cap_error(text: str) -> str:
-    """``text`` as kept in ``last_error``: at most 64 KiB, the cut said."""
+    """``text`` as kept in ``last_error``: at most 64 KiB, the cut said, and storable.
+
+    An exception's message is whatever the handler put in it, and two things Python
+    strings hold PostgreSQL's text cannot: NUL (refused by the server) and a lone
+    surrogate (refused by the driver's encoder). Either failed the completer's write of
+    the whole batch, for as long as the worker ran, or stopped the worker (and the next
+    one to run the job again). Both are written as their escapes (``\\x00``,
+    ``\\ud800``)."""
     if len(text) > _MAX_ERROR_CHARS:
         text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
 
 

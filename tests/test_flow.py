@@ -725,9 +725,9 @@ def test_a_batch_mixing_plain_flow_and_new_parents_is_written_whole(
         Outcome(OutcomeKind.SUCCEEDED, lost),
     ]
     with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        assert write_outcomes(conn, jobs.queries, batch) == {"own": [3, 0, 0]}
+        assert write_outcomes(conn, jobs.queries, batch).tally == {"own": [3, 0, 0]}
         # Written again (the completer's retry after an error): nothing more happens.
-        assert write_outcomes(conn, jobs.queries, batch) == {}
+        assert write_outcomes(conn, jobs.queries, batch).tally == {}
     state = {r.id: (r.status, r.result) for r in rows(db)}
     assert a.id not in state  # deleted, as ever
     assert state[b.id] == ("done", None)  # a parent: done until retention

@@ -20,6 +20,7 @@ __all__ = [
     "POOLING_ADVICE",
     "is_database_error",
     "lost_prepared_statement",
+    "refused_row",
     "retry_pause",
 ]
 
@@ -33,6 +34,24 @@ def is_database_error(exc: BaseException) -> bool:
     ``DBAPIError``), and psycopg's own errors from the LISTEN connection, which is used
     without SQLAlchemy."""
     return isinstance(exc, (sa.exc.SQLAlchemyError, psycopg.Error))
+
+
+#: SQLSTATE classes of errors that come from what a row holds, and repeat as long as it is
+#: written: data exceptions (22: NUL in text, a value out of range), integrity
+#: constraints (23) and what a trigger of the application's raises (P0).
+_REFUSED_CLASSES = ("22", "23", "P0")
+
+
+def refused_row(exc: BaseException) -> bool:
+    """The database (or the driver's encoder) refused what a statement's rows hold: the
+    same write fails again however long it is retried, unlike the outage
+    :func:`retry_pause` waits out. The completer writes such a batch apart, to find the
+    row (see ``Completer.write_apart``)."""
+    if isinstance(exc, UnicodeError):
+        return True
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+    state = getattr(orig, "sqlstate", None)
+    return isinstance(state, str) and state[:2] in _REFUSED_CLASSES
 
 
 def lost_prepared_statement(exc: BaseException) -> bool:

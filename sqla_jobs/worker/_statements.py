@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -312,10 +312,12 @@ def _claim_limited_stepwise(
     return result
 
 
-def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> Tally:
+def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcome]) -> Written:
     """Record a batch of outcomes: one statement for all successes, one per failure.
     Returns how many succeeded, failed and died per queue, as the database confirmed
-    (a claim the guard no longer matches is not counted).
+    (a claim the guard no longer matches is not counted), and what failed after the
+    plain statements committed (:attr:`Written.rest_error`: those are counted, and match
+    nothing when the batch is written again).
 
     Jobs that use no workflow are written in autocommit, each statement atomic by itself;
     if a later one fails, the completer writes the whole batch again, and the guard makes
@@ -339,13 +341,14 @@ class Written:
     """What :func:`write_and_claim` did: the outcomes written (as :func:`write_outcomes`
     counts them), and the claim that rode with them, or why it could not."""
 
-    tally: Tally
+    tally: Tally = field(default_factory=dict)
     claim: LimitedClaim | None = None
     #: The claim's database error: the outcomes were written all the same.
     claim_error: sa.exc.DBAPIError | None = None
-    #: What failed after the claim committed, writing the rest of the batch (its flow
-    #: jobs, the children of its dead ones): the claim's jobs are to run, and the batch is
-    #: to be written again (its guards make the written part match nothing).
+    #: What failed after the plain statements (and the claim) committed, writing the rest
+    #: of the batch (its flow jobs, the children of its dead ones): what committed is in
+    #: :attr:`tally`, the claim's jobs are to run, and the batch is to be written again
+    #: (its guards make the written part match nothing).
     rest_error: Exception | None = None
 
 
@@ -375,7 +378,7 @@ def write_and_claim(
     the batch is written and then claimed, one statement at a time."""
     batch = list(batch)
     if limited is None:
-        return Written(write_outcomes(conn, queries, batch))
+        return write_outcomes(conn, queries, batch)
     statement = limited_statement(queries, limited)
     if pipeline_allowed(conn):
         plain, flow = _outcome_statements(queries, batch)
@@ -387,19 +390,19 @@ def write_and_claim(
         except sa.exc.DBAPIError as exc:
             if exc.connection_invalidated:
                 raise  # nothing was written; the completer writes the batch again
-            return Written(write_outcomes(conn, queries, batch), claim_error=exc)
+            alone = write_outcomes(conn, queries, batch)
+            return Written(alone.tally, claim_error=exc, rest_error=alone.rest_error)
+        # The claim has committed: its jobs are this worker's, whatever follows.
         claim = _limited_found(found, names)
-        try:
-            tally = _written(conn, queries, batch, plain, [r for r, _ in results], flow)
-        except Exception as exc:
-            # The claim has committed: its jobs are this worker's, whatever follows.
-            return Written({}, claim, rest_error=exc)
-        return Written(tally, claim)
-    tally = write_outcomes(conn, queries, batch)
+        rest = _written(conn, queries, batch, plain, [r for r, _ in results], flow)
+        return Written(rest.tally, claim, rest_error=rest.rest_error)
+    written = write_outcomes(conn, queries, batch)
+    if written.rest_error is not None:
+        return written
     try:
-        return Written(tally, claim_limited(conn, queries, limited))
+        return Written(written.tally, claim_limited(conn, queries, limited))
     except sa.exc.DBAPIError as exc:
-        return Written(tally, claim_error=exc)
+        return Written(written.tally, claim_error=exc)
 
 
 def _outcome_statements(
@@ -428,10 +431,11 @@ def _written(
     plain: Sequence[tuple[sa.Executable, dict[str, Any]]],
     results: Sequence[Sequence[Any]],
     flow: list[tuple[sa.Executable, dict[str, Any]]],
-) -> Tally:
+) -> Written:
     """Count the plain statements' ``results``, then write what follows from them: the
     children of plain jobs that died, and the flow jobs (with the plain successes left
-    running, parents now) in one transaction."""
+    running, parents now) in one transaction. What fails there is handed back with the
+    count of what committed (:attr:`Written.rest_error`)."""
     queue_of = {o.job.id: o.job.queue for o in batch}
     tally: Tally = {}
     succeeded: list[int] = []
@@ -443,33 +447,52 @@ def _written(
                 # Left running: a parent now (or a lost claim, which matches nothing again).
                 flow = _complete_with_flow(queries, flow, params, done)
         _count(rows, statement, queries, queue_of, tally, succeeded, ended)
+    try:
+        _write_rest(conn, queries, queue_of, tally, ended, flow)
+    except Exception as exc:
+        return Written(tally, rest_error=exc)
+    return Written(tally)
+
+
+def _write_rest(
+    conn: sa.Connection,
+    queries: Queries,
+    queue_of: dict[int, str],
+    tally: Tally,
+    ended: list[int],
+    flow: list[tuple[sa.Executable, dict[str, Any]]],
+) -> None:
+    """The children of the plain jobs that died, then the flow jobs, counted in
+    ``tally`` once their transaction commits."""
     if ended:
         # A plain job that died with a child enqueued while it ran: that child is cancelled
         # (or released) in a statement of its own. A crash before it leaves the parent dead
         # with {"sqla_jobs.children": true}, which the retention pass settles.
         settle_children(conn, queries, [], ended)
-    if flow:
-        succeeded, ended = [], []
-        # READ COMMITTED whatever the server's default: the release reads what sibling
-        # parents committed while it waited for their children (see settle_children).
-        conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
-        try:
-            for statement, params in flow:
-                _count(
-                    conn.execute(statement, params).all(),
-                    statement,
-                    queries,
-                    queue_of,
-                    tally,
-                    succeeded,
-                    ended,
-                )
-            settle_children(conn, queries, succeeded, ended)
-        except BaseException:
+    if not flow:
+        return
+    counted: Tally = {}
+    succeeded: list[int] = []
+    ended = []
+    # READ COMMITTED whatever the server's default: the release reads what sibling
+    # parents committed while it waited for their children (see settle_children).
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+    try:
+        for statement, params in flow:
+            rows = conn.execute(statement, params).all()
+            _count(rows, statement, queries, queue_of, counted, succeeded, ended)
+        settle_children(conn, queries, succeeded, ended)
+    except BaseException:
+        # On a connection the server ended, the ROLLBACK fails too: the error to raise
+        # is the first one.
+        with contextlib.suppress(Exception):
             conn.exec_driver_sql("ROLLBACK")
-            raise
-        conn.exec_driver_sql("COMMIT")
-    return tally
+        raise
+    conn.exec_driver_sql("COMMIT")
+    for queue, counts in counted.items():
+        mine = tally.setdefault(queue, [0, 0, 0])
+        for i, n in enumerate(counts):
+            mine[i] += n
 
 
 def _complete_with_flow(

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import describe
 from .. import _statements as statements
-from .._outage import is_database_error, retry_pause
+from .._outage import is_database_error, refused_row, retry_pause
 from .._steps import END, Conn, Duty, Io, Pause, Step, Steps, TakeOutcomes
+from ..job import job_log
 
 if TYPE_CHECKING:
     from .._core import WorkerCore
@@ -133,9 +134,10 @@ class Completer(Duty):
                 )
                 if ride is not None and written.claim is not None:
                     yield from fetcher.rode(*ride, written.claim, began)
+                # What committed is counted now: written again, it matches nothing.
+                core.presence.count(written.tally)
                 if written.rest_error is not None:
                     raise written.rest_error
-                core.presence.count(written.tally)
                 if written.claim_error is not None:
                     core.db_warning(
                         written.claim_error,
@@ -148,6 +150,9 @@ class Completer(Duty):
                 fetcher.freed(batch, ride[0] if written.claim is not None and ride else None)
                 break
             except Exception as exc:
+                if refused_row(exc):
+                    yield from self.write_apart(batch, exc)
+                    return
                 if not is_database_error(exc):
                     raise
                 failures += 1
@@ -172,3 +177,21 @@ class Completer(Duty):
                 )
                 yield Pause(pause, stoppable=False)
         core.maintenance.note_due(batch)
+
+    def write_apart(self, batch: list[Outcome], exc: Exception) -> Steps:
+        """Write a batch the database refused for what a row of it holds (an application's
+        trigger raising, a constraint), in halves, until the row is alone: its outcome is
+        left unwritten, its job to run again once its lease passes (the lease of a finished
+        run is not renewed), and the rest of the batch is written. Retried whole, the one
+        row held up every outcome of the worker for as long as it ran."""
+        if len(batch) == 1:
+            job_log(
+                logging.ERROR,
+                batch[0].job,
+                "its outcome could not be written (%s); it will run again once its lease passes",
+                describe(exc),
+            )
+            return
+        half = len(batch) // 2
+        yield from self.write(batch[:half])
+        yield from self.write(batch[half:])
