@@ -310,6 +310,13 @@ def claim_params(queue: str, limit: int, lease: timedelta, worker: str) -> Claim
 # generic plan for the rest of the transaction (``set_config(..., true)``, as SET LOCAL),
 # one statement for two, and makes sure the transaction is READ COMMITTED
 # (``READ_COMMITTED``), which the worker may have only assumed.
+#
+# The worker's form also bounds its wait for the lock (and for the rows the claim writes
+# after it) by CLAIM_LOCK_TIMEOUT: the lock is held for a claim's few milliseconds by other
+# workers, but for as long as it likes by an application's ``session.claim`` in an open
+# transaction (a paused process, a slow request), and the fetch loop, which claims every
+# queue in turn on one connection, stopped claiming any of them while it waited. Past the
+# timeout the queue is left for a poll interval (``LimitedClaim.busy``).
 def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
     lock = sa.func.pg_advisory_xact_lock(
         sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),
@@ -317,7 +324,20 @@ def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
     )
     if not generic_plan:
         return sa.select(lock)
-    return sa.select(READ_COMMITTED, GENERIC_PLAN, lock)
+    # The select list is evaluated in order: the timeout is set before the lock is asked.
+    return sa.select(READ_COMMITTED, GENERIC_PLAN, CLAIM_LOCK_WAIT, lock)
+
+
+#: How long the worker's limited claim waits for its queue's lock (see ``_limit_lock``).
+CLAIM_LOCK_TIMEOUT = "100ms"
+
+#: ``SET LOCAL lock_timeout`` as an expression (see ``GENERIC_PLAN``).
+CLAIM_LOCK_WAIT = sa.func.set_config(
+    sa.literal_column("'lock_timeout'"), sa.literal_column(f"'{CLAIM_LOCK_TIMEOUT}'"), sa.true()
+)
+
+#: The SQLSTATE of a lock not granted within ``lock_timeout``.
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 #: ``SET LOCAL plan_cache_mode = force_generic_plan`` as an expression, which a SELECT can

@@ -115,24 +115,45 @@ def test_a_batch_of_failures_and_successes_frees_what_it_ends(
 def test_a_claim_that_fails_leaves_the_batch_written(
     db: sa.Engine, conn: sa.Connection, way: list[str]
 ) -> None:
-    """The claim waits for the queue's lock past the connection's ``lock_timeout``: the
-    outcomes are written all the same (the pipeline's transaction rolled back, the batch
-    then written alone), the claim's error is handed back, nothing more is claimed, and
-    the connection is idle for the next write."""
+    """The claim fails (here: the statement it is sent with is cancelled by a
+    ``statement_timeout`` while it waits for the queue's lock): the outcomes are written
+    all the same (the pipeline's transaction rolled back, the batch then written alone),
+    the claim's error is handed back, nothing more is claimed, and the connection is idle
+    for the next write."""
     claimed = _running(db, conn, 5)
-    conn.exec_driver_sql("SET lock_timeout = '100ms'")
+    conn.exec_driver_sql("SET statement_timeout = '50ms'")
     with db.connect() as holder:
         holder.begin()
         holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
         batch = [Outcome(OutcomeKind.SUCCEEDED, claimed[0])]
         written = worker_db.write_and_claim(conn, jobs.queries, batch, _params())
         holder.rollback()
+    conn.exec_driver_sql("SET statement_timeout = 0")
     assert written.claim is None and written.tally == {"limited": [1, 0, 0]}
     assert isinstance(written.claim_error, sa.exc.OperationalError)
-    assert "lock timeout" in str(written.claim_error)
+    assert "statement timeout" in str(written.claim_error)
     assert _statuses(db).get("running") == 2 and _statuses(db).get("ready") == 2
     driver: Any = conn.connection.driver_connection
     assert driver.info.transaction_status == TransactionStatus.IDLE and not conn.invalidated
+
+
+def test_a_claim_whose_queue_is_locked_elsewhere_finds_it_busy(
+    db: sa.Engine, conn: sa.Connection, way: list[str]
+) -> None:
+    """The queue's lock is held by another transaction (an application's open
+    ``session.claim``) past the claim's own ``lock_timeout``: the outcomes are written,
+    nothing is claimed, and the queue is reported busy (left for a poll interval), not as
+    an error."""
+    claimed = _running(db, conn, 5)
+    with db.connect() as holder:
+        holder.begin()
+        holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+        batch = [Outcome(OutcomeKind.SUCCEEDED, claimed[0])]
+        written = worker_db.write_and_claim(conn, jobs.queries, batch, _params())
+        holder.rollback()
+    assert written.tally == {"limited": [1, 0, 0]} and written.claim_error is None
+    assert written.claim is not None and written.claim.busy and written.claim.rows == []
+    assert _statuses(db).get("running") == 2
 
 
 def test_without_a_claim_it_is_the_plain_write(db: sa.Engine, conn: sa.Connection) -> None:

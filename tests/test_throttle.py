@@ -383,6 +383,37 @@ def test_an_unlimited_queue_keeps_the_plain_claim(db: sa.Engine, make_worker: An
     assert {q for s, q in claims if s == limited} == {"limited"}
 
 
+def test_a_limited_queue_locked_by_an_open_session_claim_holds_up_no_other_queue(
+    db: sa.Engine, make_worker: Any
+) -> None:
+    """An application's ``session.claim`` on a limited queue, left in an open transaction
+    (a paused process, a slow request), holds that queue's lock. The worker's claim of it
+    waits for the lock a moment only: its other queues' jobs run meanwhile, and its stop
+    is not held up. (It waited for as long as the transaction stayed open: the fetch loop,
+    which claims every queue in turn, claimed nothing, and the stop waited too.)"""
+    with db.begin() as conn:
+        app.limited_jobs.enqueue(conn, app.limited_work, seconds=0)
+        for _ in range(5):
+            app.limited_jobs.enqueue(conn, app.unlimited_work)
+    worker = make_worker(
+        app.limited_jobs, db, queues=["limited", "unlimited"], poll_interval=0.2, listen=False
+    )
+    with JobSession(db, jobs=app.limited_jobs) as holder:
+        assert len(holder.claim("limited")) == 1  # its transaction stays open, the lock too
+        thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+        thread.start()
+        try:
+            wait_for(lambda: count(db, queue="unlimited") == 0, timeout=15)
+        finally:
+            began = time.monotonic()
+            worker.stop()
+            thread.join(15)
+        assert not thread.is_alive()
+        assert time.monotonic() - began < 5
+        holder.rollback()
+    assert [(r.queue, r.status) for r in rows(db)] == [("limited", "ready")]
+
+
 def test_limits_are_listed(db: sa.Engine) -> None:
     from sqla_jobs import admin
 

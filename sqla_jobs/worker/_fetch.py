@@ -352,7 +352,11 @@ class Fetcher(Duty):
         with core._lock:
             self.rate_held.discard(queue)
             self.time_held.discard(queue)
-            if len(found.rows) < params["limit"] and found.held:
+            if found.busy:
+                # Its lock was another transaction's for longer than a claim takes (an
+                # application's session.claim left open): the other queues go on.
+                self.held[queue] = time.monotonic() + core.settings.poll_interval
+            elif len(found.rows) < params["limit"] and found.held:
                 if found.rate_free_in is not None or found.key_free_in is not None:
                     self.time_held.add(queue)
                 wait = LIMIT_RECHECK

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from .. import periodic
 from .._direct import Rows, autocommit, compiled, execute, pipeline_allowed, run_pipeline
 from .._queries import (
+    LOCK_NOT_AVAILABLE,
     NOT_READ_COMMITTED,
     ClaimParams,
     FairClaimParams,
@@ -158,6 +159,9 @@ class LimitedClaim:
     #: A queue in key order: where the claim's walk over the keys stopped (the next
     #: claim's ``after_key``), or None.
     last_key: str | None = None
+    #: Its lock (or a row the claim writes) was held by another transaction past
+    #: ``CLAIM_LOCK_TIMEOUT``: nothing was claimed, the queue is to be tried again later.
+    busy: bool = False
 
 
 def claim_limited(
@@ -176,10 +180,16 @@ def claim_limited(
     listening for the statements), BEGIN, the lock with the plan mode, the claim and
     COMMIT, one round trip each, through SQLAlchemy."""
     statement = limited_statement(queries, params)
-    if pipeline_allowed(conn):
-        [(result, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=True)
-        return _limited_found(result, names)
-    stepwise = _claim_limited_stepwise(conn, queries, statement, params)
+    try:
+        if pipeline_allowed(conn):
+            [(result, names)] = _claim_in_pipeline(conn, queries, statement, params, locked=True)
+            return _limited_found(result, names)
+        stepwise = _claim_limited_stepwise(conn, queries, statement, params)
+    except sa.exc.DBAPIError as exc:
+        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+            raise
+        # Rolled back, the connection idle: the queue's lock is another transaction's.
+        return LimitedClaim([], held=True, rate_free_in=None, busy=True)
     return _limited_found(stepwise, list(stepwise[0]._fields) if stepwise else [])
 
 
@@ -391,6 +401,9 @@ def write_and_claim(
             if exc.connection_invalidated:
                 raise  # nothing was written; the completer writes the batch again
             alone = write_outcomes(conn, queries, batch)
+            if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+                busy = LimitedClaim([], held=True, rate_free_in=None, busy=True)
+                return Written(alone.tally, busy, rest_error=alone.rest_error)
             return Written(alone.tally, claim_error=exc, rest_error=alone.rest_error)
         # The claim has committed: its jobs are this worker's, whatever follows.
         claim = _limited_found(found, names)
