@@ -338,6 +338,7 @@ class _Gauges(Collector):
             at = [*const] if name is None else [*const, name]
             try:
                 with engine.connect() as conn:
+                    conn.execute(_BOUNDED)
                     rows = conn.execute(metrics.jobs.queries.ready_depth).all()
             except sa.exc.SQLAlchemyError as exc:
                 # A scrape must not fail because the database does: say so, in one line.
@@ -363,9 +364,24 @@ class _Gauges(Collector):
         yield busy
 
 
+#: How long a scrape waits for a lock on the jobs table, and for its statement: below
+#: Prometheus' default scrape timeout (10 s). Unbounded, a migration's lock held every
+#: scrape (and a pooled connection, and a thread of the exporter, or of the application
+#: serving /metrics) for as long as it lasted, and the scrape failed on Prometheus' side,
+#: every series of the process with it, rather than as ``queue_stats_up 0``. Local to the
+#: scrape's transaction, so nothing stays on a pooled connection of the application's.
+_BOUNDED = sa.select(
+    sa.func.set_config("lock_timeout", "2s", True),
+    sa.func.set_config("statement_timeout", "5s", True),
+)
+
+
 def _engine(engine: sa.Engine | str | sa.URL | None) -> sa.Engine | None:
     if engine is None or isinstance(engine, sa.Engine):
         return engine
     url = sa.make_url(engine)
-    # An asyncio URL names psycopg's async driver; scrapes run in a plain thread.
-    return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=1, max_overflow=1)
+    # An asyncio URL names psycopg's async driver; scrapes run in a plain thread. A scrape
+    # that finds both connections in use (scrapes held up by the database) waits 5 s.
+    return create_engine(
+        url.set(drivername="postgresql+psycopg"), pool_size=1, max_overflow=1, pool_timeout=5
+    )

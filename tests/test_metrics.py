@@ -184,6 +184,29 @@ def test_a_database_that_fails_at_scrape_time_does_not_fail_the_scrape(
     metrics.close()
 
 
+def test_a_scrape_is_bounded_while_a_migration_holds_the_jobs_table(
+    jobs: Jobs, db: sa.Engine, registry: CollectorRegistry, caplog: Any
+) -> None:
+    """A lock held on the jobs table (a migration's ALTER TABLE) makes a scrape say
+    ``queue_stats_up 0`` within Prometheus' scrape timeout; unbounded, it waited for as
+    long as the lock was held, and the scrape failed on Prometheus' side instead."""
+    metrics = JobMetrics(jobs, registry=registry, engine=db)
+    with db.connect() as migration:
+        migration.begin()
+        migration.execute(sa.text(f'LOCK TABLE "{app.SCHEMA}".jobs IN ACCESS EXCLUSIVE MODE'))
+        done: list[Any] = []
+        thread = threading.Thread(target=lambda: done.append(scrape(registry)), daemon=True)
+        thread.start()
+        thread.join(9)
+        migration.rollback()
+    thread.join(10)
+    assert done, "the scrape waited for the migration"
+    assert value(done[0], "sqla_jobs_queue_stats_up") == 0
+    assert "lock timeout" in caplog.text
+    assert value(scrape(registry), "sqla_jobs_queue_stats_up") == 1  # and after it
+    metrics.close()
+
+
 def test_constant_labels_and_the_queue_gauges_of_several_shards(
     db: sa.Engine, jobs: Jobs, registry: CollectorRegistry
 ) -> None:
