@@ -59,6 +59,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from .errors import missing_extra
+from .worker.job import current_job
 
 try:
     from flask import Flask, current_app, has_app_context
@@ -125,8 +126,20 @@ class FlaskJobs:
         return app.app_context()
 
     def _session(self, *, bind: Any) -> Session:
-        """``db.session()``: the session of the run's app context (``bind``, the worker's
-        engine, is not used: Flask-SQLAlchemy binds its sessions to its own engines)."""
+        """``db.session()``, the session of the run's app context, for a transactional run;
+        a new session of Flask-SQLAlchemy's for a durable run's step, which commits a
+        session of its own (the handler may have left ``db.session`` in a transaction,
+        reading through it, which a step's session must not be). ``bind``, the worker's
+        engine, is not used: Flask-SQLAlchemy binds its sessions to its own engines."""
         assert self.db is not None
-        session: Session = self.db.session()
+        scoped = self.db.session
+        try:
+            job = current_job()
+        except LookupError:
+            job = None
+        task = None if job is None else self.jobs.tasks.get(job.task)
+        if task is not None and task.durable:
+            own: Session = scoped.session_factory()
+            return own
+        session: Session = scoped()
         return session

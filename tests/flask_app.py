@@ -88,6 +88,22 @@ async def notify(order_id: int) -> None:
     db.session.commit()
 
 
+@jobs.task(queue="durable", durable=True)
+def relabel(order_id: int, steps: Any) -> None:
+    """A durable handler that reads through ``db.session`` first, as Flask code does, then
+    runs a step that writes in a session of its own."""
+    order = db.session.get(Order, order_id)
+    assert order is not None
+
+    def write(session: Session) -> None:
+        assert session is not db.session(), "a step's session is its own"
+        mine = session.get(Order, order_id)
+        assert mine is not None
+        mine.notified = "relabelled"
+
+    steps.run("relabel", write)
+
+
 def create_app(database_url: str | None = None) -> Flask:
     app = Flask(__name__)
     url = normalize_url(database_url or os.environ["DATABASE_URL"])

@@ -108,6 +108,26 @@ def test_writes_through_db_session_roll_back_with_a_failed_run(app: Any, databas
     ]
 
 
+def test_a_durable_steps_session_is_its_own_after_the_handler_used_db_session(
+    app: Any, database: str
+) -> None:
+    """A durable handler that read through ``db.session`` (leaving it in a transaction),
+    then runs a step that takes a session: the step gets a session of its own, as the
+    docs say. (It got ``db.session()``, already in a transaction, which the run refused:
+    every attempt failed and the job ended dead.)"""
+    order_id = app.test_client().post("/orders", json={"item": "label"}).json["id"]
+    with app.app_context():
+        db.session().enqueue(flask_app.relabel, order_id=order_id)
+        db.session.commit()
+    engine = create_engine(database)
+    try:
+        Worker(jobs, engine, queues=["durable"], listen=False).run_until_empty(timeout=30)
+    finally:
+        engine.dispose()
+    assert order_of(app, order_id)["notified"] == "relabelled"
+    assert ("tests.flask_app.relabel", "dead") not in left(app)
+
+
 def test_run_queued_jobs_in_an_app_context_shares_its_db_session(app: Any) -> None:
     order_id = app.test_client().post("/orders", json={"item": "book"}).json["id"]
     with app.app_context():
