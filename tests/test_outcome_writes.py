@@ -97,7 +97,7 @@ def test_a_row_the_database_refuses_is_left_to_its_lease_and_the_rest_is_written
                 assert started.acquire(timeout=10)
             go.set()
             # The five others are written (done, deleted); the refused one is left running,
-            # for its lease to pass (a finished run's lease is not renewed).
+            # for its lease to pass (the heartbeat renews it no more).
             wait_for(lambda: [(r.id, r.status) for r in rows(db)] == [(poison_id, "running")])
             wait_for(lambda: "its outcome could not be written" in caplog.text)
             assert "not this one" in caplog.text
@@ -158,3 +158,39 @@ def test_what_committed_before_a_batchs_flow_part_failed_is_counted(
     assert written.tally == {"q": [1, 0, 0]}
     assert "no results today" in str(written.rest_error)
     assert [(r.id, r.status) for r in rows(db)] == [(kept_id, "running")]
+
+
+def test_a_batch_holding_one_job_twice_is_written(Session: Any, db: sa.Engine, jobs: Jobs) -> None:
+    """An attempt whose outcome waited while its lease lapsed, and the next attempt of the
+    same job, in one batch: the current one is written, the stale one matches nothing.
+    (The completion's search for parents among the rows it left running found none and
+    failed on it, every time the batch was written.)"""
+    from sqla_jobs.worker.job import ClaimedJob
+
+    @jobs.task(queue="q")
+    def plain() -> None: ...
+
+    with Session.begin() as session:
+        session.enqueue(plain)
+    with Session(expire_on_commit=False) as session, session.begin():
+        [row] = session.claim("q")
+
+    def claimed(attempts: int) -> ClaimedJob:
+        return ClaimedJob(
+            id=row.id,
+            queue=row.queue,
+            task=row.task,
+            args=row.args,
+            attempts=attempts,
+            max_attempts=row.max_attempts,
+            priority=row.priority,
+            run_at=row.run_at,
+            created_at=row.created_at,
+        )
+
+    stale, current = claimed(row.attempts - 1), claimed(row.attempts)
+    batch = [Outcome(OutcomeKind.SUCCEEDED, stale), Outcome(OutcomeKind.SUCCEEDED, current)]
+    with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        written = write_outcomes(conn, jobs.queries, batch)
+    assert written.tally == {"q": [1, 0, 0]} and written.rest_error is None
+    assert rows(db) == []

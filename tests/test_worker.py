@@ -435,6 +435,51 @@ def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
     assert count(db) == 0
 
 
+def test_outcomes_held_up_by_a_locked_row_keep_their_leases(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """Two jobs end in one batch while another transaction holds one's row locked for
+    several leases: the completer waits for it, and the other job's lease is renewed
+    meanwhile, so it does not run again. (A finished run's lease was not renewed: the
+    other job was rescued and run again, five times in three seconds, while its outcome
+    waited; and the batch then holding the same job twice failed the completer.)"""
+    runs: list[tuple[int, int]] = []
+    go = threading.Event()
+
+    @jobs.task(queue="q")
+    def work(i: int) -> None:
+        runs.append((i, current_job().attempts))
+        go.wait(10)
+
+    with Session.begin() as session:
+        locked = session.enqueue(work, 0)
+        session.enqueue(work, 1)
+        session.flush()
+        locked_id = locked.id
+    worker = make_worker(
+        jobs, db, queues=["q"], lease=0.6, listen=False, concurrency=2, poll_interval=0.1
+    )
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    t = app.Job.__table__
+    try:
+        wait_for(lambda: len(runs) == 2, timeout=10)
+        with db.connect() as holder:
+            holder.execute(sa.select(t.c.id).where(t.c.id == locked_id).with_for_update())
+            go.set()
+            deadline = time.monotonic() + 2.0  # over three leases
+            while time.monotonic() < deadline:
+                assert len(runs) == 2, runs
+                time.sleep(0.05)
+            holder.rollback()
+        wait_for(lambda: count(db) == 0, timeout=10)
+    finally:
+        go.set()
+        worker.stop()
+        thread.join(10)
+    assert sorted(runs) == [(0, 1), (1, 1)]
+
+
 @pytest.mark.parametrize("driver", ["threads", "asyncio"])
 def test_stop_hands_back_claimed_jobs_that_never_started(
     Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, driver: str

@@ -151,6 +151,11 @@ class WorkerCore:
         self._running: dict[tuple[int, int], ClaimedJob] = {}
         self._free = settings.concurrency
         self._unwritten = 0
+        #: The claims whose outcome waits for the completer: the heartbeat renews their
+        #: leases too, so that a write held up (a row another transaction holds locked, a
+        #: database that refuses for a while) does not let them lapse, and the jobs run
+        #: again, over and over, while their outcomes wait.
+        self._pending: dict[tuple[int, int], ClaimedJob] = {}
         #: A heartbeat is wanted now (a cancellation was heard, or a claim waits for a
         #: beat to start): set by the listener and :meth:`start`, cleared by the heartbeat.
         self._poked = False
@@ -271,6 +276,8 @@ class WorkerCore:
             if not self._unwritten:
                 self._outcomes_since = time.monotonic()
             self._unwritten += len(failures)
+            for outcome in failures:
+                self._pending[outcome.job.key] = outcome.job
         for outcome in failures:
             job_log(logging.ERROR, outcome.job, "%s; it is dead", outcome.error, outcome="dead")
             self.fire_outcome(outcome, 0.0, ValueError(outcome.error))
@@ -304,6 +311,7 @@ class WorkerCore:
                 if not self._unwritten:
                     self._outcomes_since = time.monotonic()
                 self._unwritten += 1
+                self._pending[job.key] = job
         if record:
             assert outcome is not None
             self.driver.record(outcome)

@@ -530,6 +530,11 @@ def _complete_with_flow(
             rows += zip(*lists, strict=True)
         else:
             rest.append((s, p))
+    if not rows:
+        # Every id was completed: the batch held one job twice (an attempt whose lease
+        # lapsed while its outcome waited, and the next one), and the stale one, a lost
+        # claim, matches nothing wherever it goes.
+        return flow
     rows.sort(key=operator.itemgetter(0))
     ids, attempts, results, keeps = (list(column) for column in zip(*rows, strict=True))
     params = {"ids": ids, "attempt_list": attempts, "result_list": results, "keep_list": keeps}

@@ -30,7 +30,10 @@ def test_a_late_first_attempt_does_not_touch_the_retrys_claim() -> None:
     assert core.running == 1
     assert len(driver.recorded) == 1  # nothing more recorded for the first attempt
     seen, _ = run_steps(core.heartbeat.beat(), lambda step: {(7, 2)})
-    assert seen[0].args[1] == [retry]
+    # The first attempt's outcome (its timeout) waits for the completer: its lease is
+    # renewed too, guarded by its own attempt, which the retry's claim does not match.
+    assert seen[0].args[1] == [retry, first]
+    assert [(c.id, c.attempts) for c in seen[0].args[1]] == [(7, 2), (7, 1)]
 
 
 def test_timeouts_fire_failed_then_dead_not_cancelled() -> None:

@@ -62,6 +62,8 @@ class Completer(Duty):
         with core._lock:
             core._unwritten -= len(batch)
             core._outcomes_since = time.monotonic() if core._unwritten else None
+            for outcome in batch:  # written, or left to its lease (write_apart)
+                core._pending.pop(outcome.job.key, None)
         core.reached()
         core.driver.written()
         return True
@@ -181,8 +183,8 @@ class Completer(Duty):
     def write_apart(self, batch: list[Outcome], exc: Exception) -> Steps:
         """Write a batch the database refused for what a row of it holds (an application's
         trigger raising, a constraint), in halves, until the row is alone: its outcome is
-        left unwritten, its job to run again once its lease passes (the lease of a finished
-        run is not renewed), and the rest of the batch is written. Retried whole, the one
+        left unwritten, its job to run again once its lease passes (the heartbeat renews it
+        no more), and the rest of the batch is written. Retried whole, the one
         row held up every outcome of the worker for as long as it ran."""
         if len(batch) == 1:
             job_log(

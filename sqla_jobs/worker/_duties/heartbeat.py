@@ -77,11 +77,15 @@ class Heartbeat(Duty):
         self.last_beat = began = time.monotonic()
         with core._lock:
             running = [j for j in core._running.values() if not j.settled]
-        if not running:
+            # Finished, their outcomes not written yet: kept ours until they are.
+            pending = list(core._pending.values())
+        if not running and not pending:
             return
         notes = [j.unwritten_progress() for j in running]
+        claims = [*running, *pending]
+        every = [*notes, *(None for _ in pending)]
         try:
-            kept = yield Io(statements.beat, (core.queries, running, core.lease, notes), Conn.TX)
+            kept = yield Io(statements.beat, (core.queries, claims, core.lease, every), Conn.TX)
         except Exception as exc:
             self.last_beat = 0.0  # whatever failed, try again at the next tick
             if not is_database_error(exc):
@@ -153,6 +157,7 @@ class Heartbeat(Duty):
                 if not core._unwritten:
                     core._outcomes_since = now
                 core._unwritten += 1
+                core._pending[job.key] = job
         for job, task in overdue:
             job.cancel(f"timed out after {task.timeout}s")
             outcome = timed_out(task, job)
