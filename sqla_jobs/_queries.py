@@ -1602,14 +1602,21 @@ def _ready_depth(t: sa.Table) -> sa.Select[Any]:
 
 
 # Retention: delete a batch of finished rows older than :age, through <table>_finished.
-# Small batches keep each transaction (and its locks) short.
+# Small batches keep each transaction (and its locks) short. A dead or cancelled parent
+# whose children were not settled yet ({"sqla_jobs.children": true}: rescued dead by its
+# lease) is left for the pass that settles it (settle_unsettled, a batch at a time): once
+# deleted, its children would wait for it for ever.
 def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
     c = t.c
+    unsettled = c.meta.op("@>", return_type=sa.Boolean)(
+        sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+    )
     old = (
         sa.select(c.id)
         .where(
             c.status.in_([status_literal(s) for s in statuses]),
             c.finished_at < sa.func.now() - sa.bindparam("age", type_=sa.Interval),
+            sa.not_(sa.func.coalesce(unsettled, sa.false())),
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)

@@ -90,3 +90,48 @@ def test_claim_stays_on_the_index_with_100k_scheduled_and_1k_dead(
     with db.connect() as conn:
         plan = "\n".join(r[0] for r in conn.exec_driver_sql(f"EXPLAIN {compiled}", params))
     assert "jobs_claim" in plan and "Seq Scan" not in plan, plan
+
+
+def test_a_dead_parent_is_not_pruned_before_its_children_are_settled(db: sa.Engine) -> None:
+    """A parent rescued dead by its lease has children the rescue did not settle: the
+    retention pass settles such parents a batch at a time before it deletes dead rows. A
+    parent it did not reach (more than a batch of them, or one locked then) must not be
+    deleted by that delete: its children would wait for it for ever (1,500 such parents
+    left 478 children so)."""
+    from sqla_jobs.worker import _statements as statements
+
+    jobs = Jobs(app.Job, keep_dead=timedelta(0))
+
+    @jobs.task(queue="p", max_attempts=1)
+    def parent() -> None: ...
+
+    @jobs.task(queue="c")
+    def child() -> None: ...
+
+    with JobSession(db, jobs=jobs) as session:
+        p = session.enqueue(parent)
+        session.enqueue(child.with_options(after=[p]))
+        session.commit()
+    with JobSession(db, jobs=jobs) as session:
+        assert len(session.claim("p")) == 1
+        session.commit()
+    t = app.Job.__table__
+    with db.begin() as conn:  # its worker died; time moved past the lease
+        conn.execute(
+            sa.update(t)
+            .where(t.c.status == "running")
+            .values(locked_until=sa.func.now() - timedelta(seconds=5))
+        )
+    with db.begin() as conn:
+        statements.refresh(conn, jobs, True)
+    assert sorted((r.task.rsplit(".", 1)[1], r.status) for r in rows(db)) == [
+        ("child", "scheduled"),
+        ("parent", "dead"),
+    ]
+    # The delete alone, as if the settling before it had not reached this parent.
+    with db.begin() as conn:
+        deleted = conn.execute(jobs.queries.prune_dead, {"age": timedelta(0), "limit": 1000})
+        assert deleted.rowcount == 0
+    # The pass settles it (the child is cancelled), then deletes it.
+    assert prune(db, jobs) == 1
+    assert [(r.task.rsplit(".", 1)[1], r.status) for r in rows(db)] == [("child", "cancelled")]

@@ -90,6 +90,23 @@ def test_retention_deletes_in_batches_until_one_is_short_and_stops_when_another_
     assert total == 2 * full * len(statements.prune_work(core.jobs))
 
 
+def test_a_retention_pass_that_stops_at_its_cap_goes_on_at_the_next_poll_interval() -> None:
+    """A pass deletes at most 20 full batches of a kind: with rows left, the next pass is
+    a poll interval away, not a prune interval (which capped retention at 333 rows a
+    second, less than one worker finishes: a backlog of kept rows only grew)."""
+    core, _, _ = make(queues=("a",), poll_interval=1, prune_interval=60)
+    maintenance = core.maintenance
+    full = statements.PRUNE_BATCH
+    run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset()), [full] * 200))
+    assert maintenance.behind
+    assert maintenance.next_prune - time.monotonic() <= 1.0
+    # Caught up (every kind short of a full batch): back to the prune interval.
+    maintenance.next_refresh = maintenance.next_prune = 0.0
+    run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset()), [3] * 10))
+    assert not maintenance.behind
+    assert maintenance.next_prune - time.monotonic() > 59.0
+
+
 def test_the_schedules_are_synced_until_a_pass_can_lock_their_rows() -> None:
     """The first pass syncs the code-declared schedules before its refresh; a sync that
     met a locked row (False) is tried again at the next pass, and the refresh runs

@@ -38,6 +38,8 @@ class Maintenance(Duty):
         self.next_refresh = 0.0
         self.next_rescue = 0.0
         self.next_prune = 0.0
+        #: The last retention pass stopped at its cap with rows left to delete.
+        self.behind = False
         #: The paused queues, as of the last refresh.
         self.paused: frozenset[str] = frozenset()
         #: The code-declared schedules' rows match the code (see statements.sync_schedules).
@@ -72,13 +74,21 @@ class Maintenance(Duty):
         self.next_due = None if result.due_in is None else now + max(0.0, result.due_in)
         if now >= self.next_prune:
             self.next_prune = now + settings.prune_interval
+            self.behind = False
             pruned = yield from self.prune()
+            if self.behind:
+                # Stopped at its cap with work left: on at the next poll interval. A pass
+                # every prune_interval deletes at most 20,000 rows of a kind (333 a second
+                # by default), less than one worker finishes, and a backlog of kept rows
+                # would only grow.
+                self.next_prune = time.monotonic() + settings.poll_interval
             if pruned:
                 log.info("worker %s: pruned %d finished jobs", core.name, pruned)
 
     def prune(self, *, max_batches: int = 20) -> Generator[Step, Any, int]:
         """Retention, in batches of their own short transactions; stops at once if another
-        worker holds the pruner lock. Returns how many rows were deleted."""
+        worker holds the pruner lock. Returns how many rows were deleted; sets
+        :attr:`behind` when a kind of row stopped at ``max_batches`` full batches."""
         jobs = self.core.jobs
         total = 0
         for statement, age in statements.prune_work(jobs):
@@ -89,6 +99,8 @@ class Maintenance(Duty):
                 total += deleted
                 if deleted < statements.PRUNE_BATCH:
                     break
+            else:
+                self.behind = True
         return total
 
     def sleep_for(self) -> float:
