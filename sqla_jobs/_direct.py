@@ -264,21 +264,26 @@ def _names(cursor: Any) -> list[str]:
 
 
 def _rollback_sync(driver: Any) -> None:
-    """End a transaction an error left open (nothing to do on a lost connection)."""
-    from psycopg.pq import TransactionStatus
+    """After a pipeline failed: end the transaction it left open, if any, and make
+    psycopg forget the statements it prepared (nothing to do on a lost connection).
 
+    A ROLLBACK does both: psycopg clears its prepared statements (and deallocates them on
+    the server) at every ROLLBACK it runs, and one sent outside a transaction only draws
+    a warning. The second matters: when a statement of a pipeline fails on the very run
+    at which psycopg prepares a later one (its ``prepare_threshold``), the server skips
+    that Parse but psycopg counts the statement as prepared, and every later run of it on
+    the connection failed (``prepared statement "_pg3_1" does not exist``; a queue's lock
+    not granted in time, the worker's "busy" claim, was enough)."""
     try:
-        if not driver.closed and driver.info.transaction_status != TransactionStatus.IDLE:
+        if not driver.closed:
             driver.execute("ROLLBACK")
     except Exception:  # the original error is the one to raise
         pass
 
 
 async def _rollback_async(driver: Any) -> None:
-    from psycopg.pq import TransactionStatus
-
     try:
-        if not driver.closed and driver.info.transaction_status != TransactionStatus.IDLE:
+        if not driver.closed:
             await driver.execute("ROLLBACK")
     except Exception:
         pass

@@ -135,6 +135,38 @@ def test_a_pipelined_claim_that_fails_is_rolled_back_and_the_connection_claims_a
     assert len(found.rows) == 1 and [r.status for r in rows(db)] == ["running"]
 
 
+@pytest.mark.parametrize("claims_before", [4, 5, 6])
+def test_a_busy_claim_at_the_prepare_threshold_leaves_the_connection_able_to_claim(
+    db: sa.Engine, database_url: str, claims_before: int
+) -> None:
+    """psycopg prepares a statement at its sixth run (``prepare_threshold``, 5). When the
+    pipeline's lock statement fails on that very run (the queue busy, a cancel, a
+    statement timeout), the server skips the claim's Parse while psycopg counts the claim
+    as prepared: every later claim on the connection failed (``prepared statement
+    "_pg3_N" does not exist``), and the worker took it for a pooler in transaction mode.
+    (Found by an audit's storm of ``pg_cancel_backend``.)"""
+    with db.begin() as c:
+        for _ in range(5):
+            jobs.enqueue(c, app.limited_work, seconds=0)
+    # A server connection of its own, whose statements psycopg counts from zero.
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as raw:
+            conn = raw.execution_options(isolation_level="AUTOCOMMIT")
+            for _ in range(claims_before):
+                worker_db.claim_limited(conn, jobs.queries, _params("limited", limit=0))
+            with db.connect() as holder:
+                holder.begin()
+                holder.execute(jobs.queries.limit_lock, {"queue_name": "limited"})
+                busy = worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+                assert busy.busy and busy.rows == []
+                holder.rollback()
+            found = worker_db.claim_limited(conn, jobs.queries, _params("limited"))
+            assert len(found.rows) == 3  # the queue's limit
+    finally:
+        engine.dispose()
+
+
 def test_a_pipelined_claim_whose_connection_the_server_ends_invalidates_it(
     db: sa.Engine, conn: sa.Connection
 ) -> None:
