@@ -295,25 +295,66 @@ def result(engine: sa.Engine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOption
             if seen.done:
                 return seen.value
             time.sleep(clock.poll())
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql(listen_sql(queries.results_channel))
-        raw: Any = conn.connection.driver_connection
-        mine = str(job_id)
+    while True:
         try:
+            return _listen_for(engine, queries, clock)
+        except _Lost:
+            # The server ended the connection mid-wait (a restart, a terminated backend):
+            # a new one, listening again, and a new look, within the same deadline.
+            time.sleep(clock.poll())
+
+
+class _Lost(Exception):
+    """The listening connection was lost: the wait goes on on a new one."""
+
+
+def _lost(raw: Any, exc: Exception) -> bool:
+    """Whether ``exc`` (a database error from a look, or from the wait for a
+    notification, which psycopg raises itself) came with the connection lost."""
+    if not isinstance(exc, (sa.exc.DBAPIError, _psycopg_error())):
+        return False
+    return getattr(exc, "connection_invalidated", False) or bool(
+        raw is not None and (raw.closed or getattr(raw, "broken", False))
+    )
+
+
+def _listen_for(engine: sa.Engine, queries: Queries, clock: _Clock) -> Any:
+    """One listening connection's wait: LISTEN, look, wait for a notification, look..."""
+    job_id = clock.job_id
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        raw: Any = None
+        try:
+            conn.exec_driver_sql(listen_sql(queries.results_channel))
+            raw = conn.connection.driver_connection
+            mine = str(job_id)
             while True:
                 seen = _look(conn, queries, job_id)
                 if seen.done:
                     return seen.value
                 _wait_notify(raw, mine, clock.notified())
+        except Exception as exc:
+            if _lost(raw, exc):
+                if not conn.invalidated:
+                    conn.invalidate()  # for the pool to let go of
+                raise _Lost from exc
+            raise
         finally:
             # The connection goes back to the pool: it must not keep listening (nor keep
             # notifications queued) for whoever takes it next.
-            try:
-                conn.exec_driver_sql(unlisten_sql(queries.results_channel))
-                for _ in raw.notifies(timeout=0):
-                    pass
-            except Exception:
-                conn.invalidate()
+            if not conn.invalidated:
+                try:
+                    conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                    for _ in raw.notifies(timeout=0):
+                        pass
+                except Exception:
+                    conn.invalidate()
+
+
+def _psycopg_error() -> type[Exception]:
+    """psycopg's base error (what ``notifies`` raises, outside SQLAlchemy)."""
+    import psycopg
+
+    return psycopg.Error
 
 
 def _wait_notify(raw: Any, payload: str, seconds: float) -> None:
@@ -343,25 +384,43 @@ async def result_async(
             if seen.done:
                 return seen.value
             await asyncio.sleep(clock.poll())
+    while True:
+        try:
+            return await _listen_for_async(engine, queries, clock)
+        except _Lost:
+            await asyncio.sleep(clock.poll())  # as the sync wait: a new connection
+
+
+async def _listen_for_async(engine: AsyncEngine, queries: Queries, clock: _Clock) -> Any:
+    """:func:`_listen_for`, awaited."""
+    job_id = clock.job_id
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-        await conn.exec_driver_sql(listen_sql(queries.results_channel))
-        raw: Any = (await conn.get_raw_connection()).driver_connection
-        mine = str(job_id)
+        raw: Any = None
         try:
+            await conn.exec_driver_sql(listen_sql(queries.results_channel))
+            raw = (await conn.get_raw_connection()).driver_connection
+            mine = str(job_id)
             while True:
                 seen = await conn.run_sync(_look, queries, job_id)
                 if seen.done:
                     return seen.value
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(_next_note(raw, mine), clock.notified())
+        except Exception as exc:
+            if _lost(raw, exc):
+                if not conn.invalidated:
+                    await conn.invalidate()
+                raise _Lost from exc
+            raise
         finally:
-            try:
-                await conn.exec_driver_sql(unlisten_sql(queries.results_channel))
-                async for _ in raw.notifies(timeout=0):
-                    pass
-            except Exception:
-                await conn.invalidate()
+            if not conn.invalidated:
+                try:
+                    await conn.exec_driver_sql(unlisten_sql(queries.results_channel))
+                    async for _ in raw.notifies(timeout=0):
+                        pass
+                except Exception:
+                    await conn.invalidate()
 
 
 async def _next_note(raw: Any, payload: str) -> None:

@@ -165,3 +165,57 @@ def test_the_wait_listens_on_a_direct_connection_and_says_so_once_per_engine(
         assert len(pids) == 1  # found out once
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_listening_wait_whose_connection_is_ended_goes_on_on_a_new_one(
+    db: sa.Engine, jobs: Jobs, Session: Any, database_url: str, kind: str
+) -> None:
+    """The waiter's listening connection is ended while the job waits to run (a
+    terminated backend, an ``idle_session_timeout``, a failover): the wait listens again
+    on a new connection and returns the committed value, within its timeout. (It raised
+    psycopg's own ``OperationalError``, while the job went on to succeed.)"""
+    from .helpers import terminate_backend, wait_for
+
+    @jobs.task(queue="r", keep_result=True)
+    def compute(x: int) -> int:
+        return x * 2
+
+    with Session() as session:
+        job = session.enqueue(compute, x=21)
+        session.commit()
+    got: list[Any] = []
+
+    def wait() -> None:
+        try:
+            if kind == "sync":
+                got.append(jobs.result(db, job.id, timeout=20))
+                return
+
+            async def main() -> Any:
+                engine = create_async_engine(database_url)
+                try:
+                    return await jobs.result_async(engine, job.id, timeout=20)
+                finally:
+                    await engine.dispose()
+
+            got.append(asyncio.run(main()))
+        except BaseException as exc:  # reported by the assertion below
+            got.append(exc)
+
+    def listening() -> int | None:
+        with db.connect() as conn:
+            return conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                    "AND datname = current_database() AND state = 'idle' "
+                    "AND (query LIKE 'LISTEN%' OR query LIKE '%last_error%')"
+                )
+            ).scalar()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    terminate_backend(db, wait_for(listening, timeout=10))
+    Worker(jobs, db, queues=["r"], listen=False).run_until_empty(timeout=20)
+    waiter.join(25)
+    assert got == [42]
