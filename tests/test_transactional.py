@@ -337,3 +337,23 @@ def test_a_worker_makes_its_own_pool_large_enough_for_every_handler() -> None:
         assert pool.size() <= 36  # kept open when idle
         assert pool.size() + pool._max_overflow >= concurrency + MIN_CONNECTIONS
         engine.dispose()
+
+
+def test_an_async_transactional_handler_on_the_threaded_worker_fails_saying_where_it_runs(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Its session would be a plain ``Session``, which it cannot await: it fails, naming
+    the asyncio worker. (Called, it returned a coroutine nobody ran, and the job counted
+    as done, its body never run.)"""
+    ran: list[int] = []
+
+    @jobs.task(queue="q", transactional=True, max_attempts=1)
+    async def write(session: Any) -> None:
+        ran.append(1)
+
+    with Session.begin() as session:
+        session.enqueue(write)
+    Worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20)
+    [dead] = rows(db)
+    assert dead.status == "dead" and not ran
+    assert "runs on the asyncio worker" in (dead.last_error or "")

@@ -60,10 +60,15 @@ def supervised(core: WorkerCore, name: str, run_once: Callable[[], Steps]) -> St
     """Run a duty (``run_once`` again and again) until it says it is done; when it raises,
     run it again after the pause :func:`supervise` decides, or stop the worker."""
     outlives_stop = name in OUTLIVE_STOP
-    listener = core.listener
+    # Whether a round of the listener got as far as its LISTEN (a connection dropped after
+    # it is no failure in a row). The listener's own loop resets the mark: the other
+    # duties' loops, running beside it, cleared it between its LISTEN and its failure,
+    # and its pauses grew to half a second each time the server ended its connection.
+    listener = core.listener if name == "listener" else None
     state = DutyState(core, name)
     while True:
-        listener.listened = False
+        if listener is not None:
+            listener.listened = False
         error: Exception | None = None
         try:
             more = yield from run_once()
@@ -76,7 +81,7 @@ def supervised(core: WorkerCore, name: str, run_once: Callable[[], Steps]) -> St
                 return
             state.succeeded()
             continue
-        if listener.listened:
+        if listener is not None and listener.listened:
             state.succeeded()
         try:
             pause = state.failed(error)

@@ -285,6 +285,17 @@ class Worker(DriverBase[sa.Engine]):
 
     def _transactional(self, run: Run, session: Session | None) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
+        if run.task.is_async:
+            # Its session would be a plain Session, which it cannot await; called, it
+            # returned a coroutine that nobody ran, and the job counted as done.
+            with run:
+                raise TypeError(
+                    f"task {run.task.name!r} is a transactional async def handler, which "
+                    "awaits its session: it runs on the asyncio worker (sqla-jobs worker "
+                    "--asyncio, or AsyncWorker)"
+                )
+            assert run.outcome is not None
+            return run.outcome
         if session is None:
             try:
                 made = run_session(self.jobs, self.engine, Session)

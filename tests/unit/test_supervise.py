@@ -66,3 +66,34 @@ def test_a_duty_that_keeps_raising_stops_the_worker_and_one_that_recovers_runs_o
 
     run_steps(core.supervised("completer", broken), lambda step: None)
     assert isinstance(core.fatal, WorkerError) and driver.stops == 1
+
+
+def test_a_listener_that_listened_before_its_connection_dropped_retries_at_once() -> None:
+    """Each round of the listener that got as far as its LISTEN counts as a success: the
+    pause after the server ends its connection stays the first one, however often. The
+    other duties' loops, which run beside it, must not clear that mark (they did: every
+    drop counted as one more failure in a row, and the pauses grew to half a second)."""
+    core, _, _ = make()
+    dropped = psycopg.OperationalError("server closed the connection unexpectedly")
+    heartbeat = core.supervised("heartbeat", lambda: _one_tick())
+    next(heartbeat)
+    rounds = 0
+
+    def listens_then_drops() -> s.Steps:
+        nonlocal rounds
+        rounds += 1
+        yield s.Tick(0)
+        core.listener.listened = True  # LISTEN went through
+        heartbeat.send(None)  # another duty's round, in its own thread
+        if rounds > 4:
+            return False
+        raise dropped
+
+    steps, _ = run_steps(core.supervised("listener", listens_then_drops), lambda step: None)
+    pauses = [st.seconds for st in steps if isinstance(st, s.Pause)]
+    assert pauses == [retry_pause(1, dropped)] * 4
+
+
+def _one_tick() -> s.Steps:
+    yield s.Tick(0)
+    return True
