@@ -279,7 +279,7 @@ def _claim(t: sa.Table, *, for_session: bool = False) -> sa.Update:
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
-            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_until=sa.func.clock_timestamp() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
         # The worker reads what it runs a job with; a session gets whole rows, to make
@@ -609,7 +609,7 @@ def _limited_claim(
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
-            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_until=sa.func.clock_timestamp() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
         .returning(*claimed_columns(t), *([c.concurrency_key] if key_rated else []))
@@ -1068,7 +1068,7 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
         .values(
             status=JobStatus.RUNNING.value,
             attempts=c.attempts + 1,
-            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_until=sa.func.clock_timestamp() + sa.bindparam("lease", type_=sa.Interval),
             locked_by=sa.bindparam("worker"),
         )
         .returning(*(t.c if for_session else claimed_columns(t)))
@@ -1482,7 +1482,7 @@ def _heartbeat(t: sa.Table) -> sa.Select[Any]:
         sa.update(t)
         .where(guarded(t, batch), c.id.in_(sa.select(free.c.id)))
         .values(
-            locked_until=sa.func.now() + sa.bindparam("lease", type_=sa.Interval),
+            locked_until=sa.func.clock_timestamp() + sa.bindparam("lease", type_=sa.Interval),
             progress=_latest_progress(c, batch.c.progress),
         )
         .cte("renewed")

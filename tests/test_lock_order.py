@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs
-from sqla_jobs._queries import batch_params, heartbeat_params
+from sqla_jobs._queries import batch_params, claim_params, heartbeat_params
 
 from . import app
 from .helpers import rows, wait_for
@@ -116,3 +116,60 @@ def test_a_heartbeat_skips_a_held_row_and_a_completion_waits_for_it(
 def sa_now(db: sa.Engine) -> Any:
     with db.connect() as conn:
         return conn.execute(sa.select(sa.func.now())).scalar_one()
+
+
+def test_a_lease_runs_from_when_its_statement_got_the_row_not_from_when_it_began(
+    db: sa.Engine, jobs: Jobs, Session: Any
+) -> None:
+    """A claim and a heartbeat that waited for a lock on the jobs table (a migration's)
+    set leases from the clock when they write, not from their transaction's start: with
+    ``now()``, a beat that waited past a lease renewed the lease into the past, and the
+    rescue behind the same lock took the running job and ran it again (found by an audit
+    running migrations under live workers)."""
+    from sqla_jobs.worker import _statements as statements
+    from sqla_jobs.worker.job import decode_rows
+
+    @jobs.task(queue="q")
+    def work() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(work)
+    lease = timedelta(seconds=1)
+    t = app.Job.__table__
+    left: list[Any] = []
+
+    def lease_left() -> Any:
+        with db.connect() as conn:
+            return conn.execute(
+                sa.select(t.c.locked_until - sa.func.clock_timestamp())
+            ).scalar_one()
+
+    def locked_while(action: Callable[[], None]) -> None:
+        with db.connect() as migration:
+            migration.begin()
+            migration.execute(sa.text(f'LOCK TABLE "{app.SCHEMA}".jobs IN ACCESS EXCLUSIVE MODE'))
+            thread = threading.Thread(target=action)
+            thread.start()
+            thread.join(1.5)  # it waits for the lock, longer than its lease
+            migration.rollback()
+        thread.join(10)
+        left.append(lease_left())
+
+    claimed: list[Any] = []
+
+    def claim() -> None:
+        with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            params = claim_params("q", 10, lease, "w")
+            claimed.extend(statements.claim(conn, jobs.queries, params))
+
+    locked_while(claim)
+    [job], failures = decode_rows(claimed, "w")
+    assert failures == []
+
+    def beat() -> None:
+        with db.begin() as conn:
+            assert statements.beat(conn, jobs.queries, [job], lease) == {(job.id, 1)}
+
+    locked_while(beat)
+    assert all(timedelta(seconds=0.5) < each <= lease for each in left), left
