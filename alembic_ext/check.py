@@ -127,6 +127,7 @@ def _differences(connection: sa.Connection, table: sa.Table) -> list[Difference]
     ]
     found = list(_describe(connection, ours))
     redefined = _definition_differences(connection, table, [table, *companions])
+    redefined += _invalid_indexes(connection, table, [table, *companions])
     # Alembic sees a UNIQUE index made plain (or the reverse) as one index missing and
     # another one in its place, under the same name: the one line below says it better.
     said = {d.message.split(" on ", 1)[0] for d in redefined}
@@ -148,6 +149,15 @@ _DEFINITIONS = sa.text(
     "FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid "
     "JOIN pg_namespace n ON n.oid = c.relnamespace "
     "WHERE k.contype = 'c' AND n.nspname = :schema AND c.relname = ANY(CAST(:names AS text[]))"
+)
+#: Indexes PostgreSQL keeps but does not use: a ``CREATE INDEX CONCURRENTLY`` that failed
+#: (a lock timeout, a cancel, a deadlock) leaves one behind, which ``pg_get_indexdef``
+#: spells like a good one. An invalid ``<table>_unique`` fails every unique enqueue.
+_INVALID = sa.text(
+    "SELECT c.relname, i.relname FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+    "JOIN pg_class c ON c.oid = x.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = :schema AND c.relname = ANY(CAST(:names AS text[])) "
+    "AND NOT (x.indisvalid AND x.indisready) ORDER BY 1, 2"
 )
 _SCHEMA_NOW = sa.text("SELECT coalesce(CAST(:schema AS text), current_schema())")
 _TEMP_SCHEMA = sa.text("SELECT nspname FROM pg_namespace WHERE oid = pg_my_temp_schema()")
@@ -215,6 +225,23 @@ def _definition_differences(
             "it, or re-create it by hand)"
         )
         differences.append(Difference(where, kind, message, False))
+    return differences
+
+
+def _invalid_indexes(
+    connection: sa.Connection, table: sa.Table, family: list[sa.Table]
+) -> list[Difference]:
+    """The indexes of these tables that a failed concurrent build left invalid."""
+    schema = connection.execute(_SCHEMA_NOW, {"schema": table.schema}).scalar_one()
+    rows = connection.execute(_INVALID, {"schema": schema, "names": [t.name for t in family]})
+    differences = []
+    for table_name, name in rows:
+        where = _name(schema if table.schema is not None else None, table_name)
+        message = (
+            f"index {name!r} on {where!r} is invalid (a CREATE INDEX CONCURRENTLY that "
+            "failed): PostgreSQL keeps it but does not use it; drop it and build it again"
+        )
+        differences.append(Difference(where, "index", message, False))
     return differences
 
 

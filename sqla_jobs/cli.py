@@ -581,12 +581,22 @@ def _schema_differences(engine: Any, table: sa.Table) -> list[Any]:
     try:
         from alembic_ext.check import schema_differences
 
+        def compare(conn: sa.Connection) -> list[Any]:
+            # The comparison reflects the tables, which waits for a lock a migration holds
+            # on them (``pg_get_expr`` opens the table): bounded, as the dashboard's pages
+            # and the metrics' reads are, rather than waiting for as long as it is held.
+            conn.execute(_CHECK_LOCK_WAIT)
+            return _unprepared(conn, lambda: schema_differences(conn, table))
+
         with _database_errors():
-            return _on_connection(
-                engine, lambda conn: _unprepared(conn, lambda: schema_differences(conn, table))
-            )
+            return _on_connection(engine, compare)
     finally:
         alembic_log.setLevel(level)
+
+
+#: The schema comparison's wait for a lock on the tables it reads (local to its
+#: transaction).
+_CHECK_LOCK_WAIT = sa.select(sa.func.set_config("lock_timeout", "5s", True))
 
 
 def _unprepared(conn: sa.Connection, fn: Callable[[], _T]) -> _T:

@@ -439,3 +439,41 @@ def test_an_index_or_check_with_another_definition_is_named(
         assert temp.scalar() == 0  # the reference tables were rolled back
     assert len(found) == 1, found
     assert found[0].startswith(f"{named} on '{schema}.jobs' differs: the database has ")
+
+
+def test_an_index_a_failed_concurrent_build_left_invalid_is_named(
+    engine: sa.Engine, schema: str
+) -> None:
+    """A ``CREATE INDEX CONCURRENTLY`` that failed (a lock timeout, a cancel: the upgrade
+    guide builds the indexes so) leaves an index that PostgreSQL keeps and does not use,
+    and spells like a good one: the check said the schema was this version's, while every
+    unique enqueue failed on the invalid ``<table>_unique``. (The catalog is changed by
+    hand here, as the failed build leaves it.)"""
+    table = reference_table("jobs", schema)
+    alter(
+        engine,
+        schema,
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{s}.jobs_unique'::regclass",
+    )
+    with engine.connect() as conn:
+        found = [d.message for d in schema_differences(conn, table)]
+    assert found == [
+        f"index 'jobs_unique' on '{schema}.jobs' is invalid (a CREATE INDEX CONCURRENTLY "
+        "that failed): PostgreSQL keeps it but does not use it; drop it and build it again"
+    ]
+
+
+def test_the_check_waits_a_bounded_time_for_a_migrations_lock(
+    engine: sa.Engine, schema: str
+) -> None:
+    """A migration holds the jobs table (``ALTER TABLE`` in an open transaction): the
+    check gives up after its lock timeout, in one line, rather than wait for as long as
+    the migration runs (the worker's background comparison, the same, says "not
+    checked")."""
+    with engine.connect() as migration:
+        migration.begin()
+        migration.exec_driver_sql(f'ALTER TABLE "{schema}".jobs ADD COLUMN extra integer')
+        result = run_cli("check", JOBS, env=in_schema(schema))
+        migration.rollback()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "lock timeout" in result.stderr
