@@ -247,12 +247,29 @@ class Backoff:
     jitter: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.base < 0 or self.cap < 0 or self.factor < 1 or not 0 <= self.jitter <= 1:
-            raise ValueError(f"invalid Backoff {self!r}")
+        # Written so that NaN fails each test: ``Backoff(cap=nan)`` retried at once, for
+        # ever (``max(0.0, nan)`` is 0.0).
+        numbers = (self.base, self.factor, self.cap, self.jitter)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise ValueError(f"invalid Backoff {self!r}: its fields are numbers of seconds")
+        if not (
+            0 <= self.base < math.inf
+            and 1 <= self.factor < math.inf
+            and 0 <= self.cap < math.inf
+            and 0 <= self.jitter <= 1
+        ):
+            raise ValueError(
+                f"invalid Backoff {self!r}: base and cap are finite seconds >= 0, factor "
+                "a finite number >= 1, jitter a fraction from 0 to 1"
+            )
 
     def __call__(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1 for the first)."""
-        delay = min(self.cap, self.base * self.factor ** max(attempt - 1, 0))
+        try:
+            grown = self.base * self.factor ** max(attempt - 1, 0)
+        except OverflowError:  # past attempt 1,024 at factor 2: a float holds no more
+            grown = math.inf
+        delay = min(self.cap, grown)
         if self.jitter:
             delay *= 1 + random.uniform(-self.jitter, self.jitter)
         return max(0.0, min(delay, self.cap))

@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
-from ._storable import UNIQUE_KEY_MAX_BYTES, check_name
+from ._storable import DURATION_MAX_SECONDS, INT_MAX, UNIQUE_KEY_MAX_BYTES, check_name
 from .errors import EnqueueError
 
 __all__ = [
@@ -126,14 +126,26 @@ def parse_rate(rate: str) -> tuple[int, float]:
     multiple = float(multiple_text) if multiple_text not in ("", ".") else 1.0
     if multiple <= 0:
         raise ValueError(f"rate {rate!r}: the period must be longer than 0")
-    return count, multiple * _PERIODS[unit]
+    seconds = multiple * _PERIODS[unit]
+    # The claim subtracts the period from the database's clock: one of ten thousand
+    # years failed every claim of the queue ("timestamp out of range"), and one too long
+    # for a float stopped the worker.
+    if not seconds <= DURATION_MAX_SECONDS:
+        raise ValueError(
+            f"rate {rate!r}: the period must be at most {DURATION_MAX_SECONDS / 86400:.0f} days"
+        )
+    return count, seconds
 
 
 def _positive(name: str, value: object, what: str) -> int | None:
+    # At most what the claim's integer parameter holds: past it, every claim of the queue
+    # failed ("integer out of range").
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"queue {name!r}: {what} must be an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT_MAX:
+        raise ValueError(
+            f"queue {name!r}: {what} must be an integer from 1 to {INT_MAX}, got {value!r}"
+        )
     return value
 
 

@@ -50,6 +50,10 @@ def test_rates_parse() -> None:
         ("100", "is not '<count>/<period>'"),
         ("5/0s", "longer than 0"),
         ("100/ms", "unknown period 'ms'"),
+        # Past what the claim can subtract from the clock (every claim failed), or a
+        # float (the worker stopped).
+        ("1/100000000d", "at most 36525 days"),
+        ("1/" + "9" * 400 + "s", "at most 36525 days"),
     ],
 )
 def test_bad_rates_are_refused_at_declaration(rate: str, message: str) -> None:
@@ -60,10 +64,12 @@ def test_bad_rates_are_refused_at_declaration(rate: str, message: str) -> None:
 
 
 @pytest.mark.parametrize("field", ["concurrency", "key_concurrency"])
-@pytest.mark.parametrize("value", [0, -3, 1.5, True])
+@pytest.mark.parametrize("value", [0, -3, 1.5, True, 2**31])
 def test_bad_concurrency_is_refused_at_declaration(field: str, value: Any) -> None:
+    """2**31: past the claim's integer parameter, every claim of the queue failed."""
     jobs = Jobs(app.Job)
-    with pytest.raises(ValueError, match=f"queue 'q': {field} must be an integer >= 1"):
+    message = f"queue 'q': {field} must be an integer from 1 to 2147483647"
+    with pytest.raises(ValueError, match=message):
         jobs.queue("q", **{field: value})
 
 

@@ -104,6 +104,36 @@ def test_backoff_grows_is_capped_and_jitters_within_bounds() -> None:
     assert [plain(n) for n in (1, 2, 3, 4, 5)] == [2, 6, 18, 50, 50]
     jittery = Backoff(base=10, jitter=0.1)
     assert all(9 <= jittery(1) <= 11 for _ in range(200))
-    for bad in ({"base": -1}, {"factor": 0.5}, {"jitter": 2}):
+    # NaN passed every check (a NaN cap retried at once, for ever), a bool was a number.
+    nan, inf = float("nan"), float("inf")
+    bads: list[dict[str, object]] = [
+        {"base": -1},
+        {"factor": 0.5},
+        {"jitter": 2},
+        {"cap": nan},
+        {"base": nan},
+        {"factor": nan},
+        {"jitter": nan},
+        {"cap": inf},
+        {"base": True},
+        {"cap": "60"},
+    ]
+    for bad in bads:
         with pytest.raises(ValueError, match="invalid Backoff"):
             Backoff(**bad)  # type: ignore[arg-type]
+    # Past attempt 1,024 the growth is more than a float holds: the cap, not an error.
+    assert plain(1025) == 50 and plain(10**6) == 50
+    assert Backoff(jitter=0)(2**31 - 1) == 3600.0
+
+
+def test_a_task_timeout_is_a_finite_number_of_seconds() -> None:
+    """NaN never fired, ``True`` meant one second, ``"5"`` failed on a comparison."""
+    from sqla_jobs import Jobs
+
+    from .. import app
+
+    jobs = Jobs(app.Job)
+    for bad in (float("nan"), float("inf"), True, "5", 0, -1):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            jobs.task(name=f"t{bad!r}", timeout=bad)(lambda: None)  # type: ignore[call-overload]
+    assert jobs.task(name="ok", timeout=0.5)(lambda: None).timeout == 0.5
