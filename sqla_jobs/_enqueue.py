@@ -49,7 +49,7 @@ from sqlalchemy.orm.attributes import instance_state
 from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
 from ._direct import autocommit, compiled, execute, execute_each, pipeline_allowed
 from ._queries import INSERTED_COLUMNS, _dumps, args_json, filled_by_server
-from ._storable import Encodings, database_encodings
+from ._storable import BIGINT_MAX, Encodings, database_encodings
 from ._tasks import (
     OPTION_NAMES,
     ConfiguredTask,
@@ -358,6 +358,8 @@ def parent_ids(registry: Jobs, parents: Iterable[Any], *, pending_ok: bool) -> l
                 )
             raise EnqueueError(f"after= takes jobs or job ids, got {parent!r}")
         if isinstance(parent, int):
+            if not 1 <= parent <= BIGINT_MAX:  # PostgreSQL refused it at the flush
+                raise EnqueueError(f"after=: job ids are from 1 to {BIGINT_MAX}, got {parent}")
             out.append(parent)
         elif parent.id is not None:
             out.append(parent.id)

@@ -255,12 +255,12 @@ class Backoff:
         if not (
             0 <= self.base < math.inf
             and 1 <= self.factor < math.inf
-            and 0 <= self.cap < math.inf
+            and 0 <= self.cap  # infinite: no cap (a retry's delay is bounded where it is set)
             and 0 <= self.jitter <= 1
         ):
             raise ValueError(
-                f"invalid Backoff {self!r}: base and cap are finite seconds >= 0, factor "
-                "a finite number >= 1, jitter a fraction from 0 to 1"
+                f"invalid Backoff {self!r}: base is finite seconds >= 0, cap seconds >= 0, "
+                "factor a finite number >= 1, jitter a fraction from 0 to 1"
             )
 
     def __call__(self, attempt: int) -> float:

@@ -88,7 +88,14 @@ from ._queries import Queries
 from ._queries import status_literal as _lit
 from ._settle import settle_children
 from ._step_queries import StepQueries
-from ._storable import QUEUE_MAX_BYTES, check_name, json_text_depth, text_problem
+from ._storable import (
+    BIGINT_MAX,
+    DURATION_MAX_SECONDS,
+    QUEUE_MAX_BYTES,
+    check_name,
+    json_text_depth,
+    text_problem,
+)
 from ._tasks import json_problem
 from .model import (
     CHILDREN_KEY,
@@ -487,6 +494,15 @@ def queue_states(
         .select_from(per_queue.join(queues_table, p.queue == q.name, full=True))
         .order_by("queue")
     )
+    if finished and not (
+        isinstance(window, (int, float))
+        and not isinstance(window, bool)
+        and 0 < window <= DURATION_MAX_SECONDS
+    ):
+        raise ValueError(
+            f"window must be a number of seconds from 0 to {DURATION_MAX_SECONDS:.0f}, "
+            f"got {window!r}"
+        )
     params = {"window": timedelta(seconds=window)} if finished else {}
     rows = {r.queue: r._mapping for r in _execute(bind, stmt, params)}
     done_known = isinstance(jobs, Jobs) and jobs.keep_done is not None
@@ -569,8 +585,10 @@ def list_jobs(
 ) -> list[JobView]:
     """Jobs matching every given filter (:class:`JobFilters`), newest (highest id) first,
     at most ``limit``."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= BIGINT_MAX
+    ):
+        raise ValueError(f"limit must be an integer from 1 to {BIGINT_MAX}, got {limit!r}")
     table = _table(jobs)
     where = _job_filters(table, None, **filters)
     columns = [table.c[name] for name in _JOB_FIELDS]
@@ -606,8 +624,7 @@ def _job_filters(
         )
         where.append(held if suspended else ~held)
     if before_id is not None:
-        if not isinstance(before_id, int) or isinstance(before_id, bool):
-            raise ValueError(f"before_id must be an integer, got {before_id!r}")
+        _check_id(before_id, "before_id")
         where.append(c.id < before_id)
     return where
 
@@ -641,6 +658,9 @@ def meta_filter(table: sa.Table, meta: Mapping[str, Any]) -> list[sa.ColumnEleme
     for key, value in meta.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"meta filter keys must be non-empty strings, got {key!r}")
+        problem = json_problem({key: value}, "meta filter")  # NaN, a NUL: PostgreSQL refused
+        if problem is not None:
+            raise ValueError(problem)
         one = c.meta.contains({key: value})
         if isinstance(value, (list, dict)):
             where.append(one)
@@ -715,8 +735,9 @@ def throughput(bind: Bind, jobs: JobSource, *, minutes: int = 60) -> Throughput:
     so the current minute fills in as it goes; runs by ``sqla_jobs.testing`` are not
     counted. Read through the table's primary key (minute first).
     """
-    if not isinstance(minutes, int) or minutes < 1:
-        raise ValueError(f"minutes must be an integer >= 1, got {minutes!r}")
+    most = int(DURATION_MAX_SECONDS // 60)
+    if not isinstance(minutes, int) or isinstance(minutes, bool) or not 1 <= minutes <= most:
+        raise ValueError(f"minutes must be an integer from 1 to {most}, got {minutes!r}")
     t = companion_tables(_table(jobs)).throughput
     current = sa.func.date_trunc("minute", sa.func.now())
     since = current - sa.literal(timedelta(minutes=minutes - 1), sa.Interval)
@@ -2024,9 +2045,17 @@ def _ids(ids: Iterable[int] | None) -> list[int] | None:
         return None
     values = list(ids)
     for v in values:
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ValueError(f"job ids must be integers, got {v!r}")
+        _check_id(v, "job ids")
     return values
+
+
+def _check_id(value: object, what: str) -> None:
+    """A job id (or a bound on ids) the ``bigint`` column can hold: past it PostgreSQL
+    refused the statement, aborting the caller's transaction with it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{what} must be integers, got {value!r}")
+    if not 1 <= value <= BIGINT_MAX:
+        raise ValueError(f"{what} must be from 1 to {BIGINT_MAX}, got {value}")
 
 
 def _filters(

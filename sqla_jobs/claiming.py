@@ -57,6 +57,7 @@ from ._queries import (
     snooze_params,
 )
 from ._settle import cap_error, format_error, settle_children, worker_name
+from ._storable import INT_MAX
 from .errors import EnqueueError
 from .model import JobStatus
 from .throttle import QueueLimits
@@ -128,8 +129,8 @@ def claim(
     gives nothing.
     """
     registry = _jobs(session, jobs)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= INT_MAX:
+        raise ValueError(f"limit must be an integer from 1 to {INT_MAX}, got {limit!r}")
     seconds = lease.total_seconds() if isinstance(lease, timedelta) else lease
     if not seconds > 0:
         raise ValueError(f"lease must be > 0 seconds, got {lease!r}")

@@ -54,6 +54,7 @@ import sqlalchemy as sa
 
 from ._enqueue import _sync, bind, link, place_on_session
 from ._queries import listen_sql, unlisten_sql
+from ._storable import BIGINT_MAX
 from ._tasks import ConfiguredTask, Task, TaskArgs
 from .errors import EnqueueError, JobFailedError
 from .model import KEEP_KEY, RESULTS_KEY, JobStatus
@@ -239,6 +240,12 @@ class WaitOptions(TypedDict, total=False):
     listen: bool | None
 
 
+def _check_job_id(job_id: object) -> None:
+    """An id the ``bigint`` column can hold (past it PostgreSQL refused the look)."""
+    if not isinstance(job_id, int) or isinstance(job_id, bool) or not 1 <= job_id <= BIGINT_MAX:
+        raise ValueError(f"job_id must be an integer from 1 to {BIGINT_MAX}, got {job_id!r}")
+
+
 class _Clock:
     """The timing of one wait for a result, the same whether it is awaited or not: when
     to look at the row again, and when to give up (``TimeoutError``)."""
@@ -281,6 +288,7 @@ class _Clock:
 
 def result(engine: sa.Engine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]) -> Any:
     """Wait for a result-keeping job and return its value (see :meth:`Jobs.result`)."""
+    _check_job_id(job_id)
     queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine)
@@ -370,6 +378,7 @@ async def result_async(
     engine: AsyncEngine, jobs: Jobs, job_id: int, **wait: Unpack[WaitOptions]
 ) -> Any:
     """:func:`result` on an ``AsyncEngine``: the same wait, without blocking the loop."""
+    _check_job_id(job_id)
     queries, (clock, listen) = jobs.queries, _Clock.of(job_id, **wait)
     if listen is None:
         listen = _DIRECT.get(engine.sync_engine)

@@ -641,3 +641,41 @@ def test_a_latin1_database_refuses_at_enqueue_what_it_cannot_store(
             ).scalar_one()
             == "été"
         )
+
+
+def test_ids_limits_and_filters_past_the_columns_are_refused_before_the_database(
+    db: sa.Engine, jobs: Jobs, Session: Any
+) -> None:
+    """Ids past ``bigint``, limits past it, a meta filter JSON cannot hold, windows past a
+    timestamp: each is refused by name, before a statement is sent. (PostgreSQL refused
+    them, aborting the transaction the caller passed in with its own work.)"""
+
+    @jobs.task(queue="q")
+    def work() -> None:
+        pass
+
+    big = 2**63
+    with db.connect() as conn:
+        for call, name in [
+            (lambda: admin.get_job(conn, jobs, big), "job ids"),
+            (lambda: admin.list_jobs(conn, jobs, ids=[big]), "job ids"),
+            (lambda: admin.retry_jobs(conn, jobs, ids=[big]), "job ids"),
+            (lambda: admin.cancel_jobs(conn, jobs, ids=[-1]), "job ids"),
+            (lambda: admin.purge_jobs(conn, jobs, ids=[0]), "job ids"),
+            (lambda: admin.browse_jobs(conn, jobs, before_id=big), "before_id"),
+            (lambda: admin.list_jobs(conn, jobs, limit=big), "limit"),
+            (lambda: admin.list_jobs(conn, jobs, meta={"f": float("nan")}), "meta filter"),
+            (lambda: admin.throughput(conn, jobs, minutes=10**10), "minutes"),
+            (lambda: admin.queue_states(conn, jobs, window=float("nan")), "window"),
+            (lambda: admin.queue_states(conn, jobs, window=1e300), "window"),
+            (lambda: jobs.result(db, big, timeout=1), "job_id"),
+        ]:
+            with pytest.raises(ValueError, match=name):
+                call()
+            assert not conn.in_transaction() or conn.get_transaction().is_active
+    with Session() as session:
+        with pytest.raises(ValueError, match="limit must be an integer from 1"):
+            session.claim("q", limit=big)
+        with pytest.raises(EnqueueError, match="after=: job ids are from 1 to"):
+            session.enqueue(work.with_options(after=[big]))
+        session.rollback()

@@ -114,7 +114,7 @@ def test_backoff_grows_is_capped_and_jitters_within_bounds() -> None:
         {"base": nan},
         {"factor": nan},
         {"jitter": nan},
-        {"cap": inf},
+        {"base": inf},
         {"base": True},
         {"cap": "60"},
     ]
@@ -124,6 +124,7 @@ def test_backoff_grows_is_capped_and_jitters_within_bounds() -> None:
     # Past attempt 1,024 the growth is more than a float holds: the cap, not an error.
     assert plain(1025) == 50 and plain(10**6) == 50
     assert Backoff(jitter=0)(2**31 - 1) == 3600.0
+    assert Backoff(cap=inf, jitter=0)(3) == 8.0  # no cap
 
 
 def test_a_task_timeout_is_a_finite_number_of_seconds() -> None:
