@@ -255,7 +255,7 @@ class Backoff:
         if not (
             0 <= self.base < math.inf
             and 1 <= self.factor < math.inf
-            and 0 <= self.cap  # infinite: no cap (a retry's delay is bounded where it is set)
+            and self.cap >= 0  # infinite: no cap (a retry's delay is bounded where it is set)
             and 0 <= self.jitter <= 1
         ):
             raise ValueError(

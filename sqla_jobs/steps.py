@@ -54,7 +54,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.horizontal_shard import ShardedSession
 
 from ._storable import BIGINT_MAX
-from ._tasks import json_problem, long_int_problem
+from ._tasks import _EARLIEST, _LATEST, json_problem, long_int_problem
 from .errors import SignalError, StepError, WaitTimedOut
 from .model import SUSPENDED_STEP_STATES
 
@@ -617,8 +617,17 @@ class _Base:
     ) -> tuple[float | None, datetime | None]:
         if (seconds is None) == (until is None):
             raise StepError(f"sleep {name!r}: give seconds (or a timedelta), or until=, not both")
-        if until is not None and (not isinstance(until, datetime) or until.tzinfo is None):
-            raise StepError(f"sleep {name!r}: until must be an aware datetime, got {until!r}")
+        if until is not None:
+            if not isinstance(until, datetime) or until.utcoffset() is None:
+                raise StepError(f"sleep {name!r}: until must be an aware datetime, got {until!r}")
+            # The range of run_at, which it becomes: past it, the step failed on every
+            # attempt when read back, or (datetime.max) no job list could be read in a
+            # session whose time zone is east of UTC.
+            if not _EARLIEST <= until <= _LATEST:
+                raise StepError(
+                    f"sleep {name!r}: until {until.isoformat()} is out of range: it must lie "
+                    f"between {_EARLIEST.date()} and {_LATEST.date()} UTC"
+                )
         return _seconds(seconds, f"sleep {name!r}"), until
 
 

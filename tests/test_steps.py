@@ -220,6 +220,14 @@ def test_a_sleep_until_a_time_and_an_early_wake_sleeps_again(
     assert row.status == "scheduled" and row.run_at == at  # back to sleep, same time
     with pytest.raises(StepError, match="not both"):
         Steps._times("x", 1, at)
+    # The range of run_at, which the wake time becomes: past it the step failed on every
+    # attempt, or (datetime.max) made every job list fail in a session east of UTC.
+    for far in (
+        datetime.max.replace(tzinfo=timezone.utc),
+        datetime.min.replace(tzinfo=timezone(timedelta(hours=14))),
+    ):
+        with pytest.raises(StepError, match="is out of range"):
+            Steps._times("x", None, far)
 
 
 def test_wait_suspends_until_a_committed_signal_and_a_rolled_back_one_never_wakes_it(
