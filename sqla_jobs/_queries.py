@@ -219,6 +219,14 @@ _READABLE_FROM: sa.ColumnElement[Any] = sa.literal_column("TIMESTAMPTZ '0001-01-
 _READABLE_UNTIL: sa.ColumnElement[Any] = sa.literal_column("TIMESTAMPTZ '9999-12-30 00:00:00+00'")
 
 
+def readable_time(column: Any) -> sa.ColumnElement[Any]:
+    """``column`` (a timestamp) where Python's datetime can hold it, else NULL: rows are
+    not all written by this library, and one ``'infinity'`` or BC time failed every read
+    that selected it (a claim's batch, a whole job list)."""
+    readable = column.between(_READABLE_FROM, _READABLE_UNTIL)
+    return sa.case((readable, column), else_=sa.null())
+
+
 def claimed_columns(t: sa.Table) -> list[sa.ColumnElement[Any]]:
     """The columns a worker reads from a claimed row (:data:`CLAIMED_COLUMNS`), in a form
     the driver can always read, so that one row cannot break the claim of its batch.
@@ -238,8 +246,7 @@ def claimed_columns(t: sa.Table) -> list[sa.ColumnElement[Any]]:
         if name in ("args", "meta"):
             columns.append(sa.cast(column, sa.Text).label(name))
         elif name in ("run_at", "created_at"):
-            readable = column.between(_READABLE_FROM, _READABLE_UNTIL)
-            columns.append(sa.case((readable, column), else_=sa.null()).label(name))
+            columns.append(readable_time(column).label(name))
         else:
             columns.append(column)
     return columns
@@ -2643,7 +2650,14 @@ class Queries:
             .where(schedules.c.name == sa.bindparam("schedule"))
             .returning(schedules.c.name)
         )
-        self.list_schedules = sa.select(schedules).order_by(schedules.c.name)
+        # Times Python cannot hold (a row at 'infinity', written by hand: never due, so
+        # never rewritten) read as NULL: one such row failed every listing.
+        self.list_schedules = sa.select(
+            *(
+                readable_time(col).label(col.key) if isinstance(col.type, sa.DateTime) else col
+                for col in schedules.c
+            )
+        ).order_by(schedules.c.name)
 
         self.worker_seen = _worker_seen(workers)
         self.worker_gone = sa.delete(workers).where(workers.c.name == sa.bindparam("name"))

@@ -84,7 +84,7 @@ from sqlalchemy.orm import Session
 
 from . import _present
 from . import _queries as _q
-from ._queries import Queries
+from ._queries import Queries, readable_time
 from ._queries import status_literal as _lit
 from ._settle import settle_children
 from ._step_queries import StepQueries
@@ -331,7 +331,12 @@ class JobView:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JobView:
-        return cls(**{name: row[name] for name in _JOB_FIELDS})
+        return cls(
+            **{
+                name: _decoded(row[name]) if name in _JSON_FIELDS else row[name]
+                for name in _JOB_FIELDS
+            }
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: datetimes become ISO 8601 strings in UTC (its steps' too)."""
@@ -482,7 +487,10 @@ def queue_states(
         .subquery("per_queue")
     )
     p, q = per_queue.c, queues_table.c
-    lag = sa.cast(sa.extract("epoch", sa.func.now() - p.oldest_ready), sa.Float)
+    # A ready row at '-infinity' (written by hand): before PostgreSQL 17, subtracting it
+    # failed the whole statement ("cannot subtract infinite timestamps").
+    oldest = sa.case((sa.func.isfinite(p.oldest_ready), p.oldest_ready), else_=sa.null())
+    lag = sa.cast(sa.extract("epoch", sa.func.now() - oldest), sa.Float)
     stmt = (
         sa.select(
             sa.func.coalesce(p.queue, q.name).label("queue"),
@@ -591,8 +599,39 @@ def list_jobs(
         raise ValueError(f"limit must be an integer from 1 to {BIGINT_MAX}, got {limit!r}")
     table = _table(jobs)
     where = _job_filters(table, None, **filters)
-    columns = [table.c[name] for name in _JOB_FIELDS]
+    columns = [_readable(table.c[name]) for name in _JOB_FIELDS]
     return _read_jobs(bind, table, columns, where, limit, JobView.from_row)
+
+
+#: The JSON columns of a job, read as text and decoded row by row (see :func:`_readable`).
+_JSON_FIELDS = frozenset({"args", "meta", "progress", "result"})
+
+
+def _readable(column: Any) -> Any:
+    """``column`` as a job list reads it: a time Python cannot hold (``'infinity'``, BC)
+    as NULL, JSON as text, decoded row by row (:func:`_decoded`). Rows are not all written
+    by this library, and one such value failed the whole list, the dashboard's pages with
+    it, for as long as the row was kept: the row could not even be opened to purge it."""
+    if isinstance(column.type, sa.DateTime):
+        return readable_time(column).label(column.key)
+    if column.key in _JSON_FIELDS:
+        return sa.cast(column, sa.Text).label(column.key)
+    return column
+
+
+#: What a job list shows for a JSON value Python cannot read: ``{UNREADABLE_KEY: why}``.
+UNREADABLE_KEY = "sqla_jobs.unreadable"
+
+
+def _decoded(text: str | None) -> Any:
+    """A JSON column's text as Python, or what stands for a value Python cannot read (a
+    number of more than 4,300 digits, JSON nested too deep)."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return {UNREADABLE_KEY: f"{type(exc).__name__}: {exc}"}
 
 
 def _job_filters(
@@ -982,7 +1021,7 @@ def browse_jobs(
     where = _job_filters(table, before_id, **filters)
     parsed = parse_search(search)
     columns = [
-        *(c[name] for name in _SUMMARY_FIELDS),
+        *(_readable(c[name]) for name in _SUMMARY_FIELDS),
         sa.func.left(sa.cast(c.args, sa.Text), _PREVIEW + 1).label("args_text"),
         sa.func.right(c.last_error, 400).label("error_text"),
     ]

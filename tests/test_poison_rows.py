@@ -197,3 +197,43 @@ def test_a_scheduled_row_at_infinity_leaves_the_maintenance_working(
         found = worker_db.refresh(conn, app.poison_jobs, True)
     assert found.due_in is None  # the '-infinity' one was promoted, the other is never due
     assert count(db, status="ready") == 1 and count(db, status="scheduled") == 1
+
+
+def test_one_odd_row_leaves_the_job_and_schedule_lists_readable(db: sa.Engine, jobs: Any) -> None:
+    """Rows the CHECK constraints allow but Python cannot read (a time at infinity, a
+    number of 5,000 digits in the arguments), written by hand: the job lists, a job's
+    own page, the queue states and the schedule list read the others, and show such a
+    value as missing (a time) or as what it is (``{"sqla_jobs.unreadable": ...}``). One
+    of them failed every listing for as long as the row was kept (``keep_dead``: a week),
+    and the row could not be opened to purge it."""
+    from sqla_jobs import admin
+    from sqla_jobs.periodic import list_schedules
+
+    table = f'"{app.SCHEMA}".jobs'
+    with db.begin() as conn:
+        conn.exec_driver_sql(f"INSERT INTO {table} (task, queue, args) VALUES ('ok', 'q', '{{}}')")
+        conn.exec_driver_sql(
+            f"INSERT INTO {table} (task, queue, args, status, run_at) "
+            "VALUES ('odd', 'q', '{}', 'ready', '-infinity')"
+        )
+        conn.exec_driver_sql(
+            f"INSERT INTO {table} (task, queue, args, status, finished_at) "
+            f"VALUES ('huge', 'q', '{{\"n\": {'9' * 5000}}}', 'dead', 'infinity')"
+        )
+        conn.exec_driver_sql(
+            f'INSERT INTO "{app.SCHEMA}".jobs_schedules (name, task, cron, next_run_at) '
+            "VALUES ('odd', 't', '* * * * *', 'infinity')"
+        )
+    with db.connect() as conn:
+        listed = {j.task: j for j in admin.list_jobs(conn, jobs)}
+        assert set(listed) == {"ok", "odd", "huge"}
+        assert listed["odd"].run_at is None and listed["ok"].run_at is not None
+        assert "sqla_jobs.unreadable" in listed["huge"].args
+        assert listed["huge"].finished_at is None
+        page = admin.browse_jobs(conn, jobs)
+        assert {s.task for s in page.jobs} == {"ok", "odd", "huge"}
+        assert admin.get_job(conn, jobs, listed["odd"].id) is not None
+        [state] = admin.queue_states(conn, jobs)
+        assert state.ready == 2
+        [schedule] = list_schedules(conn, jobs)
+        assert schedule.name == "odd" and schedule.next_run_at is None
