@@ -2091,10 +2091,8 @@ def _ids(ids: Iterable[int] | None) -> list[int] | None:
 def _check_id(value: object, what: str) -> None:
     """A job id (or a bound on ids) the ``bigint`` column can hold: past it PostgreSQL
     refused the statement, aborting the caller's transaction with it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{what} must be integers, got {value!r}")
-    if not 1 <= value <= BIGINT_MAX:
-        raise ValueError(f"{what} must be from 1 to {BIGINT_MAX}, got {value}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= BIGINT_MAX:
+        raise ValueError(f"{what}: expected an integer from 1 to {BIGINT_MAX}, got {value!r}")
 
 
 def _filters(
