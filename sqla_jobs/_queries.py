@@ -1615,15 +1615,12 @@ def _ready_depth(t: sa.Table) -> sa.Select[Any]:
 # deleted, its children would wait for it for ever.
 def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
     c = t.c
-    unsettled = c.meta.op("@>", return_type=sa.Boolean)(
-        sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
-    )
     old = (
         sa.select(c.id)
         .where(
             c.status.in_([status_literal(s) for s in statuses]),
             c.finished_at < sa.func.now() - sa.bindparam("age", type_=sa.Interval),
-            sa.not_(sa.func.coalesce(unsettled, sa.false())),
+            sa.not_(sa.func.coalesce(_unsettled(c), sa.false())),
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)
@@ -1927,14 +1924,21 @@ def _link_child(t: sa.Table) -> sa.Update:
 # children were never settled (a parent that died by its lease: the rescue marks jobs dead
 # in bulk, and does not look for children), through <table>_meta (jsonb_path_ops serves
 # @>). Settling marks a parent {"sqla_jobs.children": false} (see _cancel_children).
+def _unsettled(c: Any) -> sa.ColumnElement[bool]:
+    """A parent whose children are not settled yet (``meta @> {"sqla_jobs.children":
+    true}``; NULL where ``meta`` is)."""
+    unsettled: sa.ColumnElement[bool] = c.meta.op("@>", return_type=sa.Boolean)(
+        sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
+    )
+    return unsettled
+
+
 def _unsettled_parents(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     return (
         sa.select(c.id)
         .where(
-            c.meta.op("@>", return_type=sa.Boolean)(
-                sa.text(f"""'{{"{CHILDREN_KEY}": true}}'::jsonb""")
-            ),
+            _unsettled(c),
             c.status.in_([status_literal(JobStatus.DEAD), status_literal(JobStatus.CANCELLED)]),
         )
         .limit(sa.bindparam("limit"))

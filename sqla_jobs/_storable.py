@@ -17,6 +17,7 @@ not UTF-8 (:class:`Encodings`).
 from __future__ import annotations
 
 import codecs
+import math
 import re
 import sys
 import weakref
@@ -47,6 +48,7 @@ __all__ = [
     "check_name",
     "database_encodings",
     "digits_unbounded",
+    "finite_seconds",
     "int_problem",
     "json_text_depth",
     "jsonb_problem",
@@ -113,6 +115,14 @@ INT_MAX_DIGITS = 4300
 #: datetime hold (before the year 10000), or the statement that computes them (a worker's
 #: completion, the retention duty) would fail, far from the call that asked for it.
 DURATION_MAX_SECONDS = 100 * 365.25 * 86400
+
+
+def finite_seconds(value: object, *, most: float = math.inf) -> bool:
+    """Whether ``value`` is a number of seconds a timer or an interval can hold: an int or
+    a float (not a bool), > 0 and at most ``most``, which NaN and infinity are not."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return 0 < value <= most and value < math.inf
 
 
 def text_problem(text: str) -> str | None:

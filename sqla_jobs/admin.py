@@ -93,6 +93,7 @@ from ._storable import (
     DURATION_MAX_SECONDS,
     QUEUE_MAX_BYTES,
     check_name,
+    finite_seconds,
     json_text_depth,
     text_problem,
 )
@@ -502,11 +503,7 @@ def queue_states(
         .select_from(per_queue.join(queues_table, p.queue == q.name, full=True))
         .order_by("queue")
     )
-    if finished and not (
-        isinstance(window, (int, float))
-        and not isinstance(window, bool)
-        and 0 < window <= DURATION_MAX_SECONDS
-    ):
+    if finished and not finite_seconds(window, most=DURATION_MAX_SECONDS):
         raise ValueError(
             f"window must be a number of seconds from 0 to {DURATION_MAX_SECONDS:.0f}, "
             f"got {window!r}"

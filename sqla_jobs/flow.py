@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import psycopg
 import sqlalchemy as sa
 
 from ._enqueue import _sync, bind, link, place_on_session
@@ -319,7 +320,7 @@ class _Lost(Exception):
 def _lost(raw: Any, exc: Exception) -> bool:
     """Whether ``exc`` (a database error from a look, or from the wait for a
     notification, which psycopg raises itself) came with the connection lost."""
-    if not isinstance(exc, (sa.exc.DBAPIError, _psycopg_error())):
+    if not isinstance(exc, (sa.exc.DBAPIError, psycopg.Error)):
         return False
     return getattr(exc, "connection_invalidated", False) or bool(
         raw is not None and (raw.closed or getattr(raw, "broken", False))
@@ -356,13 +357,6 @@ def _listen_for(engine: sa.Engine, queries: Queries, clock: _Clock) -> Any:
                         pass
                 except Exception:
                     conn.invalidate()
-
-
-def _psycopg_error() -> type[Exception]:
-    """psycopg's base error (what ``notifies`` raises, outside SQLAlchemy)."""
-    import psycopg
-
-    return psycopg.Error
 
 
 def _wait_notify(raw: Any, payload: str, seconds: float) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, Protocol, overload
@@ -36,7 +35,7 @@ from . import flow as _flow
 from . import steps as _steps
 from ._queries import Queries
 from ._step_queries import StepQueries
-from ._storable import DURATION_MAX_SECONDS, shorten, text_problem
+from ._storable import DURATION_MAX_SECONDS, finite_seconds, shorten, text_problem
 from ._tasks import (
     _READY,
     _TASK_OPTION_SET,
@@ -358,7 +357,7 @@ class Jobs(Registry):
             attempts = max_attempts if max_attempts is not None else self.max_attempts
             _check_max_attempts(attempts)
             _check_priority(priority)
-            if timeout is not None and not _finite_seconds(timeout):
+            if timeout is not None and not finite_seconds(timeout):
                 # NaN never fired, True was one second, "5" failed on a comparison.
                 raise ValueError(
                     f"task {task_name!r}: timeout must be a finite number of seconds > 0, "
@@ -957,13 +956,3 @@ class Jobs(Registry):
             except Exception:
                 log.exception("enqueue hook %r failed", hook)
         return prepared or None
-
-
-def _finite_seconds(value: object) -> bool:
-    """A number of seconds a timer can count down: finite and > 0 (not a bool)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return 0 < value < math.inf
-    except OverflowError:  # pragma: no cover - an int compares with inf without one
-        return False

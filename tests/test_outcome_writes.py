@@ -11,7 +11,9 @@ up the rest of its batch the same way.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +25,33 @@ from sqla_jobs.worker.job import Outcome, OutcomeKind
 
 from . import app
 from .helpers import rows, wait_for
+
+
+@contextlib.contextmanager
+def refusing(db: sa.Engine, name: str, when: str, body: str) -> Iterator[None]:
+    """A trigger of the application's on the jobs table that raises (``body``, PL/pgSQL)
+    ``when`` (``BEFORE DELETE``, ``BEFORE UPDATE ... WHEN (...)``), for the block."""
+    table = f'"{app.SCHEMA}".jobs'
+    function = f'"{app.SCHEMA}".{name}'
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE FUNCTION {function}() RETURNS trigger AS $$ BEGIN {body} END $$ "
+                "LANGUAGE plpgsql"
+            )
+        )
+        conn.execute(
+            sa.text(
+                f"CREATE TRIGGER {name} {when.replace('ON JOBS', f'ON {table}')} "
+                f"EXECUTE FUNCTION {function}()"
+            )
+        )
+    try:
+        yield
+    finally:
+        with db.begin() as conn:
+            conn.execute(sa.text(f"DROP TRIGGER IF EXISTS {name} ON {table}"))
+            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {function}()"))
 
 
 @pytest.mark.parametrize(
@@ -63,23 +92,14 @@ def test_a_row_the_database_refuses_is_left_to_its_lease_and_the_rest_is_written
         started.release()
         go.wait(10)
 
-    table = f'"{app.SCHEMA}".jobs'
-    refuse = f'"{app.SCHEMA}".refuse_poison'
-    with db.begin() as conn:
-        conn.execute(
-            sa.text(
-                f"CREATE FUNCTION {refuse}() RETURNS trigger AS $$ BEGIN "
-                "IF (OLD.args->>'poison')::boolean THEN RAISE EXCEPTION 'not this one'; "
-                "END IF; RETURN OLD; END $$ LANGUAGE plpgsql"
-            )
-        )
-        conn.execute(
-            sa.text(
-                f"CREATE TRIGGER refuse_poison BEFORE DELETE ON {table} "
-                f"FOR EACH ROW EXECUTE FUNCTION {refuse}()"
-            )
-        )
-    try:
+    refuse = refusing(
+        db,
+        "refuse_poison",
+        "BEFORE DELETE ON JOBS FOR EACH ROW",
+        "IF (OLD.args->>'poison')::boolean THEN RAISE EXCEPTION 'not this one'; END IF; "
+        "RETURN OLD;",
+    )
+    with refuse:
         with Session.begin() as session:
             poison = session.enqueue(work, poison=True)
             for _ in range(5):
@@ -105,10 +125,6 @@ def test_a_row_the_database_refuses_is_left_to_its_lease_and_the_rest_is_written
             go.set()
             worker.stop()
             thread.join(30)
-    finally:
-        with db.begin() as conn:
-            conn.execute(sa.text(f"DROP TRIGGER IF EXISTS refuse_poison ON {table}"))
-            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {refuse}()"))
 
 
 def test_what_committed_before_a_batchs_flow_part_failed_is_counted(
@@ -133,28 +149,14 @@ def test_what_committed_before_a_batchs_flow_part_failed_is_counted(
         a, k = session.claim("q", limit=2)
     kept_id = k.id
     batch = [Outcome(OutcomeKind.SUCCEEDED, a), Outcome(OutcomeKind.SUCCEEDED, k, result="7")]
-    table = f'"{app.SCHEMA}".jobs'
-    refuse = f'"{app.SCHEMA}".refuse_results'
-    with db.begin() as conn:
-        conn.execute(
-            sa.text(
-                f"CREATE FUNCTION {refuse}() RETURNS trigger AS $$ BEGIN "
-                "RAISE EXCEPTION 'no results today'; END $$ LANGUAGE plpgsql"
-            )
-        )
-        conn.execute(
-            sa.text(
-                f"CREATE TRIGGER refuse_results BEFORE UPDATE ON {table} FOR EACH ROW "
-                f"WHEN (NEW.result IS NOT NULL) EXECUTE FUNCTION {refuse}()"
-            )
-        )
-    try:
-        with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            written = write_outcomes(conn, jobs.queries, batch)
-    finally:
-        with db.begin() as conn:
-            conn.execute(sa.text(f"DROP TRIGGER IF EXISTS refuse_results ON {table}"))
-            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {refuse}()"))
+    refuse = refusing(
+        db,
+        "refuse_results",
+        "BEFORE UPDATE ON JOBS FOR EACH ROW WHEN (NEW.result IS NOT NULL)",
+        "RAISE EXCEPTION 'no results today';",
+    )
+    with refuse, db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        written = write_outcomes(conn, jobs.queries, batch)
     assert written.tally == {"q": [1, 0, 0]}
     assert "no results today" in str(written.rest_error)
     assert [(r.id, r.status) for r in rows(db)] == [(kept_id, "running")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -186,11 +186,20 @@ def claim_limited(
             return _limited_found(result, names)
         stepwise = _claim_limited_stepwise(conn, queries, statement, params)
     except sa.exc.DBAPIError as exc:
-        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+        busy = _busy(exc)
+        if busy is None:
             raise
-        # Rolled back, the connection idle: the queue's lock is another transaction's.
-        return LimitedClaim([], held=True, rate_free_in=None, busy=True)
+        return busy
     return _limited_found(stepwise, list(stepwise[0]._fields) if stepwise else [])
+
+
+def _busy(exc: sa.exc.DBAPIError) -> LimitedClaim | None:
+    """What a limited claim found when its queue's lock (or a row it writes) was another
+    transaction's past ``CLAIM_LOCK_TIMEOUT``: nothing, the queue busy (its transaction
+    rolled back, the connection idle); None for any other error."""
+    if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+        return None
+    return LimitedClaim([], held=True, rate_free_in=None, busy=True)
 
 
 def _claimed_rows(result: Sequence[Any]) -> list[Any]:
@@ -351,7 +360,7 @@ class Written:
     """What :func:`write_and_claim` did: the outcomes written (as :func:`write_outcomes`
     counts them), and the claim that rode with them, or why it could not."""
 
-    tally: Tally = field(default_factory=dict)
+    tally: Tally
     claim: LimitedClaim | None = None
     #: The claim's database error: the outcomes were written all the same.
     claim_error: sa.exc.DBAPIError | None = None
@@ -401,8 +410,8 @@ def write_and_claim(
             if exc.connection_invalidated:
                 raise  # nothing was written; the completer writes the batch again
             alone = write_outcomes(conn, queries, batch)
-            if getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
-                busy = LimitedClaim([], held=True, rate_free_in=None, busy=True)
+            busy = _busy(exc)
+            if busy is not None:
                 return Written(alone.tally, busy, rest_error=alone.rest_error)
             return Written(alone.tally, claim_error=exc, rest_error=alone.rest_error)
         # The claim has committed: its jobs are this worker's, whatever follows.
