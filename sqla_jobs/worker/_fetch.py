@@ -354,8 +354,11 @@ class Fetcher(Duty):
             self.time_held.discard(queue)
             if found.busy:
                 # Its lock was another transaction's for longer than a claim takes (an
-                # application's session.claim left open): the other queues go on.
+                # application's session.claim left open, this worker's own completer on
+                # a loaded machine): the other queues go on, and this one is tried again
+                # once the hold has passed, held by time (run_until_empty waits for it).
                 self.held[queue] = time.monotonic() + core.settings.poll_interval
+                self.time_held.add(queue)
             elif len(found.rows) < params["limit"] and found.held:
                 if found.rate_free_in is not None or found.key_free_in is not None:
                     self.time_held.add(queue)

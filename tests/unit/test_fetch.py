@@ -302,3 +302,23 @@ def test_a_worker_drops_the_floor_every_so_often() -> None:
     assert fetcher.fair_floor("shared", 100.0 + FAIR_FLOOR_FOR / 2) == ("burst", 42)
     assert fetcher.fair_floor("shared", 100.0 + FAIR_FLOOR_FOR) is None
     assert fetcher.floors["shared"] == (None, 100.0 + FAIR_FLOOR_FOR)
+
+
+def test_a_busy_limited_queue_is_held_by_time_not_for_good() -> None:
+    """A limited claim that found its queue's lock taken past its lock timeout (another
+    transaction's, or this worker's own completer's on a loaded machine) holds the queue
+    for a while, by time: ``run_until_empty`` must wait for it, not call it empty (it
+    ended with a job of a fifo queue left, in a loaded CI run)."""
+    jobs = Jobs(app.Job)
+    jobs.queue("lim", concurrency=5)
+
+    @jobs.task(queue="lim", name="limited")
+    def limited() -> None: ...
+
+    core = WorkerCore(jobs, WorkerSettings(queues=("lim",)), FakeDriver())
+    fetcher = core.fetcher
+    params = fetcher.limited_params("lim", {"queue_name": "lim", "limit": 10})  # type: ignore[typeddict-item]
+    fetcher.limited_claimed("lim", params, LimitedClaim([], True, None, busy=True))
+    assert "lim" in fetcher.held and "lim" in fetcher.time_held
+    steps, held_for_good = run_steps(fetcher.held_for_good(), lambda step: False)
+    assert held_for_good is False and steps == []  # not asked whether anything runs
