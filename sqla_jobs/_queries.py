@@ -227,6 +227,22 @@ def readable_time(column: Any) -> sa.ColumnElement[Any]:
     return sa.case((readable, column), else_=sa.null())
 
 
+#: What a listing shows for a JSON value Python cannot read: ``{UNREADABLE_KEY: why}``.
+UNREADABLE_KEY = "sqla_jobs.unreadable"
+
+
+def readable_json(text: str | None) -> Any:
+    """A JSON column read as text (``CAST(... AS text)``), as Python, or what stands for a
+    value Python cannot read (a number of more than 4,300 digits, JSON nested too deep).
+    Read by the driver, such a value raised for the whole listing it was in."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return {UNREADABLE_KEY: f"{type(exc).__name__}: {exc}"}
+
+
 def claimed_columns(t: sa.Table) -> list[sa.ColumnElement[Any]]:
     """The columns a worker reads from a claimed row (:data:`CLAIMED_COLUMNS`), in a form
     the driver can always read, so that one row cannot break the claim of its batch.
@@ -2655,10 +2671,15 @@ class Queries:
             .returning(schedules.c.name)
         )
         # Times Python cannot hold (a row at 'infinity', written by hand: never due, so
-        # never rewritten) read as NULL: one such row failed every listing.
+        # never rewritten) read as NULL, and the arguments as text, decoded row by row
+        # (readable_json): one such row failed every listing.
         self.list_schedules = sa.select(
             *(
-                readable_time(col).label(col.key) if isinstance(col.type, sa.DateTime) else col
+                readable_time(col).label(col.key)
+                if isinstance(col.type, sa.DateTime)
+                else sa.cast(col, sa.Text).label(col.key)
+                if col.key == "args"
+                else col
                 for col in schedules.c
             )
         ).order_by(schedules.c.name)

@@ -84,7 +84,7 @@ from sqlalchemy.orm import Session
 
 from . import _present
 from . import _queries as _q
-from ._queries import Queries, readable_time
+from ._queries import UNREADABLE_KEY, Queries, readable_json, readable_time
 from ._queries import status_literal as _lit
 from ._settle import settle_children
 from ._step_queries import StepQueries
@@ -124,6 +124,7 @@ __all__ = [
     "PURGEABLE",
     "PURGEABLE_BY_DEFAULT",
     "RETRYABLE",
+    "UNREADABLE_KEY",
     "Action",
     "ActionName",
     "ActionReport",
@@ -334,7 +335,7 @@ class JobView:
     def from_row(cls, row: Mapping[str, Any]) -> JobView:
         return cls(
             **{
-                name: _decoded(row[name]) if name in _JSON_FIELDS else row[name]
+                name: readable_json(row[name]) if name in _JSON_FIELDS else row[name]
                 for name in _JOB_FIELDS
             }
         )
@@ -606,7 +607,7 @@ _JSON_FIELDS = frozenset({"args", "meta", "progress", "result"})
 
 def _readable(column: Any) -> Any:
     """``column`` as a job list reads it: a time Python cannot hold (``'infinity'``, BC)
-    as NULL, JSON as text, decoded row by row (:func:`_decoded`). Rows are not all written
+    as NULL, JSON as text, decoded row by row (``readable_json``). Rows are not all written
     by this library, and one such value failed the whole list, the dashboard's pages with
     it, for as long as the row was kept: the row could not even be opened to purge it."""
     if isinstance(column.type, sa.DateTime):
@@ -614,21 +615,6 @@ def _readable(column: Any) -> Any:
     if column.key in _JSON_FIELDS:
         return sa.cast(column, sa.Text).label(column.key)
     return column
-
-
-#: What a job list shows for a JSON value Python cannot read: ``{UNREADABLE_KEY: why}``.
-UNREADABLE_KEY = "sqla_jobs.unreadable"
-
-
-def _decoded(text: str | None) -> Any:
-    """A JSON column's text as Python, or what stands for a value Python cannot read (a
-    number of more than 4,300 digits, JSON nested too deep)."""
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        return {UNREADABLE_KEY: f"{type(exc).__name__}: {exc}"}
 
 
 def _job_filters(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import namedtuple
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ._enqueue import insert_rows
+from ._queries import readable_json
 from ._tasks import check_schedule_name
 from .cron import Schedule, check_cron, check_timezone, latest_tick, next_tick
 from .errors import EnqueueError
@@ -119,8 +121,16 @@ def remove_schedule(session: sa.orm.Session | sa.Connection, jobs: Jobs, name: s
 
 
 def list_schedules(session: sa.orm.Session | sa.Connection, jobs: Jobs) -> list[Any]:
-    """Every schedule row (code-declared and run-time), by name."""
-    return list(session.execute(jobs.queries.list_schedules))
+    """Every schedule row (code-declared and run-time), by name, as named tuples of the
+    schedule table's columns.
+
+    Rows are not all written through :func:`add_schedule`: arguments Python cannot read
+    (JSON nested a thousand deep) come back as ``{"sqla_jobs.unreadable": why}`` and a
+    time it cannot hold (``'infinity'``) as None, rather than failing the whole list and
+    the dashboard's page with it."""
+    result = session.execute(jobs.queries.list_schedules)
+    row_type = namedtuple("ScheduleRow", list(result.keys()))  # type: ignore[misc]
+    return [row_type(**{**row._asdict(), "args": readable_json(row.args)}) for row in result]
 
 
 def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:

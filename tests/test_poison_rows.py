@@ -224,6 +224,11 @@ def test_one_odd_row_leaves_the_job_and_schedule_lists_readable(db: sa.Engine, j
             f'INSERT INTO "{app.SCHEMA}".jobs_schedules (name, task, cron, next_run_at) '
             "VALUES ('odd', 't', '* * * * *', 'infinity')"
         )
+        deep = "[" * 5000 + "]" * 5000
+        conn.exec_driver_sql(
+            f'INSERT INTO "{app.SCHEMA}".jobs_schedules (name, task, cron, args) '
+            f"VALUES ('deep', 't', '* * * * *', '{{\"a\": {deep}}}')"
+        )
     with db.connect() as conn:
         listed = {j.task: j for j in admin.list_jobs(conn, jobs)}
         assert set(listed) == {"ok", "odd", "huge"}
@@ -235,5 +240,6 @@ def test_one_odd_row_leaves_the_job_and_schedule_lists_readable(db: sa.Engine, j
         assert admin.get_job(conn, jobs, listed["odd"].id) is not None
         [state] = admin.queue_states(conn, jobs)
         assert state.ready == 2
-        [schedule] = list_schedules(conn, jobs)
-        assert schedule.name == "odd" and schedule.next_run_at is None
+        deep, odd = list_schedules(conn, jobs)
+        assert odd.name == "odd" and odd.next_run_at is None and odd.args == {}
+        assert deep.name == "deep" and "sqla_jobs.unreadable" in deep.args
