@@ -2008,6 +2008,25 @@ def cancelled_by_parent(t: sa.Table) -> sa.ColumnElement[bool]:
     )
 
 
+def cancelled_while_held(t: sa.Table) -> sa.ColumnElement[bool]:
+    """A cancelled job that was held for its parents when it was cancelled: by a parent
+    that ended, or by an operator while it still waited (``waiting > 0``). A retry brings
+    it back waiting for the parents still to run (see :func:`rearm_children`); made
+    ready as a plain job, it ran before its parents, and a group callback without the
+    results it is called with."""
+    waited = sa.and_(
+        t.c.status == status_literal(JobStatus.CANCELLED), sa.func.coalesce(t.c.waiting, 0) > 0
+    )
+    return sa.or_(cancelled_by_parent(t), waited)
+
+
+def blocked_by_parent(t: sa.Table) -> sa.ColumnElement[bool]:
+    """Whether a parent of the row's ended (dead or cancelled) in a way that keeps it from
+    running: not a child that runs anyway (``on_parent_failure="run"``), which only waits
+    for the parents still to run."""
+    return sa.and_(ended_parent(t), ~_has_key(t.c, RUN_ANYWAY_KEY))
+
+
 # Retried parents whose children were settled (meta {"sqla_jobs.children": false}):
 # marked as having children to settle again, so that their next end settles them (and a
 # rescue that marks one dead again leaves it to the retention pass, which looks for
@@ -2046,10 +2065,12 @@ def _rewait_children(t: sa.Table) -> sa.Update:
 # parent's completion or failure waits for, so that the next statement's count of the
 # parents still to run cannot miss an outcome: one committed before the lock is seen
 # there, one after it finds the child waiting again and settles it.
-def lock_rearm_parents(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Select[Any]:
+def lock_rearm_parents(
+    t: sa.Table, which: sa.ColumnElement[bool], *, chosen: bool = False
+) -> sa.Select[Any]:
     c = t.c
     up = t.alias("parent_of")
-    candidates = sa.select(sa.func.unnest(c.parents)).where(cancelled_by_parent(t), which)
+    candidates = sa.select(sa.func.unnest(c.parents)).where(_rearmed(t, chosen), which)
     return (
         sa.select(up.c.id)
         .where(up.c.id.in_(candidates))
@@ -2058,20 +2079,30 @@ def lock_rearm_parents(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Select[
     )
 
 
+def _rearmed(t: sa.Table, chosen: bool) -> sa.ColumnElement[bool]:
+    """The cancelled jobs :func:`rearm_children` brings back (see there)."""
+    return cancelled_while_held(t) if chosen else cancelled_by_parent(t)
+
+
 # Bring back the children (``which``) cancelled because a parent ended, once none of
 # their parents is dead or cancelled: held again, waiting for the parents still to run
 # (ready now if none is, a group callback with its results), no longer marked, with the
 # cancel's reason cleared (a held child has run no attempt: it had no error before); one
 # that has children of its own is marked so again. Returns each one's id, queue and
 # status, and whether its own children were settled (the next step of the walk, see
-# admin.retry_report). Run after lock_rearm_parents.
-def rearm_children(t: sa.Table, which: sa.ColumnElement[bool]) -> sa.Update:
+# admin.retry_report). Run after lock_rearm_parents. ``chosen``: ``which`` are jobs an
+# operator retries by name, who also brings back what they cancelled while it was held
+# (cancelled_while_held); the walk down from retried parents brings back only what
+# those parents cancelled.
+def rearm_children(
+    t: sa.Table, which: sa.ColumnElement[bool], *, chosen: bool = False
+) -> sa.Update:
     c = t.c
     target = (
         sa.select(
             c.id, sa.func.coalesce(_meta_says(c, CHILDREN_KEY, False), sa.false()).label("settled")
         )
-        .where(cancelled_by_parent(t), which, ~ended_parent(t))
+        .where(_rearmed(t, chosen), which, ~blocked_by_parent(t))
         .with_for_update(key_share=True)
         .cte("target")
     )

@@ -1245,7 +1245,7 @@ def _retry_where(
             ),
         )
     )
-    held = sa.and_(_q.cancelled_by_parent(table), _q.ended_parent(table))
+    held = sa.and_(_q.cancelled_while_held(table), _q.blocked_by_parent(table))
     return where, sa.or_(held, _still_running(table))
 
 
@@ -1270,14 +1270,16 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     queries = _queries(jobs)
     where, held = _retry_where(table, selection)
     c = table.c
-    # Cancelled children among the selection: held back while a job they wait for is dead
-    # or cancelled (the walk below may bring them back), else back to waiting. Both as the
-    # selection was before this retry, as the dry run counts them.
+    # Cancelled children among the selection (by a parent, or by an operator while they
+    # waited for their parents): held back while a job they wait for is dead or cancelled
+    # (the walk below may bring them back), else back to waiting. Both as the selection
+    # was before this retry, as the dry run counts them.
+    ended = sa.case((_q.blocked_by_parent(table), _q.first_ended_parent(table)), else_=sa.null())
     marked = _execute(
         bind,
-        sa.select(c.id, _q.first_ended_parent(table).label("ended")).where(
-            *where, _q.cancelled_by_parent(table)
-        ),
+        sa.select(
+            c.id, ended.label("ended"), _q.cancelled_by_parent(table).label("by_parent")
+        ).where(*where, _q.cancelled_while_held(table)),
     ).all()
     held_back = [r for r in marked if r.ended is not None]
     leased = _execute(
@@ -1286,8 +1288,8 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     where.append(~held)
     retried = (
         sa.update(table)
-        # A child cancelled by its parent comes back waiting for its parents, not ready.
-        .where(*where, ~_q.cancelled_by_parent(table))
+        # A child cancelled while held comes back waiting for its parents, not ready.
+        .where(*where, ~_q.cancelled_while_held(table))
         .values(
             status=JobStatus.READY,
             run_at=sa.func.now(),
@@ -1303,8 +1305,8 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     free = [r.id for r in marked if r.ended is None]
     if free:
         chosen = c.id.in_(free)
-        _execute(bind, _q.lock_rearm_parents(table, chosen)).all()
-        selected = _execute(bind, _q.rearm_children(table, chosen)).all()
+        _execute(bind, _q.lock_rearm_parents(table, chosen, chosen=True)).all()
+        selected = _execute(bind, _q.rearm_children(table, chosen, chosen=True)).all()
     # What the retried jobs had cancelled (or counted down) by ending comes back, down the
     # chain: each step's parents are the last step's jobs whose children were settled.
     frontier: list[int] = [r.id for r in selected if r.settled]
@@ -1322,7 +1324,7 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     ready = {r.queue for r in (*selected, *walked) if r.status == JobStatus.READY}
     _notify(bind, table, {r.queue for r in rows} | ready)
     back = {r.id for r in walked}
-    blocked = [(r.id, _held_reason(r.ended)) for r in held_back if r.id not in back]
+    blocked = [(r.id, _held_reason(r.ended, r.by_parent)) for r in held_back if r.id not in back]
     blocked += [
         (
             r.id,
@@ -1356,8 +1358,10 @@ def _past_uncommitted_twins(bind: Bind, table: sa.Table, retried: sa.Update) -> 
     return list(_execute(bind, retried).all())
 
 
-def _held_reason(ended: str | None) -> str:
+def _held_reason(ended: str | None, by_parent: bool = True) -> str:
     parent, _, status = (ended or "? dead").partition(" ")
+    if not by_parent:  # cancelled by an operator while it waited
+        return f"job {parent}, which it waits for, is {status}: retry that job first"
     return (
         f"it was cancelled because job {parent}, which it waits for, ended; that job is "
         f"{status}: retry it, and the jobs it cancelled come back with it"

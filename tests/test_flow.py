@@ -846,6 +846,57 @@ def test_an_operator_cancelled_child_stays_cancelled_when_its_parent_is_retried(
     assert state[b.id][0] == "cancelled" and state[kept.id] == ("scheduled", 1)
 
 
+def test_a_job_an_operator_cancelled_while_it_waited_is_retried_waiting(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Cancelled by an operator while held for its parents, then retried: it waits for
+    the parents still to run, not ready at once (it ran before its parent, and a group
+    callback without its results: a TypeError); one that runs anyway whatever its
+    parents' outcome is not held back by a dead one; one whose parent is dead says so."""
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    @jobs.task(queue="flow", keep_result=True)
+    def member(n: int) -> int:
+        return n
+
+    called: list[Any] = []
+
+    @jobs.task(queue="flow")
+    def callback(results: list[int]) -> None:
+        called.append(results)
+
+    from sqla_jobs import Worker
+
+    with Session.begin() as session:
+        parent = session.enqueue(step.with_options(delay=3600))
+        child = session.enqueue(step.with_options(after=[parent]))
+        _, then = jobs.group(
+            session,
+            [(member, member.args(1)), (member, member.args(2))],
+            then=(callback, callback.args()),
+        )
+        dead, live = session.enqueue(step), session.enqueue(step.with_options(delay=3600))
+        anyway = session.enqueue(step.with_options(after=[dead, live], on_parent_failure="run"))
+        blocked = session.enqueue(step.with_options(after=[dead]))
+    with db.begin() as conn:
+        cancelled = [child.id, then.id, anyway.id, blocked.id]
+        assert admin.cancel_jobs(conn, jobs, ids=cancelled) == 4
+        conn.execute(sa.update(app.Job).where(app.Job.id == dead.id).values(status="dead"))
+    with db.begin() as conn:
+        report = admin.retry_report(conn, jobs, ids=cancelled)
+    assert sorted(report.acted) == sorted([child.id, then.id, anyway.id])
+    assert [i for i, _ in report.skipped] == [blocked.id]
+    assert f"job {dead.id}, which it waits for, is dead" in report.skipped[0][1]
+    state = _state(db)
+    assert state[child.id] == ("scheduled", 1) and state[then.id] == ("scheduled", 2)
+    assert state[anyway.id] == ("scheduled", 1) and state[blocked.id][0] == "cancelled"
+    Worker(jobs, db, queues=["flow"], listen=False).run_until_empty(timeout=10)
+    assert called == [[1, 2]]
+    assert _state(db)[child.id][0] == "scheduled"  # its parent has not run
+
+
 def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
