@@ -1486,7 +1486,10 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
         .returning(
             c.id,
             c.status,
-            _q._has_children(table),
+            # Unsettled only: a dead or cancelled parent whose children were settled when
+            # it ended has {"sqla_jobs.children": false}, and settling them again counted
+            # a child that runs anyway down twice (it ran before its other parents).
+            sa.func.coalesce(_q._unsettled(c), sa.false()).label("has_children"),
             _q.announce_end(c, result_channel(table), unfinished),
         )
     )

@@ -923,6 +923,33 @@ def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
         assert _state(db)[r.id] == (("scheduled", 1) if parent is q else ("ready", 0))
 
 
+def test_purging_a_settled_parent_does_not_count_its_children_down_again(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A cancelled parent settled its child (which runs anyway) when it ended; purged
+    later, it is not settled again: the child ran before its other parent (counted down
+    twice), while an unsettled parent (deleted before it ran) still is."""
+
+    @jobs.task(queue="flow")
+    def step() -> None: ...
+
+    with Session.begin() as session:
+        a, q = session.enqueue(step), session.enqueue(step.with_options(delay=3600))
+        r = session.enqueue(step.with_options(after=[a, q], on_parent_failure="run"))
+        unrun = session.enqueue(step.with_options(delay=3600))
+        held = session.enqueue(step.with_options(after=[unrun]))
+    with db.begin() as conn:
+        admin.cancel_jobs(conn, jobs, ids=[a.id])
+    assert _state(db)[r.id] == ("scheduled", 1)
+    with db.begin() as conn:
+        assert (
+            admin.purge_jobs(conn, jobs, [a.id, unrun.id], status=["cancelled", "scheduled"]) == 2
+        )
+    state = _state(db)
+    assert state[r.id] == ("scheduled", 1)  # still waits for q
+    assert state[held.id][0] == "cancelled"  # its parent will never run
+
+
 def test_linking_to_an_ended_parent_is_settled_once(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
