@@ -1423,6 +1423,8 @@ def _snooze(t: sa.Table) -> sa.Update:
             max_attempts=c.max_attempts + 1,
             locked_until=None,
             progress=_latest_progress(c, sa.bindparam("progress", None, type_=sa.Text)),
+            # Why, where the worker says (a task it does not know); else as it was.
+            last_error=sa.func.coalesce(sa.bindparam("error", None, type_=sa.Text), c.last_error),
         )
         .returning(c.id)
     )
@@ -1433,14 +1435,18 @@ class SnoozeParams(TypedDict):
     attempt: int
     delay: timedelta
     progress: str | None
+    error: str | None
 
 
-def snooze_params(claim: Claim, delay: float, progress: str | None = None) -> SnoozeParams:
+def snooze_params(
+    claim: Claim, delay: float, progress: str | None = None, error: str | None = None
+) -> SnoozeParams:
     return {
         "job_id": claim.id,
         "attempt": claim.attempts,
         "delay": interval(delay),
         "progress": progress,
+        "error": error,
     }
 
 

@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -262,22 +263,48 @@ def test_priority_then_run_at_then_id_order(Session: Any, db: sa.Engine, jobs: J
     assert [r.args["n"] for r in claim(db, jobs, "q", limit=1)] == [0]
 
 
-def test_unknown_task_fails_with_the_reason_and_follows_the_retry_policy(
+def test_a_task_the_worker_does_not_know_is_left_for_one_that_does(
     db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:
+    """Newer code enqueued a task this (older) worker does not know: snoozed, its attempt
+    not counted and the reason kept, so that a worker that knows it runs it (counted as a
+    failure, older workers spent its attempts: one of max_attempts=1 died unrun). A day
+    after its enqueue it fails by the retry policy, to end dead where an operator sees it."""
     with db.begin() as conn:
-        conn.execute(sa.insert(app.Job).values(task="gone.task", queue="q", max_attempts=2))
-
-    @jobs.task(queue="q")
-    def other() -> None:
-        pass
+        new, old = conn.execute(
+            sa.insert(app.Job).returning(app.Job.id),
+            [
+                {"task": "new.task", "queue": "q", "max_attempts": 1},
+                {"task": "gone.task", "queue": "q", "max_attempts": 2},
+            ],
+        ).scalars()
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == old)
+            .values(created_at=sa.func.now() - timedelta(days=1, minutes=1))
+        )
 
     worker = make_worker(jobs, db, queues=["q"], listen=False)
-    assert worker.run_until_empty(wait_scheduled=5, timeout=30) == 2
-    (job,) = rows(db)
-    assert job.status == "dead"
-    assert job.attempts == 2
-    assert "unknown task 'gone.task'" in job.last_error
+    assert worker.run_until_empty(timeout=30) == 2
+    state = {r.id: r for r in rows(db)}
+    assert (state[new].status, state[new].attempts, state[new].max_attempts) == ("scheduled", 1, 2)
+    assert "unknown task 'new.task'" in state[new].last_error
+    assert (state[old].status, state[old].attempts) == ("scheduled", 1)  # retried, counted
+    assert state[old].max_attempts == 2
+
+    ran: list[int] = []
+
+    @jobs.task(name="new.task", queue="q")
+    def new_task() -> None:
+        ran.append(1)
+
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).values(run_at=sa.func.now()))
+    assert make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=30) == 2
+    state = {r.id: r for r in rows(db)}
+    assert ran == [1] and new not in state  # done (and not kept)
+    assert state[old].status == "dead" and state[old].attempts == 2
+    assert "unknown task 'gone.task'" in state[old].last_error
 
 
 def test_handler_exceptions_never_kill_the_worker(

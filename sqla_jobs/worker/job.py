@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -290,16 +290,30 @@ def bounded_delay(seconds: float) -> float:
     return max(0.0, seconds)
 
 
+#: How long after its enqueue a job whose task a worker does not know is left for a
+#: worker that does (snoozed, its attempt not counted) before it fails as any other.
+UNKNOWN_TASK_GRACE = timedelta(days=1)
+
+
 def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
-    """A job whose task this worker does not know: a failure that follows the default
-    retry policy, so a deploy that lags behind loses nothing."""
-    outcome = Outcome(
-        OutcomeKind.FAILED,
-        job,
-        error=f"unknown task {job.task!r}: no handler of that name is registered in "
-        f"worker {worker}",
-        delay=retry_delay(jobs.retry, job, job.task),
-    )
+    """A job whose task this worker does not know, most likely enqueued by newer code
+    during a rolling deploy: snoozed by the registry's retry policy, its attempt not
+    counted, so that a worker that knows the task takes it. Counted as a failure, an
+    older worker spent the job's attempts, and one of ``max_attempts=1`` died unrun.
+
+    Up to :data:`UNKNOWN_TASK_GRACE` after its enqueue: a task that no worker will ever
+    know (a misspelt name, a removed task) then fails by the default policy and ends dead,
+    where an operator sees it, rather than wait for ever."""
+    error = f"unknown task {job.task!r}: no handler of that name is registered in worker {worker}"
+    delay = retry_delay(jobs.retry, job, job.task)
+    created = job.created_at
+    if created is not None and datetime.now(timezone.utc) - created < UNKNOWN_TASK_GRACE:
+        outcome = Outcome(OutcomeKind.SNOOZED, job, error=error, delay=delay)
+        job_log(
+            logging.ERROR, job, "unknown task, left for a worker that knows it", outcome="snoozed"
+        )
+        return outcome
+    outcome = Outcome(OutcomeKind.FAILED, job, error=error, delay=delay)
     job_log(logging.ERROR, job, "unknown task, failing it", outcome=outcome_name(outcome))
     return outcome
 
@@ -555,7 +569,7 @@ def outcome_statements(
             fail = queries.fail_flow if is_flow(o.job) else queries.fail
             statements.append((fail, dict(params)))
         elif o.kind is OutcomeKind.SNOOZED:
-            params_ = snooze_params(o.job, o.delay, o.job.unwritten_progress())
+            params_ = snooze_params(o.job, o.delay, o.job.unwritten_progress(), o.error)
             statements.append((queries.snooze, dict(params_)))
     return statements
 
