@@ -290,3 +290,52 @@ def test_a_worker_refuses_a_pool_it_cannot_run_on(database_url: str, jobs: Jobs,
         make(jobs, small)
     make(jobs, engine(pool_size=1, max_overflow=2))  # three: enough to run
     make(jobs, engine(poolclass=sa.pool.NullPool))  # no limit to check
+
+
+def test_the_asyncio_worker_runs_concurrency_plain_handlers_and_past_stuck_ones(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """Plain-function handlers on the asyncio worker: ``concurrency`` of them run at once
+    (in the loop's default executor, of ``min(32, cores + 4)`` threads, no more than that
+    did), and handlers stuck in their threads past their timeout, whose slots are free
+    again, keep no later plain handler of any queue from starting (with the default
+    executor's threads all stuck, none ever did)."""
+    import os
+
+    from .conftest import AsyncWorkerInThread
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 2  # more than the default executor holds
+    release = threading.Event()
+    lock = threading.Lock()
+    now = peak = 0
+    ran: list[int] = []
+
+    @jobs.task(queue="stuck", timeout=0.5, max_attempts=1)
+    def stuck(i: int) -> None:
+        nonlocal now, peak
+        with lock:
+            now += 1
+            peak = max(peak, now)
+        release.wait(30)  # ignores its timeout
+        with lock:
+            now -= 1
+
+    @jobs.task(queue="fine")
+    def fine(i: int) -> None:
+        ran.append(i)
+
+    with Session.begin() as session:
+        session.enqueue_many(stuck, [{"i": i} for i in range(n)])
+    worker = AsyncWorkerInThread(jobs, database_url, queues=["stuck", "fine"], concurrency=n)
+    try:
+        with running(worker):
+            try:
+                wait_for(lambda: peak == n, timeout=15)
+            except AssertionError:
+                raise AssertionError(f"{peak} of {n} plain handlers ran at once") from None
+            wait_for(lambda: count(db, status="dead") == n, timeout=15)  # timed out
+            with Session.begin() as session:
+                session.enqueue_many(fine, [{"i": i} for i in range(3)])
+            wait_for(lambda: len(ran) == 3, timeout=10)  # beside the stuck threads
+    finally:
+        release.set()

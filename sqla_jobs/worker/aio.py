@@ -8,7 +8,7 @@
 Same settings, same statements, same decisions as the threaded worker (all in
 :mod:`._core`), with one task per running job instead of one thread per slot, so
 ``concurrency`` can be in the hundreds for I/O-bound handlers. ``async def`` handlers run
-on the loop; plain functions run in a thread (``asyncio.to_thread``). A timed-out,
+on the loop; plain functions in a thread of the worker's own pool, one per slot. A timed-out,
 cancelled or lost ``async def`` handler is cancelled for real (``CancelledError`` inside
 it); a plain function's thread cannot be, and its slot frees when its task is cancelled.
 The statement functions are the threaded worker's, run through
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -80,6 +83,35 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         #: handler a connection (see ``handler_connections``).
         n = self.handler_connections
         self._connection_slots = None if n is None else asyncio.Semaphore(n)
+        self._threads = self._thread_pool()
+
+    def _thread_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads of plain-function handlers: one per slot, the worker's own.
+
+        ``asyncio.to_thread`` ran them in the loop's default executor, of
+        ``min(32, cores + 4)`` threads shared with the application: on 2 cores, no more
+        than 6 plain handlers ran at once whatever ``concurrency`` said (the other claimed
+        jobs waited, their leases renewed), and 6 handlers stuck past their timeout
+        stopped every plain handler of every queue for good."""
+        return concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.settings.concurrency, thread_name_prefix="sqla-jobs-handler"
+        )
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn`` in a thread of the worker's pool, in a copy of this context (where
+        :func:`current_job` is set). Cancelled while it runs (a timeout, a cancel, a lost
+        lease), the thread cannot be stopped and runs on, out of the slot: the pool is
+        replaced by a fresh one, the old one ending as its threads return, so that a
+        handler stuck for good never keeps a thread the next handlers need."""
+        context = contextvars.copy_context()
+        future = self._threads.submit(context.run, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel():  # running: its thread is abandoned to it
+                stuck, self._threads = self._threads, self._thread_pool()
+                stuck.shutdown(wait=False)
+            raise
 
     def stop(self) -> None:
         """Ask the worker to stop gracefully. Safe from any thread or signal handler."""
@@ -133,6 +165,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
         finally:
             await self._claim_conn.close()
             await self._write_conn.close()
+            self._threads.shutdown(wait=False)  # a stuck handler's thread ends as it returns
 
     def _on_signal(self, sig: int) -> None:
         signalled([self.core], self.stop, sig)
@@ -273,7 +306,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                     run.value = await (
                         task.fn(*run.args, **run.kwargs)
                         if task.is_async
-                        else asyncio.to_thread(task.fn, *run.args, **run.kwargs)
+                        else self._in_thread(task.fn, *run.args, **run.kwargs)
                     )
                 outcome = run.outcome
         except BaseException as exc:  # the worker's own failure around a run
