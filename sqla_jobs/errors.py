@@ -19,6 +19,7 @@ __all__ = [
     "UnknownTaskError",
     "WaitTimedOut",
     "WorkerError",
+    "answered",
     "describe",
     "unreachable",
 ]
@@ -126,6 +127,26 @@ def describe(exc: BaseException) -> str:
         exc = exc.orig
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+#: SQLSTATE classes of errors about the connection or the server as a whole, not about
+#: the statement that met them: connection exceptions, insufficient resources (too many
+#: connections), system errors, internal errors; and of operator intervention (57), all
+#: but a statement cancelled by its timeout (57014).
+_SERVER_CLASSES = ("08", "53", "57", "58", "XX")
+
+
+def answered(exc: BaseException) -> bool:
+    """The server answered a statement with an error about that statement (an
+    application's trigger, a constraint, a statement timeout, a missing table), on a
+    connection that still works: the next statement, another queue's claim, may well
+    succeed. Not an outage, which :func:`unreachable` tells."""
+    if not isinstance(exc, sa.exc.DBAPIError) or exc.connection_invalidated:
+        return False
+    state = getattr(exc.orig, "sqlstate", None)
+    if not isinstance(state, str):
+        return False
+    return state == "57014" or state[:2] not in _SERVER_CLASSES
 
 
 def unreachable(exc: BaseException) -> bool:

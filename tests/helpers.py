@@ -102,3 +102,30 @@ PUBLIC_MODULES = (
     "flask",
     "steps",
 )
+
+
+@contextlib.contextmanager
+def refusing(db: sa.Engine, name: str, when: str, body: str) -> Iterator[None]:
+    """A trigger of the application's on the jobs table that raises (``body``, PL/pgSQL)
+    ``when`` (``BEFORE DELETE``, ``BEFORE UPDATE ... WHEN (...)``), for the block."""
+    table = f'"{app.SCHEMA}".jobs'
+    function = f'"{app.SCHEMA}".{name}'
+    with db.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE FUNCTION {function}() RETURNS trigger AS $$ BEGIN {body} END $$ "
+                "LANGUAGE plpgsql"
+            )
+        )
+        conn.execute(
+            sa.text(
+                f"CREATE TRIGGER {name} {when.replace('ON JOBS', f'ON {table}')} "
+                f"EXECUTE FUNCTION {function}()"
+            )
+        )
+    try:
+        yield
+    finally:
+        with db.begin() as conn:
+            conn.execute(sa.text(f"DROP TRIGGER IF EXISTS {name} ON {table}"))
+            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {function}()"))

@@ -11,9 +11,7 @@ up the rest of its batch the same way.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,35 +21,7 @@ from sqla_jobs import Jobs
 from sqla_jobs.worker._statements import write_outcomes
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
-from . import app
-from .helpers import rows, wait_for
-
-
-@contextlib.contextmanager
-def refusing(db: sa.Engine, name: str, when: str, body: str) -> Iterator[None]:
-    """A trigger of the application's on the jobs table that raises (``body``, PL/pgSQL)
-    ``when`` (``BEFORE DELETE``, ``BEFORE UPDATE ... WHEN (...)``), for the block."""
-    table = f'"{app.SCHEMA}".jobs'
-    function = f'"{app.SCHEMA}".{name}'
-    with db.begin() as conn:
-        conn.execute(
-            sa.text(
-                f"CREATE FUNCTION {function}() RETURNS trigger AS $$ BEGIN {body} END $$ "
-                "LANGUAGE plpgsql"
-            )
-        )
-        conn.execute(
-            sa.text(
-                f"CREATE TRIGGER {name} {when.replace('ON JOBS', f'ON {table}')} "
-                f"EXECUTE FUNCTION {function}()"
-            )
-        )
-    try:
-        yield
-    finally:
-        with db.begin() as conn:
-            conn.execute(sa.text(f"DROP TRIGGER IF EXISTS {name} ON {table}"))
-            conn.execute(sa.text(f"DROP FUNCTION IF EXISTS {function}()"))
+from .helpers import refusing, rows, wait_for
 
 
 @pytest.mark.parametrize(

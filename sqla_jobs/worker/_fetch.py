@@ -24,7 +24,7 @@ from .._queries import (
     fair_claim_params,
     queue_claim_params,
 )
-from ..errors import describe
+from ..errors import answered, describe
 from . import _statements as statements
 from ._outage import is_database_error, retry_pause
 from ._steps import Conn, Duty, Io, Pause, Sleep, Step, Steps, WaitWritten
@@ -67,6 +67,9 @@ class Fetcher(Duty):
         self.floors: dict[str, tuple[tuple[str, int] | None, float]] = {}
         self.turn = 0
         self.dry: dict[str, float] = {}
+        #: Queues whose last claims the database refused (see :meth:`refused`): how many
+        #: in a row, and the monotonic time before which the queue is not claimed again.
+        self.failing: dict[str, tuple[int, float]] = {}
         #: When a NOTIFY last named each queue (monotonic): a claim that began before it
         #: may have missed its jobs, so it does not make the queue dry. Written by the
         #: listener, read by the fetch loop, both under the core's lock.
@@ -102,6 +105,7 @@ class Fetcher(Duty):
                     claimed = yield from self.claim()
                     if (
                         not claimed
+                        and not self.failing
                         and not maintenance.due_soon(wait_scheduled)
                         and (not self.held or (yield from self.held_for_good()))
                     ):
@@ -170,6 +174,9 @@ class Fetcher(Duty):
         core = self.core
         dry, now, paused = self.dry, time.monotonic(), core.maintenance.paused
         queues = [q for q in core.queues if q not in paused and not dry.get(q, 0.0) > now]
+        if self.failing:
+            failing = self.failing
+            queues = [q for q in queues if q not in failing or failing[q][1] <= now]
         if self.held:
             with core._lock:
                 queues = [q for q in queues if self.held.get(q, 0.0) <= now]
@@ -198,58 +205,91 @@ class Fetcher(Duty):
                 core._saturated = True
                 return 0
         total = 0
-        watch = core.listen_watch
         for queue in self.claim_order():
-            limited = queue in core.limits
             # Limited queues share the room: their claims, like any, are 'running' rows
             # while they wait, so their limits hold (and kept to the free slots, they
             # would starve beside a busy queue that keeps those below zero).
             want = min(room - total, core.settings.claim_limit)
             if want <= 0:
                 break
-            # One statement in autocommit: it has committed when it returns. Only now may
-            # the jobs start: a completion written before the claim is visible would find
-            # the row still 'ready' and match nothing.
-            params = claim_params(queue, want, core.lease, core.name)
-            began = time.monotonic()
-            if limited:
-                rows = yield from self.claim_limited(queue, params)
-                self.timed(began)
-            else:
-                if queue in core.fair:
-                    # Shared between the keys in turn, each claim after the last one's.
-                    fair = fair_claim_params(
-                        params,
-                        core.fair[queue],
-                        self.key_cursor.get(queue),
-                        floor=self.fair_floor(queue, began),
-                    )
-                    rows, self.key_cursor[queue], floor = yield Io(
-                        statements.claim_fair, (core.queries, fair), Conn.CLAIM
-                    )
-                    self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
-                else:
-                    rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
-                took = self.timed(began)
-                if watch.active:
-                    watch.claimed(queue, began, len(rows), want, began + took)
-            # A fair claim gives each key its share, so it comes back short while most keys
-            # have little left: any job it gave means there may be more right now.
-            if len(rows) == want or (rows and queue in core.fair):
-                self.more = True
-                self.dry.pop(queue, None)
-            elif not limited:
-                # Not when a NOTIFY for it arrived while this claim was on its way: the
-                # claim's snapshot may predate the jobs it announced.
-                with core._lock:
-                    if self.notified.get(queue, 0.0) < began:
-                        self.dry[queue] = self.dry_until(began)
-            if rows:
-                claimed = core.claimed(rows, began)
-                if claimed:
-                    core.driver.dispatch(claimed)
-                total += len(rows)
+            try:
+                total += yield from self.claim_queue(queue, want)
+            except Exception as exc:
+                if not answered(exc):
+                    raise  # the connection's or the server's: the whole loop waits
+                self.refused(queue, exc)
+                continue
+            if self.failing:
+                self.failing.pop(queue, None)
         return total
+
+    def refused(self, queue: str, exc: Exception) -> None:
+        """The database refused a claim from ``queue`` for what that claim is (an
+        application's trigger, a statement timeout, a constraint of a companion table),
+        on a connection that still works: that queue waits, by the pause a failing
+        database gets, and the other queues are claimed as usual. It once ended the whole
+        round, and the loop's own pause, growing to 30 s as the queue kept failing, held
+        every other queue of the worker up with it."""
+        failures = self.failing.get(queue, (0, 0.0))[0] + 1
+        pause = retry_pause(failures, exc)
+        self.failing[queue] = (failures, time.monotonic() + pause)
+        core = self.core
+        core.db_warning(
+            exc,
+            "worker %s: claiming from queue %r failed, that queue is claimed again in %.2fs: %s",
+            core.name,
+            queue,
+            pause,
+            describe(exc),
+        )
+
+    def claim_queue(self, queue: str, want: int) -> Generator[Step, Any, int]:
+        """Claim up to ``want`` jobs from ``queue`` and dispatch them; how many it gave."""
+        core = self.core
+        limited = queue in core.limits
+        watch = core.listen_watch
+        # One statement in autocommit: it has committed when it returns. Only now may
+        # the jobs start: a completion written before the claim is visible would find
+        # the row still 'ready' and match nothing.
+        params = claim_params(queue, want, core.lease, core.name)
+        began = time.monotonic()
+        if limited:
+            rows = yield from self.claim_limited(queue, params)
+            self.timed(began)
+        else:
+            if queue in core.fair:
+                # Shared between the keys in turn, each claim after the last one's.
+                fair = fair_claim_params(
+                    params,
+                    core.fair[queue],
+                    self.key_cursor.get(queue),
+                    floor=self.fair_floor(queue, began),
+                )
+                rows, self.key_cursor[queue], floor = yield Io(
+                    statements.claim_fair, (core.queries, fair), Conn.CLAIM
+                )
+                self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
+            else:
+                rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
+            took = self.timed(began)
+            if watch.active:
+                watch.claimed(queue, began, len(rows), want, began + took)
+        # A fair claim gives each key its share, so it comes back short while most keys
+        # have little left: any job it gave means there may be more right now.
+        if len(rows) == want or (rows and queue in core.fair):
+            self.more = True
+            self.dry.pop(queue, None)
+        elif not limited:
+            # Not when a NOTIFY for it arrived while this claim was on its way: the
+            # claim's snapshot may predate the jobs it announced.
+            with core._lock:
+                if self.notified.get(queue, 0.0) < began:
+                    self.dry[queue] = self.dry_until(began)
+        if rows:
+            claimed = core.claimed(rows, began)
+            if claimed:
+                core.driver.dispatch(claimed)
+        return len(rows)
 
     def timed(self, began: float) -> float:
         """How long a claim sent at ``began`` took, folded into the smoothed round trip
@@ -431,7 +471,8 @@ class Fetcher(Duty):
 
     def sleep_for(self) -> float:
         """How long the idle fetch loop may sleep: to the next refresh or due time, or to
-        when a held limited queue may be claimed again."""
+        when a held limited queue, or one whose claims were refused, may be claimed
+        again."""
         core = self.core
         sleep = core.maintenance.sleep_for()
         if self.held:
@@ -439,6 +480,9 @@ class Fetcher(Duty):
             with core._lock:
                 held = min(self.held.values(), default=now)
             sleep = min(sleep, max(0.0, held - now) + 0.001)
+        if self.failing:
+            due = min(until for _, until in self.failing.values())
+            sleep = min(sleep, max(0.0, due - time.monotonic()) + 0.001)
         return sleep
 
     def heard(self, queue: str, now: float) -> None:
