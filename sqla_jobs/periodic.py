@@ -43,7 +43,7 @@ from ._enqueue import insert_rows
 from ._queries import readable_json
 from ._tasks import check_schedule_name
 from .cron import Schedule, check_cron, check_timezone, latest_tick, next_tick
-from .errors import EnqueueError
+from .errors import EnqueueError, answered, describe
 
 if TYPE_CHECKING:
     from ._tasks import Task
@@ -163,13 +163,16 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
     Runs in the caller's transaction; the row locks (SKIP LOCKED) keep two workers from
     handling the same schedule, and the guarded ``next_run_at`` keeps a tick from firing
     twice. A schedule that cannot be enqueued (a row written around the API, a task this
-    worker does not know) is logged, keeps its row with the reason in ``last_error``, and
-    waits for its next tick: it never stops the worker. Returns how many jobs were
-    enqueued.
+    worker does not know, a job the database refuses: an application's trigger, a
+    constraint) is logged, keeps its row with the reason in ``last_error``, and waits for
+    its next tick: it never stops the worker. Each tick's job is written in a savepoint of
+    its own, so that one the database refuses fails none of the others (and none of the
+    worker's pass: its promotions, its rescues, the pause state). Returns how many jobs
+    were enqueued (a tick whose job is there already enqueues none).
     """
     q = jobs.queries
     now = conn.execute(q.now).scalar_one()
-    rows: list[dict[str, Any]] = []
+    enqueued = 0
     for row in conn.execute(q.due_schedules, {"now": now, "limit": limit}).all():
         tick: datetime | None = row.next_run_at
         try:
@@ -185,25 +188,37 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             # A tick is unique by its own key, not by a scope its task may declare.
             values, _, _ = jobs.bind_row(row.task, (), args, queue=row.queue, priority=row.priority)
         except (ValueError, EnqueueError, RecursionError) as exc:
-            log.error("schedule %r: %s", row.name, exc)
-            conn.execute(
-                q.schedule_failed,
-                {
-                    "schedule": row.name,
-                    "error": str(exc),
-                    "following": _safe_next(row.cron, now, row.tz),
-                },
-            )
+            _failed(conn, q, row, now, str(exc))
             continue
         values["unique_key"] = periodic_key(row.name, latest)
-        rows.append(values)
-        conn.execute(
-            q.advance_schedule,
-            {"schedule": row.name, "tick": tick, "following": following, "latest": latest},
-        )
-    if rows:
-        insert_rows(conn, q, rows)
-    return len(rows)
+        try:
+            with conn.begin_nested():
+                enqueued += insert_rows(conn, q, [values])
+                conn.execute(
+                    q.advance_schedule,
+                    {"schedule": row.name, "tick": tick, "following": following, "latest": latest},
+                )
+        except sa.exc.DBAPIError as exc:
+            if not answered(exc):
+                raise
+            _failed(conn, q, row, now, f"its job was refused: {describe(exc)}", following)
+    return enqueued
+
+
+def _failed(
+    conn: sa.Connection,
+    q: Any,
+    row: Any,
+    now: datetime,
+    error: str,
+    following: datetime | None = None,
+) -> None:
+    """Schedule ``row`` could not be enqueued: say why, in the log and in its row, and
+    move it to its next tick (``following``, or what its row allows)."""
+    log.error("schedule %r: %s", row.name, error)
+    if following is None:
+        following = _safe_next(row.cron, now, row.tz)
+    conn.execute(q.schedule_failed, {"schedule": row.name, "error": error, "following": following})
 
 
 def _decode_args(text: str) -> dict[str, Any]:

@@ -105,10 +105,13 @@ PUBLIC_MODULES = (
 
 
 @contextlib.contextmanager
-def refusing(db: sa.Engine, name: str, when: str, body: str) -> Iterator[None]:
-    """A trigger of the application's on the jobs table that raises (``body``, PL/pgSQL)
-    ``when`` (``BEFORE DELETE``, ``BEFORE UPDATE ... WHEN (...)``), for the block."""
-    table = f'"{app.SCHEMA}".jobs'
+def refusing(
+    db: sa.Engine, name: str, when: str, body: str, *, table: str = "jobs"
+) -> Iterator[None]:
+    """A trigger of the application's on the jobs table (or another ``table`` of the
+    tests' schema) that raises (``body``, PL/pgSQL) ``when`` (``BEFORE DELETE``, ``BEFORE
+    UPDATE ... WHEN (...)``; ``ON JOBS`` names the table), for the block."""
+    table = f'"{app.SCHEMA}".{table}'
     function = f'"{app.SCHEMA}".{name}'
     with db.begin() as conn:
         conn.execute(

@@ -11,7 +11,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from sqla_jobs import Jobs
+from sqla_jobs.periodic import add_schedule
 
+from . import app
 from .helpers import refusing, rows, running, wait_for
 
 
@@ -54,3 +56,117 @@ def test_a_queue_whose_claims_are_refused_holds_up_no_other_queue(
                 threading.Event().wait(0.2)  # pace the rounds
                 i += 1
         wait_for(lambda: not rows(db), timeout=20)  # bad's job runs once let be
+
+
+def test_a_schedule_whose_job_is_refused_fails_alone(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """The database refuses the job of one due schedule: that schedule says why and waits
+    for its next tick; the other due schedule's job is enqueued, and the worker, which
+    does not even serve that queue, runs its own jobs (the whole pass failed, every time,
+    and the fetch loop claimed nothing behind it, on every worker of the table)."""
+
+    @jobs.task(queue="cron")
+    def tick() -> None:
+        pass
+
+    @jobs.task(queue="good")
+    def good() -> None:
+        pass
+
+    with db.begin() as conn:
+        add_schedule(conn, jobs, "refused", tick, "* * * * *", queue="refused")
+        add_schedule(conn, jobs, "fine", tick, "* * * * *")
+        conn.execute(
+            sa.update(jobs.queries.schedules_table).values(
+                next_run_at=sa.func.now() - sa.text("interval '1s'")
+            )
+        )
+    with Session.begin() as session:
+        session.enqueue(good)
+    worker = make_worker(jobs, db, queues=["good"], listen=False)
+    with refusing(
+        db,
+        "refuse_insert",
+        "BEFORE INSERT ON JOBS FOR EACH ROW WHEN (NEW.queue = 'refused')",
+        "RAISE EXCEPTION 'no jobs of queue refused'; RETURN NEW;",
+    ):
+        assert worker.run_until_empty(timeout=20) == 1
+    [job] = rows(db)
+    assert job.queue == "cron"  # the other schedule's tick
+    schedules = {s.name: s for s in rows(db, jobs.queries.schedules_table)}
+    assert "its job was refused" in schedules["refused"].last_error
+    assert "no jobs of queue refused" in schedules["refused"].last_error
+    assert schedules["refused"].next_run_at > schedules["fine"].last_run_at  # its next tick
+    assert schedules["fine"].last_error is None
+
+
+def test_a_due_job_whose_promotion_is_refused_stops_no_claim(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """The database refuses to make one due job ready: the rest of the maintenance pass
+    (the rescue, the cron ticks, the pause state) and every claim go on."""
+
+    @jobs.task(queue="later")
+    def later() -> None:
+        pass
+
+    @jobs.task(queue="good")
+    def good() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(later.with_options(delay=0.01))
+        session.enqueue(good)
+    worker = make_worker(jobs, db, queues=["good", "later"], listen=False)
+    with refusing(
+        db,
+        "refuse_promotion",
+        "BEFORE UPDATE ON JOBS FOR EACH ROW WHEN (NEW.queue = 'later' "
+        "AND NEW.status::text = 'ready')",
+        "RAISE EXCEPTION 'not yet'; RETURN NEW;",
+    ):
+        assert worker.run_until_empty(timeout=5) == 1  # good's job; later's stays due
+        [job] = rows(db)
+        assert (job.queue, job.status) == ("later", "scheduled")
+    assert worker.run_until_empty(timeout=20) == 1  # let be, it is promoted and runs
+    assert not rows(db)
+
+
+def test_a_maintenance_pass_the_database_refuses_stops_no_claim(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """The database refuses the pass itself (here the rows of the code's schedules, which
+    every pass tries to write until it can): the claims go on, and the pass is tried
+    again each poll interval (the fetch loop claimed nothing while it failed)."""
+
+    @jobs.periodic("0 0 * * *")
+    @jobs.task(queue="cron")
+    def nightly() -> None:
+        pass
+
+    ran: list[int] = []
+
+    @jobs.task(queue="good")
+    def good(i: int) -> None:
+        ran.append(i)
+
+    worker = make_worker(jobs, db, queues=["good"], poll_interval=0.2)
+    table = jobs.queries.schedules_table
+    with (
+        refusing(
+            db,
+            "refuse_schedules",
+            "BEFORE INSERT ON JOBS FOR EACH ROW",
+            "RAISE EXCEPTION 'no schedules'; RETURN NEW;",
+            table=table.name,
+        ),
+        running(worker),
+    ):
+        with Session.begin() as session:
+            session.enqueue_many(good, [{"i": i} for i in range(3)])
+        wait_for(lambda: len(ran) == 3, timeout=10)
+        assert not rows(db, table)
+        with db.begin() as conn:  # let be: the next pass writes them
+            conn.execute(sa.text(f"DROP TRIGGER refuse_schedules ON {app.SCHEMA}.{table.name}"))
+        wait_for(lambda: rows(db, table), timeout=10)

@@ -90,7 +90,7 @@ class Fetcher(Duty):
             if deadline is not None and time.monotonic() >= deadline:
                 return
             try:
-                yield from maintenance.run_once()
+                yield from self.maintain()
                 yield from self.claim()
                 if core.until_empty and not self.more and core.idle:
                     # Outcomes may still be in flight (a retry not yet scheduled): write
@@ -98,13 +98,15 @@ class Fetcher(Duty):
                     yield WaitWritten()
                     maintenance.next_refresh = 0.0
                     self.dry.clear()  # "empty" means every queue looked at now
-                    yield from maintenance.run_once()
+                    # Refused, its promotions and rescues did not run: not empty yet.
+                    refreshed = yield from self.maintain()
                     # A limited queue that held ready jobs back is not empty: wait for
                     # its slot or its rate window (the sleep below ends when it is due),
                     # unless nothing can free it (see held_for_good).
                     claimed = yield from self.claim()
                     if (
-                        not claimed
+                        refreshed
+                        and not claimed
                         and not self.failing
                         and not maintenance.due_soon(wait_scheduled)
                         and (not self.held or (yield from self.held_for_good()))
@@ -130,6 +132,32 @@ class Fetcher(Duty):
                 continue
             if not self.more:
                 yield Sleep(self.sleep_for())
+
+    def maintain(self) -> Generator[Step, Any, bool]:
+        """The maintenance, when due; False if the database refused it.
+
+        What the database answers with an error about the pass itself (a statement
+        timeout, an application's trigger on a companion table) is said, and the pass is
+        tried again at the next poll interval: the claims go on meanwhile. It stopped
+        every claim of the worker, and was tried again at once, round after round. An
+        outage (:func:`~sqla_jobs.errors.answered` false) is the fetch loop's to wait out."""
+        maintenance = self.core.maintenance
+        try:
+            yield from maintenance.run_once()
+        except Exception as exc:
+            if not answered(exc):
+                raise
+            core = self.core
+            maintenance.next_refresh = time.monotonic() + core.settings.poll_interval
+            core.db_warning(
+                exc,
+                "worker %s: its maintenance pass failed (tried again in %.2fs): %s",
+                core.name,
+                core.settings.poll_interval,
+                describe(exc),
+            )
+            return False
+        return True
 
     def held_for_good(self) -> Generator[Step, Any, bool]:
         """Whether the limited queues holding ready jobs back hold them until an operator

@@ -8,6 +8,7 @@ through ``AsyncConnection.run_sync``. Each runs one statement or a few from
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .._queries import (
 from .._queries import listen_sql as listen_sql
 from .._queries import unlisten_sql as unlisten_sql
 from .._settle import settle_children
+from ..errors import answered, describe
 from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ T = TypeVar("T")
 
 #: Rows per promotion, rescue and retention batch.
 BATCH = PRUNE_BATCH = 1000
+
+log = logging.getLogger("sqla_jobs.worker")
 
 
 #: The limited and fair claims' transaction; READ COMMITTED whatever the server's
@@ -685,12 +689,28 @@ def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
     queries = jobs.queries
     woken: set[str] = set()
     if rescue:
-        woken.update(row.queue for row in conn.execute(queries.rescue, {"limit": BATCH}))
-    woken.update(row.queue for row in conn.execute(queries.promote, {"limit": BATCH}))
+        woken.update(_apart(conn, "rescuing expired leases", queries.rescue))
+    woken.update(_apart(conn, "promoting due jobs", queries.promote))
     periodic.enqueue_due(conn, jobs)
     paused = frozenset(conn.execute(queries.paused).scalars())
     due_in = conn.execute(queries.next_due).scalar()
     return Refresh(None if due_in is None else float(due_in), paused, frozenset(woken))
+
+
+def _apart(conn: sa.Connection, what: str, statement: sa.Executable) -> list[str]:
+    """The queues of the rows ``statement`` (a rescue, a promotion) moved, in a savepoint:
+    a row the database refuses to move (an application's trigger, a constraint) fails
+    only this part of the pass, which is said and tried again at the next one. It failed
+    the whole pass, whose cron ticks, pause state and due time went with it, on every
+    worker of the table, and the fetch loop claimed nothing behind it."""
+    try:
+        with conn.begin_nested():
+            return [row.queue for row in conn.execute(statement, {"limit": BATCH})]
+    except sa.exc.DBAPIError as exc:
+        if not answered(exc):
+            raise
+        log.warning("%s failed (tried again at the next pass): %s", what, describe(exc))
+        return []
 
 
 def prune_work(jobs: Jobs) -> list[tuple[sa.Delete, timedelta]]:
