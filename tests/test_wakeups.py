@@ -155,6 +155,29 @@ def test_paused_queue_is_not_claimed_until_resumed(
     assert worker.run_until_empty(timeout=10) == 1
 
 
+def test_resuming_a_queue_wakes_the_idle_workers_into_a_claim(
+    Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
+) -> None:
+    """``resume_queue`` wakes the idle workers with a NOTIFY, and they read the pause state
+    again at once: they woke, found the queue still paused as of their last pass, and
+    slept to the next poll interval (a minute here)."""
+    from sqla_jobs import admin
+
+    with db.begin() as conn:
+        admin.pause_queue(conn, jobs, "mine")
+    with Session.begin() as session:
+        session.enqueue("mark")
+    worker = Worker(jobs, db, queues=["mine"], poll_interval=60)
+    with running(worker):
+        assert worker.listening.wait(10)
+        wait_for(lambda: "mine" in worker.core.maintenance.paused, timeout=10)
+        with db.begin() as conn:
+            admin.resume_queue(conn, jobs, "mine")
+        resumed = time.monotonic()
+        wait_for(lambda: started, timeout=10)
+    assert min(started.values()) - resumed < 1.0
+
+
 def test_asyncio_worker_is_woken_by_notify(
     Session: Any, jobs: Jobs, database_url: str, started: dict[int, float]
 ) -> None:

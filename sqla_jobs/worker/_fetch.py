@@ -515,9 +515,13 @@ class Fetcher(Duty):
 
     def heard(self, queue: str, now: float) -> None:
         """A NOTIFY named ``queue`` (called by the listener, under the core's lock): it is
-        not dry, and a claim that began before ``now`` does not make it so."""
+        not dry, and a claim that began before ``now`` does not make it so. Named while
+        paused, it may have been resumed (``resume_queue`` says so this way): the pause
+        state is read again at once, not at the next poll interval."""
         self.notified[queue] = now
         self.dry.pop(queue, None)
+        if queue in self.core.maintenance.paused:
+            self.core.maintenance.next_refresh = 0.0
 
     def freed(self, batch: Iterable[Outcome], rode: str | None = None) -> None:
         """Written outcomes freed slots of limited queues: claim from them again now (but
