@@ -922,17 +922,26 @@ def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any, sco
         )
 
 
-def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]]) -> int:
+def insert_rows(
+    connection: Any,
+    queries: Queries,
+    rows: Sequence[dict[str, Any]],
+    written: list[dict[str, Any]] | None = None,
+) -> int:
     """INSERT checked job rows (from :meth:`Jobs.bind_row <sqla_jobs.Jobs.bind_row>`),
     one statement per run of rows that share task, queue and options: one statement for an
     ``enqueue_many`` call, whatever its size (a ``COPY`` for a big run without unique keys,
     see :mod:`sqla_jobs._bulk`). Returns how many rows were inserted (rows
-    whose unique key a live job holds are not)."""
+    whose unique key a live job holds are not, nor a second row of one key).
+
+    ``written``, if given, gets the rows that were inserted: what the ``enqueued``
+    listeners hear of (they heard of skipped rows too, and the metrics counted them)."""
     require_postgresql(connection, "enqueue_many", EnqueueError)
     if isinstance(rows, UniformRows):
+        if written is not None:
+            written.extend(rows)  # no unique key: every row is inserted
         return _write_run(connection, queries, rows.first, rows.args) if rows else 0
     _check_encoding(connection, rows)
-    statement = queries.bulk_insert
     inserted = 0
     for shared, run in itertools.groupby(rows, key=_shared_values):
         same = list(run)
@@ -948,9 +957,23 @@ def insert_rows(connection: Any, queries: Queries, rows: Sequence[dict[str, Any]
         if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
             args = [r["args"] for r in same]
             inserted += copy_run(connection, queries.table, params, args, args_json)
+            if written is not None:
+                written.extend(same)
             continue
         params["args"] = [args_json(r["args"]) for r in same]
-        inserted += connection.execute(statement, params).rowcount
+        if written is None or all(key is None for key in params["unique_key"]):
+            inserted += connection.execute(queries.bulk_insert, params).rowcount
+            if written is not None:
+                written.extend(same)
+            continue
+        returned = connection.execute(queries.bulk_insert_keys, params).scalars().all()
+        inserted += len(returned)
+        keys = {key for key in returned if key is not None}
+        for row in same:  # of rows that share a key, the first is the one inserted
+            key = row.get("unique_key")
+            if key is None or key in keys:
+                written.append(row)
+                keys.discard(key)
     return inserted
 
 

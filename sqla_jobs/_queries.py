@@ -1920,7 +1920,10 @@ def _json(value: dict[str, Any]) -> sa.TextClause:
 # Then the child: its parents, how many it waits for, and its status: held (scheduled in
 # the year 9999, which the promoter never reaches; not 'infinity', which Python cannot
 # read), ready at once, or cancelled.
-def _link_child(t: sa.Table) -> sa.Update:
+def _link_child(t: sa.Table, channel: str) -> sa.Update:
+    """A child ready at once (its parents have all succeeded) is notified as the INSERT
+    trigger would have (it fired while the row was still ``scheduled``): a sleeping worker
+    slept on to its next poll interval."""
     c = t.c
     waiting = sa.bindparam("waiting", type_=sa.Integer)
     status = sa.bindparam("child_status", type_=sa.Text)
@@ -1938,6 +1941,15 @@ def _link_child(t: sa.Table) -> sa.Update:
             finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
             last_error=sa.bindparam("reason", type_=sa.Text),
             meta=sa.case((status == JobStatus.CANCELLED.value, _marked(c.meta)), else_=c.meta),
+        )
+        .returning(
+            sa.case(
+                (
+                    c.status == status_literal(JobStatus.READY),
+                    sa.func.pg_notify(sa.literal(channel), c.queue),
+                ),
+                else_=sa.null(),
+            )
         )
     )
 
@@ -2661,7 +2673,7 @@ class Queries:
         self.release = _release(t, channel)
         self.cancel_children = _cancel_children(t, results)
         self.mark_parents = _mark_parents(t)
-        self.link_child = _link_child(t)
+        self.link_child = _link_child(t, channel)
         self.outcome = _outcome(t)
         self.unsettled_parents = _unsettled_parents(t)
         # Retrying a parent (admin.retry_report): what it cancelled comes back.
@@ -2681,6 +2693,9 @@ class Queries:
         self.paused = sa.select(queues.c.name).where(queues.c.paused)
 
         self.bulk_insert = _bulk_insert(t)
+        # The keys it inserted, for rows with unique keys: the ``enqueued`` listeners hear
+        # of those only (see insert_rows).
+        self.bulk_insert_keys = _bulk_insert(t).returning(t.c.unique_key)
         self.insert_job = _insert_job(t, unique=False)
         self.insert_job_unique = _insert_job(t, unique=True)
         # session.enqueue's job, written at the flush (sqla_jobs._enqueue.write_direct):

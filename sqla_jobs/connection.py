@@ -95,9 +95,10 @@ def enqueue_many(
         return insert_json(connection, registry.queries, rows[0], texts)
     if not rows:
         return 0
-    inserted = insert_rows(connection, registry.queries, rows)
-    if registry.events.wants("enqueued"):
-        _announce(connection, registry, rows)
+    written: list[dict[str, Any]] | None = [] if registry.events.wants("enqueued") else None
+    inserted = insert_rows(connection, registry.queries, rows, written)
+    if written:
+        _announce(connection, registry, written)
     return inserted
 
 

@@ -475,9 +475,10 @@ def _write_many(
     connection = session.connection(bind_arguments={"mapper": registry.model})
     if texts is not None:
         return insert_json(connection, registry.queries, rows[0], texts)
-    inserted = insert_rows(connection, registry.queries, rows)
-    if registry.events.wants("enqueued"):
-        _announce(session, registry, rows, boundary)
+    written: list[dict[str, Any]] | None = [] if registry.events.wants("enqueued") else None
+    inserted = insert_rows(connection, registry.queries, rows, written)
+    if written:
+        _announce(session, registry, written, boundary)
     return inserted
 
 
@@ -537,11 +538,15 @@ def _write_batch(session: Session, batch: _Batch) -> int:
     if not any(b is batch for b in batches):
         return len(batch[2])
     session.info[_PENDING_KEY] = [b for b in batches if b is not batch]
-    _, registry, rows = batch
+    boundary, registry, rows = batch
     if session.autoflush:
         session.flush()  # earlier batches of calls that were not awaited go first
     connection = session.connection(bind_arguments={"mapper": registry.model})
-    return insert_rows(connection, registry.queries, rows)
+    written: list[dict[str, Any]] | None = [] if registry.events.wants("enqueued") else None
+    inserted = insert_rows(connection, registry.queries, rows, written)
+    if written:
+        _announce(session, registry, written, boundary)
+    return inserted
 
 
 def _check_encoding(
@@ -593,9 +598,7 @@ def _keep_for_flush(
     boundary = _boundary(session)
     _check_encoding(session, registry, rows)
     batch: _Batch = (boundary, registry, rows)
-    _pending(session).append(batch)
-    if registry.events.wants("enqueued"):
-        _announce(session, registry, rows, boundary)
+    _pending(session).append(batch)  # announced as written (the rows a unique key skips are not)
     return batch
 
 
@@ -934,13 +937,26 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
             last.extend(rows)
         else:
             groups.append(list(rows))
+    written: list[dict[str, Any]] = []
     for registry, groups in by_registry.items():
         if through is None:
             connection = session.connection(bind_arguments={"mapper": registry.model})
         else:
             connection = through.connection(inspect(registry.model))
+        wants = registry.events.wants("enqueued")
         for group in groups:
-            insert_rows(connection, registry.queries, group)
+            uniform = isinstance(group, UniformRows)
+            insert_rows(
+                connection, registry.queries, group, written if wants and not uniform else None
+            )
+    # Each batch's rows that were written, in its own transaction's fate (runs hold no
+    # unique key: all of theirs were).
+    inserted = {id(row) for row in written}
+    for boundary, registry, rows in batches:
+        if registry.events.wants("enqueued"):
+            kept = rows if isinstance(rows, UniformRows) else [r for r in rows if id(r) in inserted]
+            if kept:
+                _announce(session, registry, kept, boundary)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:

@@ -288,11 +288,14 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         if rows:
             boundary = _boundary(self)
             connection = self.connection(bind_arguments={"shard_id": target})
-            insert_rows(connection, registry.queries, rows)
+            wants = registry.events.wants("enqueued")
+            written: list[dict[str, Any]] | None = [] if wants else None
+            inserted = insert_rows(connection, registry.queries, rows, written)
             self._written.add(target)
-            if registry.events.wants("enqueued"):
-                _announce(self, registry, rows, boundary)
-        return len(rows)
+            if written:
+                _announce(self, registry, written, boundary)
+            return inserted
+        return 0
 
     def shard_of_job(self, *, shard: Any = None, shard_with: Any = None) -> Any:
         """The shard a job enqueued now with these options would go to.

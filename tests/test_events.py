@@ -3,6 +3,7 @@ timestamps set into the past), never waited for."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -82,3 +83,50 @@ def test_enqueued_fires_once_for_a_unique_job(Session: Any, jobs: Jobs) -> None:
         session.enqueue(refresh, 1, unique=True)
         session.enqueue(refresh, 1, unique=True)  # the same live job, handed back
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("via", ["session", "connection", "async session"])
+def test_enqueued_fires_only_for_the_rows_enqueue_many_inserted(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str, via: str
+) -> None:
+    """``unique=True``: a row whose key a live job holds, and a second row of one key, are
+    not inserted, and the listeners (the metrics' counter among them) hear only of the
+    rows that were (they heard of every row given)."""
+    seen: list[int] = []
+
+    @jobs.events.on("enqueued")
+    def heard(event: JobEvent) -> None:  # a row of enqueue_many is a dict
+        seen.append(event.job["args"]["user_id"])
+
+    @jobs.task(queue="q")
+    def refresh(user_id: int) -> None:
+        pass
+
+    with db.begin() as conn:
+        jobs.enqueue(conn, refresh, 1, unique=True)
+    seen.clear()
+    given = [{"user_id": i} for i in (1, 2, 2, 3)]
+    if via == "session":
+        with Session.begin() as session:
+            inserted = session.enqueue_many(refresh, given, unique=True)
+    elif via == "connection":
+        with db.begin() as conn:
+            inserted = jobs.enqueue_many(conn, refresh, given, unique=True)
+    else:
+        from sqlalchemy.ext.asyncio import async_sessionmaker
+
+        from sqla_jobs import create_async_engine
+        from sqla_jobs.aio import AsyncJobSession
+
+        async def main() -> int:
+            engine = create_async_engine(database_url)
+            try:
+                make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+                async with make() as session, session.begin():
+                    return await session.enqueue_many(refresh, given, unique=True)
+            finally:
+                await engine.dispose()
+
+        inserted = asyncio.run(main())
+    assert inserted == 2 and sorted(seen) == [2, 3]
+    assert sorted(r.args["user_id"] for r in rows(db)) == [1, 2, 3]

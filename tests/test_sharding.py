@@ -360,7 +360,8 @@ def test_a_unique_job_is_unique_within_its_shard(
         raise RuntimeError
     assert _count(shards["b"], JOB) == 1
     with Sharded.begin() as session:
-        session.enqueue_many(fetch, [{"code": "b8"}, {"code": "b9"}], shard="b", unique=True)
+        many = [{"code": "b8"}, {"code": "b9"}]
+        assert session.enqueue_many(fetch, many, shard="b", unique=True) == 1  # inserted
     with shards["b"].connect() as conn:
         args = conn.execute(sa.select(JOB.c.args).order_by(JOB.c.id)).scalars().all()
     assert args == [{"code": "b8"}, {"code": "b9"}]  # b8's key is held: skipped

@@ -52,6 +52,41 @@ def test_notify_wakes_an_idle_worker_long_before_the_poll_interval(
         assert started[job_id] - committed < 1.0
 
 
+def test_a_child_ready_at_once_wakes_an_idle_worker(
+    Session: Any, db: sa.Engine, jobs: Jobs, idle_worker: Worker, started: dict[int, float]
+) -> None:
+    """``after=`` a job that has succeeded already: the child is ready at once, and wakes
+    the idle worker as any ready job does (the INSERT trigger saw it held, and the link
+    that made it ready said nothing: it waited for the poll interval, a minute here)."""
+    from . import app
+
+    with db.begin() as conn:
+        parent = conn.execute(
+            sa.insert(app.Job)
+            .values(
+                task="mark",
+                queue="other",
+                status="done",
+                attempts=1,
+                finished_at=sa.func.now(),
+                locked_until=sa.func.now() + interval(3600),  # its result kept an hour
+            )
+            .returning(app.Job.id)
+        ).scalar_one()
+    assert idle_worker.listening.wait(10)
+    for via in ("session", "connection"):
+        started.clear()
+        if via == "session":
+            with Session.begin() as session:
+                session.enqueue(jobs.tasks["mark"].with_options(after=[parent]))
+        else:
+            with db.begin() as conn:
+                jobs.enqueue(conn, jobs.tasks["mark"].with_options(after=[parent]))
+        committed = time.monotonic()
+        wait_for(lambda: started, timeout=10)
+        assert min(started.values()) - committed < 1.0, via
+
+
 def test_a_notification_for_another_queue_does_not_wake_the_worker_into_a_claim(
     Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
 ) -> None:
