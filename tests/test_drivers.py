@@ -339,3 +339,32 @@ def test_the_asyncio_worker_runs_concurrency_plain_handlers_and_past_stuck_ones(
             wait_for(lambda: len(ran) == 3, timeout=10)  # beside the stuck threads
     finally:
         release.set()
+
+
+def test_a_plain_function_that_returns_a_coroutine_is_awaited(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """A decorator's plain wrapper around an ``async def`` (``functools.wraps``, as logging
+    and retry decorators are written) returns a coroutine: both workers await it. The job
+    counted as done, its body never run."""
+    import functools
+
+    ran: list[str] = []
+
+    def logged(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    @jobs.task(queue="q")
+    @logged
+    async def send(to: str) -> None:
+        await asyncio.sleep(0)
+        ran.append(to)
+
+    with Session.begin() as session:
+        session.enqueue(send, "a@example.com")
+    assert make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20) == 1
+    assert ran == ["a@example.com"]

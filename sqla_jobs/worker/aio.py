@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import inspect
 import signal
 import time
 from collections.abc import Callable
@@ -303,11 +304,14 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             else:
                 task = run.task
                 with run:
-                    run.value = await (
+                    value = await (
                         task.fn(*run.args, **run.kwargs)
                         if task.is_async
                         else self._in_thread(task.fn, *run.args, **run.kwargs)
                     )
+                    # A plain function's coroutine (a decorator's wrapper around an async
+                    # def): awaited here, as the threaded worker does.
+                    run.value = await value if inspect.iscoroutine(value) else value
                 outcome = run.outcome
         except BaseException as exc:  # the worker's own failure around a run
             outcome = self.core.crashed(job, exc)

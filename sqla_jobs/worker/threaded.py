@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import queue as queue_mod
 import threading
 import time
@@ -267,7 +268,9 @@ class Worker(DriverBase[sa.Engine]):
                 return self._durable(run, session)
         with run:
             result = run.task.fn(*run.args, **run.kwargs)
-            if run.task.is_async:
+            # A plain function may return a coroutine too: a decorator's wrapper around an
+            # async def. Left unawaited, its job counted as done and its body never ran.
+            if run.task.is_async or inspect.iscoroutine(result):
                 result = asyncio.run(self._coroutine(job, result))
             run.value = result
         return run.outcome
