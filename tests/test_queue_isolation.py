@@ -170,3 +170,32 @@ def test_a_maintenance_pass_the_database_refuses_stops_no_claim(
         with db.begin() as conn:  # let be: the next pass writes them
             conn.execute(sa.text(f"DROP TRIGGER refuse_schedules ON {app.SCHEMA}.{table.name}"))
         wait_for(lambda: rows(db, table), timeout=10)
+
+
+def test_run_until_empty_keeps_its_timeout_while_outcomes_cannot_be_written(
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
+) -> None:
+    """The job's outcome cannot be written (the database answers its DELETE with a
+    serialization failure, which a worker retries for as long as it runs):
+    ``run_until_empty(timeout=2)`` returns about then, the job left to its lease. It
+    waited for the write with no deadline, as long as the failure lasted."""
+
+    @jobs.task(queue="q")
+    def quick() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(quick)
+    worker = make_worker(jobs, db, queues=["q"], listen=False, poll_interval=0.05)
+    with refusing(
+        db,
+        "refuse_delete",
+        "BEFORE DELETE ON JOBS FOR EACH ROW",
+        "RAISE EXCEPTION 'try again' USING ERRCODE = '40001'; RETURN OLD;",
+    ):
+        began = time.monotonic()
+        worker.run_until_empty(timeout=2)
+        took = time.monotonic() - began
+    assert took < 10, f"run_until_empty(timeout=2) took {took:.1f}s"
+    [job] = rows(db)
+    assert job.status == "running"  # left to its lease

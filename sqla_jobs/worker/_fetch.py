@@ -95,7 +95,9 @@ class Fetcher(Duty):
                 if core.until_empty and not self.more and core.idle:
                     # Outcomes may still be in flight (a retry not yet scheduled): write
                     # them, refresh, and look once more before calling it empty.
-                    yield WaitWritten()
+                    yield WaitWritten(deadline)
+                    if core.stopping or (deadline is not None and time.monotonic() >= deadline):
+                        continue
                     maintenance.next_refresh = 0.0
                     self.dry.clear()  # "empty" means every queue looked at now
                     # Refused, its promotions and rescues did not run: not empty yet.

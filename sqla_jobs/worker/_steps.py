@@ -10,6 +10,7 @@ the core.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -56,7 +57,21 @@ class Pause:
 
 @dataclass(frozen=True, slots=True)
 class WaitWritten:
-    """Wait until every recorded outcome has been written."""
+    """Wait until every recorded outcome has been written, the worker is stopping (its
+    completer stopped it, say), or ``until`` (a ``time.monotonic()``) has passed."""
+
+    until: float | None = None
+
+    def waiting(self, core: WorkerCore) -> float:
+        """How long to wait for the next write (0: the wait is over). At most a tenth of a
+        second, so that a stop or the deadline ends the wait on time: ``run_until_empty``
+        waited past its ``timeout`` for as long as outcomes could not be written, and for
+        ever once its completer had given up."""
+        if core.unwritten <= 0 or core.stopping:
+            return 0.0
+        if self.until is None:
+            return 0.1
+        return max(0.0, min(0.1, self.until - time.monotonic()))
 
 
 @dataclass(frozen=True, slots=True)

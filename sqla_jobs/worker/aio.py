@@ -202,10 +202,11 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 events.wake.clear()
             case s.Pause(seconds, stoppable):
                 await (_wait(events.stopping, seconds) if stoppable else asyncio.sleep(seconds))
-            case s.WaitWritten():
-                while self.core.unwritten > 0:
+            case s.WaitWritten() as wait:
+                while (seconds := wait.waiting(self.core)) > 0:
                     events.written.clear()
-                    await events.written.wait()
+                    if self.core.unwritten > 0:
+                        await _wait(events.written, seconds)
             case s.TakeOutcomes(limit, timeout):
                 return await self._take_outcomes(limit, timeout)
             case s.Tick(seconds):

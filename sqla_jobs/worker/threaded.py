@@ -145,11 +145,11 @@ class Worker(DriverBase[sa.Engine]):
                 events.wake.clear()
             case s.Pause(seconds, stoppable):
                 (events.stopping.wait if stoppable else time.sleep)(seconds)
-            case s.WaitWritten():
-                while self.core.unwritten > 0:
+            case s.WaitWritten() as wait:
+                while (seconds := wait.waiting(self.core)) > 0:
                     events.written.clear()
                     if self.core.unwritten > 0:
-                        events.written.wait(0.1)
+                        events.written.wait(seconds)
             case s.TakeOutcomes(limit, timeout):
                 return self._take_outcomes(limit, timeout)
             case s.Tick(seconds):
