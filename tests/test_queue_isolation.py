@@ -199,3 +199,47 @@ def test_run_until_empty_keeps_its_timeout_while_outcomes_cannot_be_written(
     assert took < 10, f"run_until_empty(timeout=2) took {took:.1f}s"
     [job] = rows(db)
     assert job.status == "running"  # left to its lease
+
+
+def test_the_asyncio_worker_s_stop_waits_for_its_completer(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """The outcome's write is refused for seconds (its pause has grown past five seconds)
+    when the worker is told to stop, and accepted right after: the stop waits for the
+    completer to write it, as the threaded worker's does. The asyncio worker gave its
+    duties five seconds, then left, the outcome unwritten and the job to run again."""
+    from .conftest import AsyncWorkerInThread
+
+    @jobs.task(queue="q")
+    def quick() -> None:
+        pass
+
+    with Session.begin() as session:
+        session.enqueue(quick)
+    worker = AsyncWorkerInThread(jobs, database_url, queues=["q"], listen=False)
+    tries = f'"{app.SCHEMA}".tries'  # a sequence: its count outlives the refused writes
+    with db.begin() as conn:
+        conn.execute(sa.text(f"DROP SEQUENCE IF EXISTS {tries}"))
+        conn.execute(sa.text(f"CREATE SEQUENCE {tries}"))
+
+    def refused() -> int:
+        with db.connect() as conn:
+            return int(conn.execute(sa.text(f"SELECT last_value FROM {tries}")).scalar_one())
+
+    with refusing(
+        db,
+        "refuse_delete",
+        "BEFORE DELETE ON JOBS FOR EACH ROW",
+        f"PERFORM nextval('{tries}'); "
+        "RAISE EXCEPTION 'not now' USING ERRCODE = '42501'; RETURN OLD;",
+    ):
+        thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+        thread.start()
+        try:
+            # Eight refused writes: the completer is in its 6.4 s pause.
+            wait_for(lambda: refused() >= 8, timeout=20)
+        finally:
+            worker.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert not rows(db)  # written once the refusal ended: the job ran once

@@ -243,8 +243,16 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 self._done = True
                 events.poke.set()
                 self.record(None)  # the completer ends once it wrote the rest
-                if self._duties:
-                    await asyncio.wait(self._duties, timeout=5.0)
+                # The completer is waited for as long as it takes (it gives up by itself
+                # after a few tries once the worker stops), as the threaded worker does:
+                # cut off during a retry's pause, it left its outcomes unwritten, and their
+                # jobs ran again. The other duties end within moments.
+                writing = [t for t in self._duties if t.get_name().endswith("completer")]
+                others = [t for t in self._duties if t not in writing]
+                if others:
+                    await asyncio.wait(others, timeout=5.0)
+                if writing:
+                    await asyncio.wait(writing)
             case s.CallHandler():
                 return await handler() if handler is not None else None
             case s.OnSession(fn, args):
