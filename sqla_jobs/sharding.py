@@ -47,7 +47,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
 import threading
 import time
 import warnings
@@ -82,7 +81,7 @@ from .session import (
 )
 from .tasks import Jobs
 from .worker._driver import DriverBase
-from .worker._signals import signalled, stopped_by_signals
+from .worker._signals import loop_signals, signalled, stopped_by_signals
 from .worker.settings import WorkerSettings, resolve
 from .worker.threaded import Worker
 
@@ -762,15 +761,8 @@ else:
 
         async def run(self, *, install_signal_handlers: bool = True) -> None:
             """Run every shard's worker until :meth:`stop`, SIGINT or SIGTERM."""
-            loop = asyncio.get_running_loop()
-            signals = (signal.SIGINT, signal.SIGTERM) if install_signal_handlers else ()
-            for sig in signals:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-            try:
+            with loop_signals(install_signal_handlers, self._on_signal):
                 await self._all(lambda w: w.run(install_signal_handlers=False), deadline=None)
-            finally:
-                for sig in signals:
-                    loop.remove_signal_handler(sig)
 
         async def run_until_empty(
             self, *, timeout: float | None = None, **kw: Any

@@ -368,3 +368,56 @@ def test_a_plain_function_that_returns_a_coroutine_is_awaited(
         session.enqueue(send, "a@example.com")
     assert make_worker(jobs, db, queues=["q"], listen=False).run_until_empty(timeout=20) == 1
     assert ran == ["a@example.com"]
+
+
+def test_the_asyncio_worker_s_signal_handlers_are_its_own_and_main_thread_only(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """``AsyncWorker.run()`` with its default signal handling: in a thread other than the
+    main one, where a loop cannot take signals, it runs (it raised ``RuntimeError``); in
+    the main thread, the application's handlers are back once it stops (the loop's
+    removal left SIGTERM at its default action, which kills the process)."""
+    import signal
+
+    from sqla_jobs.aio import AsyncWorker
+
+    @jobs.task(queue="q")
+    def quick() -> None:
+        pass
+
+    async def run_once() -> None:
+        worker = AsyncWorker(jobs, database_url, queues=["q"], listen=False)
+        try:
+            runner = asyncio.create_task(worker.run())
+            while not worker.processed and not runner.done():
+                await asyncio.sleep(0.01)
+            worker.stop()
+            await asyncio.wait_for(runner, 20)
+        finally:
+            await worker.engine.dispose()
+
+    with Session.begin() as session:
+        session.enqueue(quick)
+    failed: list[BaseException] = []
+    thread = threading.Thread(target=_record, args=(failed, run_once))
+    thread.start()
+    thread.join(30)
+    assert not failed, failed
+
+    def mine(signum: int, frame: Any) -> None: ...
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with Session.begin() as session:
+            session.enqueue(quick)
+        asyncio.run(run_once())
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _record(failed: list[BaseException], main: Any) -> None:
+    try:
+        asyncio.run(main())
+    except BaseException as exc:
+        failed.append(exc)

@@ -2,11 +2,12 @@
 
 The threaded workers (:class:`~sqla_jobs.Worker`, :class:`~sqla_jobs.sharding.ShardedWorker`)
 install it with :func:`stopped_by_signals` while they run in the main thread; the asyncio
-ones call :func:`signalled` from the event loop's own signal handler.
+ones with :func:`loop_signals`, as the event loop's own signal handler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._core import WorkerCore
 
-__all__ = ["EarlyStop", "signalled", "stopped_by_signals"]
+__all__ = ["EarlyStop", "loop_signals", "signalled", "stopped_by_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -51,6 +52,29 @@ def stopped_by_signals(
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def loop_signals(install: bool, callback: Callable[[int], None]) -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM call ``callback(signum)`` from the running
+    event loop (``loop.add_signal_handler``), in the main thread only: a loop in another
+    thread cannot take them (``run()`` raised ``RuntimeError: set_wakeup_fd only works in
+    main thread``). The handlers found before are put back after: the loop's own removal
+    left the signals at their default action, and the application's handler was gone."""
+    if not install or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, callback, sig)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            loop.remove_signal_handler(sig)
+            if old is not None:
+                signal.signal(sig, old)
 
 
 class EarlyStop:

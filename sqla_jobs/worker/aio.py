@@ -25,7 +25,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,7 +39,7 @@ from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost
 from ._driver import DriverBase, Wakeups, pool_options, run_session
-from ._signals import signalled
+from ._signals import loop_signals, signalled
 from .job import ClaimedJob, Outcome
 
 __all__ = ["AsyncWorker"]
@@ -131,15 +130,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
 
         :raises WorkerError: a duty kept failing (raised after the shutdown).
         """
-        loop = asyncio.get_running_loop()
-        signals = (signal.SIGINT, signal.SIGTERM) if install_signal_handlers else ()
-        for sig in signals:
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
+        with loop_signals(install_signal_handlers, self._on_signal):
             await self._run(listen=self.settings.listen, until_empty=False)
-        finally:
-            for sig in signals:
-                loop.remove_signal_handler(sig)
 
     async def run_until_empty(
         self, *, wait_scheduled: float = 0.0, timeout: float | None = None
