@@ -106,6 +106,9 @@ T = TypeVar("T", bound=Task[Any, Any])
 _JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
+#: The ids of ``enqueue_many`` batches whose transaction rolled back before they were
+#: written (see ``_write_batch``).
+_DROPPED_KEY = "sqla_jobs.dropped"
 #: (transaction, jobs) per flush: the jobs the flush wrote itself, in the transaction
 #: innermost then (see EnqueueMixin.flush); weak references, as the session's identity
 #: map holds its objects, so that a long transaction does not keep every job alive.
@@ -536,6 +539,10 @@ def _write_batch(session: Session, batch: _Batch) -> int:
     the greenlet), unless a flush wrote it first."""
     batches: list[_Batch] = session.info.get(_PENDING_KEY) or []
     if not any(b is batch for b in batches):
+        dropped: set[int] = session.info.get(_DROPPED_KEY) or set()
+        if id(batch) in dropped:  # its savepoint rolled back: nothing was inserted
+            dropped.discard(id(batch))
+            return 0
         return len(batch[2])
     session.info[_PENDING_KEY] = [b for b in batches if b is not batch]
     boundary, registry, rows = batch
@@ -986,7 +993,7 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
     if transaction.parent is None:
         # Committed rows were written already; rolled-back ones must not leak into the
         # session's next transaction.
-        session.info.pop(_PENDING_KEY, None)
+        _dropped(session, session.info.pop(_PENDING_KEY, None) or ())
         session.info.pop(_ANNOUNCE_KEY, None)
     elif transaction.nested:
         # A released savepoint handed everything on (before_commit, after_commit): what is
@@ -995,3 +1002,13 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
             entries = session.info.get(key)
             if entries:
                 session.info[key] = [e for e in entries if e[0] is not transaction]
+                if key == _PENDING_KEY:
+                    _dropped(session, [e for e in entries if e[0] is transaction])
+
+
+def _dropped(session: Session, batches: Iterable[_Batch]) -> None:
+    """Batches of ``enqueue_many`` rolled back unwritten: awaited later, they say that
+    none was inserted (they said all were)."""
+    ids = {id(batch) for batch in batches}
+    if ids:
+        session.info.setdefault(_DROPPED_KEY, set()).update(ids)

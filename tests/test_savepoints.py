@@ -343,3 +343,36 @@ def test_insert_pending_writes_into_the_current_savepoint(
     with pytest.warns(DeprecationWarning, match="awaited"):
         asyncio.run(main())
     assert _committed(db)[0] == [0]
+
+
+def test_an_enqueue_many_awaited_after_its_savepoint_rolled_back_says_none_was_inserted(
+    database_url: str, db: sa.Engine, jobs: Jobs
+) -> None:
+    """An ``AsyncJobSession.enqueue_many`` made in a savepoint and awaited only after the
+    savepoint rolled back inserts nothing, and says so (it said every row was)."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    @jobs.task(queue="q")
+    def num(n: int) -> None: ...
+
+    said: list[int] = []
+
+    async def main() -> None:
+        engine = create_async_engine(database_url)
+        try:
+            make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+            async with make() as session, session.begin():
+                savepoint = await session.begin_nested()
+                late = session.enqueue_many(num, [{"n": 5}])
+                await savepoint.rollback()
+                said.append(await late)
+                said.append(await session.enqueue_many(num, [{"n": 6}]))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+    assert said == [0, 1]
+    assert [r.args["n"] for r in rows(db)] == [6]
