@@ -411,7 +411,10 @@ def link(
         queries.link_child,
         {
             "child_id": child_id,
-            "parent_ids": ids,
+            # As given: a group's callback gets its members' results in this order, one per
+            # member (sorted and deduplicated, a unique member, written before the others
+            # at its enqueue, came first, and one given twice gave one result).
+            "parent_ids": list(parents),
             "waiting": waiting,
             "child_status": status,
             "reason": reason,

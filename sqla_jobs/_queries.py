@@ -1674,10 +1674,11 @@ def _prune_done(t: sa.Table) -> sa.Delete:
 
 def _parent_count(c: Any) -> sa.ColumnElement[int]:
     """How many of the row's parents are among ``:parent_ids`` (a child may have several
-    parents in one batch)."""
+    parents in one batch), each counted once: a group's callback lists a member given
+    twice (one unique job) twice, for a result per member, and waits for it once."""
     each = sa.func.unnest(c.parents).table_valued("pid").render_derived(name="p")
     return (
-        sa.select(sa.func.count())
+        sa.select(sa.func.count(sa.distinct(each.c.pid)))
         .select_from(each)
         .where(each.c.pid == sa.func.any(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger))))
         .scalar_subquery()

@@ -107,7 +107,16 @@ def group(
         bound = task.options if isinstance(task, ConfiguredTask) else {}
         if not plain.keep_result and "keep_result" not in bound:
             options["keep_result"] = True
-        added.append(enqueue(task.with_options(**options), *args.args, **args.kwargs))
+        job = enqueue(task.with_options(**options), *args.args, **args.kwargs)
+        if job is None:
+            # A scoped unique member whose key a finished job holds (its period is not
+            # over): nothing was enqueued, and nothing would give this member's result.
+            raise EnqueueError(
+                f"jobs.group: member {len(added) + 1} ({plain.name}) was not enqueued: a "
+                "finished job holds its unique key for its period (unique_for); a group's "
+                "members must each be a job to wait for"
+            )
+        added.append(job)
     if not added:
         raise EnqueueError("jobs.group needs at least one member job")
     cb_task, cb_args = _pair(then, "then")

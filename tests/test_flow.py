@@ -923,6 +923,64 @@ def test_a_child_that_runs_anyway_waits_again_for_a_retried_parent(
         assert _state(db)[r.id] == (("scheduled", 1) if parent is q else ("ready", 0))
 
 
+def test_a_group_s_results_follow_its_members_as_given_unique_ones_too(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """The callback gets one result per member, in the order given: a unique member is
+    written at its enqueue, before the plain ones given ahead of it (its lower id came
+    first), and a member given twice (one live unique job) gave one result for two."""
+    from sqla_jobs import Worker
+
+    @jobs.task(queue="flow", keep_result=True)
+    def plain(n: int) -> str:
+        return f"plain{n}"
+
+    @jobs.task(queue="flow", keep_result=True, unique=True)
+    def once(n: int) -> str:
+        return f"once{n}"
+
+    got: list[Any] = []
+
+    @jobs.task(queue="flow")
+    def total(results: list[str]) -> None:
+        got.append(results)
+
+    with Session.begin() as session:
+        jobs.group(
+            session,
+            [
+                (plain, plain.args(1)),
+                (once, once.args(2)),
+                (plain, plain.args(3)),
+                (once, once.args(2)),  # the same job as the second member
+            ],
+            then=(total, total.args()),
+        )
+    Worker(jobs, db, queues=["flow"], listen=False).run_until_empty(timeout=20)
+    assert got == [["plain1", "once2", "plain3", "once2"]]
+
+
+def test_a_group_member_whose_unique_key_a_finished_job_holds_is_named(
+    Session: Any, db: sa.Engine, jobs: Jobs
+) -> None:
+    """A scoped unique member whose key a finished job holds for its period enqueues
+    nothing (``session.enqueue`` returns None): the group says which member and why (it
+    failed with "after= takes jobs or job ids, got None")."""
+
+    @jobs.task(queue="flow", keep_result=True, unique_for=timedelta(minutes=5))
+    def member(n: int) -> int:
+        return n
+
+    @jobs.task(queue="flow")
+    def total(results: list[int]) -> None: ...
+
+    with db.begin() as conn:
+        jobs.enqueue(conn, member, 1)
+        conn.execute(sa.delete(app.Job))  # it ran; its key is held for five minutes
+    with Session.begin() as session, pytest.raises(EnqueueError, match=r"member 1 .* unique"):
+        jobs.group(session, [(member, member.args(1))], then=(total, total.args()))
+
+
 def test_purging_a_settled_parent_does_not_count_its_children_down_again(
     Session: Any, db: sa.Engine, jobs: Jobs
 ) -> None:
