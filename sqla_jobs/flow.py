@@ -99,7 +99,7 @@ def group(
     enqueue = getattr(session, "enqueue", None)
     if not callable(enqueue):
         raise TypeError("jobs.group takes a session with enqueue (sqla_jobs.JobSession)")
-    added = []
+    added: list[Any] = []
     for member in members:
         task, args = _pair(member, "member")
         options: dict[str, Any] = {}
