@@ -223,3 +223,26 @@ def test_a_worker_starts_the_small_tenants_early(db: sa.Engine, make_worker: Any
     small = [i for i, s in enumerate(spans) if s.key != "burst"]
     burst_before = sum(1 for s in spans[: small[-1]] if s.key == "burst")
     assert burst_before < 200, f"{burst_before} of the burst started before the last small job"
+
+
+def test_keys_with_nothing_ready_hold_up_neither_the_drain_nor_its_end(
+    db: sa.Engine, make_worker: Any
+) -> None:
+    """300 tenants whose one job died (dead jobs are kept a week), and one tenant with 20
+    jobs, whose key sorts after them: each claim walks 64 keys, and one that found nothing
+    ready is followed at once by the next, from where it stopped. The worker drains the
+    tenant in one go, and ``run_until_empty`` ends once it has (it ran a job or two a poll
+    interval, a claim that walked dead keys only making the queue dry; and it ended with
+    the tenant's jobs left ready, having looked at the dead keys only)."""
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, shared, [{"tenant": f"t{i:05}"} for i in range(300)])
+        conn.execute(
+            sa.update(Job)
+            .where(Job.c.queue == "shared")
+            .values(status="dead", finished_at=sa.func.now(), attempts=1)
+        )
+        jobs.enqueue_many(conn, shared, [{"tenant": "zz-live"}] * 20)
+    settings = WorkerSettings(concurrency=4, listen=False, poll_interval=5.0)
+    worker = make_worker(jobs, db, settings=settings, queues=["shared"])
+    assert worker.run_until_empty(timeout=4) == 20  # within the first poll interval
+    assert count(db, status="ready") == 0

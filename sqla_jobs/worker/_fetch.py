@@ -40,6 +40,11 @@ __all__ = ["FAIR_FLOOR_FOR", "LIMIT_RECHECK", "Fetcher"]
 #: few cheap claims a second per worker.
 LIMIT_RECHECK = 0.2
 
+#: How many claims in a row a fair queue's claim may send while they find no job ready
+#: among the keys they walk (each walks ``scan`` keys on from the last): see
+#: ``Fetcher.claim_fair``.
+KEY_WALK_ROUNDS = 16
+
 #: Seconds a fair queue's claims read their busiest key from past the last job they took
 #: (its floor) before one claim reads every key from its start again.
 FAIR_FLOOR_FOR = 1.0
@@ -288,17 +293,7 @@ class Fetcher(Duty):
             self.timed(began)
         else:
             if queue in core.fair:
-                # Shared between the keys in turn, each claim after the last one's.
-                fair = fair_claim_params(
-                    params,
-                    core.fair[queue],
-                    self.key_cursor.get(queue),
-                    floor=self.fair_floor(queue, began),
-                )
-                rows, self.key_cursor[queue], floor = yield Io(
-                    statements.claim_fair, (core.queries, fair), Conn.CLAIM
-                )
-                self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
+                rows = yield from self.claim_fair(queue, params, began)
             else:
                 rows = yield Io(statements.claim, (core.queries, params), Conn.CLAIM)
             took = self.timed(began)
@@ -320,6 +315,41 @@ class Fetcher(Duty):
             if claimed:
                 core.driver.dispatch(claimed)
         return len(rows)
+
+    def claim_fair(
+        self, queue: str, params: ClaimParams, began: float
+    ) -> Generator[Step, Any, list[Any]]:
+        """Claim from a fair queue: shared between the keys in turn, each claim walking on
+        from where the last one stopped (``key_cursor``).
+
+        A claim walks at most ``scan`` keys. One that found nothing ready among them (keys
+        whose jobs all ended dead, kept for a week) is followed at once by the next, from
+        where it stopped, until one finds jobs or the walk comes round (at most
+        :data:`KEY_WALK_ROUNDS` claims): the queue counted as dry after the first, and a
+        tenant behind 500 such keys got a job a poll interval."""
+        core = self.core
+        start = cursor = self.key_cursor.get(queue)
+        wrapped = False
+        rows: list[Any] = []
+        for _ in range(KEY_WALK_ROUNDS):
+            fair = fair_claim_params(
+                params, core.fair[queue], cursor, floor=self.fair_floor(queue, began)
+            )
+            found: tuple[list[Any], str | None, tuple[str, int] | None] = yield Io(
+                statements.claim_fair, (core.queries, fair), Conn.CLAIM
+            )
+            rows, last, floor = found
+            self.key_cursor[queue] = last
+            self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
+            if rows or last is None:
+                return rows
+            # Keys are walked in order, wrapping round at the last one: round once it
+            # passed the key where this claim began.
+            wrapped = wrapped or (cursor is not None and last <= cursor)
+            if wrapped and (start is None or last >= start):
+                return rows
+            cursor = last
+        return rows
 
     def timed(self, began: float) -> float:
         """How long a claim sent at ``began`` took, folded into the smoothed round trip
