@@ -351,3 +351,30 @@ def test_run_until_empty_ends_beside_a_key_held_by_a_dead_head(
     assert worker.run_until_empty(timeout=30) == 0
     assert time.monotonic() - began < 10
     assert count(db, status="ready") == 1 and [b.key for b in _blocked(db)] == ["a"]
+
+
+@pytest.mark.parametrize("queue", ["ordered", "ordered_on"])
+def test_a_free_key_beside_hundreds_of_held_keys_runs_before_the_queue_counts_empty(
+    db: sa.Engine, make_worker: Any, queue: str
+) -> None:
+    """300 keys behind dead heads (``hold``: a job waits behind each), or whose only job
+    died (``continue``), and one free key after them: each claim walks 64 keys, and one
+    that found nothing to start is followed at once by the next, from where it stopped,
+    until the walk comes round. ``run_until_empty`` ran nothing and ended with the free
+    key's job ready (it looked once more at the next 64 keys only), and a worker started
+    one of that key's jobs every recheck."""
+    from sqla_jobs import WorkerSettings
+
+    task = ordered.with_options(queue=queue)
+    keys = [{"account": f"k{i:05}"} for i in range(300)]
+    table = app.Job.__table__
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, task, keys)
+        conn.execute(sa.update(table).values(status="dead", finished_at=sa.func.now(), attempts=1))
+        if queue == "ordered":
+            jobs.enqueue_many(conn, task, keys)  # held behind their dead heads
+        jobs.enqueue_many(conn, task, [{"account": "zz"}] * 10)
+    settings = WorkerSettings(concurrency=4, listen=False, poll_interval=5.0)
+    worker = make_worker(jobs, db, settings=settings, queues=[queue])
+    assert worker.run_until_empty(timeout=20) == 10
+    assert count(db, status="ready") == (300 if queue == "ordered" else 0)

@@ -50,6 +50,18 @@ KEY_WALK_ROUNDS = 16
 FAIR_FLOOR_FOR = 1.0
 
 
+def came_round(start: str | None, cursor: str | None, last: str, wrapped: bool) -> bool:
+    """Whether claims walking the keys (in order, wrapping round after the last one) have
+    seen every key: from ``start`` on, the last claim walked from ``cursor`` to ``last``,
+    and ``wrapped`` says whether an earlier one wrapped round. A claim that ends on the key
+    it started after went all the way round by itself; otherwise the walk came round once
+    it wrapped and reached ``start`` again."""
+    if last == cursor:
+        return True
+    wrapped = wrapped or (cursor is not None and last < cursor)
+    return wrapped and (start is None or last >= start)
+
+
 class Fetcher(Duty):
     """The fetch loop over a worker's shared state (slots, the running set, the lock)."""
 
@@ -341,13 +353,9 @@ class Fetcher(Duty):
             rows, last, floor = found
             self.key_cursor[queue] = last
             self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
-            if rows or last is None:
+            if rows or last is None or came_round(start, cursor, last, wrapped):
                 return rows
-            # Keys are walked in order, wrapping round at the last one: round once it
-            # passed the key where this claim began.
             wrapped = wrapped or (cursor is not None and last <= cursor)
-            if wrapped and (start is None or last >= start):
-                return rows
             cursor = last
         return rows
 
@@ -425,11 +433,30 @@ class Fetcher(Duty):
         limit is full: a slot frees when any worker's completion is written, which no
         NOTIFY announces (this worker's own completions claim for it as they free its
         slots: :meth:`ride`)."""
-        limited = self.limited_params(queue, params)
-        found: statements.LimitedClaim = yield Io(
-            statements.claim_limited, (self.core.queries, limited), Conn.CLAIM
-        )
-        self.limited_claimed(queue, limited, found)
+        limits = self.core.limits[queue]
+        # In key order and with no other limit, an empty claim (the keys it walked had
+        # their heads running, or dead, or nothing left) is followed at once by the next,
+        # from where it stopped, until the walk comes round (as a fair claim is: see
+        # claim_fair). Behind hundreds of held keys a free key got a job every
+        # LIMIT_RECHECK. A limit that may be full (a concurrency, a rate) would make each
+        # of those claims empty for nothing: such queues wait as before.
+        walk_on = limits.key_order is not None and limits.concurrency is None
+        walk_on = walk_on and limits.rate is None and limits.key_rate is None
+        start = cursor = self.key_cursor.get(queue)
+        wrapped = False
+        for _ in range(KEY_WALK_ROUNDS if walk_on else 1):
+            limited = self.limited_params(queue, params)
+            found: statements.LimitedClaim = yield Io(
+                statements.claim_limited, (self.core.queries, limited), Conn.CLAIM
+            )
+            self.limited_claimed(queue, limited, found)
+            last = found.last_key
+            if found.rows or found.busy or last is None:
+                break
+            if came_round(start, cursor, last, wrapped):
+                break
+            wrapped = wrapped or (cursor is not None and last <= cursor)
+            cursor = last
         return found.rows
 
     def limited_params(self, queue: str, params: ClaimParams) -> LimitedClaimParams:

@@ -375,3 +375,17 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
 
 
 # -- no start after a lost lease ---------------------------------------------------------------
+
+
+def test_came_round_over_the_keys() -> None:
+    """The walk of key-ordered and fair claims over the keys, in order and wrapping round
+    after the last one: each claim walks from its cursor to where it stopped."""
+    from sqla_jobs.worker._fetch import came_round
+
+    assert came_round("c", "c", "c", False)  # all the way round in one claim
+    assert not came_round("c", "c", "f", False)  # on, not round
+    assert not came_round("c", "f", "a", False)  # wrapped, short of where it began
+    assert came_round("c", "a", "c", True)  # wrapped earlier, back where it began
+    assert came_round("c", "f", "d", False)  # wrapped past where it began
+    assert came_round(None, "f", "b", False)  # from the start: wrapped is round
+    assert not came_round(None, None, "f", False)
