@@ -14,6 +14,7 @@ here rather than a second copy: a terminal column is narrow and read by scripts 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "job_fields",
     "last_line",
     "plural",
+    "printable",
     "progress_text",
     "queue_json",
     "stamp",
@@ -106,15 +108,41 @@ def last_line(text: str | None) -> str | None:
     return lines[-1] if lines else None
 
 
+#: What a terminal would act on rather than show: C0 and C1 control characters (ESC
+#: starts the sequences that clear the screen, move the cursor or write the clipboard),
+#: DEL, and the bidirectional overrides that reorder what is shown.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` safe to print to a terminal: what it would act on, escaped (``\x1b``),
+    newlines kept with ``lines``. Job data (an error message carries what a user typed)
+    went to the operator's terminal as it was: ``sqla-jobs jobs list`` could clear the
+    screen or write the clipboard. The dashboard escapes it as HTML."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match.group()
+        if lines and char == "\n":
+            return char
+        code = ord(char)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _UNPRINTABLE.sub(escape, text)
+
+
 def compact_json(value: Any) -> str:
     """A JSON value on one line, keys sorted; ``-`` for None."""
     return "-" if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def progress_text(progress: Mapping[str, Any] | None) -> str:
-    """A handler's last progress note: ``0.4 "page 2 of 5" (at 2026-...)``, or ``-``."""
-    if not progress:
+def progress_text(progress: Any) -> str:
+    """A handler's last progress note: ``0.4 "page 2 of 5" (at 2026-...)``, or ``-``; a
+    value that is no object (written around the library: nothing checks that column) as
+    its JSON."""
+    if progress is None or progress == {}:
         return "-"
+    if not isinstance(progress, Mapping):
+        return json.dumps(progress, sort_keys=True, ensure_ascii=False)
     parts = []
     if progress.get("value") is not None:
         parts.append(json.dumps(progress["value"], sort_keys=True))

@@ -476,6 +476,7 @@ def _print_json(value: Any) -> None:
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> None:
+    rows = _printable_rows(rows)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -488,6 +489,11 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: s
     print(line(headers))
     for r in rows:
         print(line(r))
+
+
+def _printable_rows(rows: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Table cells safe for a terminal (see :func:`sqla_jobs._present.printable`)."""
+    return [[_present.printable(cell) for cell in row] for row in rows]
 
 
 def _meta_pair(text: str) -> tuple[str, Any]:
@@ -1142,7 +1148,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     fields = _present.job_fields(job, when=_when, value=_show_value)
     print(f"job {job.id}")
     for name, value in fields:
-        print(f"  {name:<13} {value}")
+        print(f"  {name:<13} {_present.printable(str(value))}")
     if job.steps:
         print()
         _print_table(
@@ -1153,7 +1159,7 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
     print()
     if job.last_error:
         print("last_error:")
-        print(job.last_error.rstrip())
+        print(_present.printable(job.last_error.rstrip(), lines=True))
     else:
         print("last_error: -")
     return EXIT_OK

@@ -211,6 +211,28 @@ def test_ctrl_c_during_a_refresh_ends_the_watch_after_it_and_in_the_pause_at_onc
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_job_data_reaches_the_terminal_escaped(db: sa.Engine) -> None:
+    """An error message (or a queue, a task name) carries what a user typed: ``jobs list``
+    and ``jobs show`` print its control characters escaped, not for the terminal to act
+    on (ESC ] 52 writes the clipboard, ESC [ 2J clears the screen), and a progress that is
+    no object as its JSON (it was a traceback)."""
+    hostile = "ValueError: \x1b]52;c;cm0gLXJmIH4=\x07 \x1b[2J \u202egnp.exe"
+    [job] = dead(db, 1, queue="q\x1b[31m")
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(app.Job)
+            .where(app.Job.id == job)
+            .values(last_error=f"Traceback:\n{hostile}", progress="half way")
+        )
+    listing, show = in_parallel(("jobs", "list", JOBS), ("jobs", "show", JOBS, str(job)))
+    assert listing.returncode == 0 and show.returncode == 0, show.stderr
+    for out in (listing.stdout, show.stdout):
+        assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out
+        assert "\\x1b]52;c;" in out and "\\u202egnp.exe" in out
+    assert "q\\x1b[31m" in listing.stdout
+    assert '"half way"' in show.stdout and "Traceback:\nValueError" in show.stdout
+
+
 def test_jobs_list_and_show(db: sa.Engine) -> None:
     ready = add(db, 2)
     [failed] = dead(db, 1, args={"n": 7})
