@@ -80,6 +80,7 @@ from .session import (
     refuse_unique,
 )
 from .tasks import Jobs
+from .worker._core import misconfigured
 from .worker._driver import DriverBase
 from .worker._signals import loop_signals, signalled, stopped_by_signals
 from .worker.settings import WorkerSettings, resolve
@@ -538,14 +539,15 @@ class _Shards(Generic[W]):
         self, name: str, exc: Exception, failures: int, deadline: float | None
     ) -> float | None:
         """A shard's worker raised: the pause before starting it again, or None to leave
-        it stopped (an error that is not about reaching the database stops every shard).
+        it stopped (an error that is not about its database stops every shard).
 
-        A worker fails at its start when its database cannot be reached. That must not
-        stop the other shards: it is started again, more slowly than a running worker's
-        retries (which must be back within a second of a restart), since a shard may be
-        down for long and each try logs."""
+        A worker fails at its start when its database cannot be reached, or is not ready
+        for it (its tables not migrated yet, a grant missing: one shard of many during a
+        rolling migration). That must not stop the other shards: it is started again,
+        more slowly than a running worker's retries (which must be back within a second of
+        a restart), since a shard may be down for long and each try logs."""
         late = deadline is not None and time.monotonic() >= deadline
-        if not unreachable(exc):
+        if not (unreachable(exc) or misconfigured(exc)):
             self._errors.append(exc)
             self.stop()
             return None
@@ -554,13 +556,23 @@ class _Shards(Generic[W]):
         since = self._down.get(name, (time.monotonic(), ""))[0]
         self._down[name] = (since, describe(exc))
         pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
+        what = "cannot reach the database" if unreachable(exc) else "its database is not ready"
         log.warning(
-            "shard %s: cannot reach the database, starting its worker again in %.2fs: %s",
+            "shard %s: %s, starting its worker again in %.2fs: %s",
             name,
+            what,
             pause,
             describe(exc),
         )
         return pause
+
+    def _ready_again(self) -> None:
+        """Every shard's worker has ended: the stop is over, for this run and its shards'
+        workers, so that a next run serves every shard. Kept, it restarted no shard that
+        failed after it, and a shard stopped while it was waiting to be started again
+        ended its next run at once."""
+        for worker in self.workers.values():
+            worker.core.stopping = False
 
     def _raise_errors(self) -> None:
         if self._errors:
@@ -703,6 +715,8 @@ class ShardedWorker(_Shards[Worker]):
             while thread.is_alive():
                 thread.join(0.2)
         self._down.clear()  # nothing is restarting any more
+        self._ready_again()
+        self._stopping.clear()
         self._raise_errors()
 
     def _signals(self, install: bool) -> contextlib.AbstractContextManager[None]:
@@ -816,6 +830,8 @@ else:
             finally:
                 self._loop = self._wakeup = None
                 self._down.clear()  # nothing is restarting any more
+                self._ready_again()
+                self._stopping = False
                 # Engines made here from URLs belong to this loop: their connections
                 # cannot be used from the next one.
                 for name in self._owned:

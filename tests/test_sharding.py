@@ -436,6 +436,36 @@ def test_a_shard_that_is_down_does_not_stop_the_others(
     assert not runner.is_alive()
 
 
+def test_a_shard_not_migrated_yet_is_started_again_and_a_stop_ends_only_its_run(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    """Shard b's tables are not all there (a rolling migration has not reached it): its
+    worker cannot start, and is started again until they are, while shard a drains (the
+    error stopped every shard). The worker stopped while b waited to be started again
+    serves b in its next run (the stop stood for ever: b's next run ended at once)."""
+    fetch = _task(jobs)
+    schedules = f'"{app.SCHEMA}".jobs_schedules'
+    with shards["b"].begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {schedules} RENAME TO jobs_schedules_later"))
+    worker = ShardedWorker(jobs, shards, concurrency=2, poll_interval=0.1)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    runner.start()
+    try:
+        _fill({"a": shards["a"]}, jobs, fetch, 5)
+        _wait(lambda: _count(shards["a"], JOB) == 0)
+        _wait(lambda: worker.health()["unreachable"] == ["b"])
+    finally:
+        worker.stop()
+        runner.join(30)
+        with shards["b"].begin() as conn:
+            conn.execute(
+                sa.text(f'ALTER TABLE "{app.SCHEMA}".jobs_schedules_later RENAME TO jobs_schedules')
+            )
+    assert not runner.is_alive()
+    _fill(shards, jobs, fetch, 3)
+    assert worker.run_until_empty(timeout=20) == {"a": 3, "b": 3}
+
+
 def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
     fetch = _task(jobs)
     _fill({"a": shards["a"]}, jobs, fetch, 2)

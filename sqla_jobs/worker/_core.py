@@ -113,7 +113,9 @@ def default_queues(jobs: Jobs, queues: Iterable[str] | None) -> list[str]:
 _MISCONFIGURED = frozenset({"42501", "42P01", "42703", "42883"})
 
 
-def _misconfigured(exc: BaseException) -> bool:
+def misconfigured(exc: BaseException) -> bool:
+    """A privilege the role lacks, a table, column or function that is not there: no
+    waiting mends it, but a migration or a grant does."""
     return getattr(getattr(exc, "orig", None), "sqlstate", None) in _MISCONFIGURED
 
 
@@ -635,9 +637,11 @@ class WorkerCore:
                 yield EndDuties()
                 # After the duties ended: no presence update can follow the row's deletion.
                 yield from self.presence.leave()
-                self.stopping = False  # ready for another run
                 log.info("worker %s stopped", self.name)
         finally:
+            # Ready for another run, a start that failed too (it kept the stop, and the
+            # next run of a sharded worker, restarting it, ended at once).
+            self.stopping = False
             self._state = "stopped"
         if self.fatal is not None:
             raise self.fatal
@@ -701,7 +705,7 @@ class WorkerCore:
         try:
             synced = yield Io(statements.sync_schedules, (self.jobs,), Conn.TX)
         except Exception as exc:
-            if not is_database_error(exc) or _misconfigured(exc) or _unreached(exc):
+            if not is_database_error(exc) or misconfigured(exc) or _unreached(exc):
                 raise
             log.warning(
                 "worker %s: the declared schedules will be synced by the maintenance: %s",
