@@ -231,6 +231,29 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
         event.listen(self, "after_flush", _after_flush)
         event.listen(self, "after_transaction_end", _after_transaction_end)
 
+    def connection_callable(
+        self,
+        mapper: Mapper[Any] | None = None,
+        instance: Any = None,
+        shard_id: Any = None,
+        **kw: Any,
+    ) -> sa.Connection:
+        """The connection a flush writes an object with: in a savepoint, the savepoint's.
+
+        ``ShardedSession`` flushes through the outermost transaction, whose connection to
+        a shard does not begin the savepoint there: that is begun at the first statement
+        that asks the session for the shard's connection (an ``enqueue_many``, a unique
+        job, a query), and rows flushed before it were not in it. Rolled back, the
+        savepoint kept a row and lost its job, or kept a job that waits for its parents
+        and lost the statement that links it (held for ever). Every statement of the
+        session on a shard now goes through the innermost transaction, so a row and its
+        jobs share their fate however they interleave."""
+        nested = self.get_nested_transaction()
+        if nested is None:
+            return super().connection_callable(mapper, instance, shard_id, **kw)
+        bind = self.get_bind(mapper, shard_id=shard_id, instance=instance)
+        return self.connection(bind_arguments={"bind": bind})
+
     # The chooser the session runs: a job object goes where ``enqueue`` decided; the rest
     # is the application's choice. A unique job's statements and its read-back name the
     # shard themselves (``bind_arguments={"shard_id": ...}``, ``identity_token``): the
@@ -290,8 +313,9 @@ class ShardedJobSession(EnqueueMixin, ShardedSession):
             connection = self.connection(bind_arguments={"shard_id": target})
             wants = registry.events.wants("enqueued")
             written: list[dict[str, Any]] | None = [] if wants else None
+            # Jobs are not among the shards this unit of work writes to (objects are): the
+            # next enqueue without a shard is refused, not sent where these rows went.
             inserted = insert_rows(connection, registry.queries, rows, written)
-            self._written.add(target)
             if written:
                 _announce(self, registry, written, boundary)
             return inserted

@@ -123,9 +123,8 @@ def test_enqueue_rolls_back_with_its_rows(
 def test_in_a_savepoint_a_job_shares_the_fate_of_its_rows(
     Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs
 ) -> None:
-    # SQLAlchemy's ShardedSession flushes through the outermost transaction's connections,
-    # so a rolled-back begin_nested() does not take back what it flushed: neither the row
-    # nor its job. What must hold is that they share one fate.
+    # A rolled-back begin_nested() takes back what it flushed, the row and its job (the
+    # session flushes through the savepoint's connection: see connection_callable).
     fetch = _task(jobs)
     with Sharded.begin() as session:
         session.add(app.Link(code="a3", url="u"))
@@ -138,8 +137,7 @@ def test_in_a_savepoint_a_job_shares_the_fate_of_its_rows(
     with shards["a"].connect() as conn:
         codes = set(conn.execute(sa.select(app.Link.code)).scalars())
         args = {a["code"] for a in conn.execute(sa.select(JOB.c.args)).scalars()}
-    assert "a3" in codes
-    assert args == codes
+    assert codes == args == {"a3"}
     assert _count(shards["b"], JOB) == 0
 
 
@@ -464,6 +462,52 @@ def test_a_shard_not_migrated_yet_is_started_again_and_a_stop_ends_only_its_run(
     assert not runner.is_alive()
     _fill(shards, jobs, fetch, 3)
     assert worker.run_until_empty(timeout=20) == {"a": 3, "b": 3}
+
+
+@pytest.mark.parametrize("how", ["after", "enqueue_many", "unique", "query"])
+def test_in_a_savepoint_a_row_and_its_jobs_share_their_fate(
+    Sharded: sessionmaker[ShardedJobSession], shards: dict[str, sa.Engine], jobs: Jobs, how: str
+) -> None:
+    """A row and its jobs written in a savepoint that rolls back, however the statements
+    interleave: none of them stays. The flush wrote through the outermost transaction,
+    whose connection to the shard had not begun the savepoint, which began only at the
+    first statement asking for it (the link of an ``after=`` child, an ``enqueue_many``,
+    a unique job, a query): a child was kept held for ever without its link, or a row
+    without its job."""
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        with pytest.raises(RuntimeError), session.begin_nested():
+            session.add(app.Link(code="b1", url="u"))
+            if how == "after":
+                parent = session.enqueue(fetch, code="parent")
+                session.enqueue(fetch.with_options(after=[parent]), code="child")
+            elif how == "enqueue_many":
+                session.flush()
+                session.enqueue_many(fetch, [{"code": "b1"}], shard="b")
+            elif how == "unique":
+                session.flush()
+                session.enqueue(fetch.with_options(unique=True), code="b1")
+            else:
+                session.flush()
+                session.execute(sa.select(app.Link)).all()
+                session.enqueue(fetch, code="b1")
+            session.flush()
+            raise RuntimeError
+        session.add(app.Link(code="b2", url="u"))  # the transaction itself goes on
+    assert _count(shards["b"], JOB) == 0
+    assert _count(shards["b"], app.Link.__table__) == 1
+
+
+def test_a_job_only_write_is_no_shard_for_the_next_enqueue(
+    Sharded: sessionmaker[ShardedJobSession], jobs: Jobs
+) -> None:
+    """``enqueue_many`` on shard b writes no object: a later enqueue without a shard, with
+    no object written either, is refused as after a plain ``enqueue`` (it went to b)."""
+    fetch = _task(jobs)
+    with Sharded.begin() as session:
+        session.enqueue_many(fetch, [{"code": "x"}], shard="b")
+        with pytest.raises(EnqueueError, match="writes no rows"):
+            session.enqueue(fetch, code="y")
 
 
 def test_stats_and_jobs_across_shards(shards: dict[str, sa.Engine], jobs: Jobs) -> None:
