@@ -28,6 +28,7 @@ from sqla_jobs import Jobs, admin
 from sqla_jobs.model import companion_tables, job_table
 from sqla_jobs.periodic import add_schedule
 from sqla_jobs.web import create_app
+from sqla_jobs.web.app import BLOCKED_SHOWN
 
 from . import app
 from .helpers import running, wait_for
@@ -178,6 +179,19 @@ def test_the_overview_shows_keys_blocked_behind_a_failed_head(
     with db.begin() as conn:
         conn.execute(sa.delete(TABLE).where(TABLE.c.id == head))
     assert "Blocked keys" not in client.get("/").text
+    # After an outage that left thousands of keys held, the overview (refreshed every
+    # 5 s) lists the first few and points to the CLI: it read and showed them all.
+    with db.begin() as conn:
+        conn.execute(
+            sa.insert(TABLE),
+            [
+                {"task": "t", "queue": "ledger", "status": "dead", "concurrency_key": f"k{i:03}"}
+                for i in range(BLOCKED_SHOWN + 5)
+            ],
+        )
+    panel = client.get("/").text.split("<h2>Blocked keys</h2>")[1].split("</section>")[0]
+    assert panel.count("<code>k") == BLOCKED_SHOWN and "<code>k000</code>" in panel
+    assert "sqla-jobs queues blocked</code> lists them all" in panel
 
 
 def test_the_job_list_filters_and_pages_by_keyset_newest_first(

@@ -47,6 +47,9 @@ from .shards import shard_engines, shards_page
 
 # DEFAULT_ALLOWED_HOSTS, SECURITY_HEADERS and check_allowed_hosts stay importable from
 # here, where they were defined before web/_base.py.
+#: Blocked keys the overview lists (``sqla-jobs queues blocked`` lists them all).
+BLOCKED_SHOWN = 50
+
 __all__ = [
     "DEFAULT_ALLOWED_HOSTS",
     "SECURITY_HEADERS",
@@ -392,8 +395,13 @@ class Dashboard:
                 queues = admin.queue_states(conn, self.jobs, finished=False)
                 throughput = admin.throughput(conn, self.jobs)
                 workers = admin.list_workers(conn, self.jobs)
-                # Keys held behind a failed head (key_order="fifo"); declared in code.
-                blocked = admin.blocked_keys(conn, self.jobs) if isinstance(self.jobs, Jobs) else []
+                # Keys held behind a failed head (key_order="fifo"); declared in code. The
+                # first few, and whether there are more (the CLI lists them all).
+                blocked = (
+                    admin.blocked_keys(conn, self.jobs, limit=BLOCKED_SHOWN + 1)
+                    if isinstance(self.jobs, Jobs)
+                    else []
+                )
             lags = [q.lag_seconds for q in queues if q.lag_seconds is not None]
             totals = {
                 "ready": sum(q.ready for q in queues),
@@ -416,7 +424,8 @@ class Dashboard:
                 section="overview",
                 page_title="Overview",
                 queues=queues,
-                blocked=blocked,
+                blocked=blocked[:BLOCKED_SHOWN],
+                blocked_more=len(blocked) > BLOCKED_SHOWN,
                 totals=totals,
                 hour=hour,
                 throughput=throughput,
