@@ -1044,7 +1044,7 @@ def browse_jobs(
         older = searched_to = last
     else:
         older = None
-    found = summaries([c.id.in_(ids_found)], limit) if ids_found else []
+    found = summaries([_id_in(c.id, ids_found)], limit) if ids_found else []
     return JobPage(found, older, searched_to, search)
 
 
@@ -1817,8 +1817,20 @@ def _guards(
     c = table.c
     where: list[sa.ColumnElement[bool]] = []
     if seen is not None:
+        # Three arrays, one parameter each, whatever the number of jobs seen (see _id_in).
+        each = (
+            sa.func.unnest(
+                sa.literal([s.id for s in seen], ARRAY(sa.BigInteger)),
+                sa.literal([s.attempts for s in seen], ARRAY(sa.Integer)),
+                sa.literal([str(s.status) for s in seen], ARRAY(sa.Text)),
+            )
+            .table_valued("id", "attempts", "status")
+            .render_derived(name="seen")
+        )
         where.append(
-            sa.tuple_(c.id, c.attempts, c.status).in_([(s.id, s.attempts, s.status) for s in seen])
+            sa.tuple_(c.id, c.attempts, sa.cast(c.status, sa.Text)).in_(
+                sa.select(each.c.id, each.c.attempts, each.c.status)
+            )
         )
     if up_to_id is not None:
         if not isinstance(up_to_id, int) or isinstance(up_to_id, bool):
@@ -2094,6 +2106,14 @@ def _check_id(value: object, what: str) -> None:
         raise ValueError(f"{what}: expected an integer from 1 to {BIGINT_MAX}, got {value!r}")
 
 
+def _id_in(column: Any, ids: Iterable[int]) -> sa.ColumnElement[bool]:
+    """``column = ANY(:ids)``: one array parameter. ``IN`` binds one parameter per id, and
+    PostgreSQL takes at most 65,535 in a statement: a retry of 40,000 ids by name failed
+    (the CLI said it could not connect)."""
+    matched: sa.ColumnElement[bool] = column == sa.any_(sa.literal(list(ids), ARRAY(sa.BigInteger)))
+    return matched
+
+
 def _filters(
     table: Any,
     *,
@@ -2106,7 +2126,7 @@ def _filters(
     where: list[sa.ColumnElement[bool]] = []
     id_list = _ids(ids)
     if id_list is not None:
-        where.append(c.id.in_(id_list))
+        where.append(_id_in(c.id, id_list))
     queues = _names(queue, "queue")
     if queues is not None:
         where.append(c.queue.in_(queues))

@@ -56,7 +56,7 @@ from . import _present, admin, logs, sharding
 from ._storable import BIGINT_MAX, DURATION_MAX_SECONDS, JSON_MAX_DEPTH, json_text_depth
 from ._tasks import json_problem
 from .db import SCHEMA_FIX, create_engine, normalize_url, url_connect_args
-from .errors import WorkerError, describe, missing_extra
+from .errors import WorkerError, answered, describe, missing_extra
 from .model import STATUSES, job_table
 from .tasks import Jobs
 from .worker._launch import EndpointError, LaunchError, LaunchPlan
@@ -374,7 +374,9 @@ def _describe(exc: sa.exc.DBAPIError) -> str:
         return f"{first}: {_SCHEMA_HINT}"
     if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
         return f"{first}: the database role lacks a privilege on the jobs tables"
-    if isinstance(exc, sa.exc.OperationalError):
+    if isinstance(exc, sa.exc.OperationalError) and not answered(exc):
+        # Not one the server answered (a statement timeout, a statement it refused): that
+        # is no connection problem, and the operator was sent looking for one.
         return f"cannot connect to the database: {first}"
     return f"database error: {first}"
 

@@ -501,3 +501,34 @@ def test_a_retry_racing_an_uncommitted_twin_skips_the_job(db: sa.Engine, jobs: J
     with db.connect() as conn:
         statuses = dict(conn.execute(sa.select(table.c.id, table.c.status)).all())
     assert statuses == {dead: "dead", twin: "ready"}
+
+
+def test_actions_take_more_ids_than_a_statement_takes_parameters(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """An incident's 70,000 dead jobs retried, then purged, by id: each id was a bind
+    parameter (twice in a retry), past the 65,535 PostgreSQL takes in one statement. And
+    as many jobs as seen (``act`` with their attempts and status) alike."""
+    from . import app
+
+    table = f'"{app.SCHEMA}".jobs'
+    with db.begin() as conn:
+        ids = list(
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {table} (queue, task, args, status, attempts, finished_at) "
+                    "SELECT 'q', 't', '{}', 'dead', 1, now() FROM generate_series(1, 70000) "
+                    "RETURNING id"
+                )
+            ).scalars()
+        )
+    with db.begin() as conn:
+        assert admin.retry_jobs(conn, jobs, ids) == 70_000
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, ids) == 70_000
+    seen = [admin.SeenJob(i, 1, "cancelled") for i in ids]
+    with db.begin() as conn:
+        report = admin.act(conn, jobs, "purge", admin.Selection(seen=seen))
+    assert report.count == 70_000
+    with db.connect() as conn:
+        assert not conn.execute(sa.select(app.Job.id)).first()
