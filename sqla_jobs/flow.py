@@ -417,8 +417,13 @@ async def _listen_for_async(engine: AsyncEngine, queries: Queries, clock: _Clock
                 seen = await conn.run_sync(_look, queries, job_id)
                 if seen.done:
                     return seen.value
+                # Past the deadline this raises TimeoutError: asked for
+                # first, so that the suppress below takes only the wait's own timeout. In
+                # it (on Python 3.11 asyncio's TimeoutError is the builtin), it was taken
+                # for the end of a wait: the loop looked again at once, for ever.
+                seconds = clock.notified()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(_next_note(raw, mine), clock.notified())
+                    await asyncio.wait_for(_next_note(raw, mine), seconds)
         except Exception as exc:
             if _lost(raw, exc):
                 if not conn.invalidated:

@@ -106,8 +106,8 @@ T = TypeVar("T", bound=Task[Any, Any])
 _JOBS_KEY = JOBS_KEY
 _PENDING_KEY = "sqla_jobs.pending"
 _ANNOUNCE_KEY = "sqla_jobs.announce"
-#: The ids of ``enqueue_many`` batches whose transaction rolled back before they were
-#: written (see ``_write_batch``).
+#: The ``enqueue_many`` batches whose transaction rolled back before they were written,
+#: by id (see ``_write_batch``).
 _DROPPED_KEY = "sqla_jobs.dropped"
 #: (transaction, jobs) per flush: the jobs the flush wrote itself, in the transaction
 #: innermost then (see EnqueueMixin.flush); weak references, as the session's identity
@@ -539,9 +539,9 @@ def _write_batch(session: Session, batch: _Batch) -> int:
     the greenlet), unless a flush wrote it first."""
     batches: list[_Batch] = session.info.get(_PENDING_KEY) or []
     if not any(b is batch for b in batches):
-        dropped: set[int] = session.info.get(_DROPPED_KEY) or set()
-        if id(batch) in dropped:  # its savepoint rolled back: nothing was inserted
-            dropped.discard(id(batch))
+        dropped: dict[int, _Batch] = session.info.get(_DROPPED_KEY) or {}
+        if dropped.get(id(batch)) is batch:  # its savepoint rolled back: none inserted
+            del dropped[id(batch)]
             return 0
         return len(batch[2])
     session.info[_PENDING_KEY] = [b for b in batches if b is not batch]
@@ -1008,7 +1008,8 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
 
 def _dropped(session: Session, batches: Iterable[_Batch]) -> None:
     """Batches of ``enqueue_many`` rolled back unwritten: awaited later, they say that
-    none was inserted (they said all were)."""
-    ids = {id(batch) for batch in batches}
-    if ids:
-        session.info.setdefault(_DROPPED_KEY, set()).update(ids)
+    none was inserted (they said all were). Kept by id with the batch itself, so that no
+    later batch at the same address (CPython reuses it at once) is taken for one."""
+    kept = {id(batch): batch for batch in batches}
+    if kept:
+        session.info.setdefault(_DROPPED_KEY, {}).update(kept)

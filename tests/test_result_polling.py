@@ -140,6 +140,37 @@ def test_the_async_wait_polls_too(
     assert 1 + 4 <= len(seen) <= 1 + 10  # the first wait's look, then the second's
 
 
+def test_the_async_listening_wait_ends_at_its_timeout(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """``result_async`` listening for a job that does not finish raises ``TimeoutError``
+    at its timeout, having looked at the row a few times. It took its own deadline for
+    the end of a wait for a notification (on Python 3.11, asyncio's TimeoutError is the
+    builtin) and looked again at once, for ever: thousands of queries a second."""
+
+    @jobs.task(queue="nobody", keep_result=True)
+    def never() -> int:
+        return 0
+
+    with Session.begin() as session:
+        job = session.enqueue(never)
+
+    async def main() -> tuple[float, list[float]]:
+        engine = create_async_engine(database_url)
+        seen = looks(engine.sync_engine, jobs)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(jobs.result_async(engine, job.id, timeout=0.5), 10)
+            return time.monotonic() - started, seen
+        finally:
+            await engine.dispose()
+
+    waited, seen = asyncio.run(main())
+    assert 0.5 <= waited < 1.5
+    assert len(seen) <= 3
+
+
 def test_the_wait_listens_on_a_direct_connection_and_says_so_once_per_engine(
     Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
 ) -> None:

@@ -376,3 +376,44 @@ def test_an_enqueue_many_awaited_after_its_savepoint_rolled_back_says_none_was_i
     asyncio.run(main())
     assert said == [0, 1]
     assert [r.args["n"] for r in rows(db)] == [6]
+
+
+def test_a_batch_written_by_a_flush_is_not_taken_for_one_rolled_back(
+    database_url: str, db: sa.Engine, jobs: Jobs
+) -> None:
+    """Batches rolled back unawaited are remembered; a later batch that a flush wrote, at
+    the same address (CPython reuses a freed tuple's at once), says its row was inserted
+    (it said none was)."""
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_jobs import create_async_engine
+    from sqla_jobs.aio import AsyncJobSession
+
+    @jobs.task(queue="q")
+    def num(n: int) -> None: ...
+
+    async def main() -> list[int]:
+        engine = create_async_engine(database_url)
+        said: list[int] = []
+        try:
+            make = async_sessionmaker(engine, class_=AsyncJobSession, jobs=jobs)
+            async with make() as session:
+                for _ in range(10):
+                    await session.begin()
+                    session.enqueue_many(num, [{"n": 1}])  # never awaited
+                    await session.rollback()
+                for _ in range(10):
+                    await session.begin()
+                    made = session.enqueue_many(num, [{"n": 2}])
+                    await session.flush()  # writes it
+                    said.append(await made)
+                    await session.commit()
+        finally:
+            await engine.dispose()
+        return said
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        said = asyncio.run(main())
+    assert said == [1] * 10
+    assert [r.args["n"] for r in rows(db)] == [2] * 10
