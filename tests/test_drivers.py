@@ -421,3 +421,42 @@ def _record(failed: list[BaseException], main: Any) -> None:
         asyncio.run(main())
     except BaseException as exc:
         failed.append(exc)
+
+
+def test_a_worker_made_from_a_url_closes_its_connections_when_its_run_ends(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """``Worker(jobs, url)`` and ``AsyncWorker(jobs, url)`` make an engine of their own:
+    its connections close when a run ends (they stayed open until the worker was garbage
+    collected, a cycle away: a process making a worker per batch piled them up)."""
+    from sqla_jobs import Worker
+    from sqla_jobs.aio import AsyncWorker
+
+    @jobs.task(queue="q")
+    def quick() -> None:
+        pass
+
+    url = sa.make_url(database_url).update_query_dict({"application_name": "url-worker"})
+    named = url.render_as_string(hide_password=False)
+
+    def open_connections() -> int:
+        with db.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE application_name = 'url-worker' AND pid <> pg_backend_pid()"
+                    )
+                ).scalar_one()
+            )
+
+    for kind in ("threads", "asyncio"):
+        with Session.begin() as session:
+            session.enqueue(quick)
+        if kind == "threads":
+            worker = Worker(jobs, named, queues=["q"], listen=False)
+            assert worker.run_until_empty(timeout=20) == 1
+        else:
+            aworker = AsyncWorker(jobs, named, queues=["q"], listen=False)
+            assert asyncio.run(aworker.run_until_empty(timeout=20)) == 1
+        wait_for(lambda: open_connections() == 0, timeout=5)

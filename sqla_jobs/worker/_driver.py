@@ -75,6 +75,8 @@ class DriverBase(Generic[E]):
 
     _wakeups: Wakeups[Any]
     _outbox: Any
+    #: The engine was made here from a URL: disposed of at the end of each run.
+    _owns_engine: bool = False
 
     def __init__(
         self,

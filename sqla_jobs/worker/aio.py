@@ -60,6 +60,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     def _make_engine(self, bind: AsyncEngine | str) -> AsyncEngine:
         if isinstance(bind, AsyncEngine):
             return bind
+        self._owns_engine = True
         return create_async_engine(bind, **pool_options(self.settings.concurrency))
 
     def _prepare(self) -> None:
@@ -159,6 +160,10 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             await self._claim_conn.close()
             await self._write_conn.close()
             self._threads.shutdown(wait=False)  # a stuck handler's thread ends as it returns
+            if self._owns_engine:
+                # Made from a URL: the pool is the worker's, and its connections belong to
+                # this loop (the next run may be on another).
+                await self.engine.dispose()
 
     def _on_signal(self, sig: int) -> None:
         signalled([self.core], self.stop, sig)

@@ -53,6 +53,7 @@ class Worker(DriverBase[sa.Engine]):
     def _make_engine(self, bind: sa.Engine | str) -> sa.Engine:
         if isinstance(bind, sa.Engine):
             return bind
+        self._owns_engine = True
         return create_engine(bind, **pool_options(self.settings.concurrency))
 
     def _prepare(self) -> None:
@@ -115,6 +116,11 @@ class Worker(DriverBase[sa.Engine]):
         finally:
             self._claim_conn.close()
             self._write_conn.close()
+            if self._owns_engine:
+                # Made from a URL, the pool is the worker's: its connections close with the
+                # run (they stayed open until the worker was collected; the next run
+                # connects again).
+                self.engine.dispose()
 
     # -- carrying out steps ----------------------------------------------------------------
 
