@@ -26,7 +26,7 @@ from .._queries import (
 )
 from ..errors import answered, describe
 from . import _statements as statements
-from ._outage import is_database_error, retry_pause
+from ._outage import is_database_error, lost_prepared_statement, retry_pause
 from ._steps import Conn, Duty, Io, Pause, Sleep, Step, Steps, WaitWritten
 
 if TYPE_CHECKING:
@@ -262,8 +262,9 @@ class Fetcher(Duty):
             try:
                 total += yield from self.claim_queue(queue, want)
             except Exception as exc:
-                if not answered(exc):
-                    raise  # the connection's or the server's: the whole loop waits
+                if not answered(exc) or lost_prepared_statement(exc):
+                    # The connection's, the server's or a pooler's: the whole loop waits.
+                    raise
                 self.refused(queue, exc)
                 continue
             if self.failing:
