@@ -460,3 +460,52 @@ def test_a_worker_made_from_a_url_closes_its_connections_when_its_run_ends(
             aworker = AsyncWorker(jobs, named, queues=["q"], listen=False)
             assert asyncio.run(aworker.run_until_empty(timeout=20)) == 1
         wait_for(lambda: open_connections() == 0, timeout=5)
+
+
+def test_a_listener_still_connecting_when_its_run_ends_lets_go(
+    Session: Any, jobs: Jobs, database_url: str
+) -> None:
+    """The listener's connection takes seconds to open (a loaded server) when the worker
+    stops: the stop does not wait for it, and once it connects it sees its run is over
+    and lets go. It listened on for good (its run's stop was reset for the next run): a
+    thread and a LISTEN connection that outlived the run."""
+    from sqla_jobs import Worker, create_engine
+
+    @jobs.task(queue="q")
+    def quick() -> None:
+        pass
+
+    engine = create_engine(database_url)
+
+    @sa.event.listens_for(engine, "do_connect")
+    def slow(dialect: Any, record: Any, cargs: Any, cparams: Any) -> None:
+        if threading.current_thread().name.endswith("listener"):
+            time.sleep(3.0)
+
+    def listeners() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.endswith("listener")]
+
+    def listening() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+                    )
+                ).scalar_one()
+            )
+
+    worker = Worker(jobs, engine, queues=["q"])
+    runner = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    try:
+        runner.start()
+        wait_for(lambda: listeners(), timeout=10)
+        worker.stop()
+        runner.join(15)
+        assert not runner.is_alive()
+        wait_for(lambda: not listeners() and listening() == 0, timeout=15)
+    finally:
+        worker.stop()
+        runner.join(15)
+        engine.dispose()

@@ -168,6 +168,11 @@ class WorkerCore:
         self.listen_watch = ListenWatch()
         #: Why the worker stopped on its own (a duty kept failing); raised by ``run()``.
         self.fatal: WorkerError | None = None
+        #: Moves on as each run ends: a duty of a run that is over (one that was still
+        #: connecting, or waiting for the pool, when the stop gave up on it) sees it and
+        #: ends, rather than go on once ``stopping`` is reset for the next run (a
+        #: listener held a LISTEN connection for good, a presence wrote its row again).
+        self.generation = 0
         #: For health: per loop, since when it waits on which step (None: it ended).
         self._waiting: dict[str, tuple[float, Step | None]] = {}
         #: Since when outcomes wait with none written; since when the completer cannot
@@ -641,6 +646,7 @@ class WorkerCore:
         finally:
             # Ready for another run, a start that failed too (it kept the stop, and the
             # next run of a sharded worker, restarting it, ended at once).
+            self.generation += 1
             self.stopping = False
             self._state = "stopped"
         if self.fatal is not None:

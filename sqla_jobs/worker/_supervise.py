@@ -66,7 +66,8 @@ def supervised(core: WorkerCore, name: str, run_once: Callable[[], Steps]) -> St
     # and its pauses grew to half a second each time the server ended its connection.
     listener = core.listener if name == "listener" else None
     state = DutyState(core, name)
-    while True:
+    generation = core.generation  # this run's: a duty ends with its run
+    while core.generation == generation:
         if listener is not None:
             listener.listened = False
         error: Exception | None = None

@@ -41,15 +41,18 @@ class Listener(Duty):
         let go: the worker then polls, as with ``listen=False``."""
         core = self.core
         watch = core.listen_watch
+        generation = core.generation
         try:
             yield Listen(core.queries.channel)
+            if core.generation != generation:
+                return False  # connected after its run ended: let go at once
             self.listened = True
             core.listening.set()
             watch.listening(time.monotonic())
             core.driver.wake()  # catch anything enqueued while we were not listening
             wanted = set(core.queues)
             fetcher = core.fetcher
-            while not core.stopping:
+            while not core.stopping and core.generation == generation:
                 for payload in (yield Notifications(0.5)):
                     if payload in wanted:
                         now = time.monotonic()

@@ -114,8 +114,9 @@ class Presence(Duty):
             self.failing = True
         else:
             self.failing = False
+        generation = core.generation
         yield Pause(core.settings.presence_interval)
-        return not core.stopping
+        return not core.stopping and core.generation == generation
 
     def leave(self) -> Steps:
         """At the end of a run: add the last counts and delete this worker's row."""
