@@ -1711,11 +1711,16 @@ def act(
     if isinstance(selection, Selection):
         return spec.run(bind, jobs, selection)
     table = _table(jobs)
-    wanted = list(dict.fromkeys(_check_seen(selection)))
+    # Each job once, as first seen: a job listed twice (seen at two moments) was counted
+    # twice in the report ("Retried 2 jobs" for one).
+    first: dict[int, SeenJob] = {}
+    for seen in _check_seen(selection):
+        first.setdefault(seen.id, seen)
+    wanted = list(first.values())
     if not wanted:
         raise ValueError("select at least one job")
     c = table.c
-    lock = sa.select(c.id, c.attempts, c.status).where(c.id.in_([s.id for s in wanted]))
+    lock = sa.select(c.id, c.attempts, c.status).where(_id_in(c.id, first))
     # A row about to be deleted needs the full lock; the others the one the claim respects.
     lock = lock.with_for_update(key_share=not spec.destroys)
     now = {r.id: (r.attempts, r.status) for r in _execute(bind, lock)}

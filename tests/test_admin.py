@@ -415,8 +415,11 @@ def test_actions_skip_jobs_that_moved_on_since_they_were_seen(db: sa.Engine, job
         conn.execute(sa.update(table).where(table.c.id == b).values(attempts=3))
         seen = [SeenJob(a, 2, "dead"), SeenJob(b, 2, "dead"), SeenJob(keyed, 2, "dead")]
         assert admin.retry_jobs(conn, jobs, seen=seen, dry_run=True) == 1
-        report = admin.act(conn, jobs, "retry", [*seen, SeenJob(10**9, 1, "dead")])
-    assert report.acted == (a,)
+        # a listed twice (seen at two moments): acted on once, counted once.
+        report = admin.act(
+            conn, jobs, "retry", [*seen, SeenJob(10**9, 1, "dead"), SeenJob(a, 1, "dead")]
+        )
+    assert report.acted == (a,) and report.count == 1
     assert dict(report.skipped) == {
         b: "it changed: now dead, attempt 3",
         keyed: "a live job holds its unique key",
