@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
@@ -1216,6 +1216,7 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
                     code = max(code, _warn_skipped(admin.act(conn, target, "retry", selection)))
                     conn.rollback()
             rearmed = 0 if retry else None
+            code = max(code, _warn_unacted(selection, action, (), preview.skipped))
             _report(args, action.name, action.past, 0, dry_run=False, rearmed=rearmed)
             return code
         _confirm(args, action.name, preview.count)
@@ -1224,9 +1225,35 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
     # Retried parents bring back the jobs they had cancelled; say which came back, and why
     # a selected one did not.
     code = max(code, _warn_skipped(report))
+    done = (*report.acted, *report.rearmed)
+    code = max(code, _warn_unacted(selection, action, done, (*preview.skipped, *report.skipped)))
     rearmed = len(report.rearmed) if retry else None
     _report(args, action.name, action.past, report.count, dry_run=False, rearmed=rearmed)
     return code
+
+
+def _warn_unacted(
+    selection: admin.Selection,
+    action: admin.Action,
+    done: Iterable[int],
+    warned: Iterable[tuple[int, str]],
+) -> int:
+    """A warning for each job named by id that the action left alone without saying why
+    already (a live job holds its unique key; younger than ``--older-than``); exit code 1
+    if any. They were left out of the count in silence, and the exit code was 0."""
+    if selection.ids is None:
+        return EXIT_OK
+    left = set(selection.ids) - set(done) - {job_id for job_id, _ in warned}
+    for job_id in sorted(left):
+        why = ["a live job holds its unique key"] if action.name == "retry" else []
+        if selection.older_than is not None:
+            why.append("it is younger than --older-than")
+        reason = " or ".join(why) or "it no longer matched"
+        print(
+            f"sqla-jobs: warning: skipping job {job_id}: {reason} (it was not {action.past})",
+            file=sys.stderr,
+        )
+    return EXIT_FAILURE if left else EXIT_OK
 
 
 def _warn_skipped(report: admin.ActionReport) -> int:

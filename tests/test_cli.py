@@ -280,6 +280,26 @@ def test_jobs_list_and_show(db: sa.Engine) -> None:
     )
 
 
+def test_a_named_job_left_alone_is_warned_about_and_exits_1(db: sa.Engine) -> None:
+    """Jobs named by id that the action leaves alone for a reason the count does not see
+    (a live job holds the dead job's unique key; a purge's --older-than): a warning each,
+    and exit code 1, as the docs promise. It said "retried 1 job" and exited 0."""
+    [held, free] = dead(db, 2)
+    with db.begin() as conn:
+        conn.execute(sa.update(app.Job).where(app.Job.id == held).values(unique_key="k"))
+    add(db, 1, unique_key="k")  # its live twin
+    retried = cli("jobs", "retry", JOBS, str(held), str(free), "--yes")
+    assert retried.returncode == 1, retried.stderr
+    assert f"skipping job {held}: a live job holds its unique key" in retried.stderr
+    assert "retried 1 job" in retried.stdout
+    assert (status_of(db, held), status_of(db, free)) == ("dead", "ready")
+    [young] = dead(db, 1)
+    kept = cli("jobs", "purge", JOBS, str(young), "--older-than", "7d", "--yes")
+    assert kept.returncode == 1, kept.stderr
+    assert f"skipping job {young}: it is younger than --older-than" in kept.stderr
+    assert status_of(db, young) == "dead"
+
+
 def test_retry_cancel_purge_confirm_or_refuse(db: sa.Engine) -> None:
     failed = dead(db, 2)
     [ready] = add(db, 1)
