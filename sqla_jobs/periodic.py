@@ -42,6 +42,7 @@ import sqlalchemy as sa
 from ._enqueue import insert_rows
 from ._queries import readable_json
 from ._tasks import check_schedule_name
+from .connection import _announce
 from .cron import Schedule, check_cron, check_timezone, latest_tick, next_tick
 from .errors import EnqueueError, answered, describe
 
@@ -173,6 +174,9 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
     q = jobs.queries
     now = conn.execute(q.now).scalar_one()
     enqueued = 0
+    # The ``enqueued`` listeners (the metrics' counter) hear of the ticks' jobs at commit,
+    # as of any other job; they heard of none.
+    announced: list[dict[str, Any]] | None = [] if jobs.events.wants("enqueued") else None
     for row in conn.execute(q.due_schedules, {"now": now, "limit": limit}).all():
         tick: datetime | None = row.next_run_at
         try:
@@ -191,9 +195,10 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             _failed(conn, q, row, now, str(exc))
             continue
         values["unique_key"] = periodic_key(row.name, latest)
+        written: list[dict[str, Any]] | None = [] if announced is not None else None
         try:
             with conn.begin_nested():
-                enqueued += insert_rows(conn, q, [values])
+                enqueued += insert_rows(conn, q, [values], written)
                 conn.execute(
                     q.advance_schedule,
                     {"schedule": row.name, "tick": tick, "following": following, "latest": latest},
@@ -202,6 +207,11 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             if not answered(exc):
                 raise
             _failed(conn, q, row, now, f"its job was refused: {describe(exc)}", following)
+            continue
+        if announced is not None and written:
+            announced.extend(written)
+    if announced:
+        _announce(conn, jobs, announced)  # as for jobs enqueued on a connection: at commit
     return enqueued
 
 

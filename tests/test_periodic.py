@@ -83,6 +83,31 @@ def test_periodic_task_is_declared_checked_and_enqueued_once_per_tick(
     assert job.unique_key.startswith(f"periodic:{tick.name}:")
 
 
+def test_a_tick_s_job_is_announced_at_commit(db: sa.Engine, jobs: Jobs) -> None:
+    """The ``enqueued`` listeners (the metrics' counter among them) hear of a tick's job
+    when the maintenance pass commits, as of any job, and of none when it rolls back
+    (they heard of no tick's job at all)."""
+    heard: list[str] = []
+    jobs.events.connect("enqueued", lambda event: heard.append(event.job["task"]))
+
+    @jobs.periodic("* * * * *")
+    @jobs.task(queue="q")
+    def tick() -> None:
+        pass
+
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+    make_due(db, jobs, tick.name, timedelta(0))
+    with db.connect() as conn, conn.begin() as transaction:
+        assert enqueue_due(conn, jobs) == 1
+        transaction.rollback()
+    assert heard == []
+    with db.begin() as conn:
+        assert enqueue_due(conn, jobs) == 1
+        assert heard == []  # not before the commit
+    assert heard == [tick.name]
+
+
 def test_missed_ticks_fire_once_for_the_latest(db: sa.Engine, jobs: Jobs) -> None:
     @jobs.periodic("* * * * *")
     @jobs.task(queue="q")
