@@ -89,7 +89,13 @@ def _race(
                     key_period=limits["key_period"],
                 )
                 barrier.wait()
-                found.append(worker_db.claim_limited(conn, jobs.queries, params))
+                # A claim that waited past CLAIM_LOCK_TIMEOUT for the queue's lock (another
+                # racer held it, on a loaded machine) is busy: tried again, as a worker does.
+                for _ in range(100):
+                    got = worker_db.claim_limited(conn, jobs.queries, params)
+                    if not got.busy:
+                        break
+                found.append(got)
         except BaseException as exc:
             errors.append(exc)
 
