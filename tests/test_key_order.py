@@ -55,7 +55,12 @@ def _claim(db: sa.Engine, queue: str = "ordered", limit: int = 10, name: str = "
         params = queue_claim_params(
             claim_params(queue, limit, interval(30), name), jobs.limits(queue)
         )
-        found = worker_db.claim_limited(conn, jobs.queries, params)
+        # Busy past CLAIM_LOCK_TIMEOUT (another claimer held the queue's lock, on a loaded
+        # machine): tried again, as the fetcher does.
+        for _ in range(100):
+            found = worker_db.claim_limited(conn, jobs.queries, params)
+            if not found.busy:
+                break
         return sorted(int(r[0]) for r in found.rows)  # the rows start with the id
 
 
