@@ -136,6 +136,12 @@ def describe(exc: BaseException) -> str:
 _SERVER_CLASSES = ("08", "53", "57", "58", "XX")
 
 
+#: A prepared statement that is not there, or already is: a pooler in transaction mode
+#: lent the statement another server connection. The connection's trouble, not the
+#: statement's (the worker says so once, and retries at once).
+_POOLER_STATES = frozenset({"26000", "42P05"})
+
+
 def answered(exc: BaseException) -> bool:
     """The server answered a statement with an error about that statement (an
     application's trigger, a constraint, a statement timeout, a missing table), on a
@@ -144,7 +150,7 @@ def answered(exc: BaseException) -> bool:
     if not isinstance(exc, sa.exc.DBAPIError) or exc.connection_invalidated:
         return False
     state = getattr(exc.orig, "sqlstate", None)
-    if not isinstance(state, str):
+    if not isinstance(state, str) or state in _POOLER_STATES:
         return False
     return state == "57014" or state[:2] not in _SERVER_CLASSES
 

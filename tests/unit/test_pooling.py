@@ -189,3 +189,15 @@ def test_lost_prepared_statements_are_one_error_line_naming_the_fix(caplog: Any)
     assert "\n" not in text
     # The others are still there for whoever looks, at DEBUG.
     assert sum("prepared statement" in r.getMessage() for r in caplog.records) == 11
+
+
+def test_a_lost_prepared_statement_is_no_statement_s_own_error() -> None:
+    """``errors.answered`` (an error about the statement, on a working connection: one
+    queue's claim, one schedule's job, one pass) is false for a prepared statement a
+    pooler lost: the loop waits it out and says it once. Taken for the statement's, a
+    schedule was failed to its next tick and the pass logged a warning every time."""
+    from sqla_jobs.errors import answered
+
+    assert not any(answered(e) for e in LOST)
+    refused = lost("new row violates check constraint", psycopg.errors.CheckViolation)
+    assert answered(refused)
