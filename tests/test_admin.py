@@ -506,9 +506,7 @@ def test_a_retry_racing_an_uncommitted_twin_skips_the_job(db: sa.Engine, jobs: J
     assert statuses == {dead: "dead", twin: "ready"}
 
 
-def test_actions_take_more_ids_than_a_statement_takes_parameters(
-    db: sa.Engine, jobs: Jobs
-) -> None:
+def test_actions_take_more_ids_than_a_statement_takes_parameters(db: sa.Engine, jobs: Jobs) -> None:
     """An incident's 70,000 dead jobs retried, then purged, by id: each id was a bind
     parameter (twice in a retry), past the 65,535 PostgreSQL takes in one statement. And
     as many jobs as seen (``act`` with their attempts and status) alike."""
