@@ -17,7 +17,8 @@ Importing this package is all the setup there is. In ``env.py``:
             target_metadata=target_metadata,
             # only if the jobs table lives in a schema other than the default one:
             include_schemas=True,
-            include_name=lambda name, type_, parent: type_ != "schema" or name == "work",
+            # (None is the default schema: keep it, with your own tables there)
+            include_name=lambda name, type_, parent: type_ != "schema" or name in {None, "work"},
         )
 
 ``alembic revision --autogenerate`` then writes, for a model ``class Job(JobMixin, Base)``:

@@ -25,7 +25,7 @@ by a newer sqla-jobs) are left as Alembic writes them: plain ``op.add_column`` a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from alembic.autogenerate import comparators
@@ -35,6 +35,9 @@ from alembic.operations import ops
 from sqla_jobs.model import STORAGE_PARAMETERS, derived_name, notify_function_body
 
 from .ops import CreateJobsChecksOp, CreateJobsTableOp, DropJobsTableOp, ReplaceJobsDDLOp
+
+if TYPE_CHECKING:
+    from alembic.runtime.environment import NameFilterParentNames
 
 __all__ = ["rewrite_jobs_tables"]
 
@@ -68,22 +71,45 @@ def rewrite_jobs_tables(
     """Swap the create/drop table and index operations of jobs tables for the jobs ops,
     replace the DDL of existing jobs tables that a newer sqla-jobs changed, and add the
     CHECK constraints it declares that they lack."""
-    _rewrite_creates(upgrade_ops)
+    _rewrite_creates(autogen_context, upgrade_ops)
     _rewrite_drops(autogen_context, upgrade_ops)
     _replace_changed_ddl(autogen_context, upgrade_ops, schemas)
     _add_missing_checks(autogen_context, upgrade_ops, schemas)
 
 
+def _compared_schema(connection: sa.Connection | None, schema: str | None) -> str | None:
+    """The schema as Alembic's autogenerate files a table of ``schema``: None for the
+    connection's default schema, even named explicitly (``MetaData(schema="public")``).
+
+    Alembic lists the default schema as None among the schemas it compares, and writes
+    the operations on such a table under None. Compared under its own name, a jobs table
+    declared there was never in the schemas compared: a lost trigger or CHECK constraint
+    went unnoticed, and its indexes were not folded into ``op.create_jobs_table``.
+    """
+    if connection is None or schema is None:
+        return schema
+    return None if schema == connection.dialect.default_schema_name else schema
+
+
+def _table_key(connection: sa.Connection | None, schema: str | None, table_name: str) -> _Key:
+    return (_compared_schema(connection, schema), table_name)
+
+
 def _take_index_ops(
-    upgrade_ops: ops.UpgradeOps, tables: set[_Key], kind: type[ops.MigrateOperation]
+    connection: sa.Connection | None,
+    upgrade_ops: ops.UpgradeOps,
+    tables: set[_Key],
+    kind: type[ops.MigrateOperation],
 ) -> dict[_Key, list[Any]]:
-    """Remove the index operations of ``kind`` on ``tables`` from their ModifyTableOps
-    (and the containers left empty); return them by table."""
+    """Remove the index operations of ``kind`` on ``tables`` (keys of :func:`_table_key`)
+    from their ModifyTableOps (and the containers left empty); return them by table."""
     taken: dict[_Key, list[Any]] = {key: [] for key in tables}
     kept: list[ops.MigrateOperation] = []
     for op in upgrade_ops.ops:
-        if isinstance(op, ops.ModifyTableOps) and (op.schema, op.table_name) in tables:
-            key = (op.schema, op.table_name)
+        if (
+            isinstance(op, ops.ModifyTableOps)
+            and (key := _table_key(connection, op.schema, op.table_name)) in tables
+        ):
             taken[key] += [sub for sub in op.ops if isinstance(sub, kind)]
             op.ops = [sub for sub in op.ops if not isinstance(sub, kind)]
             if op.is_empty():
@@ -93,18 +119,21 @@ def _take_index_ops(
     return taken
 
 
-def _rewrite_creates(upgrade_ops: ops.UpgradeOps) -> None:
+def _rewrite_creates(autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps) -> None:
+    # Alembic's CreateTableOp keeps the table's own schema, the ModifyTableOps of its
+    # indexes the schema it compared (None for the default schema named explicitly).
+    connection = autogen_context.connection
     creates = {
-        (op.schema, op.table_name): op
+        _table_key(connection, op.schema, op.table_name): op
         for op in upgrade_ops.ops
         if isinstance(op, ops.CreateTableOp) and op.info.get("sqla_jobs")
     }
     if not creates:
         return
-    index_ops = _take_index_ops(upgrade_ops, set(creates), ops.CreateIndexOp)
+    index_ops = _take_index_ops(connection, upgrade_ops, set(creates), ops.CreateIndexOp)
     for i, op in enumerate(upgrade_ops.ops):
         if isinstance(op, ops.CreateTableOp) and op.info.get("sqla_jobs"):
-            key = (op.schema, op.table_name)
+            key = _table_key(connection, op.schema, op.table_name)
             op.info = {}  # sqla-jobs' bookkeeping, meaningless in a migration
             indexes = [index_op.to_index() for index_op in index_ops[key]]
             upgrade_ops.ops[i] = CreateJobsTableOp(op, indexes)
@@ -137,16 +166,16 @@ def _rewrite_drops(autogen_context: AutogenContext, upgrade_ops: ops.UpgradeOps)
     if connection is None or connection.dialect.name != "postgresql":
         return
     drops = {
-        (op.schema, op.table_name): op
+        _table_key(connection, op.schema, op.table_name): op
         for op in upgrade_ops.ops
         if isinstance(op, ops.DropTableOp) and _is_jobs_table(connection, op.schema, op.table_name)
     }
     if not drops:
         return
-    index_ops = _take_index_ops(upgrade_ops, set(drops), ops.DropIndexOp)
+    index_ops = _take_index_ops(connection, upgrade_ops, set(drops), ops.DropIndexOp)
     for i, op in enumerate(upgrade_ops.ops):
         if isinstance(op, ops.DropTableOp):
-            key = (op.schema, op.table_name)
+            key = _table_key(connection, op.schema, op.table_name)
             if key not in drops:
                 continue
             indexes = [index_op.to_index() for index_op in index_ops[key]]
@@ -179,15 +208,17 @@ def _replace_changed_ddl(
     if connection is None or connection.dialect.name != "postgresql":
         return
     creating = {
-        (op.schema, op.table_name) for op in upgrade_ops.ops if isinstance(op, CreateJobsTableOp)
+        _table_key(connection, op.schema, op.table_name)
+        for op in upgrade_ops.ops
+        if isinstance(op, CreateJobsTableOp)
     }
     inspector = sa.inspect(connection)
     for table in autogen_context.sorted_tables:
-        key = (table.schema, table.name)
-        if not table.info.get("sqla_jobs") or key in creating or table.schema not in schemas:
+        schema, _ = key = _table_key(connection, table.schema, table.name)
+        if not table.info.get("sqla_jobs") or key in creating or schema not in schemas:
             continue
         if not autogen_context.run_name_filters(
-            table.name, "table", {"schema_name": table.schema}
+            table.name, "table", {"schema_name": schema}
         ) or not autogen_context.run_object_filters(table, table.name, "table", False, None):
             continue
         if not inspector.has_table(table.name, schema=table.schema):
@@ -287,7 +318,7 @@ def _add_missing_checks(
     if connection is None or connection.dialect.name != "postgresql":
         return
     created = {
-        (op.schema, op.table_name)
+        _table_key(connection, op.schema, op.table_name)
         for op in upgrade_ops.ops
         if isinstance(op, (ops.CreateTableOp, CreateJobsTableOp))
     }
@@ -301,15 +332,17 @@ def _add_missing_checks(
     inspector = sa.inspect(connection)
     for _, family in _jobs_family(autogen_context):
         for table in family:
-            if (table.schema, table.name) in created or table.schema not in schemas:
+            schema, _ = key = _table_key(connection, table.schema, table.name)
+            if key in created or schema not in schemas:
                 continue
             if not autogen_context.run_name_filters(
-                table.name, "table", {"schema_name": table.schema}
+                table.name, "table", {"schema_name": schema}
             ) or not autogen_context.run_object_filters(table, table.name, "table", False, None):
                 continue
             if not inspector.has_table(table.name, schema=table.schema):
                 continue
             have = {c["name"] for c in inspector.get_check_constraints(table.name, table.schema)}
+            parents: NameFilterParentNames = {"table_name": table.name, "schema_name": schema}
             missing = {
                 final: str(c.sqltext)
                 for c in sorted(table.constraints, key=lambda c: str(c.name))
@@ -318,6 +351,12 @@ def _add_missing_checks(
                 and (final := _final_name(c, connection.dialect)) not in have
                 and c.name not in added
                 and final not in added
+                # The filters decide for each constraint too, as for Alembic's own
+                # comparators (the name filter sees the name the database has, the object
+                # filter the model's): one the application leaves out (dropped on
+                # purpose, say) was added again at every autogenerate.
+                and autogen_context.run_name_filters(final, "check_constraint", parents)
+                and autogen_context.run_object_filters(c, c.name, "check_constraint", False, None)
             }
             if missing:
                 upgrade_ops.ops.append(CreateJobsChecksOp(table.name, missing, schema=table.schema))

@@ -23,6 +23,7 @@ catalogs only, and changes nothing.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,12 +38,15 @@ from sqlalchemy.dialects import postgresql
 from sqla_jobs.db import SCHEMA_FIX
 from sqla_jobs.model import derived_name
 
-from .autogenerate import CHANNEL_SCHEMA, _is_jobs_table  # importing registers comparators
+# importing registers comparators
+from .autogenerate import CHANNEL_SCHEMA, _compared_schema, _is_jobs_table
 from .ops import CreateJobsChecksOp, CreateJobsTableOp, ReplaceJobsDDLOp
 
 __all__ = ["FIX", "Difference", "schema_differences"]
 
 _POSTGRESQL: sa.Dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+log = logging.getLogger("sqla_jobs.check")
 
 #: What to run when something differs: the migration that adds it may exist already (not
 #: applied yet) or not (then autogenerate writes it).
@@ -97,23 +101,28 @@ def _differences(connection: sa.Connection, table: sa.Table) -> list[Difference]
     companions = table.info.get("sqla_jobs_companions") or ()
     names = {table.name, *(companion.name for companion in companions)}
     schema = table.schema
+    # Alembic compares the connection's default schema as None, even where the model
+    # names it (``MetaData(schema="public")``): looking for the tables under that name
+    # found none of them, and every one was reported missing.
+    compared = _compared_schema(connection, schema)
+    schemas = {schema, compared}
 
     def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
         if type_ == "schema":
-            return name == schema
+            return name == compared
         if type_ == "table":
-            return name in names and parent_names.get("schema_name") == schema
+            return name in names and parent_names.get("schema_name") == compared
         return True
 
     def include_object(obj: Any, name: str | None, type_: str, reflected: bool, other: Any) -> bool:
         if type_ == "table":
-            return name in names and obj.schema == schema
+            return name in names and obj.schema in schemas
         return True
 
     opts: dict[str, Any] = {
         "include_name": include_name,
         "include_object": include_object,
-        "include_schemas": schema is not None,
+        "include_schemas": compared is not None,
     }
     context = MigrationContext.configure(connection, opts=opts)
     script = produce_migrations(context, table.metadata)
@@ -123,9 +132,9 @@ def _differences(connection: sa.Connection, table: sa.Table) -> list[Difference]
     ours = [
         op
         for op in script.upgrade_ops.ops
-        if getattr(op, "table_name", None) in names and getattr(op, "schema", None) == schema
+        if getattr(op, "table_name", None) in names and getattr(op, "schema", None) in schemas
     ]
-    found = list(_describe(connection, ours))
+    found = list(_describe(connection, ours, schema))
     redefined = _definition_differences(connection, table, [table, *companions])
     redefined += _invalid_indexes(connection, table, [table, *companions])
     # Alembic sees a UNIQUE index made plain (or the reverse) as one index missing and
@@ -189,7 +198,12 @@ def _definition_differences(
     a savepoint rolled back at once: PostgreSQL's own spelling of each definition, so
     nothing is compared by text that PostgreSQL rewrites. Skipped where that cannot run
     (a read-only transaction, a standby, a connection in autocommit): the rest of the
-    check does not depend on it."""
+    check does not depend on it.
+
+    The copies have no foreign keys: they are not compared here, and one to a table of
+    the application (a column a model adds) named a ``pg_temp`` table that is not there
+    (``metadata.create_all`` raised NoReferencedTableError, and ``sqla-jobs check`` a
+    traceback)."""
     names = [t.name for t in family]
     schema = connection.execute(_SCHEMA_NOW, {"schema": table.schema}).scalar_one()
     found = _read_definitions(connection, schema, names)
@@ -206,11 +220,25 @@ def _definition_differences(
     ]
     try:
         with connection.begin_nested() as savepoint:
-            metadata.create_all(connection, tables=copies)
+            for copy in copies:
+                connection.execute(sa.schema.CreateTable(copy, include_foreign_key_constraints=()))
+                for index in copy.indexes:
+                    connection.execute(sa.schema.CreateIndex(index))
             temp = connection.execute(_TEMP_SCHEMA).scalar_one()
             declared = _read_definitions(connection, temp, names)
             savepoint.rollback()
     except sa.exc.DBAPIError:
+        return []
+    except sa.exc.SQLAlchemyError as exc:
+        # The model itself cannot be created as it is (a type or constraint SQLAlchemy
+        # cannot render): say so, rather than fail the whole check with a traceback.
+        log.warning(
+            "schema: the indexes and CHECK constraints of %r were not compared with their "
+            "definitions (the tables could not be copied to compare them: %s: %s)",
+            table.fullname,
+            type(exc).__name__,
+            exc,
+        )
         return []
     differences = []
     for key in sorted(found.keys() & declared.keys()):
@@ -248,21 +276,45 @@ def _invalid_indexes(
 def _translated(connection: sa.Connection, table: sa.Table) -> sa.Table:
     """Copies of ``table`` and its companion tables, each in the schema ``connection``'s
     ``schema_translate_map`` gives it (the copy of the jobs table names its copied
-    companions)."""
+    companions).
+
+    A foreign key of the application's own to one of its tables (a column a model adds)
+    names that table in the schema the map gives it, where a stand-in with its columns
+    lets Alembic resolve it: it named a table not among the copies, and the comparison
+    failed (NoReferencedTableError). The stand-ins are not compared."""
     companions = table.info.get("sqla_jobs_companions") or ()
+    family = (table, *companions)
     metadata = sa.MetaData(naming_convention=table.metadata.naming_convention)
 
     def schema_of(original: sa.Table) -> str | None:
         return connection.schema_for_object(original)
 
+    def outside(constraint: sa.ForeignKeyConstraint) -> sa.Table | None:
+        try:
+            referred = constraint.referred_table
+        except sa.exc.NoReferenceError:
+            return None  # it does not resolve in the model either: copied as it is
+        return None if any(referred is t for t in family) else referred
+
+    def referred_schema(
+        _t: sa.Table, to_schema: str | None, constraint: sa.ForeignKeyConstraint, _r: str | None
+    ) -> str | None:
+        referred = outside(constraint)
+        return to_schema if referred is None else schema_of(referred)
+
     copies = [
-        t.to_metadata(
-            metadata,
-            schema=schema_of(t),
-            referred_schema_fn=lambda _t, to_schema, _c, _referred: to_schema,
-        )
-        for t in (table, *companions)
+        t.to_metadata(metadata, schema=schema_of(t), referred_schema_fn=referred_schema)
+        for t in family
     ]
+    for t in family:
+        for constraint in t.foreign_key_constraints:
+            referred = outside(constraint)
+            if referred is None:
+                continue
+            schema = schema_of(referred)
+            if _name(schema, referred.name) not in metadata.tables:
+                columns = [sa.Column(c.name, c.type, primary_key=c.primary_key) for c in referred.c]
+                sa.Table(referred.name, metadata, *columns, schema=schema)
     copy: sa.Table = copies[0]
     copy.info[CHANNEL_SCHEMA] = table.schema
     if companions:
@@ -274,33 +326,36 @@ def _name(schema: str | None, name: str) -> str:
     return f"{schema}.{name}" if schema else name
 
 
-def _describe(connection: sa.Connection, operations: list[Any]) -> Iterator[Difference]:
+def _describe(
+    connection: sa.Connection, operations: list[Any], schema: str | None
+) -> Iterator[Difference]:
+    """The operations (all on tables of ``schema``) as differences. Each table is named
+    with the model's schema: Alembic writes some operations on a table of the default
+    schema under None, others under the name the model gives it."""
     created = {
-        (op.schema, op.table_name)
-        for op in operations
-        if isinstance(op, (CreateJobsTableOp, ops.CreateTableOp))
+        op.table_name for op in operations if isinstance(op, (CreateJobsTableOp, ops.CreateTableOp))
     }
     for op in operations:
         if isinstance(op, (CreateJobsTableOp, ops.CreateTableOp)):
-            name = _name(op.schema, op.table_name)
+            name = _name(schema, op.table_name)
             yield Difference(name, "table", f"table {name!r} is missing", True)
         elif isinstance(op, ops.ModifyTableOps):
-            if (op.schema, op.table_name) in created:
+            if op.table_name in created:
                 continue  # the indexes of a missing table: it is missing
-            name = _name(op.schema, op.table_name)
+            name = _name(schema, op.table_name)
             for sub in op.ops:
                 yield _describe_change(name, sub)
         elif isinstance(op, ReplaceJobsDDLOp):
             yield from _describe_ddl(connection, op)
         elif isinstance(op, CreateJobsChecksOp):
-            name = _name(op.schema, op.table_name)
+            name = _name(schema, op.table_name)
             checks = ", ".join(map(repr, op.checks))
             plural = "s" if len(op.checks) > 1 else ""
             yield Difference(
                 name, "check", f"{name!r} lacks CHECK constraint{plural} {checks}", False
             )
         else:
-            table = _name(getattr(op, "schema", None), getattr(op, "table_name", "?"))
+            table = _name(schema, getattr(op, "table_name", "?"))
             yield Difference(table, type(op).__name__, f"{table!r}: {type(op).__name__}", False)
 
 
