@@ -56,7 +56,9 @@ class StepQueries:
         # nothing is written for a lost claim. Upserted: a cursor moves its row on, and a
         # step whose first checkpoint a lost claim never wrote is written by the next. A
         # row of another kind (a signal of that name, sent from outside) is left alone: no
-        # row comes back.
+        # row comes back. The stored result comes back: a step returns it, on its first
+        # run as on a replay (jsonb orders an object's keys its own way, and writes 1e16
+        # as an int and -0.0 as 0.0).
         #
         # ``checkpoint_locked`` (a step that takes a session, a cursor's batch: writes of
         # the application's commit with it) locks the claim's row FOR SHARE until the
@@ -87,7 +89,7 @@ class StepQueries:
                     "updated_at": sa.func.now(),
                 },
                 where=c.kind == upsert.excluded.kind,
-            ).returning(c.job_id)
+            ).returning(c.job_id, c.result)
 
         self.checkpoint = checkpoint(locked=False)
         self.checkpoint_locked = checkpoint(locked=True)

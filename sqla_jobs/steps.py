@@ -45,7 +45,7 @@ import functools
 import inspect
 import json
 import math
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
@@ -189,35 +189,46 @@ _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(","
 def encode(value: Any, what: str) -> str:
     """``value`` as the JSON text a step stores, checked as PostgreSQL will take it.
 
-    :raises StepError: not JSON, too large, or what ``jsonb`` refuses (NUL, surrogates).
+    :raises StepError: not JSON, too large, or what ``jsonb`` refuses (NUL, surrogates);
+        ``permanent``: a retry would call the step's function again for a value of the
+        same kind, which could never be stored either (a card charged on every attempt).
     """
     try:
         text = _encoder(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise StepError(
             f"{what} is a {type(value).__qualname__}, which is not JSON ({exc}): a step "
-            "returns JSON (a dict, a list, a string, a number), or a reference to what it made"
+            "returns JSON (a dict, a list, a string, a number), or a reference to what it made",
+            permanent=True,
         ) from None
     if len(text) > RESULT_MAX_BYTES // 4 and len(text.encode()) > RESULT_MAX_BYTES:
         raise StepError(
             f"{what} is {len(text.encode()):,} bytes of JSON, more than a step keeps "
-            f"({RESULT_MAX_BYTES:,}): store the data elsewhere and return its key"
+            f"({RESULT_MAX_BYTES:,}): store the data elsewhere and return its key",
+            permanent=True,
         )
     if not text.isascii() or "\\u0000" in text or "{" in text:
         problem = json_problem(value, what)
         if problem is not None:
-            raise StepError(problem)
+            raise StepError(problem, permanent=True)
     problem = long_int_problem(value, what, text)
     if problem is not None:
-        raise StepError(problem)
+        raise StepError(problem, permanent=True)
     return text
 
 
-@functools.lru_cache(maxsize=1024)
 def _takes_session(fn: Callable[..., Any]) -> bool | None:
     """Whether ``fn`` takes a ``session``: ``True`` as its first parameter (as a
     transactional task's handler does: ``reserve(session, sku)``), ``False`` elsewhere (it
-    is given by keyword), None not at all."""
+    is given by keyword), None not at all. Cached by ``fn``, except for a callable that
+    cannot be hashed (an instance of a dataclass with ``__call__``), looked at each time."""
+    try:
+        return _takes_session_cached(fn)
+    except TypeError:  # unhashable: the cache's key; the look itself raises none
+        return _session_parameter(fn)
+
+
+def _session_parameter(fn: Callable[..., Any]) -> bool | None:
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature
@@ -227,6 +238,9 @@ def _takes_session(fn: Callable[..., Any]) -> bool | None:
         return None
     first = parameters[0]
     return first.name == "session" and first.kind is not inspect.Parameter.KEYWORD_ONLY
+
+
+_takes_session_cached = functools.lru_cache(maxsize=1024)(_session_parameter)
 
 
 def _call(fn: Callable[..., Any], session: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -713,7 +727,8 @@ class Steps(_Base):
                 value = _call(fn, session, args, kwargs)
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-                if session.execute(self._q.checkpoint_locked, params).first() is None:
+                row = session.execute(self._q.checkpoint_locked, params).first()
+                if row is None:
                     session.rollback()
                     stored = self._kind_of(name, session)
                     session.rollback()
@@ -723,12 +738,13 @@ class Steps(_Base):
             value = fn(*args, **kwargs)
             text = encode(value, f"step {name!r}'s result")
             params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-            if self._execute(self._q.checkpoint, params).first() is None:
+            row = self._execute(self._q.checkpoint, params).first()
+            if row is None:
                 stored = self._execute(self._q.kind_of, {"job_id": self.job_id, "name": name})
                 raise self._refused(name, Kind.RUN, stored.scalar())
-        result = json.loads(text)
-        self._ledger.done(name, Kind.RUN, result)
-        return result
+        # What jsonb stored, as a replay reads it (not json.loads of the text sent).
+        self._ledger.done(name, Kind.RUN, row.result)
+        return row.result
 
     def sleep(
         self, name: str, seconds: float | timedelta | None = None, *, until: datetime | None = None
@@ -862,7 +878,13 @@ class AsyncSteps(_Base):
     same steps as :class:`Steps`, awaited (``await steps.run(...)``, ``async for batch in
     steps.iterate(...)``). ``fn`` may be a coroutine function, or a plain one (run in a
     thread, so that it may block); one that takes ``session`` gets an ``AsyncSession``, and
-    is a coroutine function."""
+    is a coroutine function.
+
+    ``in_thread(fn, *args, **kwargs)`` runs a plain step in a thread and awaits it: the
+    asyncio worker gives its own handler threads, one per slot. ``asyncio.to_thread``
+    (the default) uses the loop's default executor, of ``min(32, cores + 4)`` threads
+    shared with the application: on 2 cores no more than 6 plain steps ran at once
+    whatever ``concurrency`` said, and 6 stuck steps held up every other one."""
 
     def __init__(
         self,
@@ -871,10 +893,12 @@ class AsyncSteps(_Base):
         claim: Claim,
         host: Host,
         session: Callable[[Any], AsyncSession],
+        in_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
     ) -> None:
         super().__init__(q, claim, host)
         self._engine = engine
         self._make_session = session
+        self._in_thread = in_thread
         self._conn: AsyncConnection | None = None
 
     async def _held(self) -> AsyncConnection:
@@ -931,7 +955,8 @@ class AsyncSteps(_Base):
                 value = await _value(_call(fn, session, args, kwargs))
                 text = encode(value, f"step {name!r}'s result")
                 params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-                if (await session.execute(self._q.checkpoint_locked, params)).first() is None:
+                row = (await session.execute(self._q.checkpoint_locked, params)).first()
+                if row is None:
                     await session.rollback()
                     stored = await self._kind_of(name, session)
                     await session.rollback()
@@ -943,15 +968,15 @@ class AsyncSteps(_Base):
             if inspect.iscoroutinefunction(fn):
                 value = await fn(*args, **kwargs)
             else:
-                value = await _value(await asyncio.to_thread(fn, *args, **kwargs))
+                value = await _value(await self._in_thread(fn, *args, **kwargs))
             text = encode(value, f"step {name!r}'s result")
             params = self._checkpoint(name, Kind.RUN, State.DONE, text)
-            if (await self._execute(self._q.checkpoint, params)).first() is None:
+            row = (await self._execute(self._q.checkpoint, params)).first()
+            if row is None:
                 stored = await self._execute(self._q.kind_of, {"job_id": self.job_id, "name": name})
                 raise self._refused(name, Kind.RUN, stored.scalar())
-        result = json.loads(text)
-        self._ledger.done(name, Kind.RUN, result)
-        return result
+        self._ledger.done(name, Kind.RUN, row.result)  # see Steps.run
+        return row.result
 
     async def sleep(
         self, name: str, seconds: float | timedelta | None = None, *, until: datetime | None = None

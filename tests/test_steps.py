@@ -352,9 +352,13 @@ def test_a_signal_and_a_wait_meet_on_the_step_row(Session: Any, db: sa.Engine, j
             go.set()
             with db.connect() as conn:  # the wait is blocked on the lock the signal holds
                 waiting = sa.text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database()"
                 )
-                wait_for(lambda: conn.execute(waiting).scalar())
+                # A transaction per look: pg_stat_activity is read once per transaction,
+                # and a first look taken before the wait began never saw it (on a loaded
+                # machine).
+                wait_for(lambda: conn.execute(waiting).scalar() or conn.rollback())
                 conn.rollback()
             assert got == []
             session.commit()

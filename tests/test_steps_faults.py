@@ -41,15 +41,18 @@ def _events(jobs: Jobs) -> list[JobEvent]:
     return seen
 
 
-def _backends(db: sa.Engine, state: str, like: str) -> list[int]:
+def _backends(db: sa.Engine, state: str, like: str, unlike: str = "") -> list[int]:
+    """The other backends of this database in ``state`` whose last statement matches
+    ``like`` (and not ``unlike``)."""
     with db.connect() as conn:
         return list(
             conn.execute(
                 sa.text(
                     "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND pid <> pg_backend_pid() AND state = :state AND query ILIKE :like"
+                    "AND pid <> pg_backend_pid() AND state = :state AND query ILIKE :like "
+                    "AND (:unlike = '' OR query NOT ILIKE :unlike)"
                 ),
-                {"state": state, "like": like},
+                {"state": state, "like": like, "unlike": unlike},
             ).scalars()
         )
 
@@ -67,7 +70,9 @@ def test_a_suspension_that_fails_after_settling_the_claim_is_recorded(
     def settle_then_cut(self: WorkerCore, job: Any) -> bool:
         settled = settle(self, job)
         if not cut:  # the suspension's transaction waits, idle, after its lock_claim
-            cut.extend(_backends(db, "idle in transaction", "%FOR NO KEY UPDATE%"))
+            # (FOR NO KEY UPDATE without SKIP LOCKED: the heartbeat's renewal, which skips
+            # locked rows, may be caught idle before its COMMIT too, and is not the one.)
+            cut.extend(_backends(db, "idle in transaction", "%FOR NO KEY UPDATE%", "%SKIP LOCKED%"))
             for pid in cut:
                 terminate_backend(db, pid)
         return settled

@@ -256,8 +256,8 @@ def test_handlers_that_hold_connections_leave_the_worker_its_own(
             release.wait(30)
             ended(i)
 
-        # Five connections in all: the worker keeps three, two are the handlers'.
-        engine: Any = create_engine(database_url, pool_size=4, max_overflow=1)
+        # Six connections in all: the worker keeps four, two are the handlers'.
+        engine: Any = create_engine(database_url, pool_size=5, max_overflow=1)
         worker: Any = Worker(jobs, engine, queues=["q"], concurrency=6, lease=1.0, listen=False)
     else:
         import asyncio
@@ -274,7 +274,7 @@ def test_handlers_that_hold_connections_leave_the_worker_its_own(
                 await asyncio.sleep(0.01)
             ended(i)
 
-        engine = create_async_engine(database_url, pool_size=4, max_overflow=1)
+        engine = create_async_engine(database_url, pool_size=5, max_overflow=1)
         worker = AsyncWorker(jobs, engine, queues=["q"], concurrency=6, lease=1.0, listen=False)
 
     assert worker.handler_connections == 2

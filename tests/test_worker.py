@@ -270,6 +270,9 @@ def test_a_task_the_worker_does_not_know_is_left_for_one_that_does(
     not counted and the reason kept, so that a worker that knows it runs it (counted as a
     failure, older workers spent its attempts: one of max_attempts=1 died unrun). A day
     after its enqueue it fails by the retry policy, to end dead where an operator sees it."""
+    # Not the fixture's 50 ms: on a loaded machine the run outlasted it, and took both
+    # jobs again (4 runs, not 2). The second run below moves them to now itself.
+    jobs.retry = Backoff(base=60, cap=60, jitter=0)
     with db.begin() as conn:
         new, old = conn.execute(
             sa.insert(app.Job).returning(app.Job.id),
@@ -396,13 +399,15 @@ def test_heartbeat_keeps_a_long_job_from_being_claimed_twice(
 
     with Session.begin() as session:
         session.enqueue(long)
-    worker = make_worker(jobs, db, queues=["q"], lease=0.6, listen=False)
+    # A beat every 0.4 s: a loaded two-core CI machine once held one back past a 0.6 s
+    # lease (the heartbeat then renews too late, and the rescue takes the job back).
+    worker = make_worker(jobs, db, queues=["q"], lease=1.2, listen=False)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
     try:
         wait_for(lambda: runs, timeout=10)
-        # Three lease lengths later, another worker still finds nothing to take.
-        deadline = time.monotonic() + 1.8
+        # Two lease lengths later, another worker still finds nothing to take.
+        deadline = time.monotonic() + 2.4
         while time.monotonic() < deadline:
             with db.begin() as conn:
                 conn.execute(jobs.queries.rescue, {"limit": 100}).all()
@@ -436,7 +441,9 @@ def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
         held, other = (session.enqueue(long, i) for i in range(2))
         session.flush()
         held_id, other_id = held.id, other.id
-    worker = make_worker(jobs, db, queues=["q"], lease=0.6, listen=False, concurrency=2)
+    # (A beat every third of a 1 s lease: a loaded CI machine holds one back for longer
+    # than a shorter lease's slack, and the rescue then rightly takes the job back.)
+    worker = make_worker(jobs, db, queues=["q"], lease=1.0, listen=False, concurrency=2)
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
     t = app.Job.__table__
@@ -445,7 +452,7 @@ def test_a_row_another_transaction_holds_does_not_stall_the_heartbeat(
         wait_for(lambda: len(runs) == 2, timeout=10)
         with db.connect() as holder:
             holder.execute(sa.select(t.c.id).where(t.c.id == held_id).with_for_update())
-            deadline = time.monotonic() + 2.0  # over three leases
+            deadline = time.monotonic() + 3.2  # over three leases
             while time.monotonic() < deadline:
                 with db.connect() as conn:
                     assert conn.execute(lease_of).scalar() is True
@@ -482,7 +489,7 @@ def test_outcomes_held_up_by_a_locked_row_keep_their_leases(
         session.flush()
         locked_id = locked.id
     worker = make_worker(
-        jobs, db, queues=["q"], lease=0.6, listen=False, concurrency=2, poll_interval=0.1
+        jobs, db, queues=["q"], lease=1.0, listen=False, concurrency=2, poll_interval=0.1
     )
     thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
     thread.start()
@@ -492,7 +499,7 @@ def test_outcomes_held_up_by_a_locked_row_keep_their_leases(
         with db.connect() as holder:
             holder.execute(sa.select(t.c.id).where(t.c.id == locked_id).with_for_update())
             go.set()
-            deadline = time.monotonic() + 2.0  # over three leases
+            deadline = time.monotonic() + 3.2  # over three leases
             while time.monotonic() < deadline:
                 assert len(runs) == 2, runs
                 time.sleep(0.05)

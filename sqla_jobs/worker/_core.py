@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._queries import interval
 from .._settle import format_error, worker_name
-from ..errors import ResultError, WorkerError, describe, unreachable
+from .._storable import known_encodings
+from ..errors import (
+    ResultError,
+    WorkerError,
+    conflicted,
+    describe,
+    print_unlogged,
+    unreachable,
+)
 from ..steps import Suspended
 from . import _statements as statements
 from . import _supervise as supervise
@@ -93,6 +101,32 @@ __all__ = ["Driver", "Health", "WorkerCore"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
+#: The most of an error's text that the line about a run carries. ``last_error`` keeps
+#: 64 KiB; a line is cut shorter, under the smallest line that log shippers take whole
+#: (16 KiB), as a handler may put a whole payload in its error's message.
+LOG_ERROR_CHARS = 8 * 1024
+
+
+def quietly(call: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+    """``call(*args, **kwargs)`` (a log line, or an event), letting no error of it out.
+
+    What a run's log lines and events say must never change what the run did: a log
+    handler that raised (a log shipper whose endpoint is down) on a success line once
+    failed the finished job and ran it again, and on a timeout's line left the job
+    ``running``, its outcome never written. The error is printed to stderr as
+    :mod:`logging` prints its own handlers' errors (``logging.raiseExceptions``), since
+    the logging that would report it is what failed."""
+    try:
+        call(*args, **kwargs)
+    except Exception:
+        unlogged()
+
+
+def unlogged() -> None:
+    """Print the error being handled, that of a log line or an event (see :func:`quietly`)."""
+    print_unlogged("a log line or an event about a job failed")
+
+
 def default_queues(jobs: Jobs, queues: Iterable[str] | None) -> list[str]:
     """The queues to serve: those given, or every queue a registered task names."""
     names = (
@@ -124,8 +158,38 @@ def _unreached(exc: BaseException) -> bool:
     return getattr(getattr(exc, "orig", None), "sqlstate", None) is None
 
 
+#: When a transactional run that met another transaction in the worker's own statements
+#: runs again (see :meth:`Run.conflicted`): at once. A serialization failure or a deadlock
+#: is raised only once the other transaction has ended (or, in a deadlock, this one was
+#: the one given up), so the next run's snapshot reads past it; the claim that takes the
+#: job again spaces the runs anyway. A delay would also leave the job ``scheduled`` at
+#: the end of a ``run_until_empty`` without ``wait_scheduled``.
+CONFLICT_DELAY = 0.0
+
+
+class RunConflict(Exception):
+    """A transactional run's fence could not lock the job's row (see
+    :class:`~._driver.Fence`): a serialization failure or a deadlock in the worker's own
+    statement, raised in the handler's stead. The run wrote nothing, and is run again
+    without counting an attempt."""
+
+    def __init__(self, message: str, error: BaseException) -> None:
+        super().__init__(message)
+        #: The database error: the lock's serialization failure or deadlock.
+        self.error = error
+
+
+def _flush(session: Any) -> None:
+    """The handler's pending writes, sent as the handler's own statements, before the
+    job's completion (see :meth:`WorkerCore.transactional`)."""
+    session.flush()
+
+
 class WorkerCore:
     """The state of one worker and every decision about it."""
+
+    #: For the duties, which cannot import this module (it imports them).
+    quietly = staticmethod(quietly)
 
     def __init__(self, jobs: Jobs, settings: WorkerSettings, driver: Driver) -> None:
         self.jobs = jobs
@@ -143,9 +207,25 @@ class WorkerCore:
         self.fair = {q: limits for q in self.queues if (limits := jobs.limits(q)).fair}
         #: Set while the listener holds its LISTEN (tests and health checks wait on it).
         self.listening = threading.Event()
-        #: Jobs whose handler has ended, whatever their outcome.
+        #: Runs whose handler was called and has ended, whatever their outcome (or was
+        #: cut off by a stop's grace period: counted then). A claim settled before its
+        #: handler was called (cancelled, handed back) is not a run: ``run_until_empty``
+        #: said a job ran that never did.
         self.processed = 0
+        #: Claims taken from the running set by a stop once its grace period was over
+        #: (by ``id``: a handed-back job claimed again has the same key), whose handlers
+        #: run on: their slots were given back and their runs counted by the shutdown,
+        #: so :meth:`finished` does neither again. It did both when the abandoned thread
+        #: returned, in whatever run was on then: that run started a slot short (none at
+        #: ``concurrency=1``, and claimed nothing until then) and counted a run of the
+        #: run before.
+        self._cut_off: set[int] = set()
+        #: Claims ended before their handler was called (cancelled before it started,
+        #: stopped while its ``started`` listeners ran), by ``id``: not counted as runs.
+        self._uncalled: set[int] = set()
         self.stopping = False
+        #: Set once the shutdown began (see :meth:`shutdown`), until the run has ended.
+        self.shutting_down = False
         self.until_empty = False
         #: Guards the running set, the slots and the counts: the fetch loop, the duties
         #: and the handlers may be threads.
@@ -158,6 +238,11 @@ class WorkerCore:
         #: database that refuses for a while) does not let them lapse, and the jobs run
         #: again, over and over, while their outcomes wait.
         self._pending: dict[tuple[int, int], ClaimedJob] = {}
+        #: Outcomes decided by the heartbeat (timeouts), whose events the completer fires
+        #: (:meth:`tell`): a listener is the application's code and may be slow (an error
+        #: reporter's HTTP call), and on the heartbeat it held up every lease of the
+        #: worker, which lapsed, and their jobs ran twice.
+        self._untold: list[tuple[Outcome, float, BaseException | None]] = []
         #: A heartbeat is wanted now (a cancellation was heard, or a claim waits for a
         #: beat to start): set by the listener and :meth:`start`, cleared by the heartbeat.
         self._poked = False
@@ -286,9 +371,13 @@ class WorkerCore:
             for outcome in failures:
                 self._pending[outcome.job.key] = outcome.job
         for outcome in failures:
-            job_log(logging.ERROR, outcome.job, "%s; it is dead", outcome.error, outcome="dead")
-            self.fire_outcome(outcome, 0.0, ValueError(outcome.error))
+            # Recorded first: a log line or a listener that fails must not lose it.
             self.driver.record(outcome)
+        for outcome in failures:
+            quietly(
+                job_log, logging.ERROR, outcome.job, "%s; it is dead", outcome.error, outcome="dead"
+            )
+            self.fire_outcome(outcome, 0.0, ValueError(outcome.error))
 
     def finished(self, job: ClaimedJob, outcome: Outcome | None) -> None:
         """A handler ended (or its task did). Frees the slot, and records the outcome
@@ -297,8 +386,15 @@ class WorkerCore:
         with self._lock:
             if self._running.get(job.key) is job:
                 del self._running[job.key]
-            self._free += 1
-            self.processed += 1
+            if self._cut_off and id(job) in self._cut_off:
+                self._cut_off.discard(id(job))  # its slot and its count are the shutdown's
+                self._uncalled.discard(id(job))
+            else:
+                self._free += 1
+                if self._uncalled and id(job) in self._uncalled:
+                    self._uncalled.discard(id(job))
+                else:
+                    self.processed += 1
             # The fetch loop waits for a slot only when it had none left; run_until_empty
             # also waits for the last running job, to look once more and call it empty.
             # Waking it for every other finish cost the drain a tenth of its throughput.
@@ -371,7 +467,8 @@ class WorkerCore:
             else:
                 job.started = now
         if confirm:
-            job_log(
+            quietly(
+                job_log,
                 logging.INFO,
                 job,
                 "claimed %.1fs ago, its lease last extended %.1fs ago: starts once a "
@@ -384,23 +481,37 @@ class WorkerCore:
             return None
         if job.is_cancelled:
             # Told to stop before it started (cancelled, or its lease lost while it waited
-            # for a slot): it is not run, and its slot frees with this outcome.
+            # for a slot): it is not run, and its slot frees with this outcome (not
+            # counted as a run: see processed).
+            self._uncalled.add(id(job))
             self.log_end(job, "cancelled", 0.0)
-            self.jobs.events.fire("cancelled", job, duration=0.0, reason=job.cancel_reason)
+            quietly(self.jobs.events.fire, "cancelled", job, duration=0.0, reason=job.cancel_reason)
             return Outcome(OutcomeKind.SETTLED, job)
         task = self.jobs.tasks.get(job.task)
         if task is None:
-            return unknown_task(self.jobs, job, self.name)
+            outcome = unknown_task(self.jobs, job, self.name)
+            # Told as any other outcome: a job of a task no worker knows ends dead, and the
+            # listeners (and the metrics) that count dead jobs must hear of it.
+            self.fire_outcome(outcome, 0.0, LookupError(outcome.error))
+            return outcome
         token = set_current(job)
         events = self.jobs.events
-        events.fire("started", job)
         run = job.run = Run(self, task, job, token)
         try:
+            quietly(events.fire, "started", job)
             if events.run_hooks:
                 run.enter_hooks(events.run_hooks)  # the app's context (around_run) may raise
             run.args, run.kwargs = task.call_args(job.args)
         except Exception as exc:  # that, or stored arguments that no longer fit the handler
             return run.end(exc)
+        # A bool read needs no lock (as in end()): a timeout that settles the claim after
+        # this is one of a running handler, which it is told of.
+        if job.settled or job.is_cancelled:
+            # Timed out, cancelled, or lost while the started listeners or the run hooks
+            # ran (an app context waiting for a pool; the timeout counts them): the handler
+            # must not run. Its attempt may be recorded and its retry running elsewhere:
+            # called now, it did the job's work twice.
+            return run.unstarted()
         return run
 
     def crashed(self, job: ClaimedJob, exc: BaseException) -> Outcome | None:
@@ -433,7 +544,8 @@ class WorkerCore:
             error=format_error(exc),
             delay=retry_delay(task.retry if task is not None else self.jobs.retry, job, job.task),
         )
-        log.error(
+        quietly(
+            log.error,
             "worker %s: job %s (%s): the worker failed around its run; the run counts as "
             "failed: %s",
             self.name,
@@ -444,7 +556,8 @@ class WorkerCore:
         )
         self.fire_outcome(outcome, 0.0, exc)
         if crashes >= MAX_DUTY_FAILURES and self.fatal is None:
-            log.critical(
+            quietly(
+                log.critical,
                 "worker %s: %d runs in a row failed in the worker itself; stopping the worker",
                 self.name,
                 crashes,
@@ -457,7 +570,9 @@ class WorkerCore:
         return outcome
 
     def end(self, task: Task[Any, Any], job: ClaimedJob, error: BaseException | None) -> Outcome:
-        """The outcome of a run, with its events fired and a debug line logged."""
+        """The outcome of a run, with its events fired and its line logged. The outcome is
+        decided first, and neither a log handler nor a listener that fails changes it
+        (see :func:`quietly`)."""
         if self._crashes:
             self._crashes = 0  # a run ended as runs should: the crash streak is over
         # A bool read needs no lock: a timeout or a shutdown that settles the claim after
@@ -470,21 +585,33 @@ class WorkerCore:
             duration = time.monotonic() - job.started
             if log.isEnabledFor(logging.INFO if self.settings.log_jobs else logging.DEBUG):
                 self.log_end(job, "succeeded", duration, outcome)
-            self.jobs.events.fire("succeeded", job, duration=duration)
+            try:  # quietly(), inline: every job passes here
+                self.jobs.events.fire("succeeded", job, duration=duration)
+            except Exception:
+                unlogged()
             return outcome
         outcome = outcome_of(task, job, error)
         duration = time.monotonic() - job.started
         name = outcome_name(outcome)
-        # A cheap test first (where job lines are off, most runs log nothing): a DEBUG
-        # line for a quiet success or snooze, else INFO or above.
-        quiet = not self.settings.log_jobs and name in ("succeeded", "snoozed")
-        if log.isEnabledFor(logging.DEBUG if quiet else logging.INFO):
+        # A cheap test first (where job lines are off, most runs log nothing), at the
+        # line's own level: a dead job's WARNING is written where INFO is not.
+        if log.isEnabledFor(self.end_level(name)):
             self.log_end(job, name, duration, outcome, error)
         if name == "cancelled":
-            self.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
+            quietly(
+                self.jobs.events.fire, "cancelled", job, duration=duration, reason=job.cancel_reason
+            )
         else:
             self.fire_outcome(outcome, duration, error)
         return outcome
+
+    def end_level(self, name: str) -> int:
+        """The level of the line about a run that ended ``name``: successes and snoozes
+        are INFO, or DEBUG without ``log_jobs``; failures are always logged, a dead job as
+        a WARNING."""
+        if name in ("succeeded", "snoozed"):
+            return logging.INFO if self.settings.log_jobs else logging.DEBUG
+        return logging.WARNING if name == "dead" else logging.INFO
 
     def log_end(
         self,
@@ -497,17 +624,34 @@ class WorkerCore:
         level: int | None = None,
     ) -> None:
         """The one line about a finished run: its outcome and duration (and why it failed,
-        without any SQL statement). Successes and snoozes are INFO, or DEBUG without
-        ``log_jobs``; failures are always logged, a dead job as a WARNING."""
+        without any SQL statement, cut at :data:`LOG_ERROR_CHARS`), at
+        :meth:`end_level`. Never raises: a log handler that fails changes no outcome."""
         if level is None:
-            if name in ("succeeded", "snoozed"):
-                level = logging.INFO if self.settings.log_jobs else logging.DEBUG
-            else:
-                level = logging.WARNING if name == "dead" else logging.INFO
-        if not log.isEnabledFor(level):
-            return
+            level = self.end_level(name)
+        if log.isEnabledFor(level):
+            try:  # quietly(), inline: most jobs pass here
+                self._log_end(level, job, name, duration, outcome, error)
+            except Exception:
+                unlogged()
+
+    def _log_end(
+        self,
+        level: int,
+        job: ClaimedJob,
+        name: str,
+        duration: float,
+        outcome: Outcome | None,
+        error: BaseException | None,
+    ) -> None:
         # A snooze is raised, but it is no error.
         why = describe(error) if error is not None and name != "snoozed" else None
+        if why is not None:
+            if len(why) > LOG_ERROR_CHARS:
+                why = why[: LOG_ERROR_CHARS - 14] + " [truncated]"
+            if "\x00" in why or not why.isascii():
+                # Escaped as last_error keeps them: a lone surrogate made every handler
+                # that writes UTF-8 (a file, a stream, a shipper) fail on the line.
+                why = why.encode("utf-8", "backslashreplace").decode().replace("\x00", "\\x00")
         if name == "succeeded":
             text = f"succeeded in {duration:.3f}s"
         elif name == "retried":
@@ -529,6 +673,10 @@ class WorkerCore:
         job_log(level, job, "%s", text, **fields)
 
     def fire_outcome(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
+        """Fire the events of ``outcome``; never raises (see :func:`quietly`)."""
+        quietly(self._fire_outcome, outcome, duration, error)
+
+    def _fire_outcome(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
         events, job = self.jobs.events, outcome.job
         if outcome.kind is OutcomeKind.SUCCEEDED:
             events.fire("succeeded", job, duration=duration)
@@ -538,6 +686,22 @@ class WorkerCore:
             events.fire(name, job, duration=duration, error=error)
         elif outcome.kind is OutcomeKind.SNOOZED:
             events.fire("snoozed", job, duration=duration, reason=f"{outcome.delay:g}")
+
+    def tell_later(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
+        """Have the completer fire the events of ``outcome`` (see :attr:`_untold`); called
+        before the outcome is recorded, so that its batch finds them."""
+        with self._lock:
+            self._untold.append((outcome, duration, error))
+
+    def tell(self) -> None:
+        """Fire the events that :meth:`tell_later` left (the completer does, off the
+        heartbeat)."""
+        if not self._untold:
+            return
+        with self._lock:
+            untold, self._untold = self._untold, []
+        for outcome, duration, error in untold:
+            self.fire_outcome(outcome, duration, error)
 
     def settle(self, job: ClaimedJob) -> bool:
         """A transactional run is about to COMMIT its completion: from now on the
@@ -562,27 +726,78 @@ class WorkerCore:
         (the lease passed and another worker took the job, or it was cancelled), it matches
         no row, and the handler's writes roll back with it. Database effects happen
         exactly once.
+
+        A serialization failure or a deadlock in the worker's own statements (the fence's
+        lock, the completion and the release of the children, the COMMIT) wrote nothing
+        and is not the handler's: the job runs again, the attempt not counted
+        (:meth:`Run.conflicted`). The handler's own statements, its pending writes flushed
+        before the completion included, fail the run as any error of the handler does.
+        A run that ends without committing keeps its lease until its outcome is written
+        (:meth:`keep_lease`).
         """
         job = run.job
         try:
             value = yield CallHandler()
-            done = yield OnSession(statements.complete_in, (self.queries, job, value))
-        except BaseException as exc:  # the handler's own, or a database error
+            yield OnSession(_flush, ())  # its pending writes: a failure there is its own
+        except BaseException as exc:  # the handler's own, or its fence's (RunConflict)
             yield Rollback()
+            yield from self.keep_lease(job)
+            if isinstance(exc, RunConflict):
+                return run.conflicted(exc)
             return run.end(exc)
+        try:
+            done = yield OnSession(statements.complete_in, (self.queries, job, value))
+        except BaseException as exc:
+            yield Rollback()
+            yield from self.keep_lease(job)
+            return run.conflicted(exc) if conflicted(exc) else run.end(exc)
         if not done:
             yield Rollback()
             return run.lost()
         if not self.settle(job):
             yield Rollback()  # timed out or handed back meanwhile: that decision stands
+            yield from self.keep_lease(job)
             return run.end(None)
         try:
             yield Commit()
         except BaseException as exc:
             self.unsettle(job)
-            return run.end(exc)
+            yield from self.keep_lease(job)
+            return run.conflicted(exc) if conflicted(exc) else run.end(exc)
         self.presence.count({job.queue: [1, 0, 0]})
         return run.committed()
+
+    def keep_lease(self, job: ClaimedJob) -> Steps:
+        """Renew the lease of a transactional run that ends without committing, once its
+        transaction has rolled back, before its outcome is recorded.
+
+        Under a snapshot isolation the run held its job's row locked (see
+        :class:`~._driver.Fence`), and the heartbeat passed the row by: a run longer than
+        its lease left ``locked_until`` in the past. The rollback unlocked the row, and
+        until the completer wrote the outcome any worker's rescue took the job back to
+        ``ready``: the outcome's write then matched nothing, and a job that had failed for
+        good, or snoozed, or was to wait for its retry's backoff, ran again at once.
+        Renewed here, the claim holds until its outcome is written. A rescue that comes
+        between the rollback and this renewal (one round trip) still takes it. Runs
+        shorter than a third of a lease skip this: the lease they found has that left."""
+        if job.is_cancelled or time.monotonic() - job.started < self.settings.lease / 3:
+            return
+        sent = time.monotonic()
+        try:
+            kept = yield Io(statements.beat, (self.queries, [job], self.lease), Conn.TX)
+        except Exception as exc:
+            if not is_database_error(exc):
+                raise
+            quietly(
+                job_log,
+                logging.WARNING,
+                job,
+                "could not renew its lease before its outcome is written: %s",
+                describe(exc),
+            )
+            return
+        if job.key in kept:
+            job.renewed = max(job.renewed, sent)
 
     # -- side duties -------------------------------------------------------------------
 
@@ -647,7 +862,7 @@ class WorkerCore:
             # Ready for another run, a start that failed too (it kept the stop, and the
             # next run of a sharded worker, restarting it, ended at once).
             self.generation += 1
-            self.stopping = False
+            self.stopping = self.shutting_down = False
             self._state = "stopped"
         if self.fatal is not None:
             raise self.fatal
@@ -681,6 +896,19 @@ class WorkerCore:
         """Whether this worker is alive and doing its work, and if not, why (see
         :func:`._vitals.diagnose`)."""
         return diagnose(self, now)
+
+    def check_result(self, result: str) -> None:
+        """Raise :class:`~sqla_jobs.ResultError` if the worker's connections cannot carry
+        the kept result ``result`` (JSON): a LATIN1 database or a WIN1252 client, as
+        learnt at the start (``statements.sync_schedules``). Checked as the run ends, the
+        run fails with its events saying so; found only when the outcome was written, it
+        failed there after its events had said it succeeded."""
+        engine = getattr(self.driver, "engine", None)
+        engine = getattr(engine, "sync_engine", engine)  # an AsyncEngine's
+        encodings = known_encodings(engine)[1] if engine is not None else None
+        error = None if encodings is None else encodings.result_error(result)
+        if error is not None:
+            raise error
 
     def db_warning(self, exc: BaseException, message: str, *args: Any) -> None:
         """Log a database error as a warning; but a prepared statement lost by a pooler is
@@ -734,8 +962,12 @@ class WorkerCore:
         """The one stop policy: hand back claims that never started (at once), give running
         handlers the grace period, then stop the ones still running and hand them back too.
         A handed-back job is ready again at once (the claim not counted) and its queue's
-        workers are woken."""
-        self.stopping = True
+        workers are woken.
+
+        Once it began (:attr:`shutting_down`), the asyncio driver takes a further cancel
+        of its task to mean "the grace period is over": the wait it lands in ends, and the
+        rest of this, the hand-back and the end of the duties, still happens."""
+        self.stopping = self.shutting_down = True
         self.driver.wake()
         unstarted = self._take(lambda j: not j.started)
         with self._lock:
@@ -745,11 +977,19 @@ class WorkerCore:
         if (yield WaitIdle(self.settings.grace_period)):
             return
         late = self._take(lambda j: True)
+        with self._lock:
+            # Given back now: a thread cannot be stopped, and its run may end in the next
+            # run, or never (see _cut_off). One that had started counts as a run (the
+            # asyncio worker's cancelled task ends within this run and counted it too).
+            self._free += len(late)
+            started = [job for job in late if job.started]
+            self.processed += len(started)
+            self._cut_off.update(id(job) for job in started)
         for job in late:
             job.cancel("worker stopping: grace period over")
-            self.log_end(job, "cancelled", time.monotonic() - job.started if job.started else 0.0)
-            self.jobs.events.fire("cancelled", job, reason=job.cancel_reason)
             self.driver.interrupt(job)
+            self.log_end(job, "cancelled", time.monotonic() - job.started if job.started else 0.0)
+            quietly(self.jobs.events.fire, "cancelled", job, reason=job.cancel_reason)
         if late:
             yield from self._hand_back(late, "cut off by the grace period")
             yield WaitIdle(1.0)  # cancelled tasks end at once; threads cannot be made to
@@ -837,8 +1077,10 @@ class Run:
         if error is None and keeps(self.job) is not None:
             try:
                 result = result_json(self.value)
+                if not result.isascii():
+                    self.core.check_result(result)
             except ResultError as exc:
-                error = exc
+                error, result = exc, None
         outcome = self.outcome = self.end(error)
         if result is not None and outcome.kind is OutcomeKind.SUCCEEDED:
             outcome.result = result
@@ -857,7 +1099,7 @@ class Run:
             except Exception:
                 if getattr(hook, "required", False):
                     raise
-                log.exception("run hook %r failed to enter", hook)
+                quietly(log.exception, "run hook %r failed to enter", hook)
 
     def _exit_hooks(self, outcome: str, error: BaseException | None) -> None:
         hooks, self.hooks = self.hooks, ()
@@ -865,7 +1107,7 @@ class Run:
             try:
                 hook.exit(self.job, state, outcome, error)
             except Exception:
-                log.exception("run hook %r failed to exit", hook)
+                quietly(log.exception, "run hook %r failed to exit", hook)
 
     def _close(self) -> None:
         """The run is over: :func:`current_job` is reset (once) and the job lets go of it."""
@@ -882,12 +1124,49 @@ class Run:
             self._exit_hooks("failed", error)
 
     def end(self, error: BaseException | None) -> Outcome:
-        """The handler is done (``error`` is what it raised, if anything)."""
+        """The handler is done (``error`` is what it raised, if anything). The run hooks
+        are exited whatever happens here (a hook's span ended, its context detached): if
+        the worker's own code fails, as a failure."""
         self._close()
-        outcome = self.core.end(self.task, self.job, error)
-        if self.hooks:
-            self._exit_hooks(outcome_name(outcome), error)
+        name = "failed"
+        try:
+            outcome = self.core.end(self.task, self.job, error)
+            name = outcome_name(outcome)
+        finally:
+            if self.hooks:
+                self._exit_hooks(name, error)
         return outcome
+
+    def unstarted(self) -> Outcome:
+        """Told to stop while its started listeners or run hooks ran, before the handler
+        was called (see :meth:`WorkerCore.start`): the handler is not called. A timed-out
+        run's outcome is the heartbeat's, told already; any other is told as cancelled,
+        as a claim cancelled before it started is."""
+        self._close()
+        job = self.job
+        self.core._uncalled.add(id(job))  # not a run (see WorkerCore.processed)
+        duration = time.monotonic() - job.started
+        if job.settled:
+            return self._cancelled(duration, told=True)
+        self.core.log_end(job, "cancelled", duration)
+        return self._cancelled(duration)
+
+    def _cancelled(self, duration: float, *, told: bool = False) -> Outcome:
+        """The run ended cancelled, its line logged: the ``cancelled`` listeners hear of
+        it (unless ``told`` already), and the run hooks are exited whatever they do."""
+        try:
+            if not told:
+                quietly(
+                    self.core.jobs.events.fire,
+                    "cancelled",
+                    self.job,
+                    duration=duration,
+                    reason=self.job.cancel_reason,
+                )
+        finally:
+            if self.hooks:
+                self._exit_hooks("cancelled", None)
+        return Outcome(OutcomeKind.SETTLED, self.job)
 
     def committed(self) -> Outcome:
         """A transactional run committed its writes with its completion: nothing is left
@@ -896,11 +1175,13 @@ class Run:
         core = self.core
         if core._crashes:
             core._crashes = 0
-        duration = time.monotonic() - self.job.started
-        self.core.log_end(self.job, "succeeded", duration)
-        self.core.jobs.events.fire("succeeded", self.job, duration=duration)
-        if self.hooks:
-            self._exit_hooks("succeeded", None)
+        try:
+            duration = time.monotonic() - self.job.started
+            core.log_end(self.job, "succeeded", duration)
+            quietly(core.jobs.events.fire, "succeeded", self.job, duration=duration)
+        finally:
+            if self.hooks:
+                self._exit_hooks("succeeded", None)
         return Outcome(OutcomeKind.SETTLED, self.job)
 
     def suspended(self, how: Suspended) -> Outcome:
@@ -911,15 +1192,56 @@ class Run:
         core, job = self.core, self.job
         if core._crashes:
             core._crashes = 0
-        duration = time.monotonic() - job.started
-        until = "a signal" if how.until is None else how.until.isoformat(timespec="seconds")
-        reason = f"{how.kind} {how.name!r} until {until}"
-        level = logging.INFO if core.settings.log_jobs else logging.DEBUG
-        job_log(level, job, "suspended: %s", reason, outcome="snoozed")
-        core.jobs.events.fire("snoozed", job, duration=duration, reason=reason)
-        if self.hooks:
-            self._exit_hooks("snoozed", None)
+        try:
+            duration = time.monotonic() - job.started
+            until = "a signal" if how.until is None else how.until.isoformat(timespec="seconds")
+            reason = f"{how.kind} {how.name!r} until {until}"
+            level = core.end_level("snoozed")
+            quietly(job_log, level, job, "suspended: %s", reason, outcome="snoozed")
+            quietly(core.jobs.events.fire, "snoozed", job, duration=duration, reason=reason)
+        finally:
+            if self.hooks:
+                self._exit_hooks("snoozed", None)
         return Outcome(OutcomeKind.SETTLED, job)
+
+    def conflicted(self, error: BaseException) -> Outcome:
+        """A transactional run's transaction met another's in the worker's own statements
+        (its fence's lock, its completion and the release of its children, its COMMIT):
+        a serialization failure or a deadlock (see :func:`sqla_jobs.errors.conflicted`).
+        It wrote nothing, and it is not the handler's failure: the job runs again, the
+        attempt not counted (snoozed, due at once: the transaction it met has ended, and
+        the next run's reads past it). Told as a snooze, at WARNING with why."""
+        job = self.job
+        if job.settled or job.is_cancelled:  # timed out, handed back, lost: that stands
+            return self.end(error)
+        self._close()
+        core = self.core
+        if core._crashes:
+            core._crashes = 0
+        why = describe(error.error if isinstance(error, RunConflict) else error)
+        reason = f"its transaction met another's in the worker's own statements ({why})"
+        outcome = Outcome(
+            OutcomeKind.SNOOZED,
+            job,
+            error=f"run again, the attempt not counted: {reason}",
+            delay=CONFLICT_DELAY,
+        )
+        try:
+            duration = time.monotonic() - job.started
+            quietly(
+                job_log,
+                logging.WARNING,
+                job,
+                "%s: run again, the attempt not counted",
+                reason,
+                outcome="snoozed",
+                duration=round(duration, 6),
+            )
+            quietly(core.jobs.events.fire, "snoozed", job, duration=duration, reason=reason)
+        finally:
+            if self.hooks:
+                self._exit_hooks("snoozed", None)
+        return outcome
 
     def lost(self) -> Outcome:
         """A transactional run's guarded completion matched no row: the claim was lost
@@ -928,14 +1250,12 @@ class Run:
         job = self.job
         duration = time.monotonic() - job.started
         job.cancel("lease lost, or cancelled: this claim is no longer this worker's")
-        job_log(
+        quietly(
+            job_log,
             logging.WARNING,
             job,
             "claim lost; its writes were rolled back",
             outcome="cancelled",
             duration=round(duration, 6),
         )
-        self.core.jobs.events.fire("cancelled", job, duration=duration, reason=job.cancel_reason)
-        if self.hooks:
-            self._exit_hooks("cancelled", None)
-        return Outcome(OutcomeKind.SETTLED, job)
+        return self._cancelled(duration)

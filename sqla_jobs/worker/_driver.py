@@ -10,26 +10,40 @@ have ``set``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from ._core import WorkerCore
+import sqlalchemy as sa
+from sqlalchemy import event
+
+from .._queries import lock_run_params
+from ..errors import PermanentError, conflicted
+from ._core import RunConflict, WorkerCore
 from .settings import WorkerSettings as _Settings
 from .settings import resolve
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
-    from sqlalchemy.orm import Session
+    from sqlalchemy.orm import Session, SessionTransaction
     from typing_extensions import Unpack
 
+    from .._queries import Queries
     from ..tasks import Jobs
     from .job import ClaimedJob, Outcome
     from .settings import WorkerOptions, WorkerSettings
 
-__all__ = ["DriverBase", "Wakeups", "handler_connections", "pool_options", "run_session"]
+__all__ = [
+    "DriverBase",
+    "Fence",
+    "Wakeups",
+    "handler_connections",
+    "pool_options",
+    "run_session",
+]
 
 _log = logging.getLogger("sqla_jobs.worker")
 
@@ -93,19 +107,27 @@ class DriverBase(Generic[E]):
         #: How many transactional or durable handlers may hold a connection at once, when
         #: the pool cannot give one to each (None: it can).
         self.handler_connections = handler_connections(self.engine, self.settings.concurrency)
-        if self.handler_connections is not None and any(
-            task.transactional or task.durable for task in jobs.tasks.values()
-        ):
-            _log.warning(
+        if self.handler_connections is not None:
+            # Plain handlers that use this engine (the application's Session on it) hold
+            # its connections too, which no semaphore here can bound: said, but only as
+            # information where no task is transactional or durable, since plain handlers
+            # that never touch the engine are common and need nothing.
+            bounded = any(task.transactional or task.durable for task in jobs.tasks.values())
+            _log.log(
+                logging.WARNING if bounded else logging.INFO,
                 "worker %s: the engine's pool holds %d connections, %d of them for the "
-                "worker itself: at most %d transactional or durable handlers run at once, "
-                "not concurrency=%d (the others wait for a connection); give the engine "
+                "worker itself: %s; plain handlers that use this engine (the application's "
+                "Session) need one each too, and wait for it; give the engine "
                 "pool_size + max_overflow >= %d to run them all",
                 self.core.name,
-                self.handler_connections + MIN_CONNECTIONS,
+                pool_capacity(self.engine),
                 MIN_CONNECTIONS,
-                self.handler_connections,
-                self.settings.concurrency,
+                f"at most {self.handler_connections} transactional or durable handlers run "
+                f"at once, not concurrency={self.settings.concurrency} (the others wait "
+                "for a connection)"
+                if bounded
+                else f"fewer than concurrency={self.settings.concurrency} handlers can hold "
+                "one at once",
                 self.settings.concurrency + MIN_CONNECTIONS,
             )
         #: Set while the listener holds its LISTEN (a ``threading.Event``, so that any
@@ -176,9 +198,13 @@ class DriverBase(Generic[E]):
         self._wakeups.written.set()
 
 
-#: Connections a worker cannot run without: the claims' and the completer's, each held
-#: as long as it runs, and one for its upkeep (heartbeat, presence, maintenance, in turn).
-MIN_CONNECTIONS = 3
+#: Connections a worker cannot run without: the claims', the completer's and the
+#: heartbeat's, each held as long as it runs, and one for its upkeep (presence,
+#: maintenance, in turn). The heartbeat's is its own so that no handler can keep a lease
+#: renewal waiting on the pool: handlers that use the worker's engine (the application's
+#: Session) once held every free connection, every lease lapsed, and another worker ran
+#: the jobs again.
+MIN_CONNECTIONS = 4
 
 
 def pool_capacity(engine: Any) -> int | None:
@@ -196,18 +222,20 @@ def pool_capacity(engine: Any) -> int | None:
 def check_pool(engine: Any) -> None:
     """Refuse an engine whose pool cannot give a worker :data:`MIN_CONNECTIONS`.
 
-    With fewer, the upkeep and the completer wait on the pool in turn, time out, retry
-    with warnings, and the outcomes of jobs that ran go unwritten (so those jobs run
-    again once their leases pass); said at once instead."""
+    With fewer, the upkeep and the completer (or the heartbeat) wait on the pool in turn,
+    time out, retry with warnings, and the outcomes of jobs that ran go unwritten, or
+    their leases lapse (so those jobs run again); said at once instead."""
     capacity = pool_capacity(engine)
     if capacity is not None and capacity < MIN_CONNECTIONS:
         pool = engine.pool
         raise ValueError(
             f"the engine's pool holds at most {capacity} connection(s) (pool_size="
             f"{pool.size()}, max_overflow={pool._max_overflow}); a worker holds two for as "
-            f"long as it runs (claims, completions) and needs one more for its upkeep: give "
-            f"it at least {MIN_CONNECTIONS}, and one more per transactional task running at "
-            f"once (the worker's own engine has room for concurrency + {MIN_CONNECTIONS + 1})"
+            f"long as it runs (claims, completions) and a third for its heartbeat, and needs "
+            f"one more for its upkeep: give it at least {MIN_CONNECTIONS}, and one more per "
+            f"handler that holds one at once (a transactional or durable task's, or a plain "
+            f"handler using this engine; the worker's own engine has room for concurrency + "
+            f"{MIN_CONNECTIONS + 1})"
         )
 
 
@@ -217,11 +245,11 @@ def handler_connections(engine: Any, concurrency: int) -> int | None:
     ``concurrency`` handlers may.
 
     Beyond what the pool holds, handlers would take the connections the worker's own
-    upkeep needs: the heartbeat would wait on the pool, every lease would lapse while the
-    handlers ran (another worker's rescue would then run them again, and this worker would
-    take its own jobs for lost), and the handlers left waiting would fail on the pool's
-    timeout. So :data:`MIN_CONNECTIONS` stay the worker's, and the handlers share the
-    rest: one that finds none free waits for one, its lease kept by the heartbeat."""
+    upkeep needs, and the handlers left waiting would fail on the pool's timeout. So
+    :data:`MIN_CONNECTIONS` stay the worker's, and the handlers share the rest: one that
+    finds none free waits for one, its lease kept by the heartbeat (on a connection of its
+    own). Only transactional and durable runs are bounded so: a plain handler's use of the
+    engine is the application's, which the worker cannot see."""
     capacity = pool_capacity(engine)
     if capacity is None or capacity - MIN_CONNECTIONS >= concurrency:
         return None
@@ -231,10 +259,10 @@ def handler_connections(engine: Any, concurrency: int) -> int | None:
 def pool_options(concurrency: int) -> dict[str, int]:
     """The pool of an engine a worker makes from a URL: room for every handler to hold a
     connection at once (a transactional task holds one while it runs) beside the
-    worker's own (claims, completions, and upkeep: heartbeat, presence, maintenance), so
+    worker's own (claims, completions, heartbeat, and upkeep: presence, maintenance), so
     that none waits (:func:`handler_connections`). At most 36 are kept open when idle;
     the rest are opened when needed and closed when returned."""
-    size = min(concurrency, 32) + 4
+    size = min(concurrency, 32) + MIN_CONNECTIONS
     return {"pool_size": size, "max_overflow": max(10, concurrency + MIN_CONNECTIONS + 1 - size)}
 
 
@@ -263,3 +291,142 @@ def run_session(jobs: Jobs, bind: Any, kind: type[S]) -> S:
             "completion (a scoped_session shared between runs would do this)"
         )
     return session
+
+
+#: How many times a transactional run's first statement is tried again when it meets a
+#: serialization failure (a heartbeat renewed the row as the run's snapshot was taken).
+FENCE_TRIES = 5
+
+
+def _conflicted(error: BaseException) -> RunConflict:
+    """The :class:`~._core.RunConflict` of a fence's lock that failed with ``error``."""
+    return RunConflict(
+        "the lock on the job's row that a transactional run holds under a snapshot "
+        f"isolation met another transaction ({getattr(error, 'orig', error)}): the run "
+        "wrote nothing, and runs again, its attempt not counted",
+        error,
+    )
+
+
+class Fence:
+    """What keeps a transactional run's writes with its completion, made on the run's
+    session before its handler runs (``Fence(session, queries, job)``).
+
+    It begins the run's transaction with the statement that locks the job's row under a
+    snapshot isolation (``Queries.lock_run``: there the heartbeat's renewal made the
+    completion fail), taking the snapshot with the lock; a serialization failure there
+    (a renewal just committed) rolls back what is still empty and tries again. A
+    transaction the handler begins after rolling its own back takes the lock again, in a
+    new snapshot, once: a serialization failure there is raised in the handler's
+    statement as a :class:`~._core.RunConflict`, not a database error the handler might
+    take for its own. Either lock that fails is the worker's statement, not the
+    handler's: the run ends as a :class:`~._core.RunConflict` whatever the handler raised
+    or returned after it (see :meth:`handling`), and the job runs again, the attempt not
+    counted.
+
+    While :meth:`handling`, the session refuses to commit: the handler's writes commit
+    with the job's completion, guarded by its claim, or not at all. A handler that
+    committed on its own (``session.commit()``, ``with session.begin():``) wrote them
+    whatever became of the run: a failed attempt's writes stayed beside its retry's, and a
+    run whose lease was lost wrote them twice. ``session.begin()`` raises, since the
+    transaction is begun; ``commit()`` raises :class:`~sqla_jobs.PermanentError`, which
+    fails the job at once. Savepoints (``begin_nested()``) are the handler's to use.
+    """
+
+    def __init__(self, session: Session, queries: Queries, job: ClaimedJob) -> None:
+        self._task = job.task
+        self._lock = queries.lock_run
+        self._params = lock_run_params(job)
+        self._handling = False
+        #: The backend and transaction start of the run's transaction while it holds the
+        #: job's row locked (None: it does not), for :meth:`release`.
+        self.holder: tuple[int, Any] | None = None
+        #: The error of the lock taken again that failed, until one succeeds (see
+        #: :meth:`handling`).
+        self.conflict: BaseException | None = None
+        for tries in range(1, FENCE_TRIES + 1):
+            try:
+                self._hold(session.execute(self._lock, self._params).first())
+                break
+            except sa.exc.DBAPIError as exc:
+                if not conflicted(exc):
+                    raise
+                session.rollback()
+                if tries == FENCE_TRIES:
+                    raise _conflicted(exc) from exc
+        self._session = session
+        event.listen(session, "after_begin", self._relock)
+        event.listen(session, "before_commit", self._refuse)
+
+    def close(self) -> None:
+        """The run ended: its session (an application's, maybe kept beyond the run) is
+        left as it was."""
+        self.holder = None
+        for name, fn in (("after_begin", self._relock), ("before_commit", self._refuse)):
+            if event.contains(self._session, name, fn):
+                event.remove(self._session, name, fn)
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """While the handler runs: its session may not commit. A lock taken again that
+        failed (see :meth:`_relock`) ends the run as a :class:`~._core.RunConflict`,
+        whatever the handler raised (it may have wrapped the error, or raised another
+        from the transaction left aborted), or if it returned (it caught the error)."""
+        self._handling = True
+        try:
+            yield
+        except RunConflict:
+            raise
+        except BaseException as exc:
+            failed = self.conflict
+            if failed is None:
+                raise
+            raise _conflicted(failed) from exc
+        finally:
+            self._handling = False
+        failed = self.conflict
+        if failed is not None:
+            raise _conflicted(failed) from failed
+
+    def _relock(self, session: Session, transaction: SessionTransaction, conn: Any) -> None:
+        # The handler rolled its transaction back, and the next statement begins another
+        # (a savepoint only marks a point in the same one).
+        if transaction.nested:
+            return
+        try:
+            self._hold(conn.execute(self._lock, self._params).first())
+        except sa.exc.DBAPIError as exc:
+            # In a new snapshot, it met a renewal of the lease committed since: the worker's
+            # statement failed, not the handler's (which this is raised in).
+            if not conflicted(exc):
+                raise
+            self.conflict = exc
+            raise _conflicted(exc) from exc
+
+    def _hold(self, row: Any) -> None:
+        self.holder = None if row is None else (row.pid, row.began)
+        self.conflict = None
+
+    def release(self, engine: sa.Engine, queries: Queries) -> None:
+        """End the run's transaction from another connection if it still holds the job's
+        row: the run was stopped (timed out, cut off by the grace period, lost) and its
+        handler, a thread, runs on. Its writes were to roll back; the worker's write of
+        the job's outcome would wait on the lock until the handler returned, and every
+        outcome of the worker behind it. The handler's next statement fails."""
+        holder = self.holder
+        if holder is None:
+            return
+        try:
+            with engine.begin() as conn:
+                conn.execute(queries.release_run, {"pid": holder[0], "began": holder[1]})
+        except Exception as exc:  # the outcome's write waits for the handler instead
+            _log.warning("could not end a stopped run's transaction: %s", exc)
+
+    def _refuse(self, session: Session) -> None:
+        # Fired for a savepoint's release too, which stays inside the run's transaction.
+        if self._handling and not session.in_nested_transaction():
+            raise PermanentError(
+                f"task {self._task!r} is transactional: its handler must not commit its "
+                "session (session.commit(), with session.begin()): its writes commit with "
+                "the job's completion, guarded by its claim, or not at all"
+            )

@@ -50,16 +50,36 @@ KEY_WALK_ROUNDS = 16
 FAIR_FLOOR_FOR = 1.0
 
 
-def came_round(start: str | None, cursor: str | None, last: str, wrapped: bool) -> bool:
-    """Whether claims walking the keys (in order, wrapping round after the last one) have
-    seen every key: from ``start`` on, the last claim walked from ``cursor`` to ``last``,
-    and ``wrapped`` says whether an earlier one wrapped round. A claim that ends on the key
-    it started after went all the way round by itself; otherwise the walk came round once
-    it wrapped and reached ``start`` again."""
-    if last == cursor:
-        return True
-    wrapped = wrapped or (cursor is not None and last < cursor)
-    return wrapped and (start is None or last >= start)
+class KeyWalk:
+    """Claims walking a queue's keys in turn (in order, wrapping round after the last one),
+    from ``start`` on: :meth:`came_round` says, after each, whether they have seen every
+    key, and keeps its place for the next."""
+
+    def __init__(self, start: str | None) -> None:
+        self.start = start
+        #: Where the next claim walks from.
+        self.cursor = start
+        #: Whether a claim so far wrapped round past the last key.
+        self.wrapped = False
+
+    def came_round(self, last: str) -> bool:
+        """The last claim walked from :attr:`cursor` to ``last``: whether the walk has
+        come round. A claim that ends on the key it started after went all the way round
+        by itself; otherwise the walk came round once it wrapped and reached ``start``
+        again."""
+        if last == self.cursor:
+            return True
+        wraps = self.cursor is not None and last < self.cursor
+        if wraps and self.wrapped:
+            # Past the last key a second time, so past ``start`` too: a walk that began
+            # at the last key (or one ending just short of ``start``, then past it) never
+            # ended on or after ``start`` once it had wrapped, and went round for ever.
+            return True
+        self.wrapped = self.wrapped or wraps
+        if self.wrapped and (self.start is None or last >= self.start):
+            return True
+        self.cursor = last
+        return False
 
 
 class Fetcher(Duty):
@@ -79,6 +99,12 @@ class Fetcher(Duty):
         self.time_held: set[str] = set()
         #: Queues in key order: the key where each one's last claim stopped walking.
         self.key_cursor: dict[str, str | None] = {}
+        #: Queues whose claims walk their keys (key order, fair) and stopped, finding
+        #: nothing, before the walk came round: the keys not seen yet may have jobs ready,
+        #: so the queue is not empty (``run_until_empty`` claims on). A claim walks at most
+        #: KEY_WALK_ROUNDS x 64 keys (64 when a limit may be full): beside 2,500 dead or
+        #: held keys a run called the queue empty with a free key's jobs ready.
+        self.walks: dict[str, KeyWalk] = {}
         #: Fair queues: the floor of the key the last claim took most from, and since when
         #: floors are used (dropped every FAIR_FLOOR_FOR seconds; see fair_floor).
         self.floors: dict[str, tuple[tuple[str, int] | None, float]] = {}
@@ -123,12 +149,19 @@ class Fetcher(Duty):
                     # its slot or its rate window (the sleep below ends when it is due),
                     # unless nothing can free it (see held_for_good).
                     claimed = yield from self.claim()
+                    if not claimed:
+                        claimed = yield from self.walk_round(deadline)
+                    # Not idle any more: the write claimed jobs with the outcomes
+                    # (``ride``), dispatched and maybe not started yet; called empty, the
+                    # shutdown handed them back, unstarted, and the run came back short.
                     if (
                         refreshed
                         and not claimed
+                        and core.idle
                         and not self.failing
+                        and not self.walks
                         and not maintenance.due_soon(wait_scheduled)
-                        and (not self.held or (yield from self.held_for_good()))
+                        and (not self.held or (yield from self.held_for_good(deadline)))
                     ):
                         return
                 if failures:
@@ -147,10 +180,19 @@ class Fetcher(Duty):
                     pause,
                     describe(exc),
                 )
-                yield Pause(pause)
+                yield Pause(self.until(deadline, pause))
                 continue
             if not self.more:
-                yield Sleep(self.sleep_for())
+                yield Sleep(self.until(deadline, self.sleep_for()))
+
+    @staticmethod
+    def until(deadline: float | None, seconds: float) -> float:
+        """``seconds``, or less: no later than ``deadline`` (``run_until_empty``'s timeout).
+        The idle loop slept a whole poll interval, or an outage's pause, past it, and
+        nothing wakes it while a handler runs: ``timeout=1`` returned after 11 s."""
+        if deadline is None:
+            return seconds
+        return max(0.0, min(seconds, deadline - time.monotonic()))
 
     def maintain(self) -> Generator[Step, Any, bool]:
         """The maintenance, when due; False if the database refused it.
@@ -178,7 +220,7 @@ class Fetcher(Duty):
             return False
         return True
 
-    def held_for_good(self) -> Generator[Step, Any, bool]:
+    def held_for_good(self, deadline: float | None = None) -> Generator[Step, Any, bool]:
         """Whether the limited queues holding ready jobs back hold them until an operator
         acts, so that ``run_until_empty`` may call them empty: none is held by a rate or
         a key's rate (time frees those) and none has a running job (whose end frees a
@@ -188,14 +230,44 @@ class Fetcher(Duty):
 
         A hold may be older than the end of the jobs that made it (this worker's own,
         finished since): with nothing running, the held queues are claimed once more, and
-        only a hold that this claim finds again, still with nothing running, counts."""
+        only a hold that this claim finds again, still with nothing running, counts. Of a
+        queue whose claims walk its keys, only once the walk came round (claimed on, one
+        after the other, until it does or the ``deadline`` passes): a claim that walked 64
+        of 200 held keys said so of the free key after them."""
         if not (yield from self._held_and_idle()):
             return False
         with self.core._lock:
             self.held.clear()
-        if (yield from self.claim()):
+        if (yield from self.claim()) or (yield from self.walk_round(deadline)) or self.walks:
             return False
         return (yield from self._held_and_idle())
+
+    def walk_round(self, deadline: float | None) -> Generator[Step, Any, int]:
+        """For ``run_until_empty``'s last look: claim on, one claim after the other, while
+        a queue's walk over its keys has not come round (see ``walks``) and nothing was
+        claimed; how many jobs were. Each last look starts a walk of its own, from where
+        the last one stopped, and sees it round: a walk that went on at the next look
+        never came round before that look began another. A queue held by time, refused,
+        or paused waits as it would (``run_until_empty`` does not end meanwhile)."""
+        core = self.core
+        while self.walks and not core.stopping:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if not core.idle:
+                # A claim rode with an outcome meanwhile: the run goes on anyway, and with
+                # its slots taken a claim may send nothing, so this would go round idly.
+                break
+            with core._lock:
+                walking = self.walks.keys() - self.time_held - core.maintenance.paused
+                walking -= self.failing.keys()
+                for queue in walking:
+                    self.held.pop(queue, None)
+            if not walking:
+                break
+            claimed = yield from self.claim()
+            if claimed:
+                return claimed
+        return 0
 
     def _held_and_idle(self) -> Generator[Step, Any, bool]:
         """Some limited queue holds ready jobs back, none by time, and none of them has a
@@ -314,7 +386,10 @@ class Fetcher(Duty):
                 watch.claimed(queue, began, len(rows), want, began + took)
         # A fair claim gives each key its share, so it comes back short while most keys
         # have little left: any job it gave means there may be more right now.
-        if len(rows) == want or (rows and queue in core.fair):
+        # A walk over its keys that did not come round (see walks): run_until_empty
+        # claims on at once, rather than after a poll interval.
+        walking = core.until_empty and queue in self.walks
+        if len(rows) == want or (rows and queue in core.fair) or walking:
             self.more = True
             self.dry.pop(queue, None)
         elif not limited:
@@ -341,12 +416,11 @@ class Fetcher(Duty):
         :data:`KEY_WALK_ROUNDS` claims): the queue counted as dry after the first, and a
         tenant behind 500 such keys got a job a poll interval."""
         core = self.core
-        start = cursor = self.key_cursor.get(queue)
-        wrapped = False
+        walk = self.walks.pop(queue, None) or KeyWalk(self.key_cursor.get(queue))
         rows: list[Any] = []
         for _ in range(KEY_WALK_ROUNDS):
             fair = fair_claim_params(
-                params, core.fair[queue], cursor, floor=self.fair_floor(queue, began)
+                params, core.fair[queue], walk.cursor, floor=self.fair_floor(queue, began)
             )
             found: tuple[list[Any], str | None, tuple[str, int] | None] = yield Io(
                 statements.claim_fair, (core.queries, fair), Conn.CLAIM
@@ -354,10 +428,9 @@ class Fetcher(Duty):
             rows, last, floor = found
             self.key_cursor[queue] = last
             self.floors[queue] = (floor, self.floors.get(queue, (None, began))[1])
-            if rows or last is None or came_round(start, cursor, last, wrapped):
+            if rows or last is None or walk.came_round(last):
                 return rows
-            wrapped = wrapped or (cursor is not None and last <= cursor)
-            cursor = last
+        self.walks[queue] = walk  # on from there at the next claim
         return rows
 
     def timed(self, began: float) -> float:
@@ -443,8 +516,10 @@ class Fetcher(Duty):
         # of those claims empty for nothing: such queues wait as before.
         walk_on = limits.key_order is not None and limits.concurrency is None
         walk_on = walk_on and limits.rate is None and limits.key_rate is None
-        start = cursor = self.key_cursor.get(queue)
-        wrapped = False
+        # A walk that stopped before it came round goes on at the next claim (see walks).
+        resumed = self.walks.pop(queue, None)
+        walk = resumed or KeyWalk(self.key_cursor.get(queue))
+        self.key_cursor[queue] = walk.cursor  # a claim that rode may have moved it
         for _ in range(KEY_WALK_ROUNDS if walk_on else 1):
             limited = self.limited_params(queue, params)
             found: statements.LimitedClaim = yield Io(
@@ -452,12 +527,14 @@ class Fetcher(Duty):
             )
             self.limited_claimed(queue, limited, found)
             last = found.last_key
-            if found.rows or found.busy or last is None:
+            if found.busy:
+                if resumed is not None:
+                    self.walks[queue] = walk  # on once the hold has passed
                 break
-            if came_round(start, cursor, last, wrapped):
+            if found.rows or last is None or walk.came_round(last):
                 break
-            wrapped = wrapped or (cursor is not None and last <= cursor)
-            cursor = last
+        else:
+            self.walks[queue] = walk
         return found.rows
 
     def limited_params(self, queue: str, params: ClaimParams) -> LimitedClaimParams:

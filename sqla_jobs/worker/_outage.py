@@ -38,8 +38,10 @@ def is_database_error(exc: BaseException) -> bool:
 
 #: SQLSTATE classes of errors that come from what a row holds, and repeat as long as it is
 #: written: data exceptions (22: NUL in text, a value out of range), integrity
-#: constraints (23) and what a trigger of the application's raises (P0).
-_REFUSED_CLASSES = ("22", "23", "P0")
+#: constraints (23), a program limit (54: more than ``jsonb`` holds; retried as an outage,
+#: the one row held up every outcome of the worker for as long as it ran) and what a
+#: trigger of the application's raises (P0).
+_REFUSED_CLASSES = ("22", "23", "54", "P0")
 
 
 def refused_row(exc: BaseException) -> bool:

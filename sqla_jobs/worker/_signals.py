@@ -3,6 +3,14 @@
 The threaded workers (:class:`~sqla_jobs.Worker`, :class:`~sqla_jobs.sharding.ShardedWorker`)
 install it with :func:`stopped_by_signals` while they run in the main thread; the asyncio
 ones with :func:`loop_signals`, as the event loop's own signal handler.
+
+A Python signal handler runs in the main thread, between two bytecodes of whatever that
+thread was doing: inside ``threading.Event.wait`` perhaps, holding the event's lock, which
+is not reentrant. A handler that then set the same event (a worker's stop did) waited for
+ever on a lock its own thread held: the process logged "received SIGTERM, stopping" and
+never stopped. So a handler here takes no lock and writes no log: it sets plain
+attributes, calls a worker's ``stop()`` (safe in a signal handler, see :data:`relay`), and
+hands the rest (the log lines) to :data:`relay`'s thread.
 """
 
 from __future__ import annotations
@@ -10,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import queue
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -19,39 +29,113 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._core import WorkerCore
 
-__all__ = ["EarlyStop", "loop_signals", "signalled", "stopped_by_signals"]
+__all__ = ["EarlyStop", "loop_signals", "relay", "signalled", "stopped_by_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class _Relay:
+    """One daemon thread of the process that calls, in order, what it is handed.
+
+    :meth:`call` only puts on a ``queue.SimpleQueue``, whose ``put`` is reentrant (safe in
+    a signal handler, documented so); whatever takes a lock or writes a log runs on the
+    thread. :meth:`start` must be called beforehand, outside any signal handler (starting
+    a thread takes locks): the signal contexts below and the workers' ``_prepare`` do."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        # Also in a child made by os.fork: the thread is not there, and the lock may have
+        # been held by a thread that is not there either.
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve, name="sqla-jobs-signals", daemon=True
+                )
+                self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on the relay's thread, soon. Safe in a signal handler."""
+        self._calls.put((fn, args))
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout``) until what was handed over so far has been called:
+        the signals a block received are acted on before it ends, as when the handlers
+        did it all themselves. Not from a signal handler."""
+        self.start()
+        done = threading.Event()
+        self.call(done.set)
+        done.wait(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self._calls.get()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("sqla-jobs: acting on a stop signal failed")
+            # Not kept while waiting for the next: a worker's bound method kept the worker
+            # (and its metrics) alive after the application let it go.
+            del fn, args
+
+
+#: The process's relay: see :class:`_Relay`.
+relay = _Relay()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=relay._reset)
+
 
 def signalled(cores: Iterable[WorkerCore], stop: Callable[[], None], signum: int) -> None:
-    """A stop signal arrived: each worker says so in its log, then the stop begins."""
+    """A stop signal arrived: each worker says so in its log, then the stop begins. Not
+    from a signal handler (the asyncio workers' loop calls it): the handlers below stop
+    at once and leave the log lines to the :data:`relay`."""
     name = signal.Signals(signum).name
     for core in cores:
         core.signalled(name)
     stop()
 
 
+def _log_signal(cores: Callable[[], Iterable[WorkerCore]], signum: int) -> None:
+    name = signal.Signals(signum).name
+    for core in cores():
+        core.signalled(name)
+
+
 @contextlib.contextmanager
 def stopped_by_signals(
     install: bool, cores: Callable[[], Iterable[WorkerCore]], stop: Callable[[], None]
 ) -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM call :func:`signalled` (only in the main
-    thread, where Python delivers signals; elsewhere, or without ``install``, nothing is
-    installed). The previous handlers are put back after."""
+    """While the block runs, SIGINT and SIGTERM call ``stop()`` (which must be safe in a
+    signal handler, as every worker's is) and have each worker log the signal, from the
+    :data:`relay`'s thread (only in the main thread, where Python delivers signals;
+    elsewhere, or without ``install``, nothing is installed). The previous handlers are
+    put back after, once the signals received meanwhile have been logged."""
     if not install or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        signalled(cores(), stop, signum)
+        stop()
+        relay.call(_log_signal, cores, signum)
 
+    relay.start()
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        relay.flush()
 
 
 @contextlib.contextmanager
@@ -100,16 +184,23 @@ class EarlyStop:
             worker.stop()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # A signal handler: no lock, no log here (see the module's docstring). A worker's
+        # stop() is safe in one; the log line is the relay's.
+        self._signum = signum
+        worker = self._worker
+        if worker is not None:
+            worker.stop()
+        relay.call(self._log, signum, worker is None)
+
+    @staticmethod
+    def _log(signum: int, starting: bool) -> None:
         # Also the handler of a worker that runs until empty, which installs none of its
         # own: "while starting" only before a worker is attached.
-        logging.getLogger("sqla_jobs.worker").info(
+        log.info(
             "received %s%s, stopping",
             signal.Signals(signum).name,
-            " while starting" if self._worker is None else "",
+            " while starting" if starting else "",
         )
-        self._signum = signum
-        if self._worker is not None:
-            self._worker.stop()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -117,9 +208,11 @@ class EarlyStop:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
+        relay.start()
         previous = {sig: signal.signal(sig, self._handler) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+            relay.flush()

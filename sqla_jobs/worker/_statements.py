@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,9 +37,18 @@ from .._queries import (
 # Named here for the drivers' listeners (``db.listen_sql``); they live with the statements.
 from .._queries import listen_sql as listen_sql
 from .._queries import unlisten_sql as unlisten_sql
-from .._settle import settle_children
-from ..errors import answered, describe
-from .job import ClaimedJob, Outcome, keeps, outcome_statements, result_json
+from .._settle import format_error, settle_children
+from .._storable import Encodings, database_encodings
+from ..errors import WorkerError, answered, describe
+from .job import (
+    ClaimedJob,
+    Outcome,
+    OutcomeKind,
+    job_log,
+    keeps,
+    outcome_statements,
+    result_json,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -104,8 +113,21 @@ def running_in(conn: sa.Connection, queries: Queries, queues: Sequence[str]) -> 
 
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
-    """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows."""
-    return _rows(conn, queries, queries.claim, params)
+    """Claim up to ``params["limit"]`` ready jobs of one queue; the claimed rows.
+
+    At READ COMMITTED whatever the server's default, as the other claims: at SERIALIZABLE
+    the claim made each transactional run beside it a pivot ("could not serialize access
+    due to read/write dependencies"), run after run. Where the default is not READ
+    COMMITTED, between :data:`_BEGIN` and COMMIT, in one pipeline where it is allowed."""
+    if not autocommit(conn) or _implicit_transaction(conn):
+        return _rows(conn, queries, queries.claim, params)
+    if pipeline_allowed(conn):
+        made = compiled(queries.compiled, queries.claim, conn.dialect)
+        sent = [(_BEGIN, None), (made.sql, made.params(params)), ("COMMIT", None)]
+        [(rows, _names)] = run_pipeline(conn, sent, [1])
+        return rows
+    with _read_committed(conn):
+        return _rows(conn, queries, queries.claim, params)
 
 
 def _rows(
@@ -320,6 +342,61 @@ def _implicit_transaction(conn: sa.Connection) -> bool:
     return bool(found)
 
 
+#: Where :func:`_read_committed` keeps whether a pooled connection's transactions begin
+#: READ COMMITTED (the engine's ``isolation_level``, or else the server's default).
+_BEGINS_READ_COMMITTED = "sqla_jobs.begins_read_committed"
+
+
+@contextlib.contextmanager
+def _read_committed(conn: sa.Connection) -> Iterator[None]:
+    """Run the worker's own statements of the block (a heartbeat, an outcome batch) at
+    READ COMMITTED, whatever the engine's isolation or the server's default, as the
+    claims run (:data:`_BEGIN`). Under REPEATABLE READ or SERIALIZABLE such a statement
+    failed with a serialization error wherever it met a row another transaction changed
+    since its snapshot (a completion beside a renewal of the same lease): a heartbeat that
+    failed so renewed no lease, and an outcome batch was written again.
+
+    No round trip more where the level already is READ COMMITTED (found once per
+    database connection, one query). Elsewhere, in autocommit, the block is one
+    transaction between :data:`_BEGIN` and COMMIT; in a transaction (``engine.begin()``),
+    its first statement is ``SET TRANSACTION ISOLATION LEVEL READ COMMITTED`` (the
+    ``SHOW`` that asks takes no snapshot, so it may come before it)."""
+    if autocommit(conn):
+        if _implicit_transaction(conn):
+            yield
+            return
+        conn.exec_driver_sql(_BEGIN)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                conn.exec_driver_sql("ROLLBACK")
+            raise
+        conn.exec_driver_sql("COMMIT")
+        return
+    info = conn.connection.info
+    found = info.get(_BEGINS_READ_COMMITTED)
+    if found is None:
+        level = conn.exec_driver_sql("SHOW transaction_isolation").scalar()
+        found = info[_BEGINS_READ_COMMITTED] = level == "read committed"
+    if not found:
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    yield
+
+
+def lone_read_committed(conn: sa.Connection, ask: bool = False) -> bool | None:
+    """Whether a lone statement on ``conn`` runs at READ COMMITTED (see
+    :func:`_implicit_transaction`), as far as known without a query (None: not asked yet
+    on this connection); with ``ask``, asked if not known. The asyncio worker's plain
+    claim goes straight to psycopg only where it does."""
+    if not autocommit(conn):
+        return False
+    if ask:
+        return _implicit_transaction(conn)
+    found = conn.connection.info.get(_READ_COMMITTED)
+    return None if found is None else bool(found)
+
+
 def _claim_limited_stepwise(
     conn: sa.Connection, queries: Queries, statement: Any, params: LimitedClaimParams
 ) -> list[Any]:
@@ -352,10 +429,12 @@ def write_outcomes(conn: sa.Connection, queries: Queries, batch: Iterable[Outcom
     with the flow jobs, kept ``done`` until retention like any parent.
     """
     batch = list(batch)
-    plain, flow = _outcome_statements(queries, batch)
-    results = [
-        _rows(conn, queries, _sent(queries, statement), params) for statement, params in plain
-    ]
+    plain, flow = _outcome_statements(queries, batch, database_encodings(conn))
+    # READ COMMITTED whatever the server's default (see _read_committed).
+    with _read_committed(conn) if autocommit(conn) and plain else contextlib.nullcontext():
+        results = [
+            _rows(conn, queries, _sent(queries, statement), params) for statement, params in plain
+        ]
     return _written(conn, queries, batch, plain, results, flow)
 
 
@@ -404,7 +483,7 @@ def write_and_claim(
         return write_outcomes(conn, queries, batch)
     statement = limited_statement(queries, limited)
     if pipeline_allowed(conn):
-        plain, flow = _outcome_statements(queries, batch)
+        plain, flow = _outcome_statements(queries, batch, database_encodings(conn))
         before = [(_sent(queries, s), p) for s, p in plain]
         try:
             *results, (found, names) = _claim_in_pipeline(
@@ -432,16 +511,56 @@ def write_and_claim(
 
 
 def _outcome_statements(
-    queries: Queries, batch: Sequence[Outcome]
+    queries: Queries, batch: Sequence[Outcome], encodings: Encodings | None = None
 ) -> tuple[list[tuple[sa.Executable, dict[str, Any]]], list[tuple[sa.Executable, dict[str, Any]]]]:
     """A batch's statements, the plain ones (written one by one, in autocommit, or ahead
-    of a claim) apart from the flow ones (written in a transaction of their own)."""
+    of a claim) apart from the flow ones (written in a transaction of their own).
+
+    With ``encodings`` (the connection or the database is not UTF-8, see
+    :func:`~sqla_jobs._storable.database_encodings`), what the batch holds is made
+    storable first (:func:`_storable_outcomes`), and its texts escaped."""
+    if encodings is not None:
+        _storable_outcomes(batch, encodings)
     plain: list[tuple[sa.Executable, dict[str, Any]]] = []
     flow: list[tuple[sa.Executable, dict[str, Any]]] = []
     for statement, params in outcome_statements(queries, batch):
+        if encodings is not None:
+            if params.get("error"):
+                params["error"] = encodings.escape(params["error"])
+            if params.get("progress"):
+                params["progress"] = encodings.escape_json(params["progress"])
         is_flow = statement is queries.complete_flow or statement is queries.fail_flow
         (flow if is_flow else plain).append((statement, params))
     return plain, flow
+
+
+def _storable_outcomes(batch: Sequence[Outcome], encodings: Encodings) -> None:
+    """Over a connection, or to a database, that is not UTF-8: a kept result it cannot
+    carry fails its run, dead, with a :class:`~sqla_jobs.ResultError` saying why (the
+    rule :meth:`Jobs.enqueue <sqla_jobs.Jobs.enqueue>` holds arguments to: non-ASCII JSON
+    needs a UTF-8 connection, since psycopg reads JSON back as UTF-8).
+
+    Sent as it was, the completion failed in the driver's encoder (``UnicodeEncodeError``):
+    its outcome was never written, and the job that had succeeded ran again once its
+    lease passed. The run is not retried: it would return the same value."""
+    for outcome in batch:
+        error = None if outcome.result is None else encodings.result_error(outcome.result)
+        if error is None:
+            continue
+        outcome.kind, outcome.result = OutcomeKind.FAILED, None
+        outcome.error, outcome.permanent = format_error(error), True
+        job_log(logging.ERROR, outcome.job, "its result cannot be stored: %s", error)
+
+
+def check_result(conn: sa.Connection, text: str) -> None:
+    """Raise :class:`~sqla_jobs.ResultError` if ``conn`` cannot carry the result ``text``
+    (JSON; see :func:`_storable_outcomes`)."""
+    if text.isascii():
+        return
+    encodings = database_encodings(conn)
+    error = None if encodings is None else encodings.result_error(text)
+    if error is not None:
+        raise error
 
 
 def _sent(queries: Queries, statement: sa.Executable) -> sa.Executable:
@@ -493,8 +612,10 @@ def _write_rest(
     if ended:
         # A plain job that died with a child enqueued while it ran: that child is cancelled
         # (or released) in a statement of its own. A crash before it leaves the parent dead
-        # with {"sqla_jobs.children": true}, which the retention pass settles.
-        settle_children(conn, queries, [], ended)
+        # with {"sqla_jobs.children": true}, which the retention pass settles. READ
+        # COMMITTED, as the rest (see settle_children).
+        with _read_committed(conn) if autocommit(conn) else contextlib.nullcontext():
+            settle_children(conn, queries, [], ended)
     if not flow:
         return
     counted: Tally = {}
@@ -587,9 +708,21 @@ def beat(
     progress: list[str | None] | None = None,
 ) -> set[tuple[int, int]]:
     """Extend the leases of these claims (and write their new progress notes, one per
-    claim, None for none); the ``(id, attempts)`` of those still held."""
-    rows = conn.execute(queries.heartbeat, dict(heartbeat_params(claims, lease, progress)))
-    return {(r.id, r.attempts) for r in rows}
+    claim, None for none); the ``(id, attempts)`` of those still held.
+
+    A note the connection cannot carry (a LATIN1 database, a WIN1252 client) is written
+    with those characters escaped (see :meth:`~sqla_jobs._storable.Encodings.escape_json`):
+    sent as it was, it failed every beat in the driver's encoder, until the worker
+    stopped and every running job's lease lapsed."""
+    if progress is not None and any(n is not None and not n.isascii() for n in progress):
+        encodings = database_encodings(conn)
+        if encodings is not None:
+            progress = [None if n is None else encodings.escape_json(n) for n in progress]
+    # READ COMMITTED whatever the server's default (see _read_committed): under a
+    # snapshot a renewal that met a completion failed, and renewed no lease of the beat.
+    with _read_committed(conn):
+        rows = conn.execute(queries.heartbeat, dict(heartbeat_params(claims, lease, progress)))
+        return {(r.id, r.attempts) for r in rows}
 
 
 def hand_back(conn: sa.Connection, queries: Queries, claims: list[ClaimedJob]) -> int:
@@ -608,8 +741,12 @@ def complete_in(
     not JSON raises :class:`~sqla_jobs.ResultError`, which fails the run)."""
     keep = keeps(job)
     if keep is not None:
+        result = result_json(value)
+        check_result(
+            session if isinstance(session, sa.Connection) else session.connection(), result
+        )
         params = dict(batch_params([job]))
-        params.update(result_list=[result_json(value)], keep_list=[keep])
+        params.update(result_list=[result], keep_list=[keep])
         row = session.execute(queries.complete_flow, params).first()
     else:
         row = session.execute(queries.complete, dict(batch_params([job]))).first()
@@ -666,7 +803,14 @@ def sync_schedules(conn: sa.Connection, jobs: Jobs) -> bool:
 
     It waited on such a lock without bound: a paused worker's lock on a schedule row kept
     a starting worker from claiming anything for as long as it was paused (a rolling
-    deploy stalled). See ``WorkerCore.starting`` for the errors that stop a start."""
+    deploy stalled). See ``WorkerCore.starting`` for the errors that stop a start.
+
+    First, what the server said of the connection's settings (:func:`check_settings`):
+    run as the worker starts, so that a setting no worker can run under stops it there,
+    saying so."""
+    check_settings(conn)
+    # Learnt now (no round trip), for the runs' results (see Run.__exit__).
+    database_encodings(conn)
     conn.execute(_SYNC_BOUNDED)  # local to this transaction
     try:
         with conn.begin_nested():
@@ -678,10 +822,34 @@ def sync_schedules(conn: sa.Connection, jobs: Jobs) -> bool:
     return True
 
 
-def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
+def check_settings(conn: sa.Connection) -> None:
+    """Raise :class:`~sqla_jobs.WorkerError` if the connection's ``DateStyle`` is not ISO.
+
+    psycopg 3 reads a timestamp only in ISO's format: under another ``DateStyle`` (``ALTER
+    DATABASE ... SET datestyle = 'SQL, DMY'``) every statement that returns one fails with
+    ``NotImplementedError: can't parse timestamptz with DateStyle ...``, the worker's own
+    first among them. :func:`sqla_jobs.create_engine` sets ISO on its connections; an
+    engine the application made itself is told here how to. Read from what the server
+    reported (no round trip)."""
+    driver = conn.connection.driver_connection
+    status = getattr(getattr(driver, "info", None), "parameter_status", None)
+    style = status("DateStyle") if status is not None else None
+    if not style or style.upper().startswith("ISO"):
+        return
+    raise WorkerError(
+        f"the connection's DateStyle is {style!r}, and psycopg reads timestamps only under "
+        "DateStyle ISO: make the engine with sqla_jobs.create_engine (or "
+        "create_async_engine), which sets it, or pass "
+        "connect_args={'options': '-c DateStyle=ISO'} to your engine, or set it for the "
+        "role or the database (ALTER ROLE ... SET DateStyle = 'ISO, DMY', or ALTER "
+        "DATABASE ...; the second part, DMY or MDY, is the order your dates are read in)"
+    )
+
+
+def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool, queues: Iterable[str] = ()) -> Refresh:
     """Every worker's maintenance, each poll interval, in one transaction: rescue expired
     leases (if asked), promote due jobs, enqueue due cron ticks, and read the pause state
-    and the next due time.
+    and the next due time (of a job of ``queues``, the worker's, that is not paused).
 
     Doing it in every worker means no leader has to be alive for retries to happen; it is
     a few index lookups, and SKIP LOCKED keeps concurrent runs apart.
@@ -693,7 +861,8 @@ def refresh(conn: sa.Connection, jobs: Jobs, rescue: bool) -> Refresh:
     woken.update(_apart(conn, "promoting due jobs", queries.promote))
     periodic.enqueue_due(conn, jobs)
     paused = frozenset(conn.execute(queries.paused).scalars())
-    due_in = conn.execute(queries.next_due).scalar()
+    unpaused = [q for q in queues if q not in paused]
+    due_in = conn.execute(queries.next_due, {"queues": unpaused}).scalar()
     return Refresh(None if due_in is None else float(due_in), paused, frozenset(woken))
 
 

@@ -27,6 +27,9 @@ class Conn(enum.Enum):
     CLAIM = "claim"
     #: The completer's held autocommit connection: one round trip per batch.
     WRITE = "write"
+    #: The heartbeat's held autocommit connection: a lease renewal never waits on the pool,
+    #: which the application's handlers may have emptied (they may use the worker's engine).
+    BEAT = "beat"
     #: A pooled connection in a transaction of its own, committed when the function returns.
     TX = "tx"
 

@@ -22,9 +22,14 @@ import sqlalchemy as sa
 
 from .._queries import Queries, batch_params, fail_params, snooze_params
 from .._settle import format_error
-from .._storable import DURATION_MAX_SECONDS, PROGRESS_MAX_BYTES
+from .._storable import (
+    DURATION_MAX_SECONDS,
+    JSONB_SAFE_CHARS,
+    PROGRESS_MAX_BYTES,
+    jsonb_problem,
+)
 from .._tasks import json_problem, long_int_problem
-from ..errors import PermanentError, ResultError, Snooze
+from ..errors import PermanentError, ResultError, Snooze, StepError, print_unlogged
 from ..model import CHILDREN_KEY, KEEP_KEY, TextEnum
 
 if TYPE_CHECKING:
@@ -309,12 +314,14 @@ def unknown_task(jobs: Jobs, job: ClaimedJob, worker: str) -> Outcome:
     created = job.created_at
     if created is not None and datetime.now(timezone.utc) - created < UNKNOWN_TASK_GRACE:
         outcome = Outcome(OutcomeKind.SNOOZED, job, error=error, delay=delay)
-        job_log(
-            logging.ERROR, job, "unknown task, left for a worker that knows it", outcome="snoozed"
-        )
-        return outcome
-    outcome = Outcome(OutcomeKind.FAILED, job, error=error, delay=delay)
-    job_log(logging.ERROR, job, "unknown task, failing it", outcome=outcome_name(outcome))
+        said = "unknown task, left for a worker that knows it"
+    else:
+        outcome = Outcome(OutcomeKind.FAILED, job, error=error, delay=delay)
+        said = "unknown task, failing it"
+    try:
+        job_log(logging.ERROR, job, said, outcome=outcome_name(outcome))
+    except Exception:  # a log handler that fails changes no outcome (see _core.quietly)
+        print_unlogged("the log line about an unknown task failed")
     return outcome
 
 
@@ -457,7 +464,7 @@ def outcome_of(task: Task[Any, Any], job: ClaimedJob, exc: BaseException | None)
         return Outcome(OutcomeKind.SUCCEEDED, job)
     if isinstance(exc, Snooze):
         return Outcome(OutcomeKind.SNOOZED, job, delay=bounded_delay(exc.delay))
-    if isinstance(exc, PermanentError):
+    if isinstance(exc, PermanentError) or (isinstance(exc, StepError) and exc.permanent):
         return Outcome(OutcomeKind.FAILED, job, error=format_error(exc), permanent=True)
     return Outcome(
         OutcomeKind.FAILED,
@@ -519,11 +526,18 @@ def _storage_problem(
     """Why ``text`` (``whole`` as JSON) cannot be stored and read back, or None: what JSON
     takes and PostgreSQL does not (NUL, surrogates, non-string keys), looked for only when
     the text shows a reason to (escapes, or a dict from ``start`` on), then an int in
-    ``value`` too long for a reader to decode. ``names`` begin the two messages."""
+    ``value`` too long for a reader to decode. ``names`` begin the two messages. Text
+    past :data:`JSONB_SAFE_CHARS` is always measured: it may be more than ``jsonb`` holds
+    (an array of two 140 MB strings), which PostgreSQL refused only at the completion,
+    a program limit the completer retried for as long as the worker ran."""
     if not text.isascii() or "\\u0000" in text or "{" in text[start:]:
-        problem = json_problem(whole, names[0])
+        problem = json_problem(whole, names[0])  # the size too, for a long text
         if problem is not None:
             return problem
+    elif len(text) > JSONB_SAFE_CHARS:
+        problem = jsonb_problem(whole)
+        if problem is not None:
+            return f"{names[0]} {problem}"
     return long_int_problem(value, names[1], text)
 
 

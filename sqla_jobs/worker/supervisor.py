@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
+from ._signals import relay
+
 __all__ = ["SUPERVISOR_ENV", "supervise", "watch_supervisor"]
 
 log = logging.getLogger("sqla_jobs.supervisor")
@@ -64,12 +66,21 @@ def supervise(
     env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
     stopping = threading.Event()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def stop(signum: int) -> None:
         log.info(
             "supervisor: received %s, stopping %d workers", signal.Signals(signum).name, processes
         )
         stopping.set()
 
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # Runs in this (the main) thread, between two bytecodes of the loop below, maybe
+        # inside ``stopping.wait`` holding the event's lock (not reentrant): the event is
+        # set, and the log written, by the relay's thread (see ._signals). Set here, the
+        # handler waited for ever on a lock its own thread held: the supervisor never
+        # passed the signal on, never stopped.
+        relay.call(stop, signum)
+
+    relay.start()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     children: list[subprocess.Popen[bytes] | None] = [None] * processes
     started = [0.0] * processes

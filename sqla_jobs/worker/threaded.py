@@ -24,19 +24,23 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from ..db import create_engine
-from ..session import insert_pending
+from ..session import JobSession, insert_pending
 from ..steps import Steps
 from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost
-from ._driver import DriverBase, Wakeups, pool_options, run_session
-from ._signals import stopped_by_signals
+from ._driver import DriverBase, Fence, Wakeups, pool_options, run_session
+from ._signals import relay, stopped_by_signals
 from .job import ClaimedJob, Outcome, OutcomeKind
 
 __all__ = ["Worker"]
+
+
+#: Guards the check that a worker is not run twice at once.
+_RUNS = threading.Lock()
 
 
 class Worker(DriverBase[sa.Engine]):
@@ -49,6 +53,8 @@ class Worker(DriverBase[sa.Engine]):
     """
 
     _wakeups: Wakeups[threading.Event]
+    #: Whether :meth:`run` or :meth:`run_until_empty` runs now (see ``_run``).
+    _active = False
 
     def _make_engine(self, bind: sa.Engine | str) -> sa.Engine:
         if isinstance(bind, sa.Engine):
@@ -59,25 +65,44 @@ class Worker(DriverBase[sa.Engine]):
     def _prepare(self) -> None:
         self._claim_conn = statements.HeldConnection(self.engine)
         self._write_conn = statements.HeldConnection(self.engine)
+        #: The heartbeat's own (see Conn.BEAT), taken as the duties start.
+        self._beat_conn = statements.HeldConnection(self.engine)
         self._wakeups = Wakeups(threading.Event)
         self._inbox: queue_mod.SimpleQueue[ClaimedJob | None] = queue_mod.SimpleQueue()
         self._outbox: queue_mod.SimpleQueue[Outcome | None] = queue_mod.SimpleQueue()
         self._executors: list[threading.Thread] = []
         self._duties: list[threading.Thread] = []
         self._coroutines: dict[tuple[int, int], tuple[asyncio.AbstractEventLoop, Any]] = {}
+        #: The fences of the transactional runs whose handlers run (see interrupt).
+        self._fences: dict[tuple[int, int], Fence] = {}
         self._done = False
         #: Held by a transactional or durable run while the pool cannot give every
         #: handler a connection (see ``handler_connections``).
         n = self.handler_connections
         self._connection_slots = None if n is None else threading.BoundedSemaphore(n)
+        relay.start()  # for stop() from the main thread, a signal handler maybe
 
     @property
     def stopping(self) -> bool:
         return self.core.stopping
 
     def stop(self) -> None:
-        """Ask the worker to stop: no new claims, then a graceful shutdown. Thread-safe."""
+        """Ask the worker to stop: no new claims, then a graceful shutdown. Safe from any
+        thread or signal handler.
+
+        In the main thread it may be a signal handler, run between two bytecodes of the
+        fetch loop, which waits on these very events there: setting one (which takes the
+        event's lock, not reentrant) then waited for ever on a lock the thread itself
+        held. From the main thread the events are set by the relay's thread instead (see
+        :mod:`._signals`); the flag, which the fetch loop reads after every wait, at once.
+        """
         self.core.stopping = True
+        if threading.current_thread() is threading.main_thread():
+            relay.call(self._wake_stopping)
+        else:
+            self._wake_stopping()
+
+    def _wake_stopping(self) -> None:
         self._wakeups.stopping.set()
         self._wakeups.wake.set()
 
@@ -91,6 +116,10 @@ class Worker(DriverBase[sa.Engine]):
 
     def run_until_empty(self, *, wait_scheduled: float = 0.0, timeout: float | None = None) -> int:
         """Run until no job of these queues is ready or running here; return how many ran.
+
+        Counted: the runs whose handler this call called, however they ended (a run cut
+        off by the grace period too). Not counted: a claim settled before its handler was
+        called (cancelled before it started, handed back unstarted at a stop).
 
         :param wait_scheduled: also wait for scheduled jobs (delays, retries) that fall due
             within this many seconds.
@@ -110,12 +139,28 @@ class Worker(DriverBase[sa.Engine]):
         )
 
     def _run(self, **how: Any) -> None:
+        with _RUNS:
+            if self._active:
+                # A second run (another thread) replaced the first's connections,
+                # executors and events, and the two runs' duties wrote over each other.
+                raise RuntimeError(
+                    "Worker.run() is already running: one worker runs once at a time "
+                    "(make another Worker to run more)"
+                )
+            self._active = True
+        try:
+            self._run_once(**how)
+        finally:
+            self._active = False
+
+    def _run_once(self, **how: Any) -> None:
         self._prepare()
         try:
             self._drive(self.core.run(**how))
         finally:
             self._claim_conn.close()
             self._write_conn.close()
+            self._beat_conn.close()
             if self._owns_engine:
                 # Made from a URL, the pool is the worker's: its connections close with the
                 # run (they stayed open until the worker was collected; the next run
@@ -143,6 +188,8 @@ class Worker(DriverBase[sa.Engine]):
                 return self._claim_conn.run(fn, *args)
             case s.Io(fn, args, s.Conn.WRITE):
                 return self._write_conn.run(fn, *args)
+            case s.Io(fn, args, s.Conn.BEAT):
+                return self._beat_conn.run(fn, *args)
             case s.Io(fn, args, _):
                 with self.engine.begin() as conn:
                     return fn(conn, *args)
@@ -182,6 +229,10 @@ class Worker(DriverBase[sa.Engine]):
                     with contextlib.suppress(Exception):
                         conn.close()
             case s.StartDuties(names):
+                # Before any handler runs: one that uses the worker's engine would
+                # otherwise find it first. Failing, the first beat connects.
+                with contextlib.suppress(Exception):
+                    self._beat_conn.run(_connected)
                 n = self.settings.concurrency
                 self._executors = [_thread(f"executor-{i}", self._executor) for i in range(n)]
                 self._duties = [
@@ -231,7 +282,12 @@ class Worker(DriverBase[sa.Engine]):
 
     def interrupt(self, job: ClaimedJob) -> None:
         # A thread cannot be stopped (it is told through job.cancelled); a coroutine that an
-        # executor thread runs can be cancelled on its loop.
+        # executor thread runs can be cancelled on its loop. A transactional run holding
+        # its job's row locked has its transaction ended (see Fence.release), from a
+        # thread of its own: this is called from the heartbeat and the fetch loop.
+        fence = self._fences.get(job.key)
+        if fence is not None and fence.holder is not None:
+            _thread("release", fence.release, self.engine, self.core.queries)
         entry = self._coroutines.get(job.key)
         if entry is not None:
             loop, task = entry
@@ -242,7 +298,11 @@ class Worker(DriverBase[sa.Engine]):
 
     def _executor(self) -> None:
         core = self.core
-        while (job := self._inbox.get()) is not None:
+        # Its run's inbox, kept: a thread cut off by a stop's grace period runs on, and
+        # when its handler returned it took the next run's jobs (from the inbox made for
+        # that run) as one of its executors, past that run's concurrency.
+        inbox = self._inbox
+        while (job := inbox.get()) is not None:
             try:
                 outcome = self._execute(job)
             except BaseException as exc:  # the worker's own failure around a run
@@ -258,7 +318,8 @@ class Worker(DriverBase[sa.Engine]):
         transactional task runs in a session (the registry's ``session_factory``'s, or a
         plain one on the worker's engine) that commits with the job's completion, or,
         given ``session`` (``sqla_jobs.testing`` does this inside a test's
-        transaction), in that session behind a savepoint that a failure rolls back.
+        transaction), in a session of its own on that session's connection, behind a
+        savepoint that a failure rolls back.
         """
         return self._execute(job, session) or Outcome(OutcomeKind.SETTLED, job)
 
@@ -311,18 +372,83 @@ class Worker(DriverBase[sa.Engine]):
             except Exception as exc:  # the app's session factory failed, or misfits
                 return run.end(exc)
             with made as own:
-                outcome: Outcome = self._drive(
-                    self.core.transactional(run), lambda: fn(*args, session=own, **kwargs), own
-                )
+
+                def handler() -> Any:
+                    # The run's transaction begins here, before the handler (see Fence).
+                    fence = self._fences[run.job.key] = Fence(own, self.core.queries, run.job)
+                    if run.job.is_cancelled:  # stopped meanwhile: interrupt() missed it
+                        self.interrupt(run.job)
+                    with fence.handling():
+                        return fn(*args, session=own, **kwargs)
+
+                try:
+                    outcome: Outcome = self._drive(self.core.transactional(run), handler, own)
+                finally:
+                    if (done := self._fences.pop(run.job.key, None)) is not None:
+                        done.close()
                 return outcome
-        # The test's session (sqla_jobs.testing), behind a savepoint that a failure rolls
-        # back; the test writes the outcome with the real statements.
-        with run, session.begin_nested():
-            run.value = fn(*args, session=session, **kwargs)
-            session.flush()
-            insert_pending(session)
+        # The test's transaction (sqla_jobs.testing): the test writes the outcome with the
+        # real statements.
+        try:
+            joined = self._joined_session(session)
+        except Exception as exc:  # the app's session factory failed, or misfits
+            return run.end(exc)
+        if joined is session:
+            # The factory hands out the test's own session (Flask-SQLAlchemy's scoped
+            # db.session): behind a savepoint that a failure rolls back.
+            with run, session.begin_nested():
+                run.value = fn(*args, session=session, **kwargs)
+                session.flush()
+                insert_pending(session)
+            assert run.outcome is not None
+            return run.outcome
+        # A session of the run's own on the test's connection, whose transaction is a
+        # savepoint: a failure, or the handler's own rollback, rolls back its writes only.
+        # Given the test's session itself, the handler's rollback rolled back the whole
+        # test (its rows, the job being run), and the run then failed on a closed
+        # transaction.
+        with joined, run:
+            try:
+                fence = Fence(joined, self.core.queries, run.job)
+                try:
+                    with fence.handling():
+                        value = fn(*args, session=joined, **kwargs)
+                    joined.flush()
+                    insert_pending(joined)
+                finally:
+                    fence.close()
+                joined.commit()  # releases its savepoint: the writes join the test's
+            except BaseException:
+                joined.rollback()
+                raise
+            run.value = value
+        # What the handler wrote, through its own session, is newer than the test's
+        # objects: they load again when next read.
+        session.expire_all()
         assert run.outcome is not None
         return run.outcome
+
+    def _joined_session(self, session: Session) -> Session:
+        """The session a transactional run gets inside a test's transaction, on the test
+        session's connection: a ``JobSession``, or what the registry's ``session_factory``
+        makes, as the worker would. One of a ``sessionmaker`` gets a savepoint for a
+        transaction (``join_transaction_mode="create_savepoint"``); a factory of another
+        kind makes its session as it does (Flask-SQLAlchemy's ``db.session`` is the test's
+        session itself)."""
+        conn = session.connection()
+        factory = self.jobs.session_factory
+        if factory is None:
+            return JobSession(bind=conn, join_transaction_mode="create_savepoint", jobs=self.jobs)
+        if isinstance(factory, sessionmaker):
+            made = factory(bind=conn, join_transaction_mode="create_savepoint")
+        else:
+            made = factory(bind=conn)
+        if not isinstance(made, Session):
+            raise TypeError(
+                f"Jobs(session_factory=...) made a {type(made).__qualname__}, and this "
+                "worker runs transactional handlers in a Session"
+            )
+        return made
 
     def _durable(self, run: Run, session: Session | None) -> Outcome:
         """A durable task: its handler gets a step runner on this worker's engine."""
@@ -356,6 +482,10 @@ class Worker(DriverBase[sa.Engine]):
 
     def _signals(self, install: bool) -> contextlib.AbstractContextManager[None]:
         return stopped_by_signals(install, lambda: [self.core], self.stop)
+
+
+def _connected(conn: sa.Connection) -> None:
+    """Nothing: a held connection's ``run(_connected)`` only takes its connection."""
 
 
 def _thread(name: str, target: Callable[..., Any], *args: Any) -> threading.Thread:

@@ -379,13 +379,16 @@ def test_a_delay_the_completer_could_not_write_is_capped() -> None:
 
 def test_came_round_over_the_keys() -> None:
     """The walk of key-ordered and fair claims over the keys, in order and wrapping round
-    after the last one: each claim walks from its cursor to where it stopped."""
-    from sqla_jobs.worker._fetch import came_round
+    after the last one: each claim walks from where the last one stopped."""
+    from sqla_jobs.worker._fetch import KeyWalk
 
-    assert came_round("c", "c", "c", False)  # all the way round in one claim
-    assert not came_round("c", "c", "f", False)  # on, not round
-    assert not came_round("c", "f", "a", False)  # wrapped, short of where it began
-    assert came_round("c", "a", "c", True)  # wrapped earlier, back where it began
-    assert came_round("c", "f", "d", False)  # wrapped past where it began
-    assert came_round(None, "f", "b", False)  # from the start: wrapped is round
-    assert not came_round(None, None, "f", False)
+    def walked(start: str | None, *stops: str) -> list[bool]:
+        walk = KeyWalk(start)
+        return [walk.came_round(last) for last in stops]
+
+    assert walked("c", "c") == [True]  # all the way round in one claim
+    assert walked("c", "f", "a", "b", "c") == [False, False, False, True]  # wrapped, back
+    assert walked("c", "f", "d") == [False, True]  # wrapped past where it began
+    assert walked("c", "f", "f") == [False, True]  # a claim that did not move is round
+    assert walked(None, "f", "b") == [False, True]  # from the start: wrapped is round
+    assert walked(None, "a", "f") == [False, False]

@@ -42,13 +42,14 @@ def test_the_refresh_runs_once_per_poll_interval_and_rescues_only_when_its_time_
     (sync, refresh, *prunes) = steps
     # The first pass makes the code-declared schedules' rows match the code, once.
     assert isinstance(sync, s.Io) and sync.fn is statements.sync_schedules
-    assert isinstance(refresh, s.Io) and refresh.args == (core.jobs, True)  # rescue at once
+    # Rescue at once; the next due time of its own queues only.
+    assert isinstance(refresh, s.Io) and refresh.args == (core.jobs, True, core.queues)
     assert [p.fn for p in prunes if isinstance(p, s.Io)] == [statements.prune_batch]  # lock held
     assert maintenance.paused == {"a"} and "b" not in core.fetcher.dry  # woken: not dry
     assert run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset())))[0] == []
     # Forced (Worker.maintain()): a refresh, without a rescue (not due) or retention.
     steps, _ = run_steps(maintenance.now(), _answer(Refresh(None, frozenset())))
-    assert [st.args for st in steps if isinstance(st, s.Io)] == [(core.jobs, False)]
+    assert [st.args for st in steps if isinstance(st, s.Io)] == [(core.jobs, False, core.queues)]
 
 
 def test_a_known_due_time_makes_the_refresh_due_and_bounds_the_idle_sleep() -> None:

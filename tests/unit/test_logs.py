@@ -70,3 +70,26 @@ def test_a_line_logged_in_a_run_gets_its_job_and_keeps_its_own_extra() -> None:
     data = json.loads(JsonFormatter().format(inside))
     assert (data["job_id"], data["queue"], data["attempt"], data["worker"]) == (7, "mail", 2, "w1")
     assert data["task"] == "the line's own" and "job_prefix" not in data
+
+
+def test_an_error_of_the_logging_itself_is_printed_to_stderr_as_logging_does(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log line or a listener that raised is printed to stderr, named, with its
+    traceback (the logging that would say so is what failed); not at all when the
+    application turned ``logging.raiseExceptions`` off, as logging does for its own."""
+    from sqla_jobs.errors import print_unlogged
+
+    try:
+        raise ConnectionError("log shipper unreachable")
+    except ConnectionError:
+        print_unlogged("the line about a job failed")
+    err = capsys.readouterr().err
+    assert err.startswith("--- sqla_jobs: the line about a job failed\n")
+    assert "ConnectionError: log shipper unreachable" in err
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+    try:
+        raise ConnectionError("again")
+    except ConnectionError:
+        print_unlogged("the line about a job failed")
+    assert capsys.readouterr().err == ""

@@ -50,6 +50,9 @@ class Completer(Duty):
         core = self.core
         batch = self.batch or (yield from self.take_batch())
         self.batch = []
+        # The events of the runs the heartbeat timed out (WorkerCore.tell_later), fired
+        # here, off the heartbeat: their outcomes just woke the completer.
+        core.tell()
         if not batch:
             return False
         try:

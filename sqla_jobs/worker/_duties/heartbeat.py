@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PROGRESS_EVERY", "Heartbeat"]
 
+log = logging.getLogger("sqla_jobs.worker")
+
 #: A progress note waits at most about this long for the heartbeat (which then beats
 #: early), and the heartbeat never beats early more often than this.
 PROGRESS_EVERY = 1.0
@@ -37,6 +39,8 @@ class Heartbeat(Duty):
         """A new run beats at its first tick."""
         #: When the last beat began (monotonic; 0: beat at the next tick).
         self.last_beat = 0.0
+        #: Whether the last tick woke late (see :meth:`woke_late`).
+        self.stalled = False
 
     def run_once(self) -> Steps:
         """Enforce timeouts; every third of the lease (or when poked by a cancellation),
@@ -44,9 +48,12 @@ class Heartbeat(Duty):
         Returns False once the worker stopped and nothing runs any more."""
         core = self.core
         every = core.settings.lease / 3
-        poked = yield Tick(min(every, 0.1))
+        tick = min(every, 0.1)
+        asked = time.monotonic()
+        poked = yield Tick(tick)
         if poked is None:
             return False
+        self.woke_late(time.monotonic() - asked - tick, every)
         self.enforce_timeouts()
         since = time.monotonic() - self.last_beat
         if (
@@ -58,6 +65,30 @@ class Heartbeat(Duty):
             core._poked = False
             yield from self.beat()
         return True
+
+    def woke_late(self, late: float, every: float) -> None:
+        """A tick that woke ``late`` seconds after it was due, more than a beat's interval
+        late, is said once per stall (a WARNING): nothing renewed the leases meanwhile,
+        and those of the running jobs may have lapsed, the jobs taken by another worker
+        and run twice. The usual cause is an ``async def`` handler that blocks the event
+        loop (``time.sleep``, a blocking client), where the heartbeat runs too; it once
+        went unsaid, the job simply ran twice."""
+        if late <= every:
+            self.stalled = False
+            return
+        if self.stalled:
+            return
+        self.stalled = True
+        core = self.core
+        core.quietly(
+            log.warning,
+            "worker %s: the event loop was blocked for %.1fs (a blocking call in an async "
+            "def handler?), or the process stalled: the heartbeat woke that late; leases "
+            "may have lapsed (lease %ss) and their jobs run again elsewhere",
+            core.name,
+            late,
+            core.settings.lease,
+        )
 
     def progress_waiting(self) -> bool:
         """A running handler left a progress note the heartbeat has not written."""
@@ -85,16 +116,29 @@ class Heartbeat(Duty):
         claims = [*running, *pending]
         every = [*notes, *(None for _ in pending)]
         try:
-            kept = yield Io(statements.beat, (core.queries, claims, core.lease, every), Conn.TX)
+            # On the heartbeat's own held connection: through the pool, a beat waited for a
+            # connection while plain handlers using the worker's engine (the application's
+            # Session) held every one, and the leases lapsed, the jobs run again elsewhere.
+            kept = yield Io(statements.beat, (core.queries, claims, core.lease, every), Conn.BEAT)
         except Exception as exc:
             self.last_beat = 0.0  # whatever failed, try again at the next tick
+            noted = any(n is not None for n in notes)
             if not is_database_error(exc):
-                raise
-            core.db_warning(exc, "worker %s: heartbeat failed: %s", core.name, describe(exc))
-            if (
-                not unreachable(exc)
-                and not lost_prepared_statement(exc)
-                and any(n is not None for n in notes)
+                if not noted:
+                    raise
+                # Not the database: binding a note failed (the driver's encoder, a
+                # UnicodeError). Raised, it failed every beat until the worker stopped and
+                # every running job's lease lapsed; the leases matter more than the notes.
+                log.error(
+                    "worker %s: heartbeat failed, writing progress notes (%s); "
+                    "beating again without them",
+                    core.name,
+                    describe(exc),
+                )
+            else:
+                core.db_warning(exc, "worker %s: heartbeat failed: %s", core.name, describe(exc))
+            if not is_database_error(exc) or (
+                not unreachable(exc) and not lost_prepared_statement(exc) and noted
             ):
                 # The server refused the statement, and a note may be why: the leases
                 # matter more, so the next beat goes without these notes.
@@ -125,9 +169,11 @@ class Heartbeat(Duty):
                     job.progress_written(note)
         for job in lost:
             if not job.is_cancelled:
-                job_log(logging.WARNING, job, "cancelled or lease lost; asking it to stop")
                 job.cancel("cancelled, or lease lost")
                 core.driver.interrupt(job)
+                core.quietly(
+                    job_log, logging.WARNING, job, "cancelled or lease lost; asking it to stop"
+                )
         if confirmed:
             # Kept ones start now; lost ones, cancelled above, end at once, not run.
             core.driver.dispatch(confirmed)
@@ -135,7 +181,13 @@ class Heartbeat(Duty):
     def enforce_timeouts(self) -> None:
         """Past its task's timeout, a run has failed: record that now, stop extending its
         lease, and stop the handler (an asyncio task is cancelled; a thread cannot be, and
-        is told through ``job.cancelled``). Its slot frees when the handler ends."""
+        is told through ``job.cancelled``). Its slot frees when the handler ends.
+
+        The outcome is recorded before anything is said about it: a log handler that
+        failed on the line once left it unwritten and the job ``running``, its lease
+        extended for as long as the worker lived. Its events are fired by the completer
+        (:meth:`WorkerCore.tell_later`): the listeners are the application's code, and a
+        slow one here held up the leases of every other running job."""
         core = self.core
         now = time.monotonic()
         tasks = core.jobs.tasks
@@ -162,8 +214,9 @@ class Heartbeat(Duty):
             job.cancel(f"timed out after {task.timeout}s")
             outcome = timed_out(task, job)
             error = TimeoutError((outcome.error or "").removeprefix("TimeoutError: "))
-            name = "dead" if outcome.dead else "retried"
-            core.log_end(job, name, now - job.started, outcome, error, level=logging.WARNING)
-            core.fire_outcome(outcome, now - job.started, error)
+            duration = now - job.started
+            core.tell_later(outcome, duration, error)
             core.driver.record(outcome)
             core.driver.interrupt(job)
+            name = "dead" if outcome.dead else "retried"
+            core.log_end(job, name, duration, outcome, error, level=logging.WARNING)

@@ -27,6 +27,10 @@ __all__ = ["Maintenance"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
+#: Seconds before the maintenance looks again at a scheduled job that was due but not
+#: promoted (another transaction holds its row locked), at most a poll interval.
+DUE_RECHECK = 0.5
+
 
 class Maintenance(Duty):
     """When the upkeep is due, and carrying it out."""
@@ -40,6 +44,8 @@ class Maintenance(Duty):
         self.next_prune = 0.0
         #: The last retention pass stopped at its cap with rows left to delete.
         self.behind = False
+        #: Rows the last retention pass deleted, by what they are (as the log names them).
+        self.pruned: dict[str, int] = {}
         #: The paused queues, as of the last refresh.
         self.paused: frozenset[str] = frozenset()
         #: The code-declared schedules' rows match the code (see statements.sync_schedules).
@@ -61,42 +67,71 @@ class Maintenance(Duty):
         rescue = now >= self.next_rescue
         if not self.synced:
             self.synced = yield Io(statements.sync_schedules, (core.jobs,), Conn.TX)
-        result: Refresh = yield Io(statements.refresh, (core.jobs, rescue), Conn.TX)
+        result: Refresh = yield Io(statements.refresh, (core.jobs, rescue, core.queues), Conn.TX)
         now = time.monotonic()
         settings = core.settings
         if rescue:
             self.next_rescue = now + settings.rescue_every
         self.paused = result.paused
-        dry = core.fetcher.dry
+        fetcher = core.fetcher
+        if result.paused:
+            self.forget_paused(result.paused)
         for queue in result.woken:
-            dry.pop(queue, None)
+            fetcher.dry.pop(queue, None)
         self.next_refresh = now + settings.poll_interval
-        self.next_due = None if result.due_in is None else now + max(0.0, result.due_in)
+        due_in = result.due_in
+        if due_in is not None and due_in <= 0 and not result.woken:
+            # Due, and this pass promoted nothing: another transaction holds the row
+            # locked (the promotion skips it). Looked at again at once, it made the fetch
+            # loop run a refresh transaction every millisecond while the lock lasted.
+            due_in = min(settings.poll_interval, DUE_RECHECK)
+        self.next_due = None if due_in is None else now + max(0.0, due_in)
         if now >= self.next_prune:
             self.next_prune = now + settings.prune_interval
             self.behind = False
-            pruned = yield from self.prune()
+            yield from self.prune()
             if self.behind:
                 # Stopped at its cap with work left: on at the next poll interval. A pass
                 # every prune_interval deletes at most 20,000 rows of a kind (333 a second
                 # by default), less than one worker finishes, and a backlog of kept rows
                 # would only grow.
                 self.next_prune = time.monotonic() + settings.poll_interval
-            if pruned:
-                log.info("worker %s: pruned %d finished jobs", core.name, pruned)
+            said = [f"{n} {kind}" for kind, n in self.pruned.items() if n]
+            if said:
+                log.info("worker %s: pruned %s", core.name, ", ".join(said))
+
+    def forget_paused(self, paused: frozenset[str]) -> None:
+        """What the fetch loop waits for of the queues now paused (a hold of a limit, a
+        refused claim's pause): a paused queue is not claimed, and only a claim ended
+        those waits. Kept, a paused queue counted as not empty for ever (a
+        ``run_until_empty`` went on to its timeout), and an expired hold made the idle
+        loop go round every millisecond. Resumed, the queue is claimed afresh."""
+        fetcher = self.core.fetcher
+        with self.core._lock:
+            for queue in paused:
+                fetcher.held.pop(queue, None)
+                fetcher.rate_held.discard(queue)
+                fetcher.time_held.discard(queue)
+                fetcher.failing.pop(queue, None)
+                fetcher.walks.pop(queue, None)
 
     def prune(self, *, max_batches: int = 20) -> Generator[Step, Any, int]:
         """Retention, in batches of their own short transactions; stops at once if another
-        worker holds the pruner lock. Returns how many rows were deleted; sets
-        :attr:`behind` when a kind of row stopped at ``max_batches`` full batches."""
+        worker holds the pruner lock. Returns how many rows were deleted, and keeps how
+        many of each kind in :attr:`pruned` (the log says which: keys, rate logs and step
+        records were all logged as "finished jobs"); sets :attr:`behind` when a kind of
+        row stopped at ``max_batches`` full batches."""
         jobs = self.core.jobs
         total = 0
+        self.pruned = {}
         for statement, age in statements.prune_work(jobs):
+            kind = _kind(jobs, statement)
             for _ in range(max_batches):
                 deleted = yield Io(statements.prune_batch, (jobs, statement, age), Conn.TX)
                 if deleted is None:
                     return total
                 total += deleted
+                self.pruned[kind] = self.pruned.get(kind, 0) + deleted
                 if deleted < statements.PRUNE_BATCH:
                     break
             else:
@@ -130,3 +165,15 @@ class Maintenance(Duty):
         if sooner:
             # Its sleep was timed before this due time was known.
             self.core.driver.wake()
+
+
+def _kind(jobs: Any, statement: Any) -> str:
+    """What a retention statement deletes, as the log names it."""
+    queries = jobs.queries
+    if statement is queries.prune_dead or statement is queries.prune_done:
+        return "finished jobs"
+    if statement is queries.prune_unique_keys:
+        return "unique keys"
+    if statement is queries.prune_key_starts:
+        return "key rate logs"
+    return "step records"
