@@ -76,11 +76,12 @@ def duration(value: float | None, *, spaced: bool = False) -> str:
     return f"{total // 86400}d{sep}{total % 86400 // 3600:02d}h"
 
 
-def ago(value: datetime | None) -> str:
-    """How far from now, in words: ``3.2 s ago``, ``in 5m 00s``, ``just now``."""
+def ago(value: datetime | None, now: datetime | None = None) -> str:
+    """How far from ``now`` (the database's, where known; else this host's clock), in
+    words: ``3.2 s ago``, ``in 5m 00s``, ``just now``."""
     if value is None:
         return "-"
-    delta = (datetime.now(timezone.utc) - value).total_seconds()
+    delta = ((now or datetime.now(timezone.utc)) - value).total_seconds()
     if abs(delta) < 1:
         return "just now"
     return (

@@ -1212,16 +1212,20 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
             if retry:
                 # Say why a selected job is held back (a job it waits for is still dead or
                 # cancelled): found by a retry that is rolled back.
-                with engine.connect() as conn:
-                    code = max(code, _warn_skipped(admin.act(conn, target, "retry", selection)))
-                    conn.rollback()
+                held = _in_transaction(
+                    engine,
+                    lambda conn: admin.act(conn, target, "retry", selection),
+                    commit=False,
+                )
+                code = max(code, _warn_skipped(held))
             rearmed = 0 if retry else None
             code = max(code, _warn_unacted(selection, action, (), preview.skipped))
             _report(args, action.name, action.past, 0, dry_run=False, rearmed=rearmed)
             return code
         _confirm(args, action.name, preview.count)
-        with engine.begin() as conn:
-            report = admin.act(conn, target, action.name, selection)
+        report = _in_transaction(
+            engine, lambda conn: admin.act(conn, target, action.name, selection)
+        )
     # Retried parents bring back the jobs they had cancelled; say which came back, and why
     # a selected one did not.
     code = max(code, _warn_skipped(report))
@@ -1230,6 +1234,27 @@ def cmd_jobs_action(args: argparse.Namespace) -> int:
     rearmed = len(report.rearmed) if retry else None
     _report(args, action.name, action.past, report.count, dry_run=False, rearmed=rearmed)
     return code
+
+
+def _in_transaction(
+    engine: sa.Engine, work: Callable[[sa.Connection], _T], *, commit: bool = True
+) -> _T:
+    """Run ``work`` in a transaction of its own, at :data:`~sqla_jobs.admin.ACTION_ISOLATION`
+    (under a snapshot, an action that waited for a running job's row failed once its run
+    committed), and run that again, a few times, when the database undoes it for
+    another's sake (a deadlock with a worker's outcome write): as the dashboard does. A
+    transaction given ``commit=False`` is rolled back: a question asked by acting."""
+
+    def transaction() -> _T:
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level=admin.ACTION_ISOLATION)
+            with conn.begin() as trans:
+                done = work(conn)
+                if not commit:
+                    trans.rollback()
+                return done
+
+    return admin._again_on_conflict(transaction)
 
 
 def _warn_unacted(
@@ -1352,12 +1377,15 @@ def cmd_queues_blocked(args: argparse.Namespace) -> int:
 def cmd_queues_pause(args: argparse.Namespace) -> int:
     target, engine = _prepare(args)
     paused = args.queues_command == "pause"
-    with _database_errors(), engine.begin() as conn:
+    change = admin.pause_queue if paused else admin.resume_queue
+
+    def pause(conn: sa.Connection) -> set[str]:
         known = {q.name for q in admin.list_queues(conn, target)}
-        if paused:
-            admin.pause_queue(conn, target, args.name)
-        else:
-            admin.resume_queue(conn, target, args.name)
+        change(conn, target, args.name)
+        return known
+
+    with _database_errors():
+        known = _in_transaction(engine, pause)
     if args.name not in known:
         print(
             f"sqla-jobs: warning: no job or task uses queue {args.name!r} yet (a typo?)",

@@ -533,3 +533,31 @@ def test_actions_take_more_ids_than_a_statement_takes_parameters(db: sa.Engine, 
     assert report.count == 70_000
     with db.connect() as conn:
         assert not conn.execute(sa.select(app.Job.id)).first()
+
+
+def test_an_action_on_seen_jobs_does_not_follow_stale_statistics(db: sa.Engine, jobs: Jobs) -> None:
+    """30,000 ready jobs cancelled since the table was last analysed (its statistics say no job
+    is cancelled), then purged as seen: the guard on what was seen was a join whose plan
+    followed those statistics, scanning the whole seen list for every row; the purge ran
+    for minutes (here: past its statement timeout). Now each row looks itself up."""
+    from . import app
+
+    table = f'"{app.SCHEMA}".jobs'
+    with db.begin() as conn:
+        ids = list(
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {table} (queue, task, args, status, attempts, finished_at) "
+                    "SELECT 'q', 't', '{}', 'ready', 0, NULL FROM generate_series(1, 30000) "
+                    "RETURNING id"
+                )
+            ).scalars()
+        )
+        conn.execute(sa.text(f"ANALYZE {table}"))
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, ids) == 30_000
+    seen = [admin.SeenJob(i, 0, "cancelled") for i in ids]
+    with db.begin() as conn:
+        conn.execute(sa.text("SET LOCAL statement_timeout = '10s'"))
+        report = admin.act(conn, jobs, "purge", admin.Selection(seen=seen))
+    assert report.count == 30_000

@@ -170,6 +170,12 @@ class Mounted(Protocol):
     def app(self) -> ASGIApp: ...
 
 
+@jinja2.pass_context
+def _ago(context: Any, value: Any) -> str:
+    """``ago`` from the page's ``now`` (the database's clock, see ``Dashboard.now``)."""
+    return _present.ago(value, context.get("now"))
+
+
 def templates() -> jinja2.Environment:
     """The dashboard's templates, autoescaped, with the filters they write values with
     (:mod:`sqla_jobs._present`)."""
@@ -184,7 +190,7 @@ def templates() -> jinja2.Environment:
         thousands=_present.thousands,
         duration=lambda value: _present.duration(value, spaced=True),
         clock=_present.clock,
-        ago=_present.ago,
+        ago=_ago,
         urlencode=lambda value: urlencode({"": value})[1:],
     )
     return env

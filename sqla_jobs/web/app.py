@@ -13,8 +13,8 @@ import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import sqlalchemy as sa
@@ -28,7 +28,7 @@ from starlette.types import ASGIApp
 
 from .. import _present, admin, periodic
 from .._present import ago, clock
-from ..errors import describe
+from ..errors import EnqueueError, answered, describe, passing
 from ..model import STATUSES, JobStatus, companion_tables
 from ..tasks import Jobs
 from ._base import (
@@ -148,6 +148,7 @@ class Filters:
 
 #: A posted form: each name with its values.
 Form = dict[str, list[str]]
+_T = TypeVar("_T")
 
 
 def _reads(
@@ -207,6 +208,8 @@ class Dashboard:
         self.read_only = read_only
         self.title = title
         self.refresh = refresh
+        #: The database's clock less this host's, as last read (see :meth:`now`).
+        self._skew = timedelta(0)
         self.table = admin.source_table(jobs)
         env = templates()
         self.env = env
@@ -246,6 +249,20 @@ class Dashboard:
             log.exception("dashboard: the authorize callable failed")
             return False
 
+    def now(self) -> datetime:
+        """Now by the database's clock, as the pages judge times: leases, ages, and what a
+        job waits for are the database's times. A dashboard on a host whose clock ran two
+        minutes ahead called a live lease expired ("the worker died or hangs") while the
+        listing beside it, judged by the database, called it held. Each page's connection
+        reads the database's clock in the statement that bounds its waits (no round trip
+        more); this host's clock, moved by the difference last seen, stands in between."""
+        return datetime.now(timezone.utc) + self._skew
+
+    def _clock_read(self, row: Any) -> None:
+        """Keep the difference of the database's clock (read by :func:`_bounded`) from
+        this host's."""
+        self._skew = row[-1] - datetime.now(timezone.utc)
+
     def render(
         self, request: Request, template: str, status_code: int = 200, **context: Any
     ) -> HTMLResponse:
@@ -271,6 +288,7 @@ class Dashboard:
             "notice_kind": "ok",
             "home": self._home(request),
             "actions": admin.ACTIONS.values(),
+            "now": self.now(),
         }
         base.update(context)
         html = self.env.get_template(template).render(base)
@@ -335,9 +353,31 @@ class Dashboard:
         connection): a jobs table locked by a migration, or a query that does not end,
         gives a 503 page rather than a request that never answers, each one holding a
         thread of the pool the host application's own routes run in."""
-        with self.engine.begin() if begin else self.engine.connect() as conn:
-            conn.execute(_BOUNDED_ACTION if begin else _BOUNDED)
-            yield conn
+        with self.engine.connect() as conn:
+            if not begin:
+                self._clock_read(conn.execute(_BOUNDED).one())
+                yield conn
+                return
+            # An action's own transaction reads each row as it is when it gets the row's
+            # lock, whatever the engine's or the database's default isolation level (see
+            # admin.ACTION_ISOLATION); reset when the connection goes back to the pool.
+            conn.execution_options(isolation_level=admin.ACTION_ISOLATION)
+            with conn.begin():
+                self._clock_read(conn.execute(_BOUNDED_ACTION).one())
+                yield conn
+
+    def _in_transaction(self, work: Callable[[sa.Connection], _T]) -> _T:
+        """Run ``work`` in an action's own transaction (:meth:`_connect`), and run that
+        again, a few times, when the database undoes it for another's sake: a worker's
+        outcome write locked some of the same jobs in another order (a deadlock). That is
+        no outage, and the operator was told "the database cannot be reached"; acting
+        again on the jobs as they were seen is safe (see :func:`sqla_jobs.admin.act`)."""
+
+        def transaction() -> _T:
+            with self._connect(begin=True) as conn:
+                return work(conn)
+
+        return admin._again_on_conflict(transaction)
 
     def _guarded(self, request: Request, page: Callable[[], Response]) -> Response:
         """Run a page; what goes wrong becomes an error page, never a traceback."""
@@ -357,6 +397,23 @@ class Dashboard:
                         "held on the jobs table (a migration?) or a slow query. Try again.",
                     ),
                 )
+            if passing(exc):
+                # A deadlock or a serialization failure that outlasted the action's tries
+                # (admin.ACTION_TRIES): the database is up, and undid this transaction.
+                log.warning("dashboard: the database undid the transaction: %s", describe(exc))
+                return self.error_page(
+                    request,
+                    PageError(
+                        503,
+                        "Database busy",
+                        f"The database undid this transaction to let another go on "
+                        f"({describe(exc)}), several times: nothing was changed. Try again.",
+                    ),
+                )
+            if isinstance(exc, sa.exc.DBAPIError) and answered(exc):
+                # An error about the statement (OperationalError is also what the driver
+                # raises for some of those), on a database that answers.
+                return self._database_error(request, exc)
             log.warning("dashboard: database unreachable: %s", describe(exc))
             return self.error_page(
                 request,
@@ -368,19 +425,20 @@ class Dashboard:
                 ),
             )
         except sa.exc.DBAPIError as exc:
-            log.warning("dashboard: database error: %s", describe(exc))
-            hint = ""
-            if "does not exist" in str(exc.orig):
-                hint = " Have the migrations been run (alembic upgrade head)?"
-            return self.error_page(
-                request, PageError(500, "Database error", f"{describe(exc)}.{hint}")
-            )
+            return self._database_error(request, exc)
         except Exception:
             log.exception("dashboard: unexpected error on %s", request.url.path)
             return self.error_page(
                 request,
                 PageError(500, "Something went wrong", "The error was logged by the server."),
             )
+
+    def _database_error(self, request: Request, exc: sa.exc.DBAPIError) -> Response:
+        log.warning("dashboard: database error: %s", describe(exc))
+        hint = ""
+        if "does not exist" in str(exc.orig):
+            hint = " Have the migrations been run (alembic upgrade head)?"
+        return self.error_page(request, PageError(500, "Database error", f"{describe(exc)}.{hint}"))
 
     async def _page(self, request: Request, page: Callable[[], Response]) -> Response:
         return await run_in_threadpool(self._guarded, request, page)
@@ -431,7 +489,7 @@ class Dashboard:
                 throughput=throughput,
                 alive=sum(w.alive for w in workers),
                 refresh=self.refresh,
-                now=datetime.now(timezone.utc),
+                now=self.now(),
                 notice=notice.format(name=said.get("name", "")) if notice else None,
             )
 
@@ -488,7 +546,7 @@ class Dashboard:
             queue_names=self._queue_names(),
             task_names=sorted(self.jobs.tasks) if isinstance(self.jobs, Jobs) else [],
             window=admin.SEARCH_WINDOW,
-            when=_when,
+            when=functools.partial(_when, now=self.now()),
             bulk_allowed=bulk_allowed,
             bulk_reason=bulk_reason,
         )
@@ -510,10 +568,10 @@ class Dashboard:
             section="jobs",
             page_title=f"Job {job.id}",
             job=job,
-            next_step=_next_step(job, paused, datetime.now(timezone.utc)),
-            fields=_fields(job),
+            next_step=_next_step(job, paused, now := self.now()),
+            fields=_fields(job, now),
             step_columns=_present.STEP_COLUMNS,
-            steps=[_present.step_cells(step, _page_when) for step in job.steps or ()],
+            steps=[_present.step_cells(step, _page_when(now)) for step in job.steps or ()],
             args_text=args_text[:ARGS_SHOWN],
             args_truncated=len(args_text) > ARGS_SHOWN,
             args_limit=ARGS_SHOWN,
@@ -696,8 +754,7 @@ class Dashboard:
         self, action: str, selection: admin.Selection | list[admin.SeenJob]
     ) -> admin.ActionReport:
         try:
-            with self._connect(begin=True) as conn:
-                return admin.act(conn, self.jobs, action, selection)
+            return self._in_transaction(lambda conn: admin.act(conn, self.jobs, action, selection))
         except ValueError as exc:
             raise PageError(400, "Not possible", str(exc)) from None
 
@@ -777,12 +834,9 @@ class Dashboard:
         if action not in ("pause", "resume"):
             raise PageError(404, "Not found", f"No queue action {action!r}.")
         name = _one(form, "name") or ""
+        change = admin.pause_queue if action == "pause" else admin.resume_queue
         try:
-            with self._connect(begin=True) as conn:
-                if action == "pause":
-                    admin.pause_queue(conn, self.jobs, name)
-                else:
-                    admin.resume_queue(conn, self.jobs, name)
+            self._in_transaction(lambda conn: change(conn, self.jobs, name))
         except ValueError as exc:
             raise PageError(400, "Bad queue name", str(exc)) from None
         url = (
@@ -799,12 +853,16 @@ class Dashboard:
             raise PageError(
                 400, "Needs the registry", "Running a schedule needs the Jobs registry."
             )
+        jobs = self.jobs
         try:
-            with self._connect(begin=True) as conn:
-                job_id = admin.run_schedule(conn, self.jobs, name)
-        except LookupError as exc:
-            raise PageError(404, "No such schedule", str(exc).strip("'\"")) from None
-        except ValueError as exc:  # EnqueueError included
+            job_id = self._in_transaction(lambda conn: admin.run_schedule(conn, jobs, name))
+        except EnqueueError as exc:
+            # First: an unknown task is an EnqueueError and a LookupError too, and was
+            # answered "No such schedule" for a schedule that is there.
+            raise PageError(400, "Cannot run it", str(exc)) from None
+        except admin.NoSuchSchedule as exc:
+            raise PageError(404, "No such schedule", str(exc)) from None
+        except ValueError as exc:
             raise PageError(400, "Cannot run it", str(exc)) from None
         url = (
             self.path(request, "schedules") + "?" + self.signer.query({"ran": job_id, "name": name})
@@ -849,6 +907,8 @@ def _bounded(statement_timeout: str) -> sa.Select[Any]:
     return sa.select(
         sa.func.set_config("lock_timeout", LOCK_TIMEOUT, True),
         sa.func.set_config("statement_timeout", statement_timeout, True),
+        # The database's clock, for the pages' times (Dashboard.now), at no round trip more.
+        sa.func.clock_timestamp(),
     )
 
 
@@ -1023,22 +1083,27 @@ def _came_back(n: int, one: bool = False) -> str:
     return f" {_jobs(n)} {who} had cancelled by ending {verb} for {whom} again."
 
 
-def _when(job: admin.JobSummary) -> str:
+def _when(job: admin.JobSummary, now: datetime) -> str:
     status = job.status
     if status == JobStatus.SCHEDULED:
-        return f"runs {ago(job.run_at)}"
+        return f"runs {ago(job.run_at, now)}"
     if status == JobStatus.READY:
-        return f"due {ago(job.run_at)}"
+        return f"due {ago(job.run_at, now)}"
     if status == JobStatus.RUNNING:
         return f"lease until {clock(job.locked_until, seconds=True)}"
     if job.finished_at is not None:
-        return f"finished {ago(job.finished_at)}"
-    return f"created {ago(job.created_at)}"
+        return f"finished {ago(job.finished_at, now)}"
+    return f"created {ago(job.created_at, now)}"
 
 
-def _page_when(value: datetime | None) -> str:
-    """A moment as a job's page writes it: the UTC time, and how long ago (or until)."""
-    return f"{clock(value, seconds=True, date=True)} UTC ({ago(value)})" if value else "-"
+def _page_when(now: datetime) -> Callable[[datetime | None], str]:
+    """How a job's page writes a moment: the UTC time, and how long before or after
+    ``now``."""
+
+    def when(value: datetime | None) -> str:
+        return f"{clock(value, seconds=True, date=True)} UTC ({ago(value, now)})" if value else "-"
+
+    return when
 
 
 def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
@@ -1051,9 +1116,9 @@ def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
         if held.kind == "sleep":
             return (
                 f"Asleep in step {held.name!r} ({done}), holding no worker: it runs again "
-                f"{ago(job.run_at)} and goes on after that step."
+                f"{ago(job.run_at, now)} and goes on after that step."
             )
-        until = "no timeout" if held.until is None else f"times out {ago(held.until)}"
+        until = "no timeout" if held.until is None else f"times out {ago(held.until, now)}"
         return (
             f"Waits for the signal {held.name!r} ({until}; {done}), holding no worker: "
             "jobs.signal(...) for this job wakes it, in the sender's transaction."
@@ -1061,22 +1126,25 @@ def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
     if status == JobStatus.SCHEDULED:
         kind = "retry" if job.attempts else "first run"
         when = clock(job.run_at, seconds=True, date=True)
-        return f"Waits until {when} UTC ({ago(job.run_at)}), then becomes ready: {kind}, {attempt}."
+        return (
+            f"Waits until {when} UTC ({ago(job.run_at, now)}), then becomes ready: {kind}, "
+            f"{attempt}."
+        )
     if status == JobStatus.READY:
         if paused:
             return (
-                f"Ready since {ago(job.run_at)}, but its queue {job.queue} is paused: no "
+                f"Ready since {ago(job.run_at, now)}, but its queue {job.queue} is paused: no "
                 "worker claims it until the queue is resumed."
             )
         return (
-            f"Ready since {ago(job.run_at)}: the next free worker of queue {job.queue} "
+            f"Ready since {ago(job.run_at, now)}: the next free worker of queue {job.queue} "
             f"claims it ({attempt})."
         )
     if status == JobStatus.RUNNING:
         if job.locked_until is not None and job.locked_until < now:
             return (
                 f"Running on {job.locked_by}, but its lease expired "
-                f"{ago(job.locked_until)}: the worker died or hangs, and the job will be "
+                f"{ago(job.locked_until, now)}: the worker died or hangs, and the job will be "
                 "rescued (ready again, or dead if it has no attempt left)."
             )
         return (
@@ -1092,12 +1160,12 @@ def _next_step(job: admin.JobView, paused: bool, now: datetime) -> str:
     return "Done: kept for the record until retention prunes it."
 
 
-def _fields(job: admin.JobView) -> list[tuple[str, str]]:
+def _fields(job: admin.JobView, now: datetime) -> list[tuple[str, str]]:
     # Tags and correlation ids given at enqueue, the handler's last progress note, and
     # workflows and results (only for jobs that have them), each cut to what a page shows.
     return _present.job_fields(
         job,
-        when=_page_when,
+        when=_page_when(now),
         value=lambda _name, value: _shown(_present.compact_json(value)),
         order=_present.PAGE_JOB_FIELDS,
     )
