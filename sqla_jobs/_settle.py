@@ -45,7 +45,11 @@ def cap_error(text: str) -> str:
     surrogate (refused by the driver's encoder). Either failed the completer's write of
     the whole batch, for as long as the worker ran, or stopped the worker (and the next
     one to run the job again). Both are written as their escapes (``\\x00``,
-    ``\\ud800``)."""
+    ``\\ud800``).
+
+    That makes it storable in UTF-8. What a connection or a database that is not UTF-8
+    cannot carry (a LATIN1 database, a WIN1252 client) is escaped where the worker binds
+    its outcomes, which knows the connection (``worker._statements._outcome_statements``)."""
     if len(text) > _MAX_ERROR_CHARS:
         text = text[: _MAX_ERROR_CHARS - 20] + "\n[truncated]"
     if "\x00" in text:
@@ -60,8 +64,10 @@ def settle_children(
 ) -> None:
     """What waits on these parents: children of ``succeeded`` ones are released (ready
     once their last parent has succeeded); children of ``ended`` ones (dead or cancelled)
-    are cancelled down the chain, except those that run anyway, which are released.
-    Statements of their own, run after the parents' own in the same transaction.
+    are cancelled down the chain, except those that run anyway, which are released;
+    children already cancelled by another parent record that these ended too (see
+    ``_record_ended_parents`` in :mod:`sqla_jobs._queries`). Statements of their own, run
+    after the parents' own in the same transaction.
 
     Each release first locks the children it settles, in a statement of its own: the
     release that reads the parents' rows (a group callback's results) then sees every
@@ -70,7 +76,12 @@ def settle_children(
     :mod:`sqla_jobs._queries`). That needs READ COMMITTED, a snapshot per statement: under
     REPEATABLE READ a sibling completing concurrently makes the lock fail with a
     serialization error (the transaction is retried) instead of reading a stale result.
+
+    A group callback whose results ``jsonb`` cannot hold is made dead by its release
+    (see ``_release`` in :mod:`sqla_jobs._queries`): what waits on it is settled in turn,
+    as for any parent that ended dead.
     """
+    dead: list[int] = []
     if ended:
         reason = (
             "cancelled: a job it waited for (after=) ended dead or cancelled "
@@ -78,15 +89,21 @@ def settle_children(
         )
         rows = conn.execute(queries.cancel_children, {"parent_ids": ended, "reason": reason})
         cancelled = [r[0] for r in rows]
-        _release(conn, queries, ended + cancelled)
+        # Children a parent's end cancelled before record these ones too: a retry must skip
+        # them while any parent that ended is dead, cancelled or gone (pruned, purged).
+        conn.execute(queries.record_ended_parents, {"parent_ids": ended})
+        dead += _release(conn, queries, ended + cancelled)
     if succeeded:
-        _release(conn, queries, succeeded)
+        dead += _release(conn, queries, succeeded)
+    if dead:
+        settle_children(conn, queries, [], dead)
 
 
-def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> None:
+def _release(conn: sa.Connection | Session, queries: Queries, parent_ids: list[int]) -> list[int]:
     """Lock the children still waiting on these parents, then release them (nothing more
-    when none waits)."""
+    when none waits); the group callbacks the release made dead."""
     children = list(conn.execute(queries.lock_children, {"parent_ids": parent_ids}).scalars())
-    if children:
-        release = {"parent_ids": parent_ids, "child_ids": children}
-        conn.execute(queries.release, release).all()
+    if not children:
+        return []
+    release = {"parent_ids": parent_ids, "child_ids": children}
+    return [row[2] for row in conn.execute(queries.release, release) if row[2] is not None]

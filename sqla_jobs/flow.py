@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import weakref
 from collections.abc import Iterable
@@ -116,6 +117,17 @@ def group(
                 "finished job holds its unique key for its period (unique_for); a group's "
                 "members must each be a job to wait for"
             )
+        if KEEP_KEY not in (getattr(job, "meta", None) or {}):
+            # A unique member whose key a live job holds, enqueued earlier without
+            # keep_result: that job keeps nothing (deleted when it succeeds), and the
+            # callback would get null for it. Not made to keep it here: a worker that
+            # claimed it already decides from the meta it claimed.
+            raise EnqueueError(
+                f"jobs.group: member {len(added) + 1} ({plain.name}) is job {job.id}, "
+                "enqueued earlier under the same unique key without keep_result: it keeps "
+                "no result to give the callback (enqueue it with keep_result=, or give "
+                "the member another unique key)"
+            )
         added.append(job)
     if not added:
         raise EnqueueError("jobs.group needs at least one member job")
@@ -186,7 +198,9 @@ def _look(conn: sa.Connection, queries: Queries, job_id: int) -> _Waiting:
             f"job {job_id} is not in {queries.table.fullname}: it never existed, or it "
             "finished and was deleted (enqueue it with keep_result= to wait for its result)"
         )
-    status, value, last_error, task, meta = row
+    status, result, last_error, task, meta_text = row  # JSON as text (see queries.outcome)
+    meta = None if meta_text is None else json.loads(meta_text)
+    value = None if result is None else json.loads(result)
     if status == JobStatus.DONE:
         if KEEP_KEY not in (meta or {}):
             raise LookupError(

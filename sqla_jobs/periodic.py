@@ -34,7 +34,7 @@ import json
 import logging
 from collections import namedtuple
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -44,7 +44,7 @@ from ._queries import readable_json
 from ._tasks import check_schedule_name
 from .connection import _announce
 from .cron import Schedule, check_cron, check_timezone, latest_tick, next_tick
-from .errors import EnqueueError, answered, describe
+from .errors import EnqueueError, answered, describe, passing
 
 if TYPE_CHECKING:
     from ._tasks import Task
@@ -109,10 +109,16 @@ def add_schedule(
         time zone.
     :raises EnqueueError: an unknown task or arguments that do not fit it.
     """
-    now = datetime.now(timezone.utc)
+    # The database's clock, as the ticks use: an application server's clock two hours
+    # behind stored a daily tick already past (fired at once, 22 hours early).
+    now = session.execute(jobs.queries.now).scalar_one()
     values = _values(jobs, name, task, cron, args, queue, priority, now, tz)
     values.update(enabled=enabled, origin="runtime")
-    session.execute(jobs.queries.upsert_runtime_schedule, values)
+    if session.execute(jobs.queries.upsert_runtime_schedule, values).first() is None:
+        raise ValueError(
+            f"schedule {name!r} is declared in code (@jobs.periodic): a run-time schedule "
+            "cannot replace it; give the run-time one another name"
+        )
 
 
 def remove_schedule(session: sa.orm.Session | sa.Connection, jobs: Jobs, name: str) -> bool:
@@ -141,7 +147,8 @@ def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
 
     A changed expression restarts from its next tick; an unchanged one keeps its place,
     so restarting workers never skips or repeats a tick. Code schedules that the code no
-    longer declares are deleted.
+    longer declares are deleted. A run-time schedule (:func:`add_schedule`) of a declared
+    name is left alone, and the clash logged.
     """
     q = jobs.queries
     now = conn.execute(q.now).scalar_one()
@@ -154,7 +161,13 @@ def sync_declared(conn: sa.Connection, jobs: Jobs) -> None:
             log.error("schedule %r: %s; skipped", s.name, exc)
             continue
         values["origin"] = "code"
-        conn.execute(q.upsert_code_schedule, values)
+        if conn.execute(q.upsert_code_schedule, values).first() is None:
+            log.error(
+                "schedule %r is declared in code, and a run-time schedule of that name "
+                "exists (add_schedule): the run-time one is kept and the declared one does "
+                "not run; rename one of them",
+                s.name,
+            )
     conn.execute(q.delete_undeclared, {"declared": [s.name for s in declared]})
 
 
@@ -163,13 +176,23 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
 
     Runs in the caller's transaction; the row locks (SKIP LOCKED) keep two workers from
     handling the same schedule, and the guarded ``next_run_at`` keeps a tick from firing
-    twice. A schedule that cannot be enqueued (a row written around the API, a task this
-    worker does not know, a job the database refuses: an application's trigger, a
-    constraint) is logged, keeps its row with the reason in ``last_error``, and waits for
-    its next tick: it never stops the worker. Each tick's job is written in a savepoint of
-    its own, so that one the database refuses fails none of the others (and none of the
-    worker's pass: its promotions, its rescues, the pause state). Returns how many jobs
-    were enqueued (a tick whose job is there already enqueues none).
+    twice. A schedule that cannot be enqueued never stops the worker: it is logged, keeps
+    its row with the reason in ``last_error``, and
+
+    - waits for its next tick if no worker could ever enqueue it as it is (a row written
+      around the API: an invalid expression, arguments that are no JSON object), or if
+      the database refuses its job (an application's trigger, a constraint);
+    - stays due if this worker cannot make its job but another may: a task this worker
+      does not know, or whose signature does not take the stored arguments (in a rolling
+      deploy, a worker of the previous code took the tick from the new ones, and it was
+      lost), or an error of the moment (a lock not granted within ``lock_timeout`` while
+      a migration holds the table, a deadlock: the tick was skipped for good). The
+      next pass, of this worker or another, tries again; it is logged once per reason.
+
+    Each tick's job is written in a savepoint of its own, so that one the database
+    refuses fails none of the others (and none of the worker's pass: its promotions, its
+    rescues, the pause state). Returns how many jobs were enqueued (a tick whose job is
+    there already enqueues none).
     """
     q = jobs.queries
     now = conn.execute(q.now).scalar_one()
@@ -189,11 +212,15 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
             check_cron(row.cron, now=now, tz=row.tz)
             following = next_tick(row.cron, now, row.tz)
             latest = latest_tick(row.cron, tick, now, row.tz)
-            # A tick is unique by its own key, not by a scope its task may declare.
-            values, _, _ = jobs.bind_row(row.task, (), args, queue=row.queue, priority=row.priority)
-        except (ValueError, EnqueueError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:
             _failed(conn, q, row, now, str(exc))
             continue
+        try:
+            values = tick_values(jobs, row.task, args, row.queue, row.priority)
+        except (EnqueueError, TypeError, RecursionError) as exc:
+            _held(conn, q, row, f"this worker cannot make its job: {exc}")
+            continue
+        # A tick is unique by its own key, not by a scope its task may declare.
         values["unique_key"] = periodic_key(row.name, latest)
         written: list[dict[str, Any]] | None = [] if announced is not None else None
         try:
@@ -206,13 +233,48 @@ def enqueue_due(conn: sa.Connection, jobs: Jobs, *, limit: int = 100) -> int:
         except sa.exc.DBAPIError as exc:
             if not answered(exc):
                 raise
-            _failed(conn, q, row, now, f"its job was refused: {describe(exc)}", following)
+            if passing(exc):
+                _held(conn, q, row, f"its job could not be written yet: {describe(exc)}")
+            else:
+                _failed(conn, q, row, now, f"its job was refused: {describe(exc)}", following)
+            continue
+        except Exception as exc:
+            # Not the database's: the job could not be written at all (meta an enqueue
+            # hook added that JSON cannot hold). It failed the whole pass, at every pass,
+            # and stopped every worker of the table.
+            _failed(conn, q, row, now, f"its job could not be written: {describe(exc)}", following)
             continue
         if announced is not None and written:
             announced.extend(written)
     if announced:
         _announce(conn, jobs, announced)  # as for jobs enqueued on a connection: at commit
     return enqueued
+
+
+def tick_values(
+    jobs: Jobs, task: str, args: Mapping[str, Any], queue: str | None, priority: int | None
+) -> dict[str, Any]:
+    """The checked column values of a schedule's job, from its stored row: ``args`` as
+    the schedule stored them (bound, as a job's are: a handler's ``**kwargs`` under their
+    own name), turned back into the call they came from, then bound again as an enqueue
+    does. Bound as they were, a ``**extra`` handler's arguments were nested one level
+    deeper at every tick (``extra={"extra": {...}}``).
+
+    :raises EnqueueError: a task this registry does not know, or arguments it refuses.
+    :raises TypeError: stored arguments its handler does not take.
+    """
+    found = jobs.get(task)
+    call, keywords = found.call_args(args)
+    values, _, _ = jobs.bind_row(found, call, keywords, queue=queue, priority=priority)
+    return values
+
+
+def _held(conn: sa.Connection, q: Any, row: Any, error: str) -> None:
+    """Schedule ``row``'s tick could not be enqueued by this worker now, and may be by
+    another or later: it stays due, with the reason in ``last_error``, logged when the
+    reason is new (each pass meets it again)."""
+    if conn.execute(q.schedule_held, {"schedule": row.name, "error": error}).first():
+        log.warning("schedule %r: %s; left due", row.name, error)
 
 
 def _failed(

@@ -108,6 +108,36 @@ def test_a_tick_s_job_is_announced_at_commit(db: sa.Engine, jobs: Jobs) -> None:
     assert heard == [tick.name]
 
 
+def test_a_schedule_run_now_is_announced_at_commit(db: sa.Engine, jobs: Jobs) -> None:
+    """The dashboard's "Run now" (``admin.run_schedule``) enqueued a job the ``enqueued``
+    listeners (the metrics' counter) never heard of; they hear of it at commit, on a
+    connection as in a session, and of none rolled back."""
+    from sqla_jobs import admin
+
+    heard: list[str] = []
+    jobs.events.connect("enqueued", lambda event: heard.append(event.job["task"]))
+
+    @jobs.periodic("0 0 1 1 *")
+    @jobs.task(queue="q")
+    def yearly() -> None:
+        pass
+
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+    with db.connect() as conn, conn.begin() as transaction:
+        admin.run_schedule(conn, jobs, yearly.name)
+        transaction.rollback()
+    assert heard == []
+    with db.begin() as conn:
+        admin.run_schedule(conn, jobs, yearly.name)
+        assert heard == []  # not before the commit
+    assert heard == [yearly.name]
+    with sa.orm.Session(db) as session, session.begin():
+        admin.run_schedule(session, jobs, yearly.name)
+        assert heard == [yearly.name]
+    assert heard == [yearly.name] * 2
+
+
 def test_missed_ticks_fire_once_for_the_latest(db: sa.Engine, jobs: Jobs) -> None:
     @jobs.periodic("* * * * *")
     @jobs.task(queue="q")
