@@ -30,9 +30,10 @@ from __future__ import annotations
 import gc
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg
@@ -40,6 +41,7 @@ import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
 from ._direct import raise_as_dbapi_error
+from ._queries import INSERTED_COLUMNS
 
 __all__ = [
     "COPY_BLOCK_ROWS",
@@ -49,6 +51,7 @@ __all__ = [
     "copy_allowed",
     "copy_run",
     "gc_paused",
+    "python_defaults",
 ]
 
 #: The smallest run of rows written with COPY. Measured with ``benchmarks/curves.py
@@ -152,30 +155,65 @@ class CheckedLater:
         return [self.first, *self.encode(self.rest)]
 
 
-def copy_allowed(connection: Any, count: int, unique_keys: Sequence[str | None]) -> bool:
+def copy_allowed(
+    connection: Any, table: sa.Table, count: int, unique_keys: Sequence[str | None]
+) -> bool:
     """Whether a run of ``count`` rows goes through COPY: big enough, no unique keys, a
-    psycopg 3 connection, and no ``schema_translate_map`` to honour."""
+    psycopg 3 connection, no ``schema_translate_map`` to honour, and no column that
+    SQLAlchemy would fill from Python (:func:`python_defaults`)."""
     if count < COPY_MIN_ROWS or any(key is not None for key in unique_keys):
         return False
     if not isinstance(connection, sa.Connection) or connection.dialect.driver != "psycopg":
         return False
+    if python_defaults(table):
+        return False
     return not connection.get_execution_options().get("schema_translate_map")
+
+
+_python_defaults: weakref.WeakKeyDictionary[sa.Table, bool] = weakref.WeakKeyDictionary()
+
+
+def python_defaults(table: sa.Table) -> bool:
+    """Whether a column of ``table`` that the job INSERTs leave out (a column of the
+    application's model, a tenant) has a default of SQLAlchemy's, not the server's
+    (``mapped_column(default="acme")``).
+
+    SQLAlchemy puts such a default into each statement it runs (the bulk INSERT's
+    ``SELECT``, the single INSERT), so the server never sees it: COPY, and a statement
+    sent to psycopg as compiled, wrote NULL there (or failed on NOT NULL) where the
+    INSERT wrote the default. Those paths are not taken for such a table. Worked out once
+    per table."""
+    try:
+        return _python_defaults[table]
+    except KeyError:
+        pass
+    written = set(INSERTED_COLUMNS)
+    found = _python_defaults[table] = any(
+        column.default is not None for column in table.c if column.name not in written
+    )
+    return found
 
 
 def _text(value: Any) -> str:
     """One field of COPY's text format: ``\\N`` for NULL, the four special characters
-    escaped."""
+    escaped.
+
+    The text is the value's own, as the INSERT's driver sends it, never its ``__str__``:
+    a ``str`` or ``int`` enum member's ``str()`` is ``'Queue.MAIL'`` (the checks give plain
+    values already; this keeps any other caller from storing the member's name). A time
+    is written as its UTC instant: PostgreSQL refuses an offset past 15:59 (``+23:59``,
+    which Python allows and the INSERT's binary parameter carries)."""
     if value is None:
         return "\\N"
-    if isinstance(value, datetime):
-        value = value.isoformat()
-    return (
-        str(value)
-        .replace("\\", "\\\\")
-        .replace("\t", "\\t")
-        .replace("\n", "\\n")
-        .replace("\r", "\\r")
-    )
+    if isinstance(value, str):
+        text = str.__str__(value)
+    elif isinstance(value, int):
+        text = int.__repr__(value)
+    elif isinstance(value, datetime):
+        text = value.astimezone(timezone.utc).isoformat()
+    else:
+        text = str(value)
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _statement(connection: sa.Connection, table: sa.Table, with_run_at: bool) -> str:
@@ -197,8 +235,10 @@ def copy_run(
     """COPY one run of rows into ``table``: ``shared`` holds the values every row has
     (``meta`` as JSON text), ``args`` each row's checked arguments, ``to_json`` gives their
     JSON text (without it, ``args`` are that text), or ``args`` is a
-    :class:`CheckedLater`. Returns the number of rows written (all of them: COPY writes
-    every row or fails).
+    :class:`CheckedLater`. Returns the number of rows written, from COPY's command tag:
+    fewer than were sent when an application's ``BEFORE INSERT`` trigger skipped some
+    (it returned NULL), as the INSERT's count says. (No row's id is read back, so a
+    skipped row misplaces nothing.)
 
     The text is made a block of :data:`COPY_BLOCK_ROWS` rows at a time, each block sent
     before the next is made, so the server parses one block while Python makes the next,
@@ -242,12 +282,12 @@ def copy_run(
         if hasattr(driver, "__aenter__"):  # psycopg.AsyncConnection, under run_sync
             from sqlalchemy.util import await_only
 
-            await_only(_copy_async(driver, statement, first, chunks, guard))
+            written = await_only(_copy_async(driver, statement, first, chunks, guard))
         else:
-            _copy_sync(driver, statement, first, chunks, guard)
+            written = _copy_sync(driver, statement, first, chunks, guard)
     except connection.dialect.loaded_dbapi.Error as exc:
         raise_as_dbapi_error(connection, statement, exc)
-    return len(args)
+    return len(args) if written < 0 else written
 
 
 _SAVEPOINT = "SAVEPOINT sqla_jobs_copy"
@@ -255,7 +295,8 @@ _UNDO = "ROLLBACK TO SAVEPOINT sqla_jobs_copy; RELEASE SAVEPOINT sqla_jobs_copy"
 _RELEASE = "RELEASE SAVEPOINT sqla_jobs_copy"
 
 
-def _copy_sync(driver: Any, statement: str, first: str, chunks: Iterator[str], guard: bool) -> None:
+def _copy_sync(driver: Any, statement: str, first: str, chunks: Iterator[str], guard: bool) -> int:
+    """Send the COPY; the number of rows it wrote (its command tag's), -1 if unknown."""
     with driver.cursor() as cursor:
         if guard:
             cursor.execute(_SAVEPOINT)
@@ -270,13 +311,15 @@ def _copy_sync(driver: Any, statement: str, first: str, chunks: Iterator[str], g
             if guard and _undo_needed(driver, exc):
                 cursor.execute(_UNDO)
             raise
+        written: int = cursor.rowcount  # read before the RELEASE replaces it
         if guard:
             cursor.execute(_RELEASE)
+        return written
 
 
 async def _copy_async(
     driver: Any, statement: str, first: str, chunks: Iterator[str], guard: bool
-) -> None:
+) -> int:
     async with driver.cursor() as cursor:
         if guard:
             await cursor.execute(_SAVEPOINT)
@@ -289,8 +332,10 @@ async def _copy_async(
             if guard and _undo_needed(driver, exc):
                 await cursor.execute(_UNDO)
             raise
+        written: int = cursor.rowcount
         if guard:
             await cursor.execute(_RELEASE)
+        return written
 
 
 def _undo_needed(driver: Any, exc: Exception) -> bool:

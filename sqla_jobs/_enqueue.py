@@ -46,7 +46,7 @@ from sqlalchemy import event, inspect
 from sqlalchemy.orm import InstanceState, Session, make_transient, make_transient_to_detached
 from sqlalchemy.orm.attributes import instance_state
 
-from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused
+from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused, python_defaults
 from ._direct import autocommit, compiled, execute, execute_each, pipeline_allowed
 from ._queries import INSERTED_COLUMNS, _dumps, args_json, filled_by_server
 from ._storable import BIGINT_MAX, Encodings, database_encodings
@@ -271,7 +271,9 @@ def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple
         return job_id, outcome == "new"
     if pending.how is Placement.UNIQUE:
         return _connection_unique(connection, pending.registry, params)
-    if pipeline_allowed(connection):
+    # Around SQLAlchemy only when it would add nothing: a column of the model's own with
+    # a Python-side default is filled by its execution alone (sent as compiled, it was NULL).
+    if pipeline_allowed(connection) and not python_defaults(q.table):
         made = compiled(q.compiled, q.insert_job, connection.dialect)
         [(job_id,)] = execute(connection, made, params)  # RETURNING id, no conflict clause
         return int(job_id), True
@@ -911,12 +913,19 @@ def _uniform(row: dict[str, Any], task: Task[Any, Any]) -> bool:
 
 def _prepare_meta(registry: Jobs, rows: Sequence[dict[str, Any]], meta: Any, scoped: bool) -> None:
     """Check ``meta`` and hand it to the enqueue hooks, once for the whole call; refuse
-    a ``scoped`` unique key (after every row was checked, as before)."""
+    a ``scoped`` unique key (after every row was checked, as before).
+
+    Each row's ``meta`` may already hold the library's keys (the task's ``keep_result``,
+    put there by :meth:`Jobs.bind_row <sqla_jobs.Jobs.bind_row>`): they are kept, over the
+    caller's, as :meth:`~sqla_jobs.Jobs.bind_row` does for one job. Replacing the dict
+    lost them, so a call with ``meta`` (or an enqueue hook, as tracing installs) kept no
+    result."""
     first = rows.first if isinstance(rows, UniformRows) else rows[0]
     prepared = registry.job_meta(first["task"], first["queue"], meta)
     if prepared is not None:
         for row in [first] if isinstance(rows, UniformRows) else rows:
-            row["meta"] = prepared
+            own = row.get("meta")
+            row["meta"] = {**prepared, **own} if own else prepared
     if scoped:
         raise EnqueueError(
             "enqueue_many does not take unique_for, unique_states or unique_on_conflict "
@@ -957,7 +966,7 @@ def insert_rows(
         # key (sqla_jobs.throttle) stay on the INSERT, as unique rows do. It turns the
         # arguments into text a block at a time, as it sends them (see copy_run).
         keyed = any(key is not None for key in params["concurrency_key"])
-        if not keyed and copy_allowed(connection, len(same), params["unique_key"]):
+        if not keyed and copy_allowed(connection, queries.table, len(same), params["unique_key"]):
             args = [r["args"] for r in same]
             inserted += copy_run(connection, queries.table, params, args, args_json)
             if written is not None:
@@ -1010,11 +1019,11 @@ def _write_run(
         else:
             check_encoding(UniformRows(row, list(args)), encodings)
     if isinstance(args, CheckedLater):
-        if copy_allowed(connection, len(args), ()):
+        if copy_allowed(connection, queries.table, len(args), ()):
             return copy_run(connection, queries.table, params, args)
         params["args"] = args.all()
     else:
-        if copy_allowed(connection, len(args), ()):
+        if copy_allowed(connection, queries.table, len(args), ()):
             return copy_run(connection, queries.table, params, args, args_json)
         params["args"] = list(map(args_json, args))
     params["unique_key"] = params["concurrency_key"] = [None] * len(args)

@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from ._storable import JSONB_MAX_BYTES
 from .model import (
     CANCELLED_BY_PARENT_KEY,
     CHILDREN_KEY,
@@ -1519,6 +1520,53 @@ def _heartbeat(t: sa.Table) -> sa.Select[Any]:
     return sa.select(held.c.id, held.c.attempts).add_cte(renewed)
 
 
+# A transactional run's fence (worker._driver.Fence), its first statement, before the
+# handler: lock this claim's row until the run commits or rolls back, when the run's
+# transaction reads from one snapshot (REPEATABLE READ or SERIALIZABLE, by the engine or
+# the database's default). Its completion, an UPDATE or DELETE of that row in the
+# handler's snapshot, otherwise met the heartbeat's renewal committed since ("could not
+# serialize access due to concurrent update") and failed, every attempt of a handler
+# that outlived a beat. Locked, the row is skipped by the heartbeat and the rescue
+# (SKIP LOCKED): nothing changes it until the run ends. Under READ COMMITTED the
+# completion reads the latest row anyway: nothing is locked (a one-time filter), and the
+# heartbeat goes on renewing the lease. Returns, if it locked the row, who holds it: the
+# backend and its transaction's start (the worker ends that transaction from another
+# connection, :data:`_release_run`, when the run is stopped while its handler holds on).
+def _lock_run(t: sa.Table) -> sa.Select[Any]:
+    snapshot = sa.func.current_setting("transaction_isolation").in_(
+        ["repeatable read", "serializable"]
+    )
+    return (
+        sa.select(t.c.id, sa.func.pg_backend_pid().label("pid"), sa.func.now().label("began"))
+        .where(_one_claim(t), snapshot)
+        .with_for_update(of=t, key_share=True)
+    )
+
+
+# End the transaction of a stopped transactional run that holds its job's row locked (see
+# _lock_run) while its handler, a thread nobody can stop, runs on past its timeout or the
+# grace period: its writes are to roll back anyway, and the worker's write of the job's
+# failure, or its hand back, would wait on the lock, stalling every outcome behind it.
+# Only that backend in that same transaction: the connection may be serving another run.
+_release_run = (
+    sa.select(sa.func.pg_terminate_backend(sa.column("pid")))
+    .select_from(sa.table("pg_stat_activity", sa.column("pid"), sa.column("xact_start")))
+    .where(
+        sa.column("pid") == sa.bindparam("pid", type_=sa.Integer),
+        sa.column("xact_start") == sa.bindparam("began", type_=sa.DateTime(timezone=True)),
+    )
+)
+
+
+class LockRunParams(TypedDict):
+    job_id: int
+    attempt: int
+
+
+def lock_run_params(claim: Claim) -> LockRunParams:
+    return {"job_id": claim.id, "attempt": claim.attempts}
+
+
 class HeartbeatParams(BatchParams):
     lease: timedelta
     progress_list: list[str | None]
@@ -1607,12 +1655,15 @@ def _rescue(t: sa.Table, channel: str, results_channel: str) -> sa.Select[Any]:
 # worker can sleep exactly until then (NULL when nothing is scheduled). Only times Python
 # holds: a row at 'infinity' (written by SQL) is never due, and one at '-infinity' is
 # promoted anyway; before PostgreSQL 17 subtracting them raised, and every maintenance
-# pass of every worker failed (no claim followed).
+# pass of every worker failed (no claim followed). Only the queues in :queues (the
+# worker's own, unpaused): a run_until_empty(wait_scheduled=...) waited for the scheduled
+# jobs of every queue of the table, and an idle worker woke for each of them.
 def _next_due(t: sa.Table) -> sa.Select[Any]:
     c = t.c
     return sa.select(sa.func.extract("epoch", sa.func.min(c.run_at) - sa.func.now())).where(
         c.status == status_literal(JobStatus.SCHEDULED),
         c.run_at.between(_READABLE_FROM, _READABLE_UNTIL),
+        c.queue == sa.any_(sa.bindparam("queues", type_=ARRAY(sa.Text))),
     )
 
 
@@ -1720,10 +1771,26 @@ def _lock_children(t: sa.Table) -> sa.Select[Any]:
 # sees its decrement, so exactly one of them sees waiting reach 0. A child reaching 0
 # becomes ready now (its queue woken at commit); a group callback gets its parents'
 # results, in the order of its parents, in the argument named by meta->'sqla_jobs.results'.
-def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
+# A callback whose results jsonb cannot hold (more than JSONB_MAX_BYTES in one array) is
+# dead instead, saying why: the array's build failed the whole completion (SQLSTATE 54000),
+# for as long as it was retried. Rows: (NOTIFY, queue, None) per woken queue, then
+# (None, None, id) per callback made dead, whose own children the caller settles.
+def _release(t: sa.Table, channel: str, results_channel: str) -> sa.Select[Any]:
     c = t.c
     left = c.waiting - _parent_count(c)
     free = left <= 0
+    oversized = _oversized(t)
+    # Left to right, stopping at the first false: the sizes are read for a group callback
+    # that becomes ready now, and for nothing else.
+    too_big = sa.and_(free, _has_key(c, RESULTS_KEY), c.id.in_(sa.select(oversized.c.id)))
+    size = sa.select(oversized.c.size).where(oversized.c.id == c.id).scalar_subquery()
+    reason = sa.func.concat(
+        "dead: the results of the jobs of its group (jobs.group) take about ",
+        size,
+        " bytes as jsonb, more than one jsonb value holds "
+        f"({JSONB_MAX_BYTES:,}); a member returns a reference to bulky data (a storage "
+        "key, an id), not the data",
+    )
     released = (
         sa.update(t)
         .where(
@@ -1734,14 +1801,70 @@ def _release(t: sa.Table, channel: str) -> sa.Select[Any]:
         )
         .values(
             waiting=sa.func.greatest(left, 0),
-            status=sa.case((free, JobStatus.READY.value), else_=c.status),
+            status=sa.case(
+                (too_big, JobStatus.DEAD.value), (free, JobStatus.READY.value), else_=c.status
+            ),
             run_at=sa.case((free, sa.func.now()), else_=c.run_at),
-            args=_with_results(t, free),
+            finished_at=sa.case((too_big, sa.func.now()), else_=c.finished_at),
+            last_error=sa.case((too_big, reason), else_=c.last_error),
+            args=_with_results(t, sa.and_(free, sa.not_(too_big))),
         )
-        .returning(c.queue, c.status)
+        .returning(
+            c.id,
+            c.queue,
+            c.status,
+            announce_end(c, results_channel, c.status == status_literal(JobStatus.DEAD)),
+        )
         .cte("released")
     )
-    return _notify_queues(channel, released)
+    ready = (
+        sa.select(released.c.queue)
+        .where(released.c.status == status_literal(JobStatus.READY))
+        .distinct()
+        .subquery("q")
+    )
+    woken = sa.select(
+        sa.func.pg_notify(sa.literal(channel), ready.c.queue), ready.c.queue, sa.null()
+    )
+    dead = sa.select(sa.null(), sa.null(), released.c.id).where(
+        released.c.status == status_literal(JobStatus.DEAD)
+    )
+    return sa.select(sa.union_all(woken, dead).subquery("released_rows"))
+
+
+def _oversized(t: sa.Table) -> CTE:
+    """The group callbacks among ``:child_ids`` that these parents free, whose results
+    would take more than :data:`JSONB_MAX_BYTES` as one jsonb array, and that size. Each
+    result is measured as stored, uncompressed: ``(ARRAY[result])[1]`` is the value
+    detoasted (``pg_column_size`` of the column itself is its compressed size), one at a
+    time; 8 bytes more a member for the array's entry and padding, and the callback's
+    own arguments, which the array joins."""
+    k = t.alias("child")
+    each = sa.func.unnest(k.c.parents).table_valued("pid").render_derived(name="m")
+    member = t.alias("member")
+    results = (
+        sa.select(
+            sa.func.coalesce(sa.func.sum(sa.func.pg_column_size(pg_array([member.c.result])[1])), 0)
+            + 8 * sa.func.count()
+        )
+        .select_from(each.outerjoin(member, member.c.id == each.c.pid))
+        .scalar_subquery()
+    )
+    size = (results + sa.func.pg_column_size(pg_array([k.c.args])[1]) + 64).label("size")
+    sized = (
+        sa.select(k.c.id, size)
+        .where(
+            k.c.id == sa.func.any(sa.bindparam("child_ids", type_=ARRAY(sa.BigInteger))),
+            k.c.status == _SCHEDULED_VIA_PK,
+            k.c.waiting > 0,
+            _has_key(k.c, RESULTS_KEY),
+            k.c.waiting - _parent_count(k.c) <= 0,
+        )
+        .subquery("sized")
+    )
+    return (
+        sa.select(sized.c.id, sized.c.size).where(sized.c.size > JSONB_MAX_BYTES).cte("oversized")
+    )
 
 
 def _with_results(t: sa.Table, free: sa.ColumnElement[bool]) -> sa.ColumnElement[Any]:
@@ -1820,7 +1943,10 @@ def _cancel_children(t: sa.Table, results_channel: str) -> sa.Select[Any]:
             status=JobStatus.CANCELLED.value,
             finished_at=sa.func.now(),
             last_error=sa.bindparam("reason", type_=sa.Text),
-            meta=_marked(sa.case((_has_children(t), _settled(c)), else_=c.meta)),
+            meta=_marked(
+                sa.case((_has_children(t), _settled(c)), else_=c.meta),
+                _agg_parents(c, lambda p: sa.or_(_in_ids(p), p.in_(sa.select(doomed.c.id)))),
+            ),
         )
         .returning(c.id)
         .cte("cancelled")
@@ -1849,13 +1975,112 @@ def _settled(c: Any) -> sa.ColumnElement[Any]:
     return settled
 
 
-def _marked(meta: Any) -> sa.ColumnElement[Any]:
+def _marked(meta: Any, parents: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
     """``meta`` of a child cancelled because a parent ended: marked so, for the retry of
-    that parent to bring it back (see rearm_children)."""
+    that parent to bring it back (see rearm_children), with the ids of the ``parents``
+    that ended (a jsonb array).
+
+    The ids, not ``true`` (the mark before): a retry skips the child while one of them is
+    dead or cancelled, and it must still once that parent's row is gone (pruned after
+    ``keep_dead``, purged by an operator). By the row alone a missing parent cannot be
+    told from one that succeeded and was deleted, and the child ran, though the parent it
+    waited for never succeeded (see :func:`blocked_by_parent`)."""
     marked: sa.ColumnElement[Any] = sa.func.coalesce(meta, sa.text("'{}'::jsonb")).op(
         "||", return_type=JSONB
-    )(sa.text(f"""'{{"{CANCELLED_BY_PARENT_KEY}": true}}'::jsonb"""))
+    )(sa.func.jsonb_build_object(sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'"), parents))
     return marked
+
+
+def _each_parent(c: Any) -> sa.ColumnElement[Any]:
+    """``unnest(parents)``, one id a row (in a subquery correlated to the child)."""
+    each: sa.ColumnElement[Any] = sa.func.unnest(c.parents).column_valued("parent_id")
+    return each
+
+
+def _in_ids(value: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    return value == sa.any_(sa.bindparam("parent_ids", type_=ARRAY(sa.BigInteger)))
+
+
+def _agg_parents(
+    c: Any, which: Callable[[sa.ColumnElement[Any]], sa.ColumnElement[bool]]
+) -> sa.ColumnElement[Any]:
+    """The row's parents that are ``which(id)``, as a jsonb array of ids (``[]`` for none)."""
+    each = _each_parent(c)
+    agg: sa.ColumnElement[Any] = (
+        sa.select(sa.func.coalesce(sa.func.jsonb_agg(each), sa.text("'[]'::jsonb")))
+        .where(which(each))
+        .scalar_subquery()
+    )
+    return agg
+
+
+def _recorded(c: Any) -> sa.ColumnElement[Any]:
+    """The ids of the parents whose end cancelled the row (see :func:`_marked`), as a
+    jsonb array; ``[]`` for a row marked ``true`` (before the ids were recorded), read as
+    before: held back only by a parent that still exists."""
+    mark = c.meta.op("->", return_type=JSONB)(sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'"))
+    recorded: sa.ColumnElement[Any] = sa.case(
+        (sa.func.jsonb_typeof(mark) == "array", mark), else_=sa.text("'[]'::jsonb")
+    )
+    return recorded
+
+
+# A child already cancelled because a parent ended (not waiting: _cancel_children leaves
+# it) whose other parents end too: their ids join its record, or it came back once those
+# were pruned or purged (see _marked). Run after _cancel_children, in a statement of its
+# own: one whose snapshot was taken before a concurrent settling cancelled the child
+# (waiting for its row lock) skips it there, and sees it cancelled here.
+def _record_ended_parents(t: sa.Table) -> sa.Update:
+    c = t.c
+    new = _agg_parents(
+        c,
+        lambda p: sa.and_(
+            _in_ids(p), ~_recorded(c).op("@>", return_type=sa.Boolean)(sa.func.to_jsonb(p))
+        ),
+    )
+    return (
+        sa.update(t)
+        .where(_parents_match(t), cancelled_by_parent(t), sa.func.jsonb_array_length(new) > 0)
+        .values(
+            meta=c.meta.op("||", return_type=JSONB)(
+                sa.func.jsonb_build_object(
+                    sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'"),
+                    _recorded(c).op("||", return_type=JSONB)(new),
+                )
+            )
+        )
+    )
+
+
+# Retried parents leave the records of the children they cancelled that stay cancelled
+# (another parent is still dead or cancelled): one of them that then succeeds and is
+# deleted must not hold the child back for ever as a parent that ended and is gone.
+def _forget_parents(t: sa.Table) -> sa.Update:
+    c = t.c
+    element = sa.func.jsonb_array_elements(_recorded(c)).column_valued("recorded")
+    kept = (
+        sa.select(sa.func.coalesce(sa.func.jsonb_agg(element), sa.text("'[]'::jsonb")))
+        .where(~_in_ids(sa.cast(sa.cast(element, sa.Text), sa.BigInteger)))
+        .scalar_subquery()
+    )
+    return (
+        sa.update(t)
+        .where(
+            _parents_match(t),
+            cancelled_by_parent(t),
+            sa.func.jsonb_typeof(
+                c.meta.op("->", return_type=JSONB)(
+                    sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'")
+                )
+            )
+            == "array",
+        )
+        .values(
+            meta=c.meta.op("||", return_type=JSONB)(
+                sa.func.jsonb_build_object(sa.literal_column(f"'{CANCELLED_BY_PARENT_KEY}'"), kept)
+            )
+        )
+    )
 
 
 def announce_end(
@@ -1918,6 +2143,17 @@ def _json(value: dict[str, Any]) -> sa.TextClause:
     return sa.text("'" + json.dumps(value).replace("'", "''") + "'::jsonb")
 
 
+def _ended_of_ids(t: sa.Table) -> sa.ScalarSelect[Any]:
+    """The ids among ``:parent_ids`` of the jobs dead or cancelled, as a jsonb array: what
+    cancels a child linked to them (recorded by :func:`_marked`)."""
+    up = t.alias("ended_parent")
+    return (
+        sa.select(sa.func.coalesce(sa.func.jsonb_agg(up.c.id), sa.text("'[]'::jsonb")))
+        .where(_in_ids(up.c.id), _ended(up))
+        .scalar_subquery()
+    )
+
+
 # Then the child: its parents, how many it waits for, and its status: held (scheduled in
 # the year 9999, which the promoter never reaches; not 'infinity', which Python cannot
 # read), ready at once, or cancelled.
@@ -1941,7 +2177,10 @@ def _link_child(t: sa.Table, channel: str) -> sa.Update:
             ),
             finished_at=sa.case((status == JobStatus.CANCELLED.value, sa.func.now()), else_=None),
             last_error=sa.bindparam("reason", type_=sa.Text),
-            meta=sa.case((status == JobStatus.CANCELLED.value, _marked(c.meta)), else_=c.meta),
+            meta=sa.case(
+                (status == JobStatus.CANCELLED.value, _marked(c.meta, _ended_of_ids(t))),
+                else_=c.meta,
+            ),
         )
         .returning(
             sa.case(
@@ -2008,16 +2247,35 @@ def ended_parent(t: sa.Table) -> sa.Exists:
     return sa.exists().where(up.c.id == sa.any_(t.c.parents), _ended(up))
 
 
-def first_ended_parent(t: sa.Table) -> sa.ScalarSelect[Any]:
-    """``'<id> <status>'`` of the row's first parent that is dead or cancelled (or NULL)."""
-    up = t.alias("ended_parent")
+def _gone_parent(t: sa.Table) -> sa.ScalarSelect[Any]:
+    """The first id (as text) the row's cancel recorded (see :func:`_marked`) whose row is
+    gone: a parent that ended dead or cancelled, then was pruned or purged (or NULL)."""
+    up = t.alias("gone_parent")
+    recorded = sa.func.jsonb_array_elements_text(_recorded(t.c)).column_valued("recorded")
+    as_id = sa.cast(recorded, sa.BigInteger)
     return (
+        sa.select(recorded)
+        .where(~sa.exists().where(up.c.id == as_id))
+        .order_by(as_id)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def first_ended_parent(t: sa.Table) -> sa.ColumnElement[Any]:
+    """``'<id> <status>'`` of the row's first parent that is dead or cancelled, else
+    ``'<id> deleted'`` of the first whose end cancelled it and whose row is gone (or
+    NULL)."""
+    up = t.alias("ended_parent")
+    ended = (
         sa.select(sa.cast(up.c.id, sa.Text) + " " + up.c.status)
         .where(up.c.id == sa.any_(t.c.parents), _ended(up))
         .order_by(up.c.id)
         .limit(1)
         .scalar_subquery()
     )
+    first: sa.ColumnElement[Any] = sa.func.coalesce(ended, _gone_parent(t) + " deleted")
+    return first
 
 
 def cancelled_by_parent(t: sa.Table) -> sa.ColumnElement[bool]:
@@ -2042,8 +2300,16 @@ def cancelled_while_held(t: sa.Table) -> sa.ColumnElement[bool]:
 def blocked_by_parent(t: sa.Table) -> sa.ColumnElement[bool]:
     """Whether a parent of the row's ended (dead or cancelled) in a way that keeps it from
     running: not a child that runs anyway (``on_parent_failure="run"``), which only waits
-    for the parents still to run."""
-    return sa.and_(ended_parent(t), ~_has_key(t.c, RUN_ANYWAY_KEY))
+    for the parents still to run.
+
+    A parent whose end the child's cancel recorded and whose row is gone (pruned after
+    ``keep_dead``, purged) still ended: it never succeeded, and nothing can retry it now.
+    Read as gone-hence-done (only the live parents were counted), the child came back
+    ready and ran, a group callback with ``null`` for that member. Retention and purge
+    are not held back instead: a purge is an operator's explicit delete, and a cancelled
+    child kept for long would keep its dead parent past ``keep_dead``."""
+    ended = sa.or_(ended_parent(t), _gone_parent(t).is_not(None))
+    return sa.and_(ended, ~_has_key(t.c, RUN_ANYWAY_KEY))
 
 
 # Retried parents whose children were settled (meta {"sqla_jobs.children": false}):
@@ -2163,12 +2429,18 @@ def rearm_children(
     )
 
 
-# A job's outcome as Jobs.result reads it, by primary key.
+# A job's outcome as Jobs.result reads it, by primary key. The JSON as text (decoded by
+# flow._look), as the claim reads args: psycopg decodes jsonb as UTF-8 whatever the
+# connection's encoding, and a result read over a LATIN1 one raised UnicodeDecodeError.
 def _outcome(t: sa.Table) -> sa.Select[Any]:
     c = t.c
-    return sa.select(c.status, c.result, c.last_error, c.task, c.meta).where(
-        c.id == sa.bindparam("job_id")
-    )
+    return sa.select(
+        c.status,
+        sa.cast(c.result, sa.Text).label("result"),
+        c.last_error,
+        c.task,
+        sa.cast(c.meta, sa.Text).label("meta"),
+    ).where(c.id == sa.bindparam("job_id"))
 
 
 # Retention of <table>_key_starts: a batch of logs whose newest start has left the window
@@ -2433,12 +2705,21 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
 # Retention of <table>_unique_keys (see worker._statements.prune_unique_keys), through its primary
 # key: first lock a batch of keys whose period has passed, skipping those an enqueue
 # holds; then, in a new snapshot, delete those whose job is no longer live.
-def _lock_stale_keys(k: sa.Table) -> sa.Select[Any]:
+def _lock_stale_keys(t: sa.Table, k: sa.Table) -> sa.Select[Any]:
+    """Keys whose job is live are left out here, not only by the delete: locked, they
+    filled the batch (1,000 jobs held by ``unique_states`` alone, ``until`` NULL), the
+    delete removed none of them, and the pass, which stops at a short batch, never
+    reached the keys it could delete behind them. The delete still re-checks (its
+    snapshot sees a job that took a key since this one's)."""
+    c = t.c
+    live = sa.exists().where(
+        c.id == k.c.job_id, c.status.in_([status_literal(s) for s in LIVE_STATUSES])
+    )
     return (
         sa.select(k.c.key)
-        .where(sa.or_(k.c.until.is_(None), k.c.until < sa.func.now()))
+        .where(sa.or_(k.c.until.is_(None), k.c.until < sa.func.now()), ~live)
         .limit(sa.bindparam("limit"))
-        .with_for_update(skip_locked=True)
+        .with_for_update(skip_locked=True, of=k)
     )
 
 
@@ -2479,7 +2760,9 @@ def _due_schedules(s: sa.Table) -> sa.Select[Any]:
             sa.case((readable, c.next_run_at), else_=sa.null()).label("next_run_at"),
         )
         .where(s.c.enabled, s.c.next_run_at <= sa.bindparam("now"))
-        .order_by(s.c.next_run_at)
+        # Those that failed last come after the others: a hundred held (a task only the
+        # next deploy's workers know) would otherwise take every pass's whole limit.
+        .order_by(s.c.last_error.is_not(None), s.c.next_run_at)
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True, key_share=True)
     )
@@ -2509,6 +2792,21 @@ def _schedule_failed(s: sa.Table) -> sa.Update:
     )
 
 
+# A schedule whose tick this worker cannot enqueue now, and another worker or a later pass
+# may: it stays due, and says why. Nothing is written (nor returned, which the log waits
+# for) when the reason is the one it gave already: every pass meets it again.
+def _schedule_held(s: sa.Table) -> sa.Update:
+    return (
+        sa.update(s)
+        .where(
+            s.c.name == sa.bindparam("schedule"),
+            s.c.last_error.is_distinct_from(sa.bindparam("error")),
+        )
+        .values(last_error=sa.bindparam("error"))
+        .returning(s.c.name)
+    )
+
+
 # Insert or update one schedule row. A run-time schedule is replaced whole (its operator just
 # said what it should be). A code-declared one keeps its place in time unless its expression
 # or time zone changed, so that restarting workers never skips or repeats a tick, and keeps
@@ -2527,7 +2825,13 @@ def _upsert_schedule(s: sa.Table, origin: str) -> sa.Insert:
         )
     else:
         changes.update(enabled=new.enabled, next_run_at=new.next_run_at, last_error=None)
-    return stmt.on_conflict_do_update(index_elements=[s.c.name], set_=changes)
+    # Each kind replaces only its own: a schedule declared in code silently took over a
+    # run-time schedule of its name (its task, expression and arguments), and the deploy
+    # that dropped the declaration deleted it; a run-time one took over a code one. No
+    # row comes back when the name is the other kind's.
+    return stmt.on_conflict_do_update(
+        index_elements=[s.c.name], set_=changes, where=s.c.origin == origin
+    ).returning(s.c.name)
 
 
 # Code-declared schedules the code no longer declares.
@@ -2666,13 +2970,16 @@ class Queries:
         self.snooze = _snooze(t)
         self.hand_back = _hand_back(t, channel)
         self.heartbeat = _heartbeat(t)
+        self.lock_run = _lock_run(t)
+        self.release_run = _release_run
         # Results and workflows.
         self.results_channel = results = result_channel(t)
         self.complete_flow = _complete_flow(t, results)
         self.fail_flow = _fail_flow(t, results)
         self.lock_children = _lock_children(t)
-        self.release = _release(t, channel)
+        self.release = _release(t, channel, results)
         self.cancel_children = _cancel_children(t, results)
+        self.record_ended_parents = _record_ended_parents(t)
         self.mark_parents = _mark_parents(t)
         self.link_child = _link_child(t, channel)
         self.outcome = _outcome(t)
@@ -2682,6 +2989,7 @@ class Queries:
         self.rewait_children = _rewait_children(t)
         self.lock_rearm_parents = lock_rearm_parents(t, _parents_match(t))
         self.rearm_children = rearm_children(t, _parents_match(t))
+        self.forget_parents = _forget_parents(t)
 
         self.promote = _promote(t, channel)
         self.rescue = _rescue(t, channel, results)
@@ -2706,7 +3014,7 @@ class Queries:
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)
         self.place_scoped = _place_scoped(t, unique_keys, channel)
-        self.lock_stale_keys = _lock_stale_keys(unique_keys)
+        self.lock_stale_keys = _lock_stale_keys(t, unique_keys)
         self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
         self.key_starts_table = key_starts = companions.key_starts
         self.prune_key_starts = _prune_key_starts(key_starts)
@@ -2715,6 +3023,7 @@ class Queries:
         self.due_schedules = _due_schedules(schedules)
         self.advance_schedule = _advance_schedule(schedules)
         self.schedule_failed = _schedule_failed(schedules)
+        self.schedule_held = _schedule_held(schedules)
         self.upsert_code_schedule = _upsert_schedule(schedules, "code")
         self.upsert_runtime_schedule = _upsert_schedule(schedules, "runtime")
         self.delete_undeclared = _delete_undeclared(schedules)

@@ -17,6 +17,7 @@ not UTF-8 (:class:`Encodings`).
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import re
 import sys
@@ -25,6 +26,8 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
+
+from .errors import ResultError
 
 __all__ = [
     "BIGINT_MAX",
@@ -341,6 +344,52 @@ class Encodings(NamedTuple):
                     )
                 return _cannot(text[exc.start], self.server)
         return None
+
+    def result_error(self, text: str) -> ResultError | None:
+        """The error that fails a run whose kept result, the JSON ``text``, cannot go
+        through (the rule enqueue holds arguments to), or ``None``. One sentence for the
+        three places that check: the run's end, the outcome batch, and a transactional
+        task's completion in the handler's own transaction."""
+        if text.isascii():
+            return None
+        problem = self.problem(text, json=True)
+        return None if problem is None else ResultError(f"the handler's result {problem}")
+
+    def escape(self, text: str) -> str:
+        """``text`` for a text column (``last_error``): each character the connection or
+        the database cannot carry written as its escape (``\\u2192``), as the rest stays.
+        For text people read, where a refusal would lose what it says."""
+        return _escaped(text, self.text)
+
+    def escape_json(self, text: str) -> str:
+        """JSON text (a progress note) with each string in it escaped as :meth:`escape`
+        does, for JSON (:attr:`json`) too: still JSON, of the same shape, its odd
+        characters readable as their escapes. ``text`` itself when nothing needs it."""
+        if text.isascii() or self.problem(text, json=True) is None:
+            return text
+        codecs_ = (*self.text, *((self.json,) if self.json else ()))
+
+        def walk(value: Any) -> Any:
+            if isinstance(value, str):
+                return _escaped(value, codecs_)
+            if isinstance(value, list):
+                return [walk(v) for v in value]
+            if isinstance(value, dict):
+                return {_escaped(k, codecs_): walk(v) for k, v in value.items()}
+            return value
+
+        return _json_text(walk(json.loads(text)))
+
+
+def _escaped(text: str, codecs_: tuple[str, ...]) -> str:
+    if text.isascii():
+        return text
+    for codec in codecs_:
+        text = text.encode(codec, "backslashreplace").decode(codec)
+    return text
+
+
+_json_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 
 def _cannot(char: str, server: str) -> str:

@@ -1115,17 +1115,18 @@ def json_problem(value: Any, name: str = "value") -> str | None:
     return None
 
 
-def check_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+def check_meta(meta: Mapping[str, Any], *, own_keys: bool = False) -> dict[str, Any]:
     """A job's ``meta``, checked: a JSON object with string keys, storable, at most
     :data:`~sqla_jobs._storable.META_MAX_BYTES` of JSON, and no key of the library's own
-    (``sqla_jobs.``). Raises :class:`EnqueueError`."""
+    (``sqla_jobs.``) unless ``own_keys`` (the library's enqueue hooks write some). Raises
+    :class:`EnqueueError`."""
     if not isinstance(meta, Mapping):
         raise EnqueueError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
     checked = dict(meta)
     for key in checked:
         if not isinstance(key, str):
             raise EnqueueError(f"meta keys must be strings, got {key!r}")
-        if key.startswith(META_RESERVED_PREFIX):
+        if key.startswith(META_RESERVED_PREFIX) and not own_keys:
             raise EnqueueError(
                 f"meta key {key!r}: keys starting with {META_RESERVED_PREFIX!r} are reserved "
                 "for sqla-jobs"
@@ -1251,6 +1252,11 @@ def _run_at(
             or seconds < 0
         ):
             raise EnqueueError(f"delay must be a number of seconds >= 0, got {delay!r}")
+        if seconds == 0:
+            # Now, by the database's clock, as with no delay: counted from this host's
+            # clock, a host ahead of the database stored a ready job whose run_at the
+            # database had not reached, which no claim took until it did.
+            return None
         try:
             when = (now or _utcnow()) + timedelta(seconds=seconds)
         except OverflowError:  # inf, or past what a datetime holds
@@ -1264,19 +1270,35 @@ def _run_at(
     return None
 
 
-def _check_queue(queue: object) -> None:
+def _check_queue(queue: object) -> str:
+    """``queue``, checked, as a plain ``str``.
+
+    A ``str`` subclass (``class Queue(str, Enum)``) passes the check, but what it turns
+    into on the way to the database differs by path: the INSERT's driver sent its value
+    (``'mail'``), COPY's text its ``str()`` (``'Queue.MAIL'``), a queue no worker reads.
+    Its plain value, taken here once, is what every path stores."""
     if not isinstance(queue, str) or not queue:
         raise EnqueueError(f"queue must be a non-empty string, got {queue!r}")
+    if type(queue) is not str:
+        queue = str.__str__(queue)  # the characters, whatever its __str__ says
     check_name(queue, "queue", QUEUE_MAX_BYTES, EnqueueError)
+    return queue
 
 
-def _check_priority(priority: object) -> None:
+def _plain_int(value: int) -> int:
+    """An ``int`` subclass (``class Prio(int, Enum)``) as a plain ``int``: COPY's text
+    of it was its ``str()`` (``'Prio.HIGH'``), which the server refused."""
+    return value if type(value) is int else int.__int__(value)
+
+
+def _check_priority(priority: object) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise EnqueueError(f"priority must be an integer, got {priority!r}")
     if priority < 0:
         raise EnqueueError(f"priority must be >= 0 (higher runs first), got {priority}")
     if priority > _SMALLINT_MAX:
         raise EnqueueError(f"priority must be <= {_SMALLINT_MAX}, got {priority}")
+    return _plain_int(priority)
 
 
 def _check_unique_key(key: object) -> None:
@@ -1380,11 +1402,12 @@ def check_unique_scope(
     return UniqueScope(period, states, mode, given)
 
 
-def _check_max_attempts(value: object) -> None:
+def _check_max_attempts(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise EnqueueError(f"max_attempts must be an integer >= 1, got {value!r}")
     if value > INT_MAX:
         raise EnqueueError(f"max_attempts must be <= {INT_MAX} (an int column), got {value}")
+    return _plain_int(value)
 
 
 def keep_seconds(value: object, registry: Jobs | None) -> float | None:

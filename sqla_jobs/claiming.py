@@ -57,7 +57,7 @@ from ._queries import (
     snooze_params,
 )
 from ._settle import cap_error, format_error, settle_children, worker_name
-from ._storable import INT_MAX
+from ._storable import INT_MAX, database_encodings
 from .errors import EnqueueError
 from .model import JobStatus
 from .throttle import QueueLimits
@@ -185,13 +185,22 @@ def _claim_limited(
     the queue's lock, held until that transaction ends (so the queue's other limited
     claims wait for it), then the claim. Needs READ COMMITTED, under which the claim sees
     what committed while it waited for the lock, and a transaction that holds the lock
-    to its end: in autocommit the lock's own statement would release it at once.
-    SQLAlchemy's ``get_isolation_level`` names the level beneath autocommit, so the
-    driver's own flag is read for that."""
+    to its end: in autocommit the lock's own statement would release it at once (the
+    driver's own flag says so, without a query).
+
+    The level is asked in the claim's own transaction (``SHOW``, which takes no snapshot,
+    so the level it names is the one the claim runs at). SQLAlchemy's
+    ``get_isolation_level`` asked in a transaction of its own on an idle connection:
+    behind PgBouncer in transaction mode the claim's transaction could then run on
+    another server connection, one opened under another ``default_transaction_isolation``
+    (``ALTER DATABASE ... SET``), and a REPEATABLE READ claim, blind to the claims
+    committed while it waited for the lock, went past the queue's concurrency."""
     connection = session.connection()
-    level = connection.get_isolation_level()
     if getattr(connection.connection.dbapi_connection, "autocommit", False):
         level = "AUTOCOMMIT"
+    else:
+        shown = connection.exec_driver_sql("SHOW transaction_isolation").scalar()
+        level = str(shown).upper()
     if level != "READ COMMITTED":
         raise ValueError(
             f"queue {limits.name!r} has limits, which session.claim can only enforce under "
@@ -295,6 +304,12 @@ def _fail(
     delay: float,
     permanent: bool,
 ) -> JobStatus | None:
+    if error is not None and not error.isascii():
+        # What a LATIN1 database or a WIN1252 client cannot carry, escaped ('\u20ac'), as
+        # the worker writes its failures: the driver's encoder refused the statement.
+        encodings = database_encodings(session.connection())
+        if encodings is not None:
+            error = encodings.escape(error)
     params = fail_params(job, error, delay, permanent=permanent)
     row = session.execute(registry.queries.fail, dict(params)).first()
     if row is not None and row.status == JobStatus.DEAD and row.has_children:

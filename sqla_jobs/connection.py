@@ -20,9 +20,13 @@ connection's transaction: it commits and rolls back with it. Nothing here begins
 commits or rolls back anything; in autocommit the INSERT is the whole round trip.
 
 ``enqueued`` fires at once on a connection in autocommit (the job is committed); in a
-transaction, as the connection commits it, and never if it rolls back. A Core savepoint
-is not followed: a job enqueued in a ``begin_nested()`` that rolls back is still
-announced at the commit (an ORM session follows savepoints; prefer it when that matters).
+transaction, as the connection commits it, and never if it rolls back, nor for a job
+enqueued in a ``begin_nested()`` savepoint that rolls back (at any depth). "As it
+commits" is SQLAlchemy's ``commit`` connection event, the only one a connection has: it
+runs just before the COMMIT is sent, so a listener cannot see the job from another
+connection yet, and a COMMIT that then fails (a deferred constraint, a serialization
+failure) has announced jobs it did not write. A session fires after its COMMIT returned;
+prefer it when that matters.
 """
 
 from __future__ import annotations
@@ -144,11 +148,35 @@ def async_connection(connection: object) -> AsyncConnection:
 
 
 # -- the enqueued event -------------------------------------------------------------------
+#
+# Jobs enqueued in a transaction wait for its commit, each batch tagged with the savepoint
+# that was innermost when it was written (``Connection.get_nested_transaction()``, None
+# for the transaction itself), as a session tags its own (sqla_jobs.session):
+#
+# * a savepoint rolls back (``rollback_savepoint``, sent while it is still the innermost):
+#   what is tagged with it goes;
+# * a savepoint is released (``release_savepoint``, likewise): what is tagged with it is
+#   its parent's from then on. The parent is the innermost savepoint once the release is
+#   done, which no event tells: the batches are handed on at the next event (a new
+#   savepoint's included, sent before it is the innermost) or enqueue on the connection
+#   (``_settle``), when it still is;
+# * the transaction commits or rolls back: what is left fires, or goes.
+
+
+class _Waiting:
+    """The ``enqueued`` announcements of one connection's transaction."""
+
+    __slots__ = ("batches", "released")
+
+    def __init__(self) -> None:
+        #: (savepoint or None, registry, jobs), in the order they were written.
+        self.batches: list[tuple[sa.NestedTransaction | None, Jobs, Sequence[Any]]] = []
+        #: Savepoints released since the last event, whose batches go to their parent.
+        self.released: list[sa.NestedTransaction] = []
+
 
 #: Jobs enqueued on a connection in a transaction, waiting for its commit.
-_waiting: weakref.WeakKeyDictionary[sa.Connection, list[tuple[Jobs, Sequence[Any]]]] = (
-    weakref.WeakKeyDictionary()
-)
+_waiting: weakref.WeakKeyDictionary[sa.Connection, _Waiting] = weakref.WeakKeyDictionary()
 
 
 def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) -> None:
@@ -158,17 +186,70 @@ def _announce(connection: sa.Connection, registry: Jobs, jobs: Sequence[Any]) ->
         return
     waiting = _waiting.get(connection)
     if waiting is None:
-        waiting = _waiting[connection] = []
-        event.listen(connection, "commit", _committed)
-        event.listen(connection, "rollback", _rolled_back)
-    waiting.append((registry, jobs))
+        waiting = _waiting[connection] = _Waiting()
+        for name, fn in _HOOKS:
+            if not event.contains(connection, name, fn):
+                event.listen(connection, name, fn)
+    _settle(connection, waiting)
+    waiting.batches.append((connection.get_nested_transaction(), registry, jobs))
+
+
+def _settle(connection: sa.Connection, waiting: _Waiting) -> None:
+    """Hand the batches of the savepoints released since the last event to their parent:
+    the innermost savepoint now (or the transaction)."""
+    if waiting.released:
+        released, heir = waiting.released, connection.get_nested_transaction()
+        waiting.released = []
+        waiting.batches = [
+            (heir if tag is not None and any(tag is r for r in released) else tag, reg, jobs)
+            for tag, reg, jobs in waiting.batches
+        ]
+
+
+def _began_savepoint(connection: sa.Connection, name: str | None) -> None:
+    # Sent before the new savepoint is the innermost: the last moment its parent is.
+    waiting = _waiting.get(connection)
+    if waiting is not None:
+        _settle(connection, waiting)
+
+
+def _released_savepoint(connection: sa.Connection, name: str, context: Any) -> None:
+    waiting = _waiting.get(connection)
+    if waiting is not None:
+        _settle(connection, waiting)
+        released = connection.get_nested_transaction()  # still the innermost
+        if released is not None:
+            waiting.released.append(released)
+
+
+def _rolled_back_savepoint(connection: sa.Connection, name: str, context: Any) -> None:
+    waiting = _waiting.get(connection)
+    if waiting is not None:
+        _settle(connection, waiting)
+        rolled = connection.get_nested_transaction()  # still the innermost
+        if rolled is not None:
+            waiting.batches = [b for b in waiting.batches if b[0] is not rolled]
 
 
 def _committed(connection: sa.Connection) -> None:
-    for registry, jobs in _waiting.pop(connection, ()):
-        for job in jobs:
-            registry.events.fire("enqueued", job)
+    # SQLAlchemy's commit event: just before the COMMIT is sent (see the module's docstring).
+    waiting = _waiting.pop(connection, None)
+    if waiting is not None:
+        for _, registry, jobs in waiting.batches:
+            for job in jobs:
+                registry.events.fire("enqueued", job)
 
 
 def _rolled_back(connection: sa.Connection) -> None:
     _waiting.pop(connection, None)
+
+
+#: The connection events the announcements follow (listened to on the connection once it
+#: holds one).
+_HOOKS: tuple[tuple[str, Any], ...] = (
+    ("commit", _committed),
+    ("rollback", _rolled_back),
+    ("savepoint", _began_savepoint),
+    ("release_savepoint", _released_savepoint),
+    ("rollback_savepoint", _rolled_back_savepoint),
+)

@@ -147,12 +147,16 @@ def require_postgresql(
 def create_engine(url: str | sa.URL, **kw: Any) -> sa.Engine:
     """A psycopg engine whose pool checks connections before use (a worker outlives
     database restarts). ``?prepare_threshold=None`` in the URL becomes
-    ``connect_args={"prepare_threshold": None}`` (see the module's docstring).
+    ``connect_args={"prepare_threshold": None}`` (see the module's docstring). Its
+    connections read dates under ``DateStyle`` ISO, whatever the database's default
+    (psycopg reads timestamps under no other).
 
     :raises ValueError: the URL is not a PostgreSQL URL, or carries a parameter psycopg
         cannot take from it.
     """
-    return sa.create_engine(_engine_args(url, kw), **kw)
+    engine = sa.create_engine(_engine_args(url, kw), **kw)
+    sa.event.listen(engine, "connect", _iso_datestyle)
+    return engine
 
 
 def create_async_engine(url: str | sa.URL, **kw: Any) -> AsyncEngine:
@@ -160,7 +164,33 @@ def create_async_engine(url: str | sa.URL, **kw: Any) -> AsyncEngine:
     from sqlalchemy.ext.asyncio import create_async_engine as _create_async_engine
 
     parsed = _engine_args(url, kw)
-    return _create_async_engine(parsed.set(drivername="postgresql+psycopg"), **kw)
+    engine = _create_async_engine(parsed.set(drivername="postgresql+psycopg"), **kw)
+    sa.event.listen(engine.sync_engine, "connect", _iso_datestyle)
+    return engine
+
+
+def _iso_datestyle(dbapi_connection: Any, record: Any) -> None:
+    """A new connection whose ``DateStyle`` is not ISO (``ALTER DATABASE ... SET datestyle
+    = 'SQL, DMY'``, or the role's) is switched to ISO, its date order kept.
+
+    psycopg 3 reads timestamps only under ISO: every statement returning one failed with
+    ``NotImplementedError: can't parse timestamptz with DateStyle ...``, a worker's start
+    first. Set here, not as ``-c DateStyle=ISO`` in the connection's ``options``: a
+    PgBouncer before 1.20 refuses that startup parameter, and ``options`` given would
+    silently replace ``PGOPTIONS``. PgBouncer keeps a client's ``DateStyle`` across the
+    server connections it lends it. The usual connection, already ISO, costs nothing (the
+    server reported its setting when it opened)."""
+    driver = getattr(dbapi_connection, "driver_connection", None) or dbapi_connection
+    status = getattr(getattr(driver, "info", None), "parameter_status", None)
+    style = status("DateStyle") if status is not None else None
+    if not style or style.upper().startswith("ISO"):
+        return
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SET DateStyle TO ISO")  # the output format only: the order stays
+    finally:
+        cursor.close()
+    dbapi_connection.commit()
 
 
 def embedded_url(data_dir: str | None = None) -> str:

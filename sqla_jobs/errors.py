@@ -4,6 +4,10 @@ worker, the CLI, the dashboard, metrics and tracing share."""
 
 from __future__ import annotations
 
+import logging
+import sys
+import traceback
+
 import psycopg
 import sqlalchemy as sa
 
@@ -86,7 +90,19 @@ class StepError(JobsError):
     """A durable step was misused or could not be stored (:mod:`sqla_jobs.steps`): a name
     used twice in one run, a result that is not JSON or too large, a name that clashes
     with another kind of step. Raised at the step, before anything is written, so the
-    handler fails there (and is retried by its task's policy) rather than at a COMMIT."""
+    handler fails there (and is retried by its task's policy) rather than at a COMMIT.
+
+    ``permanent`` (a step's result that cannot be stored): the job fails at once, dead,
+    as for a :class:`PermanentError`, since a retry would call the step's function again
+    (its side effect repeated) for a value of the same kind."""
+
+    #: Fail the job at once, with no retry.
+    permanent: bool = False
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        if permanent:
+            self.permanent = True
 
 
 class SignalError(JobsError):
@@ -121,11 +137,34 @@ def missing_extra(what: str, needs: str, extra: str) -> str:
     return f"{what} needs {needs}: pip install 'sqla-jobs[{extra}]'"
 
 
+def print_unlogged(what: str) -> None:
+    """Print ``what`` went wrong, and the error being handled (a log line's, a listener's),
+    to stderr, as :mod:`logging` prints its own handlers' errors (``logging.raiseExceptions``):
+    the logging that would report it is what failed, and what a job's log lines and events
+    say must never change what happens to the job, nor raise into an application's
+    commit. Never raises itself (stderr closed, or the error unprintable too)."""
+    if not logging.raiseExceptions:
+        return
+    try:
+        sys.stderr.write(f"--- sqla_jobs: {what}\n")
+        traceback.print_exc(file=sys.stderr)
+    except Exception:
+        pass
+
+
 def describe(exc: BaseException) -> str:
-    """One line about an error, without the SQL statement SQLAlchemy puts in its message."""
+    """One line about an error, without the SQL statement SQLAlchemy puts in its message.
+
+    Never raises: it is called while a failure is being reported (a log line, a run's
+    span), where raising would lose the report, so an exception whose ``str()`` fails (a
+    handler's own class, or a built-in one holding such an object) is
+    ``<unprintable ValueError>``."""
     if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None:
         exc = exc.orig
-    lines = str(exc).strip().splitlines()
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
@@ -153,6 +192,35 @@ def answered(exc: BaseException) -> bool:
     if not isinstance(state, str) or state in _POOLER_STATES:
         return False
     return state == "57014" or state[:2] not in _SERVER_CLASSES
+
+
+#: SQLSTATEs of an error that trying the same statement again may well not meet: a
+#: serialization failure, a deadlock, a lock not available in time (``lock_timeout``), a
+#: statement cancelled by its timeout (a migration held the table for a while).
+_PASSING_STATES = frozenset({"40001", "40P01", "55P03", "57014"})
+
+
+def passing(exc: BaseException) -> bool:
+    """The server answered a statement with an error of the moment (see
+    :data:`_PASSING_STATES`): the statement itself is fine, and the next try may pass."""
+    if not answered(exc):
+        return False
+    state: object = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return state in _PASSING_STATES
+
+
+#: SQLSTATEs of a transaction the database undid so that another could go on: a
+#: serialization failure, a deadlock. Nothing of it was kept, and the same work run again
+#: in a new transaction reads past the one it met.
+CONFLICT_STATES = frozenset({"40001", "40P01"})
+
+
+def conflicted(exc: BaseException) -> bool:
+    """The database undid the transaction for another's sake (:data:`CONFLICT_STATES`):
+    the worker runs such a transactional run again uncounted, and the dashboard and
+    ``sqla-jobs`` such an action's transaction."""
+    state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    return isinstance(exc, sa.exc.DBAPIError) and state in CONFLICT_STATES
 
 
 def unreachable(exc: BaseException) -> bool:

@@ -35,8 +35,12 @@ the outcome is written: a job cancelled or rescued while it ran may still fire
 
 Listeners run in the worker's threads (or its event loop, for the asyncio worker), so they
 must be quick and thread-safe. An exception in a listener is logged, never raised into
-the worker. The registry is per :class:`~sqla_jobs.Jobs`, never global: two job tables have
-two sets of listeners.
+the worker: at ERROR with its traceback the first time a listener fails on an event, at
+DEBUG after (one line each), so that a listener broken for every job does not bury the
+log. A listener may disconnect itself, or another, while an event is fired: the change
+applies from the next event, and the listeners after it still hear of this one. The
+registry is per :class:`~sqla_jobs.Jobs`, never global: two job tables have two sets of
+listeners.
 
 Two hooks go further than listening, for integrations that must act *inside* an enqueue
 or a run (:mod:`sqla_jobs.tracing` is built on them):
@@ -44,7 +48,7 @@ or a run (:mod:`sqla_jobs.tracing` is built on them):
 * an **enqueue hook** (:meth:`Events.add_enqueue_hook`) is called once per ``enqueue``
   or ``enqueue_many`` call, before the rows are built, with the task name, the queue and
   the job's ``meta`` (a fresh dict): it may add keys under ``sqla_jobs.``, which the rows
-  then carry;
+  then carry (what ``meta`` cannot hold, a ``datetime`` say, is logged and dropped);
 * a **run hook** (:meth:`Events.add_run_hook`) is entered right before a handler runs and
   exited when the run ends, both in the handler's own context (its thread, or its asyncio
   task), so that a context variable it sets is seen by the handler and reset after it,
@@ -61,10 +65,13 @@ failure), since a handler must not run outside its context.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from .errors import describe, print_unlogged
 
 __all__ = ["EVENTS", "EnqueueHook", "Events", "JobEvent", "RunHook", "RunWrapper"]
 
@@ -159,7 +166,16 @@ class Events:
     """Listeners by event name, and the enqueue and run hooks."""
 
     def __init__(self) -> None:
-        self._listeners: dict[str, list[Listener]] = {name: [] for name in EVENTS}
+        # Tuples, replaced whole on each change (copy on write), as the hooks below are: a
+        # listener that disconnects itself, or a JobMetrics closed while a worker runs,
+        # must not make :meth:`fire`, walking the same sequence, skip the next listener.
+        self._listeners: dict[str, tuple[Listener, ...]] = {name: () for name in EVENTS}
+        #: Writers only (connect, disconnect): two threads changing one event's listeners
+        #: at once must not lose a change. :meth:`fire` reads without it.
+        self._changing = threading.Lock()
+        #: ``(event, listener)`` pairs whose failure was logged with its traceback: a
+        #: listener that fails on every job says so once, not once per job.
+        self._reported: set[tuple[str, object]] = set()
         #: Read on every enqueue and every run: empty unless an integration is installed.
         self.enqueue_hooks: tuple[EnqueueHook, ...] = ()
         self.run_hooks: tuple[RunHook, ...] = ()
@@ -185,10 +201,20 @@ class Events:
         """Call ``listener(event)`` whenever ``name`` happens."""
         if name not in self._listeners:
             raise ValueError(f"unknown event {name!r}; events are {', '.join(EVENTS)}")
-        self._listeners[name].append(listener)
+        with self._changing:
+            self._listeners[name] = (*self._listeners[name], listener)
 
     def disconnect(self, name: str, listener: Listener) -> None:
-        self._listeners[name].remove(listener)
+        """Stop calling ``listener`` (its first connection, as ``list.remove``): from
+        inside a listener too, and the others still hear of the event being fired.
+        Raises :class:`ValueError` if it is not connected."""
+        with self._changing:
+            listeners = list(self._listeners[name])
+            listeners.remove(listener)
+            self._listeners[name] = tuple(listeners)
+            if listener not in listeners:
+                # Connected again later, a failure of it is news again.
+                self._reported.discard(_key(name, listener))
 
     def on(self, name: str) -> Callable[[Listener], Listener]:
         """Decorator form of :meth:`connect`."""
@@ -204,6 +230,8 @@ class Events:
         return bool(self._listeners[name])
 
     def fire(self, name: str, job: Any, **info: Any) -> None:
+        # One read of the tuple: what connect and disconnect do meanwhile changes the
+        # next event, not this one.
         listeners = self._listeners[name]
         if not listeners:
             return
@@ -211,5 +239,43 @@ class Events:
         for listener in listeners:
             try:
                 listener(event)
-            except Exception:
-                log.exception("listener %r for event %r failed", listener, name)
+            except Exception as exc:
+                try:
+                    self._failed(name, listener, exc)
+                except Exception:
+                    # A log handler that raises on the line (a custom handler whose
+                    # endpoint is down): fire never raises into its caller, a commit of
+                    # the application's among them. Printed as logging prints its own.
+                    print_unlogged(f"the log line about a broken {name!r} listener failed")
+
+    def _failed(self, name: str, listener: Listener, exc: Exception) -> None:
+        """A listener raised: an ERROR with the traceback the first time, a line at DEBUG
+        after (a broken listener fails on every job: fifty jobs must not make fifty
+        tracebacks that bury the rest of the log)."""
+        key = _key(name, listener)
+        if key in self._reported:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "listener %r for event %r failed again (reported at ERROR once): %s",
+                    listener,
+                    name,
+                    describe(exc),
+                )
+            return
+        self._reported.add(key)
+        log.error(
+            "listener %r for event %r failed (said once: its next failures are logged at DEBUG)",
+            listener,
+            name,
+            exc_info=exc,
+        )
+
+
+def _key(name: str, listener: Listener) -> tuple[str, object]:
+    """What :attr:`Events._reported` keeps of a listener: itself (a bound method made again
+    is equal to the first), or its identity if it cannot be hashed."""
+    try:
+        hash(listener)
+    except TypeError:
+        return name, id(listener)
+    return name, listener

@@ -11,7 +11,9 @@
 JSON is one object per line, for a log shipper to parse: the record's time (UTC), level,
 logger and message, every ``extra`` field the record carries (the worker's job lines carry
 ``job_id``, ``task``, ``queue``, ``attempt``, ``worker`` and, when a run ends, ``outcome``,
-``duration`` and ``error``), and a traceback as one string. No dependency: the standard
+``duration`` and ``error``), and a traceback as one string. An ``extra`` field named
+like one of the line's own keys (``time``, ``level``, ``logger``) is kept as
+``extra.time``, ``extra.level``, ``extra.logger``. No dependency: the standard
 library's ``logging`` and ``json``.
 
 Lines that handler code logs carry the job too: :class:`JobContext`, a filter on the
@@ -58,6 +60,11 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | 
     "taskName",
 }
 
+#: A JSON line's own keys that an ``extra`` field may be named: it is kept as
+#: ``extra.<name>``. (``logging`` refuses the other ones, ``message`` and ``exc_info``, as
+#: extras: they are standard attributes.)
+_OWN = frozenset({"time", "level", "logger"})
+
 #: Added by JobContext for the text format only: not a field of a JSON line.
 _TEXT_ONLY = frozenset({"job_prefix"})
 
@@ -75,13 +82,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         for key, value in record.__dict__.items():
-            if (
-                key not in _STANDARD
-                and key not in _TEXT_ONLY
-                and not key.startswith("_")
-                and key not in data
-            ):
-                data[key] = value
+            if key not in _STANDARD and key not in _TEXT_ONLY and not key.startswith("_"):
+                # An extra named like one of the line's own keys is kept beside it.
+                data[f"extra.{key}" if key in _OWN else key] = value
         if record.exc_info:
             data["exc_info"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -31,6 +31,9 @@ committed; releasing a savepoint fires nothing.
 
 Like ``session.add``, both begin the session's transaction if none is begun (which does no
 I/O); a session made with ``autobegin=False`` refuses to enqueue until ``session.begin()``.
+Both refuse a transaction that has ended (from ``after_commit`` or ``after_rollback``),
+whose job SQLAlchemy would drop or a later transaction write: ``EnqueueError`` (after a
+failed flush, SQLAlchemy's ``PendingRollbackError``).
 
 On asyncio, :class:`AsyncJobSession` is a proxy of its sync session, as SQLAlchemy's
 ``AsyncSession`` is: ``enqueue`` (no I/O) is a plain method, ``enqueue_many`` and
@@ -60,6 +63,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session, SessionTransaction, make_transient
+from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.session import SessionTransactionState
 
 from ._enqueue import (
     DIRECT_KEY,
@@ -109,6 +114,12 @@ _ANNOUNCE_KEY = "sqla_jobs.announce"
 #: The ``enqueue_many`` batches whose transaction rolled back before they were written,
 #: by id (see ``_write_batch``).
 _DROPPED_KEY = "sqla_jobs.dropped"
+#: The ``enqueue_many`` batches a flush wrote, by id, with how many of their rows it
+#: inserted (see ``_write_batch``); kept until the session's transaction ends.
+_FLUSHED_KEY = "sqla_jobs.flushed"
+#: Job objects announced to ``enqueued`` listeners, to read back after their flush what
+#: it left unloaded (see _load_announced).
+_UNLOADED_KEY = "sqla_jobs.unloaded"
 #: (transaction, jobs) per flush: the jobs the flush wrote itself, in the transaction
 #: innermost then (see EnqueueMixin.flush); weak references, as the session's identity
 #: map holds its objects, so that a long transaction does not keep every job alive.
@@ -234,15 +245,20 @@ class EnqueueMixin:
     def __init_subclass__(cls, **kw: Any) -> None:
         """A ``Session`` class that mixes this in listens for its sessions' commits and
         rollbacks (once per class: subclasses inherit the listeners), for the jobs its
-        flush wrote itself (see :func:`_written_rolled_back`). On the class, not on each
-        session: listening on an instance costs every new session more than the write
-        it serves."""
+        flush wrote itself (see :func:`_written_rolled_back`), and for the connections
+        they begin, whose encodings :func:`_check_encoding` reads. On the class, not on
+        each session: listening on an instance costs every new session more than the
+        write it serves."""
         super().__init_subclass__(**kw)
         if issubclass(cls, Session) and not getattr(cls, "_sqla_jobs_listening", False):
             setattr(cls, "_sqla_jobs_listening", True)  # noqa: B010 - a mark, not a field
             event.listen(cls, "after_commit", _written_committed)
             event.listen(cls, "after_rollback", _written_rolled_back)
             event.listen(cls, "after_transaction_end", _forget_written)
+            # The encodings of every engine a session connects to, for _check_encoding,
+            # which then never needs a second connection of an engine the session holds
+            # one of (a small pool would make it wait; a StaticPool would share it).
+            event.listen(cls, "after_begin", _learn_encoding)
 
     def flush(self, objects: Any = None) -> Any:
         """Write the jobs ``enqueue`` added, flush the session, then write the waiting
@@ -277,6 +293,12 @@ class EnqueueMixin:
                     entries.append((boundary, [weakref.ref(job) for job in written]))
             parent.flush(objects)
             _insert_pending_as_a_flush(self)
+            if self.info.get(_UNLOADED_KEY):
+                try:
+                    _load_announced(self)
+                except BaseException:
+                    _fail_as_a_flush(self)
+                    raise
             return None
 
         async def flush_async() -> None:
@@ -431,7 +453,8 @@ class EnqueueMixin:
         batch), into the transaction or savepoint innermost now, whose fate they share:
         SQLAlchemy's own bulk INSERT (``session.execute(insert(Job), rows)``) does the
         same. Like a query, the call flushes the session first when autoflush is on, so
-        that a job table with a foreign key to an application table finds its rows.
+        that a job table with a foreign key to an application table finds its rows (and,
+        like a query, not from inside a flush: a flush listener may call it).
         With ``unique=True`` each job gets a key derived from its task and arguments, and
         one equal to a live job is silently skipped (and not counted). ``meta`` is given
         to every job of the call.
@@ -473,8 +496,7 @@ def _write_many(
     boundary = _boundary(session)  # refuses a session with autobegin=False and no transaction
     if texts is None:
         _check_encoding(session, registry, rows)
-    if session.autoflush:
-        session.flush()
+    _autoflush(session)
     connection = session.connection(bind_arguments={"mapper": registry.model})
     if texts is not None:
         return insert_json(connection, registry.queries, rows[0], texts)
@@ -483,6 +505,14 @@ def _write_many(
     if written:
         _announce(session, registry, written, boundary)
     return inserted
+
+
+def _autoflush(session: Session) -> None:
+    """Flush as a query would before ``enqueue_many``'s rows are written: when autoflush
+    is on, and not from inside a flush (a ``before_flush`` or ``after_flush`` listener),
+    which would raise "Session is already flushing" (what ``Session._autoflush`` checks)."""
+    if session.autoflush and not session._flushing:
+        session.flush()
 
 
 #: From how many rows (a list) a session's ``enqueue_many`` checks the rows after the
@@ -543,11 +573,16 @@ def _write_batch(session: Session, batch: _Batch) -> int:
         if dropped.get(id(batch)) is batch:  # its savepoint rolled back: none inserted
             del dropped[id(batch)]
             return 0
-        return len(batch[2])
+        # A flush wrote it: how many it inserted (a unique key held by a live job, or
+        # given twice, skips rows), not how many were given.
+        flushed: dict[int, tuple[_Batch, int]] = session.info.get(_FLUSHED_KEY) or {}
+        entry = flushed.pop(id(batch), None)
+        if entry is not None and entry[0] is batch:
+            return entry[1]
+        return len(batch[2])  # awaited after its transaction ended: what was given
     session.info[_PENDING_KEY] = [b for b in batches if b is not batch]
     boundary, registry, rows = batch
-    if session.autoflush:
-        session.flush()  # earlier batches of calls that were not awaited go first
+    _autoflush(session)  # earlier batches of calls that were not awaited go first
     connection = session.connection(bind_arguments={"mapper": registry.model})
     written: list[dict[str, Any]] | None = [] if registry.events.wants("enqueued") else None
     inserted = insert_rows(connection, registry.queries, rows, written)
@@ -563,10 +598,15 @@ def _check_encoding(
     that is not UTF-8: LATIN1 has no "€"), which it would refuse only at the flush.
 
     Rows whose text is all ASCII (nearly all) cost a scan and nothing else. The others
-    need the database's encoding, learned from a connection once per engine: a sync
-    session checks out, the first time, the connection its flush would use anyway; an
-    ``AsyncSession``, which cannot wait here, checks once its engine has connected (its
-    first flush). The writers check again where they hold a connection."""
+    need the database's encoding, learned from a connection once per engine (what the
+    server said when it opened). A session of this class learns it whenever its
+    transaction connects (:func:`_learn_encoding`), so an engine not learned yet is one
+    the session holds no connection of: a sync session borrows one from the engine's pool
+    the first time, and gives it back, rather than take its own, which would begin its
+    transaction (an enqueue does no I/O of the session's, and the application may still
+    choose its isolation level). An ``AsyncSession``, which cannot wait here, checks once
+    its engine has connected (its first flush). The writers check again where they hold
+    a connection."""
     if ascii_rows(rows):
         return
     try:
@@ -583,13 +623,17 @@ def _check_encoding(
             # Learned when the session's transaction connects (its flush), for the next.
             _listen(session, ("after_begin", _learn_encoding))
             return
-        connection = session.connection(bind_arguments={"mapper": registry.model, **route})
-        encodings = database_encodings(connection)
+        if isinstance(bind, sa.Connection):  # the session's own: begun already, or never
+            encodings = database_encodings(bind)
+        else:
+            with engine.connect() as connection:
+                encodings = database_encodings(connection)
     if encodings is not None:
         check_encoding(rows, encodings)
 
 
 def _learn_encoding(session: Session, transaction: Any, connection: sa.Connection) -> None:
+    # A lookup once the engine's are known.
     database_encodings(connection)
 
 
@@ -799,6 +843,16 @@ def as_unique(task: Any, kwargs: dict[str, Any]) -> Any:
 _Batch = tuple[SessionTransaction, "Jobs", Sequence[dict[str, Any]]]
 
 
+#: A transaction in these states is over (see :func:`_boundary`).
+_ENDED = frozenset(
+    {
+        SessionTransactionState.COMMITTED,
+        SessionTransactionState.DEACTIVE,
+        SessionTransactionState.CLOSED,
+    }
+)
+
+
 def _boundary(session: Session) -> SessionTransaction:
     """The transaction whose fate a job enqueued now shares; begins one, as ``add`` would."""
     transaction = session.get_nested_transaction() or session.get_transaction()
@@ -810,6 +864,26 @@ def _boundary(session: Session) -> SessionTransaction:
             )
         # What Session.add does first: begin the session's transaction (no I/O yet).
         transaction = session._autobegin_t()
+    elif transaction._state in _ENDED:
+        # In after_commit or after_rollback: the job would be accepted, then dropped by
+        # SQLAlchemy's rollback or with the session, or written by whatever transaction
+        # came next. SQLAlchemy says no more than ``is_active``, which is also False while
+        # the transaction connects (``after_begin``), where a job still rides it.
+        if transaction._state is SessionTransactionState.DEACTIVE:
+            # After a failed flush: SQLAlchemy's PendingRollbackError, naming the error,
+            # as any statement would raise (session.connection() raises it and does
+            # nothing else). In after_rollback it says "inactive" instead: ours, then.
+            try:
+                session.connection()
+            except sa.exc.PendingRollbackError:
+                raise
+            except sa.exc.InvalidRequestError:
+                pass  # "inactive state": a rollback under way
+        raise EnqueueError(
+            "the session's transaction has ended (it committed or rolled back): a job "
+            "enqueued in it now would be lost. Enqueue in before_commit (or earlier), or "
+            "in a new transaction"
+        )
     return transaction
 
 
@@ -872,6 +946,66 @@ def _announce(
             ("after_transaction_end", _after_transaction_end),
         )
     announce.append((boundary, registry, jobs))
+    if jobs and inspect(jobs[0], raiseerr=False) is not None:
+        # Job objects (not enqueue_many rows): what the ORM's flush leaves unloaded of
+        # them is read back after it (_load_announced).
+        pending = [job for job in jobs if inspect(job).key is None]
+        if pending:
+            session.info.setdefault(_UNLOADED_KEY, []).extend(pending)
+
+
+def _load_announced(session: Session) -> None:
+    """Read back what a flush left unloaded of the jobs announced to the ``enqueued``
+    listeners, which fire after the commit, when no SQL can run: the model's server
+    defaults (``run_at``, ``created_at``, ``attempts``; ``eager_defaults=False``) of a job
+    the ORM wrote, its ``status`` and ``run_at`` a link with ``after=`` expired. A job
+    the session's flush wrote itself holds them already and costs nothing; the others, one
+    SELECT per model and flush, only while someone listens."""
+    announced: list[Any] = session.info.get(_UNLOADED_KEY) or []
+    waiting: list[Any] = []
+    session.info[_UNLOADED_KEY] = waiting
+    groups: dict[Any, tuple[list[str], dict[Any, Any]]] = {}
+    sharded: list[tuple[Any, list[str]]] = []
+    for job in announced:
+        state = inspect(job)
+        if state.session_id != session.hash_key:
+            continue  # expunged, or gone with its savepoint
+        if state.key is None:
+            waiting.append(job)  # not flushed yet (a flush of chosen objects)
+            continue
+        unloaded = state.unloaded
+        if not unloaded:
+            continue
+        mapper = state.mapper
+        names = [
+            p.key
+            for p in mapper.column_attrs
+            if p.key in unloaded and not p.deferred and isinstance(p.expression, sa.Column)
+        ]
+        if not names:
+            continue
+        if state.identity_token is not None:  # a sharded session's: read from its shard
+            sharded.append((job, names))
+            continue
+        keys, by_id = groups.setdefault(mapper, ([], {}))
+        keys.extend(n for n in names if n not in keys)
+        by_id[state.identity[0]] = job
+    with session.no_autoflush:
+        for job, names in sharded:
+            session.refresh(job, names)
+    for mapper, (keys, by_id) in groups.items():
+        columns = [mapper.attrs[key].expression for key in keys]
+        primary_key = mapper.primary_key[0]
+        connection = session.connection(bind_arguments={"mapper": mapper})
+        found = connection.execute(
+            sa.select(primary_key, *columns).where(primary_key.in_(list(by_id)))
+        )
+        for row in found:
+            job = by_id[row[0]]
+            unloaded = inspect(job).unloaded
+            for key, value in zip(keys, row[1:], strict=True):
+                if key in unloaded:
+                    set_committed_value(job, key, value)
 
 
 def _after_commit(session: Session) -> None:
@@ -950,20 +1084,21 @@ def _insert_pending(session: Session, through: SessionTransaction | None = None)
             connection = session.connection(bind_arguments={"mapper": registry.model})
         else:
             connection = through.connection(inspect(registry.model))
-        wants = registry.events.wants("enqueued")
         for group in groups:
             uniform = isinstance(group, UniformRows)
-            insert_rows(
-                connection, registry.queries, group, written if wants and not uniform else None
-            )
+            # The rows written are collected whether or not anyone listens: each batch's
+            # count is read from them (an awaited call returns it).
+            insert_rows(connection, registry.queries, group, None if uniform else written)
     # Each batch's rows that were written, in its own transaction's fate (runs hold no
     # unique key: all of theirs were).
     inserted = {id(row) for row in written}
-    for boundary, registry, rows in batches:
-        if registry.events.wants("enqueued"):
-            kept = rows if isinstance(rows, UniformRows) else [r for r in rows if id(r) in inserted]
-            if kept:
-                _announce(session, registry, kept, boundary)
+    flushed: dict[int, tuple[_Batch, int]] = session.info.setdefault(_FLUSHED_KEY, {})
+    for batch in batches:
+        boundary, registry, rows = batch
+        kept = rows if isinstance(rows, UniformRows) else [r for r in rows if id(r) in inserted]
+        flushed[id(batch)] = (batch, len(kept))
+        if kept and registry.events.wants("enqueued"):
+            _announce(session, registry, kept, boundary)
 
 
 def _after_flush(session: Session, flush_context: Any) -> None:
@@ -995,6 +1130,8 @@ def _after_transaction_end(session: Session, transaction: SessionTransaction) ->
         # session's next transaction.
         _dropped(session, session.info.pop(_PENDING_KEY, None) or ())
         session.info.pop(_ANNOUNCE_KEY, None)
+        session.info.pop(_FLUSHED_KEY, None)
+        session.info.pop(_UNLOADED_KEY, None)
     elif transaction.nested:
         # A released savepoint handed everything on (before_commit, after_commit): what is
         # still tagged with it was rolled back.

@@ -82,7 +82,7 @@ from .session import (
 from .tasks import Jobs
 from .worker._core import misconfigured
 from .worker._driver import DriverBase
-from .worker._signals import loop_signals, signalled, stopped_by_signals
+from .worker._signals import loop_signals, relay, signalled, stopped_by_signals
 from .worker.settings import WorkerSettings, resolve
 from .worker.threaded import Worker
 
@@ -541,7 +541,10 @@ class _Shards(Generic[W]):
                 own = dataclasses.replace(base, name=f"{base.name}@{name}")
             self.workers[name] = make(bind, own)
         #: Shards whose worker could not start, since when (monotonic) and why.
-        self._down: dict[str, tuple[float, str]] = {}
+        #: Shards whose worker could not start, waiting to be started again: since when,
+        #: why, and whether their database could not be reached (or was reached and is
+        #: not ready: tables not migrated, a grant missing).
+        self._down: dict[str, tuple[float, str, bool]] = {}
         self._errors: list[BaseException] = []
 
     def __repr__(self) -> str:
@@ -577,10 +580,16 @@ class _Shards(Generic[W]):
             return None
         if self._is_stopping() or late:
             return None
-        since = self._down.get(name, (time.monotonic(), ""))[0]
-        self._down[name] = (since, describe(exc))
+        since = self._down.get(name, (time.monotonic(), "", True))[0]
+        cut_off = unreachable(exc)
+        self._down[name] = (since, describe(exc), cut_off)
         pause = min(_RESTART_CAP, 0.25 * 2.0 ** min(failures, 5))
-        what = "cannot reach the database" if unreachable(exc) else "its database is not ready"
+        if deadline is not None:
+            # No later than the run's timeout: a pause taken whole (up to 30 s) ended
+            # ``run_until_empty(timeout=4)`` after 7.5 s. After a pause that reaches the
+            # deadline, the worker is not started again (see past).
+            pause = max(0.0, min(pause, deadline - time.monotonic()))
+        what = "cannot reach the database" if cut_off else "its database is not ready"
         log.warning(
             "shard %s: %s, starting its worker again in %.2fs: %s",
             name,
@@ -620,30 +629,37 @@ class _Shards(Generic[W]):
         shard. A shard whose database cannot be reached is named in ``unreachable``
         (its worker is ``restarting`` while it could not even start) but does not make
         the process unhealthy, as for one worker: restarting the process would not bring
-        that database back, and would stop the other shards' work."""
+        that database back, and would stop the other shards' work. A shard whose database
+        answers but is not ready for the worker (its tables not migrated yet, a grant
+        missing) is named in ``not_ready`` instead, for the same reason: what it needs is a
+        migration or a grant, which an operator looking under ``unreachable`` would not
+        think of."""
         now = time.monotonic()
         shards: dict[str, dict[str, Any]] = {}
         unhealthy: list[str] = []
         down: list[str] = []
+        not_ready: list[str] = []
         problems: list[str] = []
         for name, worker in self.workers.items():
             report = worker.core.health(now)
             failed = self._down.get(name)
             started = report.state == "running" and "completer" in report.loops
             if failed is not None and not started:
-                since, error = failed
+                since, error, cut_off = failed
+                said = "unreachable" if cut_off else "not ready"
                 entry: dict[str, Any] = {
                     "healthy": True,
                     "state": "restarting",
                     "worker": worker.name,
                     "problems": [],
-                    "database": f"unreachable for {now - since:.1f}s: {error}",
+                    "database": f"{said} for {now - since:.1f}s: {error}",
                 }
+                (down if cut_off else not_ready).append(name)
             else:
                 entry = report.to_dict()
+                if entry["database"] != "ok":
+                    down.append(name)
             shards[name] = {"shard": name, **entry}
-            if entry["database"] != "ok":
-                down.append(name)
             if not entry["healthy"]:
                 unhealthy.append(name)
                 problems += [f"shard {name}: {p}" for p in entry["problems"]]
@@ -651,6 +667,7 @@ class _Shards(Generic[W]):
             "healthy": not unhealthy,
             "unhealthy": unhealthy,
             "unreachable": down,
+            "not_ready": not_ready,
             "problems": problems,
             "shards": shards,
         }
@@ -684,8 +701,13 @@ class ShardedWorker(_Shards[Worker]):
         self._stopping = threading.Event()
 
     def stop(self) -> None:
-        """Ask every shard's worker to stop gracefully. Thread-safe."""
-        self._stopping.set()
+        """Ask every shard's worker to stop gracefully. Safe from any thread or signal
+        handler (see ``Worker.stop``: from the main thread, the event is set by the relay's
+        thread)."""
+        if threading.current_thread() is threading.main_thread():
+            relay.call(self._stopping.set)
+        else:
+            self._stopping.set()
         for worker in self.workers.values():
             worker.stop()
 
@@ -723,7 +745,7 @@ class ShardedWorker(_Shards[Worker]):
                 except Exception as exc:
                     failures += 1
                     pause = self._after_failure(name, exc, failures, deadline)
-                    if pause is None or self._stopping.wait(pause):
+                    if pause is None or self._stopping.wait(pause) or _past(deadline):
                         return
 
         threads = [
@@ -848,6 +870,8 @@ else:
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(wakeup.wait(), pause)
                             return  # stopped while waiting
+                        if _past(deadline):
+                            return
 
             try:
                 await asyncio.gather(*(body(n, w) for n, w in self.workers.items()))
@@ -987,3 +1011,9 @@ def newest(
 
 def _sort_time(value: datetime) -> float:
     return value.timestamp()
+
+
+def _past(deadline: float | None) -> bool:
+    """Whether a run's ``deadline`` (``time.monotonic()``) has passed: a shard's worker is
+    not started again then (it would connect, up to its connect timeout, for nothing)."""
+    return deadline is not None and time.monotonic() >= deadline

@@ -154,8 +154,9 @@ class Jobs(Registry):
     ) -> None:
         self.model = model
         self.table: sa.Table = check_complete(model)
-        _check_queue(default_queue)
-        _check_max_attempts(max_attempts)
+        # Plain values (an enum member's): every path stores them alike (see _check_queue).
+        default_queue = _check_queue(default_queue)
+        max_attempts = _check_max_attempts(max_attempts)
         for label, keep in (("keep_done", keep_done), ("keep_dead", keep_dead)):
             if keep is None and label == "keep_done":
                 continue
@@ -352,11 +353,11 @@ class Jobs(Registry):
                 raise ValueError(f"task name {shorten(task_name)} {problem}")
             if task_name in self.tasks:
                 raise ValueError(f"a task named {task_name!r} is already registered")
-            q = queue if queue is not None else self.default_queue
-            _check_queue(q)
-            attempts = max_attempts if max_attempts is not None else self.max_attempts
-            _check_max_attempts(attempts)
-            _check_priority(priority)
+            q = _check_queue(queue if queue is not None else self.default_queue)
+            attempts = _check_max_attempts(
+                max_attempts if max_attempts is not None else self.max_attempts
+            )
+            prio = _check_priority(priority)
             if timeout is not None and not finite_seconds(timeout):
                 # NaN never fired, True was one second, "5" failed on a comparison.
                 raise ValueError(
@@ -380,7 +381,7 @@ class Jobs(Registry):
                 queue=q,
                 max_attempts=attempts,
                 retry=retry or self.retry,
-                priority=priority,
+                priority=prio,
                 timeout=timeout,
                 transactional=transactional,
                 durable=durable,
@@ -429,7 +430,7 @@ class Jobs(Registry):
         :mod:`sqla_jobs.throttle` for how the limits are enforced, and what they cost.
         """
         try:
-            _check_queue(name)
+            name = _check_queue(name)  # an enum member's value: the name the jobs carry
         except EnqueueError as exc:
             raise ValueError(str(exc)) from None
         if name in self.queue_limits:
@@ -832,21 +833,10 @@ class Jobs(Registry):
         arguments = t.bind_args(args, kwargs)
         # The task's own queue, priority and max_attempts were checked when it was
         # registered; only the caller's overrides need it here (once per enqueue_many row).
-        if queue is None:
-            q = t.queue
-        else:
-            q = queue
-            _check_queue(q)
-        if priority is None:
-            prio = t.priority
-        else:
-            prio = priority
-            _check_priority(prio)
-        if max_attempts is None:
-            attempts = t.max_attempts
-        else:
-            attempts = max_attempts
-            _check_max_attempts(attempts)
+        # The checks give plain values (an enum member's): see _check_queue.
+        q = t.queue if queue is None else _check_queue(queue)
+        prio = t.priority if priority is None else _check_priority(priority)
+        attempts = t.max_attempts if max_attempts is None else _check_max_attempts(max_attempts)
         values: dict[str, Any] = {
             "task": t.name,
             "queue": q,
@@ -948,11 +938,21 @@ class Jobs(Registry):
         """The ``meta`` of the jobs of one enqueue call: the caller's, checked
         (:func:`check_meta`), with what the enqueue hooks add (see :mod:`sqla_jobs.events`);
         None when it is empty. A hook that raises is logged and skipped: an integration
-        must never fail the caller's enqueue."""
+        must never fail the caller's enqueue. Nor does one that adds what ``meta`` cannot
+        hold (a ``datetime``, more than its size): its additions are logged and dropped
+        (the enqueue raised ``TypeError`` at the caller, and a cron tick's failed the
+        whole maintenance pass)."""
         prepared = check_meta(meta) if meta is not None else {}
         for hook in self.events.enqueue_hooks:
+            before = dict(prepared)
             try:
                 hook(task, queue, prepared)
-            except Exception:
-                log.exception("enqueue hook %r failed", hook)
+                check_meta(prepared, own_keys=True)
+            except Exception as exc:
+                if isinstance(exc, EnqueueError):
+                    log.error("enqueue hook %r: %s; what it added is dropped", hook, exc)
+                else:
+                    log.exception("enqueue hook %r failed", hook)
+                prepared.clear()
+                prepared.update(before)
         return prepared or None

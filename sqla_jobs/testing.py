@@ -33,9 +33,10 @@ from sqlalchemy.orm import Session
 
 from . import admin
 from ._enqueue import session_registry
-from ._queries import claim_params, interval
+from ._queries import ClaimParams, claim_params, interval, limited_claim_params, limited_statement
 from ._settle import settle_children
 from ._tasks import Task
+from .claiming import FIFO_SESSION_SCAN
 from .db import require_postgresql
 from .model import LIVE_STATUSES, JobStatus
 from .session import insert_pending, pending_jobs
@@ -300,12 +301,18 @@ def run_queued_jobs(
     ``fail`` or ``snooze``), on the session's own connection, so jobs the test enqueued
     without committing are found, and what the run changes rolls back with the test.
     Handlers run as a worker runs them (the worker's own code; :func:`~sqla_jobs.current_job`
-    works, events fire), except that a transactional task gets *this* session, inside a
-    savepoint: its writes and its completion land in the test's transaction together, and
-    a failure rolls back its writes only.
+    works, events fire), except that a transactional task gets a session of its own on
+    this session's connection (a ``JobSession``, or the registry's ``session_factory``'s),
+    whose transaction is a savepoint: its writes and its completion land in the test's
+    transaction together, and a failure, or its own ``rollback()``, rolls back its writes
+    only. As on a worker, it may not commit. (Flask-SQLAlchemy's ``db.session`` is this
+    session itself, behind a savepoint.) Objects of this session are expired after such a
+    run: they load what the handler wrote when next read.
 
     Jobs a handler enqueues are run too, within the same call. Paused queues are skipped,
-    as a worker skips them.
+    as a worker skips them. A queue's limits (concurrency, rates) and fair share are not
+    applied; its order per key (``key_order="fifo"``) is: a job waits while an earlier job
+    of its key is unfinished (a retry scheduled), or dead with ``on_head_failure="hold"``.
 
     Time does not pass inside a transaction (``now()`` is when it began), so a failed
     attempt's retry and a delayed job stay scheduled: they show in the summary and in the
@@ -340,7 +347,7 @@ def run_queued_jobs(
         claimed = False
         for name in names:
             params = claim_params(name, 1, interval(3600), worker.name)
-            row = conn.execute(q.claim, dict(params)).first()
+            row = _claim_one(conn, jobs, name, params)
             if row is None:
                 continue
             claimed = True
@@ -356,6 +363,31 @@ def run_queued_jobs(
             break
     _expire_jobs(session, jobs)
     return summary
+
+
+def _claim_one(conn: sa.Connection, jobs: Jobs, queue: str, params: ClaimParams) -> Any:
+    """One job of ``queue``, claimed, or None. The plain claim, rates and concurrency
+    ignored; but of a queue in key order only a job at the head of its key, as a worker
+    claims them (the workers' limited claim, without its limits, walking every key): the
+    plain claim ran a key's second job while its first waited for its retry, or was dead
+    and held the key."""
+    queries = jobs.queries
+    limits = jobs.limits(queue)
+    if limits.key_order is None:
+        return conn.execute(queries.claim, dict(params)).first()
+    limited = limited_claim_params(
+        params,
+        concurrency=None,
+        rate=None,
+        period=None,
+        key_limit=limits.key_concurrency,
+        keyed=True,
+        fifo=limits.key_order == "fifo",
+        hold=limits.on_head_failure == "hold",
+    )
+    limited["scan"] = FIFO_SESSION_SCAN
+    rows = conn.execute(limited_statement(queries, limited), dict(limited)).all()
+    return next((row for row in rows if row.id is not None), None)
 
 
 def _flushed_connection(session: Session) -> sa.Connection:

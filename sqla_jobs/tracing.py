@@ -20,7 +20,8 @@ registry is defined, so that ``sqla-jobs worker`` picks it up too):
   span of its own, linked to it, for applications whose traces must stay short). It is
   the current span while the handler runs, in its thread or its asyncio task, so spans
   the handler makes (HTTP calls, queries) nest under it. A failure is recorded on it with
-  the exception; a timeout sets its status to error.
+  the exception (its type and ``<unprintable ...>`` if the exception cannot be printed:
+  the span is ended and exported all the same); a timeout sets its status to error.
 
 Only ``opentelemetry-api`` is needed: with no SDK configured the spans cost next to
 nothing and record nothing. The hooks are per registry (:mod:`sqla_jobs.events`), never
@@ -29,6 +30,7 @@ global; :meth:`JobTracing.close` removes them.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -170,14 +172,38 @@ class JobTracing:
         span: trace.Span = state[0]
         token: object = state[1]
         try:
-            span.set_attribute("sqla_jobs.job.outcome", outcome)
-            if error is not None and outcome in ("retried", "dead"):
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, describe(error)))
-            elif outcome == "cancelled" and job.cancel_reason:
-                span.set_attribute("sqla_jobs.job.cancel_reason", job.cancel_reason)
-                if job.cancel_reason.startswith("timed out"):
-                    span.set_status(Status(StatusCode.ERROR, job.cancel_reason))
-            span.end()
+            try:
+                span.set_attribute("sqla_jobs.job.outcome", outcome)
+                if error is not None and outcome in ("retried", "dead"):
+                    _record(span, error)
+                    span.set_status(Status(StatusCode.ERROR, describe(error)))
+                elif outcome == "cancelled" and job.cancel_reason:
+                    span.set_attribute("sqla_jobs.job.cancel_reason", job.cancel_reason)
+                    if job.cancel_reason.startswith("timed out"):
+                        span.set_status(Status(StatusCode.ERROR, job.cancel_reason))
+            finally:
+                # Whatever failed above, the run's span is ended, hence exported.
+                span.end()
         finally:
             otel_context.detach(token)  # type: ignore[arg-type]
+
+
+def _record(span: trace.Span, error: BaseException) -> None:
+    """The handler's error on the span, as an ``exception`` event. The SDK's
+    ``record_exception`` calls ``str(error)``, which a handler's error may fail at: then
+    the event has the error's type and :func:`describe`'s ``<unprintable ...>``."""
+    try:
+        span.record_exception(error)
+    except Exception:
+        kind = type(error)
+        span.add_event(
+            "exception",
+            {
+                "exception.type": kind.__qualname__
+                if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__qualname__}",
+                "exception.message": describe(error),
+                # The traceback module prints what str() cannot as a placeholder.
+                "exception.stacktrace": "".join(traceback.format_exception(error)),
+            },
+        )

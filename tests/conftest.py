@@ -168,12 +168,37 @@ def engine(database_url: str) -> Iterator[sa.Engine]:
     eng.dispose()
 
 
+#: What the other sessions of this worker's database are doing: when the emptying of the
+#: tables waits for a lock, they are what an earlier test left behind.
+_OTHERS = sa.text(
+    "SELECT pid, application_name, state, backend_type, now() - xact_start AS open_for, "
+    "left(query, 200) AS query FROM pg_stat_activity WHERE datname = current_database() "
+    "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+)
+
+
 @pytest.fixture
 def db(engine: sa.Engine) -> sa.Engine:
-    """The engine, with every table of the test app emptied."""
+    """The engine, with every table of the test app emptied.
+
+    A session an earlier test left open (a transaction, a worker process) can hold a lock
+    the TRUNCATE waits for: that once showed as this test's own timeout, three minutes
+    later, naming nothing. So the TRUNCATE waits 30 s at most; then this test fails with
+    what the other sessions were doing, and they are ended, so that the tests after it
+    start clean."""
     tables = ", ".join(f'"{app.SCHEMA}"."{t.name}"' for t in app.Base.metadata.sorted_tables)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("SET LOCAL lock_timeout = '30s'"))
+            conn.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    except sa.exc.OperationalError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
+        with engine.begin() as conn:
+            others = [dict(row._mapping) for row in conn.execute(_OTHERS)]
+            for row in others:
+                conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": row["pid"]})
+        pytest.fail(f"an earlier test left sessions holding the test tables: {others}")
     return engine
 
 

@@ -34,9 +34,15 @@ def terminate_backend(engine: sa.Engine, pid: int) -> None:
     """End the server process ``pid`` and wait until it is gone: the signal is sent at
     once and the backend ends a moment later, so a statement sent in between could still
     be answered (``pg_terminate_backend``'s timeout waits for the end, up to 10 s)."""
-    with engine.connect() as other:
-        ended = other.execute(sa.text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
-        assert ended.scalar(), f"backend {pid} did not end within 10 s"
+    # A connection of its own, never the pool's: the pool may hold the very backend to end
+    # (a test that picked one of its engine's idle connections), and ending itself failed.
+    alone = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
+    try:
+        with alone.connect() as other:
+            ended = other.execute(sa.text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
+            assert ended.scalar(), f"backend {pid} did not end within 10 s"
+    finally:
+        alone.dispose()
 
 
 def rows(engine: sa.Engine, model: Any = app.Job) -> list[Any]:

@@ -130,3 +130,36 @@ def test_enqueued_fires_only_for_the_rows_enqueue_many_inserted(
         inserted = asyncio.run(main())
     assert inserted == 2 and sorted(seen) == [2, 3]
     assert sorted(r.args["user_id"] for r in rows(db)) == [1, 2, 3]
+
+
+def test_an_enqueue_hook_adding_what_meta_cannot_hold_fails_no_enqueue(
+    Session: Any, db: sa.Engine, jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An enqueue hook that added a value JSON cannot hold (a ``datetime``) made the
+    caller's enqueue raise ``TypeError`` (and a cron tick's fail the maintenance pass),
+    though a hook never fails an enqueue. Its additions are dropped and logged; the
+    other hooks' stay, on every path."""
+    from datetime import datetime, timezone
+
+    def bad(task: str, queue: str, meta: dict[str, Any]) -> None:
+        meta["tenant"] = "t1"
+        meta["when"] = datetime.now(timezone.utc)
+
+    def good(task: str, queue: str, meta: dict[str, Any]) -> None:
+        meta["sqla_jobs.origin"] = "web"  # the library's own hooks write such keys
+
+    jobs.events.add_enqueue_hook(bad)
+    jobs.events.add_enqueue_hook(good)
+
+    @jobs.task(queue="q")
+    def work() -> None: ...
+
+    with caplog.at_level("ERROR", logger="sqla_jobs"):
+        with Session.begin() as session:
+            session.enqueue(work)
+            session.enqueue_many(work, [{}])
+        with db.begin() as conn:
+            jobs.enqueue(conn, work)
+    metas = [row.meta for row in rows(db)]
+    assert metas == [{"sqla_jobs.origin": "web"}] * 3
+    assert "is not JSON-serialisable" in caplog.text and "what it added is dropped" in caplog.text

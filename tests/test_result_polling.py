@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -26,16 +27,32 @@ def Session(db: sa.Engine, jobs: Jobs) -> Any:
     return sa.orm.sessionmaker(db, class_=JobSession, jobs=jobs, expire_on_commit=False)
 
 
+#: The listeners :func:`looks` put on engines, removed after each test: left on the
+#: session's shared engine, one turned psycopg's pipelining off for every later test of
+#: the same xdist worker (a listener before each cursor execute does).
+_noted: list[tuple[sa.Engine, Any]] = []
+
+
+@pytest.fixture(autouse=True)
+def _forget_looks() -> Iterator[None]:
+    yield
+    while _noted:
+        engine, note = _noted.pop()
+        event.remove(engine, "before_cursor_execute", note)
+
+
 def looks(engine: sa.Engine, jobs: Jobs) -> list[float]:
-    """When each look at a job's row (the ``outcome`` statement) is sent on ``engine``."""
+    """When each look at a job's row (the ``outcome`` statement) is sent on ``engine``,
+    until the test ends."""
     seen: list[float] = []
     outcome = str(jobs.queries.outcome.compile(dialect=engine.dialect))
 
-    @event.listens_for(engine, "before_cursor_execute")
     def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         if statement == outcome:
             seen.append(time.monotonic())
 
+    event.listen(engine, "before_cursor_execute", note)
+    _noted.append((engine, note))
     return seen
 
 
@@ -217,14 +234,23 @@ def test_a_listening_wait_whose_connection_is_ended_goes_on_on_a_new_one(
         session.commit()
     got: list[Any] = []
 
+    # The waiter's connections go by a name of their own: told apart by their last
+    # statement alone, an idle pooled connection of the test's engine that had read a
+    # job's last_error was taken for the waiter's and ended instead.
+    waiter_url = sa.make_url(database_url).update_query_dict({"application_name": "waiter"})
+
     def wait() -> None:
         try:
             if kind == "sync":
-                got.append(jobs.result(db, job.id, timeout=20))
+                engine = create_engine(waiter_url)
+                try:
+                    got.append(jobs.result(engine, job.id, timeout=20))
+                finally:
+                    engine.dispose()
                 return
 
             async def main() -> Any:
-                engine = create_async_engine(database_url)
+                engine = create_async_engine(waiter_url)
                 try:
                     return await jobs.result_async(engine, job.id, timeout=20)
                 finally:
@@ -238,7 +264,7 @@ def test_a_listening_wait_whose_connection_is_ended_goes_on_on_a_new_one(
         with db.connect() as conn:
             return conn.execute(
                 sa.text(
-                    "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'waiter' "
                     "AND datname = current_database() AND state = 'idle' "
                     "AND (query LIKE 'LISTEN%' OR query LIKE '%last_error%')"
                 )

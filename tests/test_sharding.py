@@ -439,8 +439,9 @@ def test_a_shard_not_migrated_yet_is_started_again_and_a_stop_ends_only_its_run(
 ) -> None:
     """Shard b's tables are not all there (a rolling migration has not reached it): its
     worker cannot start, and is started again until they are, while shard a drains (the
-    error stopped every shard). The worker stopped while b waited to be started again
-    serves b in its next run (the stop stood for ever: b's next run ended at once)."""
+    error stopped every shard); its health names it as not ready (it said "unreachable").
+    The worker stopped while b waited to be started again serves b in its next run (the
+    stop stood for ever: b's next run ended at once)."""
     fetch = _task(jobs)
     schedules = f'"{app.SCHEMA}".jobs_schedules'
     with shards["b"].begin() as conn:
@@ -451,7 +452,11 @@ def test_a_shard_not_migrated_yet_is_started_again_and_a_stop_ends_only_its_run(
     try:
         _fill({"a": shards["a"]}, jobs, fetch, 5)
         _wait(lambda: _count(shards["a"], JOB) == 0)
-        _wait(lambda: worker.health()["unreachable"] == ["b"])
+        # Named as not ready (a migration or a grant is wanted), not as unreachable.
+        _wait(lambda: worker.health()["not_ready"] == ["b"])
+        health = worker.health()
+        assert health["unreachable"] == [] and health["healthy"]
+        assert health["shards"]["b"]["database"].startswith("not ready for ")
     finally:
         worker.stop()
         runner.join(30)

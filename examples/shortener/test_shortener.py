@@ -31,9 +31,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def database() -> Iterator[str]:
-    """A fresh database, migrated to head, dropped afterwards."""
+    """A fresh database, migrated to head, dropped afterwards: one per test, since the
+    demo commits the links the other tests create (in a transaction they roll back), and
+    run before them it made their inserts collide."""
     server = normalize_url(os.environ.get("DATABASE_URL") or embedded_url())
     name = f"snip_{uuid.uuid4().hex[:8]}"
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
