@@ -278,7 +278,7 @@ def test_a_transaction_notifies_once_per_queue(
 
 
 def test_a_debounce_that_makes_its_job_ready_wakes_an_idle_worker(
-    Session: Any, db: sa.Engine, jobs: Jobs, idle_worker: Worker, started: dict[int, float]
+    Session: Any, db: sa.Engine, jobs: Jobs, started: dict[int, float]
 ) -> None:
     """``unique_on_conflict="replace"`` turns a waiting job into a ready one with an
     UPDATE, which the INSERT trigger does not see: the statement notifies by itself, so
@@ -289,24 +289,27 @@ def test_a_debounce_that_makes_its_job_ready_wakes_an_idle_worker(
         job = session.enqueue(debounce.with_options(delay=3600))
         session.flush()
         job_id = job.id
-    claims: list[float] = []
+    worker = Worker(jobs, db, queues=["mine"], poll_interval=60)
+    claims: list[bool] = []  # per claim: whether the LISTEN was held as it began
 
     def spy(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         if statement.lstrip().startswith("WITH next_jobs"):
-            claims.append(time.monotonic())
+            claims.append(worker.listening.is_set())
 
-    sa.event.listen(db, "after_cursor_execute", spy)
+    # Watched from before the worker starts: the claim that follows the LISTEN may come
+    # before this thread gets to look (the test failed under load when it looked for a
+    # claim later than its own reading of the clock).
+    sa.event.listen(db, "before_cursor_execute", spy)
     try:
-        # Once listening, the worker claims once (for what came before) and then sleeps:
-        # after that claim only a wake-up makes it claim again.
-        assert idle_worker.listening.wait(10)
-        listening = time.monotonic()
-        wait_for(lambda: any(at > listening for at in claims), timeout=5)
-        with Session.begin() as session:
-            assert session.enqueue(debounce).id == job_id  # replaced, now ready
+        with running(worker):
+            # Once listening, the worker claims once (for what came before) and then
+            # sleeps: after that claim only a wake-up makes it claim again.
+            wait_for(lambda: any(claims), timeout=10)
+            with Session.begin() as session:
+                assert session.enqueue(debounce).id == job_id  # replaced, now ready
+            committed = time.monotonic()
+            wait_for(lambda: job_id in started, timeout=5)
+            assert started[job_id] - committed < 1.0
+            wait_for(lambda: count(db) == 0, timeout=5)  # its completion: after its start
     finally:
-        sa.event.remove(db, "after_cursor_execute", spy)
-    committed = time.monotonic()
-    wait_for(lambda: job_id in started, timeout=5)
-    assert started[job_id] - committed < 1.0
-    wait_for(lambda: count(db) == 0, timeout=5)  # its completion is written after the start
+        sa.event.remove(db, "before_cursor_execute", spy)
