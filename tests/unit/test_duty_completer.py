@@ -185,3 +185,31 @@ def test_a_batch_whose_write_hit_a_bug_is_kept_for_the_next_round() -> None:
     assert [o.job for o in core.completer.batch] == [job] and core.unwritten == 1
     seen, more = run_steps(core.completer.run_once(), lambda step: Written({}))
     assert more is True and [type(st) for st in seen] == [s.Io] and core.unwritten == 0
+
+
+def test_a_wait_cut_short_with_nothing_taken_does_not_end_the_completer() -> None:
+    """``asyncio.run``'s teardown cancels every task at once. The asyncio driver ends the
+    completer's wait for outcomes that such a cancel lands in with what is there: nothing
+    yet, when the handlers it also cancelled have not handed their jobs back. That empty
+    batch ended the completer, and the handed-back outcomes that came a moment later were
+    never written: the jobs stayed ``running`` until their leases passed. Only the run's
+    end (END) ends it."""
+    core, driver, _ = make(completion_interval=0.01)
+    [job] = core.claimed([row(1)])
+    waiting: list[Any] = []
+    writes: list[int] = []
+
+    def answer(step: s.Step) -> Any:
+        if isinstance(step, s.TakeOutcomes):
+            taken, waiting[:] = waiting[: step.limit], waiting[step.limit :]
+            return taken  # nothing yet: the wait cut short
+        assert isinstance(step, s.Io) and step.on is s.Conn.WRITE
+        writes.append(len(step.args[1]))
+        return Written({})
+
+    assert run_steps(core.completer.run_once(), answer)[1] is True  # not done
+    core.finished(job, Outcome(OutcomeKind.SNOOZED, job, delay=0.0))
+    waiting[:] = [*driver.recorded, s.END]
+    assert run_steps(core.completer.run_once(), answer)[1] is True
+    assert run_steps(core.completer.run_once(), answer)[1] is False
+    assert writes == [1] and core.unwritten == 0

@@ -46,7 +46,7 @@ class Completer(Duty):
 
     def run_once(self) -> Steps:
         """Write one batch of outcomes, retrying through database errors. Returns False
-        once the worker stopped and every outcome is written."""
+        once the run has ended and every outcome is written."""
         core = self.core
         batch = self.batch or (yield from self.take_batch())
         self.batch = []
@@ -54,7 +54,11 @@ class Completer(Duty):
         # here, off the heartbeat: their outcomes just woke the completer.
         core.tell()
         if not batch:
-            return False
+            # Done only once the run has ended (END). A wait that a cancel cut short
+            # (``asyncio.run``'s teardown cancels every task at once) gives what is there,
+            # maybe nothing yet: the handlers it cancelled hand their jobs back a moment
+            # later, and a completer that ended here left those outcomes unwritten.
+            return not self.ended
         try:
             yield from self.write(batch)
         except Exception:
