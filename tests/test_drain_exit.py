@@ -266,8 +266,9 @@ def test_a_free_tenant_beyond_two_walks_of_dead_tenants_runs_before_the_run_ends
     worker = make_worker(dx, db, settings=settings, queues=["dxfair"])
     began = time.monotonic()
     assert worker.run_until_empty(timeout=30) == 5
-    # Its last look walks round (from the free key, the last one) and ends the run.
-    assert time.monotonic() - began < 10
+    # Its last look walks round (from the free key, the last one) and ends the run, well
+    # before its timeout: half a second here, 11 s once on a machine loaded five times over.
+    assert time.monotonic() - began < 20
     assert count(db, status="ready") == 0
 
 
@@ -282,7 +283,7 @@ def test_a_free_key_beyond_held_keys_in_a_limited_ordered_queue_runs_before_the_
     worker = make_worker(dx, db, settings=settings, queues=["dxord"])
     began = time.monotonic()
     assert worker.run_until_empty(timeout=30) == 5
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 20  # well before its timeout, on a loaded machine too
     assert count(db, status="ready") == 200  # behind their dead heads
 
 
@@ -296,7 +297,7 @@ def test_a_queue_of_held_keys_only_is_still_called_empty(db: sa.Engine, make_wor
     worker = make_worker(dx, db, settings=settings, queues=["dxord"])
     began = time.monotonic()
     assert worker.run_until_empty(timeout=30) == 0
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 20  # well before its timeout, on a loaded machine too
 
 
 # -- paused queues -------------------------------------------------------------------------

@@ -86,14 +86,17 @@ def test_a_timed_out_job_times_out_again_on_its_retry_by_the_same_worker(
         @jobs.task(queue="q", name="sleepy", timeout=0.3, max_attempts=3)
         def sleepy() -> None:
             runs.append(current_job().attempts)
-            time.sleep(0.6)  # ignores the cancellation, as a blocking call would
+            # Ignores the cancellation, as a blocking call would. Far past the timeout: the
+            # heartbeat's tick finds it overdue, and a tick late by the time a 0.6 s sleep
+            # left (a loaded machine) let the run end first, a success.
+            time.sleep(1.5)
 
     else:
 
         @jobs.task(queue="q", name="sleepy", timeout=0.3, max_attempts=3)
         async def sleepy() -> None:  # type: ignore[misc]
             runs.append(current_job().attempts)
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(1.5)
 
     seen: list[str] = []
     for name in ("failed", "retried", "dead", "cancelled", "succeeded"):

@@ -139,9 +139,11 @@ def test_run_queued_jobs_in_an_app_context_shares_its_db_session(app: Any) -> No
         db.session.rollback()
 
 
-def test_the_app_is_the_last_one_initialised() -> None:
-    assert flask_app.flask_jobs.app is not None
-    assert flask_app.flask_jobs.app.extensions["sqla_jobs"] is flask_app.flask_jobs
+def test_the_app_is_the_last_one_initialised(app: Any) -> None:
+    # The fixture's app is the last one made: run first in its process, this test found
+    # none when it relied on an earlier test's.
+    assert flask_app.flask_jobs.app is app
+    assert app.extensions["sqla_jobs"] is flask_app.flask_jobs
     with pytest.raises(ValueError, match="already has a session_factory"):
         from sqla_jobs import Jobs
         from sqla_jobs.flask import FlaskJobs
