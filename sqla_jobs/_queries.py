@@ -340,7 +340,8 @@ def claim_params(queue: str, limit: int, lease: timedelta, worker: str) -> Claim
 # workers, but for as long as it likes by an application's ``session.claim`` in an open
 # transaction (a paused process, a slow request), and the fetch loop, which claims every
 # queue in turn on one connection, stopped claiming any of them while it waited. Past the
-# timeout the queue is left for a poll interval (``LimitedClaim.busy``).
+# timeout the queue is left for a while, longer each time it stays busy, up to a poll
+# interval (``LimitedClaim.busy``, ``Fetcher.limited_claimed``).
 def _limit_lock(t: sa.Table, *, generic_plan: bool = False) -> sa.Select[Any]:
     lock = sa.func.pg_advisory_xact_lock(
         sa.func.hashtext(f"sqla_jobs.limits:{t.fullname}"),

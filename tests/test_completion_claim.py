@@ -145,7 +145,7 @@ def test_a_claim_whose_queue_is_locked_elsewhere_finds_it_busy(
 ) -> None:
     """The queue's lock is held by another transaction (an application's open
     ``session.claim``) past the claim's own ``lock_timeout``: the outcomes are written,
-    nothing is claimed, and the queue is reported busy (left for a poll interval), not as
+    nothing is claimed, and the queue is reported busy (left for a while), not as
     an error."""
     claimed = _running(db, conn, 5)
     with db.connect() as holder:

@@ -113,6 +113,9 @@ class Fetcher(Duty):
         #: Queues whose last claims the database refused (see :meth:`refused`): how many
         #: in a row, and the monotonic time before which the queue is not claimed again.
         self.failing: dict[str, tuple[int, float]] = {}
+        #: Limited queues whose last claims found their lock another transaction's (see
+        #: :meth:`limited_claimed`): how many in a row.
+        self.busy: dict[str, int] = {}
         #: When a NOTIFY last named each queue (monotonic): a claim that began before it
         #: may have missed its jobs, so it does not make the queue dry. Written by the
         #: listener, read by the fetch loop, both under the core's lock.
@@ -562,9 +565,16 @@ class Fetcher(Duty):
                 # application's session.claim left open, this worker's own completer on
                 # a loaded machine): the other queues go on, and this one is tried again
                 # once the hold has passed, held by time (run_until_empty waits for it).
-                self.held[queue] = time.monotonic() + core.settings.poll_interval
+                # The hold grows from LIMIT_RECHECK to the poll interval: the completer's
+                # lock is gone in moments, and a whole poll interval for each busy claim
+                # left a loaded machine's drain waiting seconds on a queue with jobs.
+                tries = self.busy[queue] = self.busy.get(queue, 0) + 1
+                hold = min(core.settings.poll_interval, LIMIT_RECHECK * 2.0 ** (tries - 1))
+                self.held[queue] = time.monotonic() + hold
                 self.time_held.add(queue)
-            elif len(found.rows) < params["limit"] and found.held:
+                return
+            self.busy.pop(queue, None)
+            if len(found.rows) < params["limit"] and found.held:
                 if found.rate_free_in is not None or found.key_free_in is not None:
                     self.time_held.add(queue)
                 wait = LIMIT_RECHECK

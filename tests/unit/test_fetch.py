@@ -322,3 +322,32 @@ def test_a_busy_limited_queue_is_held_by_time_not_for_good() -> None:
     assert "lim" in fetcher.held and "lim" in fetcher.time_held
     steps, held_for_good = run_steps(fetcher.held_for_good(), lambda step: False)
     assert held_for_good is False and steps == []  # not asked whether anything runs
+
+
+def test_a_busy_limited_queue_is_held_a_little_longer_each_time_up_to_a_poll_interval() -> None:
+    """The hold of a busy queue starts at LIMIT_RECHECK and doubles while its claims stay
+    busy, up to the poll interval; a claim that is not busy starts it over. A whole poll
+    interval for every busy claim (the worker's own completer holding the lock a moment
+    on a loaded machine) left a drain of a key-walking queue idle for 10 s of 11."""
+    jobs = Jobs(app.Job)
+    jobs.queue("lim", concurrency=5)
+
+    @jobs.task(queue="lim", name="limited")
+    def limited() -> None: ...
+
+    core = WorkerCore(jobs, WorkerSettings(queues=("lim",), poll_interval=1.0), FakeDriver())
+    fetcher = core.fetcher
+    params = fetcher.limited_params("lim", {"queue_name": "lim", "limit": 10})  # type: ignore[typeddict-item]
+
+    def hold(found: LimitedClaim) -> float:
+        began = time.monotonic()
+        fetcher.limited_claimed("lim", params, found)
+        return fetcher.held.get("lim", began) - began
+
+    busy = LimitedClaim([], True, None, busy=True)
+    holds = [hold(busy) for _ in range(5)]
+    first = fetch_mod.LIMIT_RECHECK
+    expected = [first, 2 * first, 4 * first, 1.0, 1.0]
+    assert holds == pytest.approx(expected, abs=0.05)
+    assert hold(LimitedClaim([row(1, queue="lim")], False, None)) == pytest.approx(0, abs=0.05)
+    assert hold(busy) == pytest.approx(first, abs=0.05)  # started over
