@@ -259,14 +259,20 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
             leave()
 
     # Enough jobs for the claim-ahead estimate (from measured rates) to rise above zero
-    # on a slow round too: with 600, one CI run never claimed ahead.
+    # on a slow round too: with 600, one CI run never claimed ahead. The estimate is the
+    # jobs that finish in a claim's round trip, so a machine loaded enough may still not
+    # claim ahead in one drain: up to three drains, each checked, until one did.
     n = 2_000
-    with Session.begin() as session:
-        session.enqueue_many(quick, [{"i": i} for i in range(n)])
     worker = make_worker(jobs, db, queues=["q"], concurrency=3, claim_limit=3)
-    assert worker.run_until_empty(timeout=60) == n
-    assert sorted(ran) == list(range(n)) and count(db) == 0
-    assert most_running <= 3
+    for _ in range(3):
+        ran.clear()
+        with Session.begin() as session:
+            session.enqueue_many(quick, [{"i": i} for i in range(n)])
+        assert worker.run_until_empty(timeout=60) == n
+        assert sorted(ran) == list(range(n)) and count(db) == 0
+        assert most_running <= 3
+        if most_held > 3:
+            break
     assert most_held > 3  # it did claim ahead: without that, this test proves nothing
 
 
