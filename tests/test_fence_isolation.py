@@ -234,7 +234,18 @@ def test_a_failed_run_past_its_lease_keeps_its_claim_until_its_outcome_is_writte
     transaction rolled back (the row unlocked), its lease is renewed before its outcome
     is recorded: another worker's rescue, run as the completer sends the failure, finds
     nothing, and the job ends dead after its one run."""
-    worker = Worker(jobs, database_url, queues=["lap"], listen=False, lease=1.5, concurrency=1)
+    # Its own rescue only after the test: it could come in the one round trip between the
+    # rollback and the renewal (a window keep_lease leaves; a loaded CI machine widened
+    # it). The rescue tested is the other worker's, as the completer sends the failure.
+    worker = Worker(
+        jobs,
+        database_url,
+        queues=["lap"],
+        listen=False,
+        lease=1.5,
+        concurrency=1,
+        rescue_interval=60,
+    )
     watcher = _rc(database_url)
     rescued: list[Any] = []
 
