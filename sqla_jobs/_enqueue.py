@@ -1054,6 +1054,19 @@ def _encoded_for(encode: Any, row: dict[str, Any], encodings: Encodings) -> Any:
     return checked
 
 
+class _DefaultContext:
+    """What a context-sensitive default function of the application's model
+    (``default=lambda context: ...``) is given where SQLAlchemy's execution cannot give its
+    own (a scoped unique job's INSERT is a CTE, whose defaults SQLAlchemy leaves out): the
+    job's column values, as ``get_current_parameters()`` gives an INSERT's."""
+
+    def __init__(self, values: Any) -> None:
+        self.current_parameters: dict[str, Any] = dict(values)
+
+    def get_current_parameters(self, isolate_multiinsert_groups: bool = True) -> dict[str, Any]:
+        return self.current_parameters
+
+
 def enqueue_scoped(
     connection: Any, queries: Queries, params: JobParams, scope: Any
 ) -> tuple[int, str]:
@@ -1073,6 +1086,10 @@ def enqueue_scoped(
             queries.place_scoped,
             {
                 **{f"p_{name}": value for name, value in params.items()},
+                **{
+                    name: default.arg(_DefaultContext(params))
+                    for name, default in queries.scoped_callable_defaults
+                },
                 "holder": holder,
                 "held": held,
                 "states": list(scope.states),

@@ -2620,6 +2620,9 @@ def _take_key(k: sa.Table) -> sa.Insert:
 # period and the job that took it is gone. The holder is found by primary key. A new job
 # wakes the workers through the table's INSERT trigger; a replaced one that is ready now
 # (a debounce whose wait is over) wakes them here, with the same NOTIFY (sent at commit).
+# SQLAlchemy fills no Python-side column default in an INSERT that is a CTE (a column of
+# the application's model, a tenant, was NULL): the new row takes them from
+# _python_defaults, a callable's value bound as ``d_<column>`` by the caller.
 def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     c = t.c
     # Prefixed: a parameter named like a column would join the UPDATEs' SET lists.
@@ -2649,6 +2652,7 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
         replaced.c.status == status_literal(JobStatus.READY)
     )
     n_woken = sa.select(sa.func.count()).select_from(woken.subquery("woken")).scalar_subquery()
+    defaults = _python_defaults(t)
     blocks = sa.or_(
         sa.bindparam("held", type_=sa.Boolean),
         sa.exists().where(c.id == holder, c.status == sa.any_(states)),
@@ -2656,7 +2660,7 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     new = (
         pg_insert(t)
         .from_select(
-            [*(name for name, _ in _BULK_COLUMNS), "concurrency_key"],
+            [*(name for name, _ in _BULK_COLUMNS), "concurrency_key", *defaults],
             sa.select(
                 p["task"],
                 p["queue"],
@@ -2671,6 +2675,7 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
                 sa.null(),
                 sa.cast(p["meta"], JSONB),
                 p_key,
+                *defaults.values(),
             ).where(
                 ~sa.exists(sa.select(replaced.c.id)),
                 sa.or_(replace, ~blocks),
@@ -2700,6 +2705,40 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
         .subquery("placed")
         .select()
         .add_cte(keys)
+    )
+
+
+def _python_defaults(t: sa.Table) -> dict[str, Any]:
+    """SQL for each column of ``t`` that the job INSERTs leave out and that has a default
+    of SQLAlchemy's, by column name: a constant, an SQL expression, a sequence's next value,
+    or for a Python callable (whose value is new at each enqueue) the bind parameter
+    ``d_<column>`` (see :func:`_callable_defaults`)."""
+    written = set(INSERTED_COLUMNS)
+    found: dict[str, Any] = {}
+    for column in t.c:
+        default = column.default
+        if column.name in written or default is None:
+            continue
+        if isinstance(default, sa.Sequence):
+            found[column.name] = default.next_value()
+        elif default.is_clause_element:
+            found[column.name] = sa.type_coerce(default.arg, column.type)  # type: ignore[attr-defined]
+        elif default.is_callable:
+            found[column.name] = sa.bindparam(f"d_{column.name}", type_=column.type)
+        else:
+            found[column.name] = sa.literal(default.arg, column.type)  # type: ignore[attr-defined]
+    return found
+
+
+def _callable_defaults(t: sa.Table) -> tuple[tuple[str, Any], ...]:
+    """The ``d_<column>`` parameters of :func:`_place_scoped`, each with the column's
+    Python-callable default (SQLAlchemy's, wrapped to take an execution context), which the
+    caller calls once per job (``sqla_jobs._enqueue.enqueue_scoped``)."""
+    written = set(INSERTED_COLUMNS)
+    return tuple(
+        (f"d_{column.name}", column.default)
+        for column in t.c
+        if column.name not in written and column.default is not None and column.default.is_callable
     )
 
 
@@ -3015,6 +3054,7 @@ class Queries:
         self.unique_keys_table = unique_keys = companions.unique_keys
         self.take_key = _take_key(unique_keys)
         self.place_scoped = _place_scoped(t, unique_keys, channel)
+        self.scoped_callable_defaults = _callable_defaults(t)
         self.lock_stale_keys = _lock_stale_keys(t, unique_keys)
         self.prune_unique_keys = _prune_unique_keys(t, unique_keys)
         self.key_starts_table = key_starts = companions.key_starts

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
-from sqla_jobs import EnqueueError, Jobs, JobSession, Worker, create_engine
+from sqla_jobs import EnqueueError, JobMixin, Jobs, JobSession, Worker, create_engine
 from sqla_jobs.model import companion_tables
 from sqla_jobs.worker._statements import prune
 
@@ -482,3 +484,65 @@ def test_scoped_enqueues_in_autocommit_racing_leave_one_live_job_per_key(
     engine.dispose()
     assert errors == []
     assert count(db) == keys
+
+
+# -- the application's own columns ----------------------------------------------------------
+
+
+@pytest.fixture
+def defaulted_jobs(engine: sa.Engine) -> Any:
+    """A job model whose own columns have every kind of SQLAlchemy (Python-side) default."""
+    schema = f"scoped_{uuid.uuid4().hex[:8]}"
+    made = iter(range(1, 1000))
+
+    class Base(DeclarativeBase):
+        metadata = sa.MetaData(schema=schema)
+
+    class TenantJob(JobMixin, Base):
+        __tablename__ = "jobs"
+        tenant: Mapped[str | None] = mapped_column(default="acme")
+        serial: Mapped[int | None] = mapped_column(default=lambda: next(made))
+        lane: Mapped[str | None] = mapped_column(
+            default=lambda context: context.get_current_parameters()["queue"] + "-lane"
+        )
+        made_at: Mapped[Any] = mapped_column(sa.DateTime(timezone=True), default=sa.func.now())
+
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        TenantJob.metadata.create_all(conn)
+    try:
+        yield Jobs(TenantJob), schema
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.parametrize(
+    "scope", [{"unique_for": 60}, {"unique_on_conflict": "replace"}], ids=["period", "debounce"]
+)
+def test_a_scoped_job_gets_the_model_s_python_defaults(
+    engine: sa.Engine, defaulted_jobs: Any, scope: dict[str, Any]
+) -> None:
+    """The scoped job's INSERT is a CTE, where SQLAlchemy fills no Python-side default:
+    the application's columns were NULL there, where every other enqueue wrote them."""
+    tjobs, schema = defaulted_jobs
+
+    @tjobs.task(queue="mail", **scope)
+    def t(i: int) -> None: ...
+
+    with engine.begin() as conn:
+        tjobs.enqueue(conn, t.with_options(unique_key="a"), 1)
+        tjobs.enqueue(conn, t.with_options(unique_key="a"), 2)  # kept or replaced
+    with sessionmaker(engine, class_=JobSession, jobs=tjobs).begin() as session:
+        session.enqueue(t.with_options(unique_key="b"), 3)
+    with engine.connect() as conn:
+        got = conn.exec_driver_sql(
+            f'SELECT unique_key, tenant, serial, lane, made_at IS NOT NULL FROM "{schema}".jobs'
+            " ORDER BY id"
+        ).all()
+    # A replaced job keeps what its INSERT wrote. The callable is called once per enqueue,
+    # whether or not it places a new job (a gap, as a sequence leaves).
+    assert [tuple(r) for r in got] == [
+        (None, "acme", 1, "mail-lane", True),
+        (None, "acme", 3, "mail-lane", True),
+    ]
