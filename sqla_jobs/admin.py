@@ -2134,6 +2134,14 @@ def blocked_keys(
                 before.status.in_(statuses),
                 before.id < c.id,
             ),
+            # An earlier job that runs (an operator's retry) is the head: not in
+            # <table>_key_order, found through <table>_keys.
+            ~sa.exists().where(
+                before.queue == c.queue,
+                before.concurrency_key == c.concurrency_key,
+                before.status == _lit(JobStatus.RUNNING),
+                before.id < c.id,
+            ),
         )
         .order_by(c.queue, c.concurrency_key)
     )

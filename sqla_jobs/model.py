@@ -145,9 +145,18 @@ STATUSES: tuple[str, ...] = tuple(s.value for s in JobStatus)
 
 #: Statuses in which a job is still "live": it will run, or is running.
 LIVE_STATUSES: tuple[str, ...] = (JobStatus.SCHEDULED, JobStatus.READY, JobStatus.RUNNING)
-#: The rows of ``<table>_key_order``: keyed jobs that wait, run, or failed (a dead or
-#: cancelled head can hold its key in a queue with ``key_order="fifo"``).
-KEY_ORDER_STATUSES: tuple[str, ...] = (*LIVE_STATUSES, JobStatus.DEAD, JobStatus.CANCELLED)
+#: The rows of ``<table>_key_order``: keyed jobs that wait, or failed (a dead or
+#: cancelled head can hold its key in a queue with ``key_order="fifo"``). Not the running
+#: ones: a claim changes a job's status, so PostgreSQL writes every index whose predicate
+#: the claimed row meets, and this one, whose entries of 1,000 keys lie all over it, was
+#: most of what a keyed claim cost beyond the plain one (see ``_fifo_heads`` for how a
+#: running head still holds its key).
+KEY_ORDER_STATUSES: tuple[str, ...] = (
+    JobStatus.SCHEDULED,
+    JobStatus.READY,
+    JobStatus.DEAD,
+    JobStatus.CANCELLED,
+)
 
 #: The states of a durable step (``<table>_steps.state``) that keep its job suspended: the
 #: rows of ``<table>_steps_suspended`` (see :mod:`sqla_jobs.steps`).
@@ -502,8 +511,10 @@ def add_constraints(table: sa.Table) -> None:
     keyed = "status = 'running' AND concurrency_key IS NOT NULL"
     partial("keys", c.queue, c.concurrency_key, where=keyed)
     # Queues with key_order="fifo": the claim takes a keyed job only when no earlier job
-    # of its key waits, runs or (held) failed, one probe of this index per candidate. Keyed
-    # rows only, and not the finished ones (a dead or cancelled one can hold its key).
+    # of its key waits or (held) failed, one probe of this index per key, and none of its
+    # key runs (<table>_keys). Keyed rows only, not the running ones (KEY_ORDER_STATUSES),
+    # and not the finished ones (a dead or cancelled one can hold its key). The fair claim
+    # walks its keys and reads their ready jobs here too.
     fifo = f"concurrency_key IS NOT NULL AND status IN ({_status_list(KEY_ORDER_STATUSES)})"
     partial("key_order", c.queue, c.concurrency_key, c.id, where=fifo)
     # Workflows: a finishing parent finds its waiting children by ``parents && ARRAY[id]``.

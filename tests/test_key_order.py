@@ -171,6 +171,21 @@ def test_a_failed_head_holds_its_key_until_an_operator_acts(db: sa.Engine) -> No
     assert _claim(db) == [ids[1]]
 
 
+def test_a_job_cancelled_behind_a_running_head_is_blocked_only_once_that_head_ends(
+    db: sa.Engine,
+) -> None:
+    """Running jobs are not in ``<table>_key_order``: a blocked key is one whose dead or
+    cancelled head has nothing before it there, nor running."""
+    ids = _enqueue(db, "aa")
+    assert _claim(db) == [ids[0]]
+    with db.begin() as conn:  # an operator cancels the job waiting behind the running head
+        assert admin.cancel_jobs(conn, jobs, ids=[ids[1]]) == 1
+    assert _blocked(db) == []  # a's head runs: nothing holds a yet
+    _finish(db, [ids[0]])
+    [blocked] = _blocked(db)
+    assert (blocked.key, blocked.head_id, blocked.head_status) == ("a", ids[1], "cancelled")
+
+
 def test_the_cli_lists_blocked_keys_and_exits_1(db: sa.Engine) -> None:
     from .test_cli_worker import run_cli
 
@@ -229,12 +244,15 @@ def test_a_bulk_call_and_a_savepoint_keep_the_order(db: sa.Engine) -> None:
 
 def test_claims_walk_the_keys_in_turn_so_that_none_is_out_of_reach(db: sa.Engine) -> None:
     """A claim visits at most ``scan`` keys (64 here), starting after the key where the
-    last one stopped and wrapping around: with the first hundred keys' heads running, the
-    one key that can go, last in key order, is reached by the second claim."""
+    last one stopped and wrapping around: with the first hundred keys' heads running, each
+    with a job waiting behind it, the one key that can go, last in key order, is reached
+    by the second claim. (A key whose jobs all run is not walked: running jobs are not in
+    ``<table>_key_order``.)"""
     accounts = [f"k{n:03}" for n in range(101)]
     with db.begin() as conn:
         ids = {a: jobs.enqueue(conn, ordered, account=a) for a in accounts}
-        behind = jobs.enqueue(conn, ordered, account="k000")
+        waiting = {a: jobs.enqueue(conn, ordered, account=a) for a in accounts[:100]}
+        behind = waiting["k000"]
         conn.execute(
             sa.update(Job)
             .where(Job.c.id.in_([ids[a] for a in accounts[:100]]))

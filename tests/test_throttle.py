@@ -311,6 +311,46 @@ def test_concurrent_claims_take_one_job_per_key(db: sa.Engine) -> None:
     assert sum(len(f.rows) for f in found) == 3  # a, b, c get a second; d has no more
 
 
+def test_a_keyed_claim_tells_when_a_key_at_its_limit_held_jobs_back(db: sa.Engine) -> None:
+    """A keyed claim reads only its candidates (the first ready rows of keys with room),
+    and a key at its limit holds its ready rows back unseen: the claim looks for one, so
+    that a worker does not take the queue for empty (and wait for a NOTIFY that never
+    comes) while the key's next job waits for its running one, nor hold an empty queue."""
+    queries = app.limited_jobs.queries
+
+    def claim(worker: str) -> Any:
+        params = limited_claim_params(
+            claim_params("keyed", 10, interval(30), worker),
+            concurrency=None,
+            rate=None,
+            period=None,
+            key_limit=1,
+        )
+        with db.connect() as c:
+            return worker_db.claim_limited(
+                c.execution_options(isolation_level="AUTOCOMMIT"), queries, params
+            )
+
+    def finish_running() -> None:
+        with db.begin() as conn:
+            t = app.Job.__table__
+            conn.execute(sa.update(t).where(t.c.status == "running").values(status="done"))
+
+    with db.begin() as conn:
+        app.limited_jobs.enqueue_many(
+            conn, app.keyed_work, [{"account": a, "seconds": 0} for a in "aab"]
+        )
+    first = claim("w1")  # a and b; a's second is behind a
+    assert len(first.rows) == 2 and first.held
+    second = claim("w2")  # nothing: a's second waits for a, unseen by the candidates
+    assert not second.rows and second.held
+    finish_running()
+    third = claim("w3")
+    assert len(third.rows) == 1 and not third.held
+    fourth = claim("w4")  # a runs, with nothing behind it: the queue is empty
+    assert not fourth.rows and not fourth.held
+
+
 def test_concurrent_claims_share_one_rate(db: sa.Engine) -> None:
     with db.begin() as conn:
         app.limited_jobs.enqueue_many(conn, app.rated_work, [{}] * 40)
