@@ -1107,19 +1107,26 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     )
     # The keyed picks were read locked (SKIP LOCKED: another claim's are passed over); the
     # few jobs without a key were read unlocked (locking the first :limit ready jobs of a
-    # queue whose jobs nearly all have keys would lock them for nothing): lock the chosen.
+    # queue whose jobs nearly all have keys would lock them for nothing): lock the chosen
+    # ones of those. Locking the keyed ones again, which this claim holds already, was a
+    # tenth of a fair claim of 200 (a probe of the primary key and a lock check each).
     #
     # Both by ``id = ANY(ARRAY(...))``, probes of the primary key: as joins (``IN`` the
     # ranked ids, ``UPDATE ... FROM chosen``), PostgreSQL costed a claim of 200 as two
     # hash joins over sequential scans of the whole table, so the claim grew with the
     # table (9 ms at 20,000 jobs, most of it the two scans).
     mine = t.alias("mine").c
-    chosen = (
+    unkeyed_ids = sa.select(ranked.c.id).where(ranked.c.key.is_(None)).scalar_subquery()
+    unkeyed_locked = (
         sa.select(mine.id)
-        .where(mine.id == sa.any_(_ids_of(ranked.c.id)))
+        .where(mine.id == sa.any_(sa.func.array(unkeyed_ids, type_=ARRAY(sa.BigInteger))))
         .with_for_update(skip_locked=True, key_share=True)
-        .cte("chosen")
+        .cte("unkeyed_locked")
     )
+    chosen = sa.union_all(
+        sa.select(ranked.c.id).where(ranked.c.key.is_not(None)),
+        sa.select(unkeyed_locked.c.id),
+    ).cte("chosen")
     claimed = (
         sa.update(t)
         .where(c.id == sa.any_(_ids_of(chosen.c.id)), c.status == status_literal(JobStatus.READY))

@@ -174,6 +174,11 @@ def test_jobs_without_a_key_take_their_turn(db: sa.Engine) -> None:
 
 
 def test_concurrent_claims_never_take_a_job_twice(db: sa.Engine) -> None:
+    """Keyed jobs are locked as they are read, jobs without a key once chosen: both kinds
+    are raced (those first in the queue: the claim looks for them among its first ready
+    jobs)."""
+    with db.begin() as conn:
+        jobs.enqueue_many(conn, shared, [{"tenant": None}] * 60)
     _burst(db, big=300, small=10, each=10)
     barrier = threading.Barrier(6)
     found: list[list[int]] = []
@@ -197,6 +202,7 @@ def test_concurrent_claims_never_take_a_job_twice(db: sa.Engine) -> None:
     claimed = list(itertools.chain(*found))
     assert len(claimed) == len(set(claimed)) > 0
     assert count(db, status="running") == len(claimed)
+    assert None in _tenants(db, claimed)  # jobs without a key were among them
 
 
 def test_session_claim_shares_too(db: sa.Engine) -> None:
