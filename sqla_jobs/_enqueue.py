@@ -45,6 +45,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import InstanceState, Session, make_transient, make_transient_to_detached
 from sqlalchemy.orm.attributes import instance_state
+from sqlalchemy.orm.exc import FlushError
 
 from ._bulk import CheckedLater, copy_allowed, copy_run, gc_paused, python_defaults
 from ._direct import autocommit, compiled, execute, execute_each, pipeline_allowed
@@ -275,9 +276,23 @@ def place_on_connection(connection: sa.Connection, pending: PendingJob) -> tuple
     # a Python-side default is filled by its execution alone (sent as compiled, it was NULL).
     if pipeline_allowed(connection) and not python_defaults(q.table):
         made = compiled(q.compiled, q.insert_job, connection.dialect)
-        [(job_id,)] = execute(connection, made, params)  # RETURNING id, no conflict clause
-        return int(job_id), True
-    return connection.execute(q.insert_job, params).scalar_one(), True
+        found = execute(connection, made, params)  # RETURNING id, no conflict clause
+        new_id: Any = found[0][0] if found else None
+    else:
+        new_id = connection.execute(q.insert_job, params).scalar_one_or_none()
+    if new_id is None:
+        raise EnqueueError(_not_written(q.table, params["task"]))
+    return int(new_id), True
+
+
+def _not_written(table: sa.Table, task: str) -> str:
+    """Why an INSERT of one job returned no row: nothing of ours skips one, so an
+    application's ``BEFORE INSERT`` trigger did (it returned NULL). Said so, rather than
+    an unpacking error from deep inside the enqueue."""
+    return (
+        f"the job of task {task!r} was not written: the INSERT into {table.fullname} "
+        "returned no row (a BEFORE INSERT trigger on the table skipped it)"
+    )
 
 
 @contextlib.contextmanager
@@ -677,6 +692,13 @@ def write_direct(session: Session) -> list[Any]:
         # application may have changed them in place since, as the ORM would write.
         params = [job_params(state.dict, encode=True) for state in group]
         sent.append((shape, group, execute_each(connection, made, params)))
+    for _, group, found in sent:
+        for state, rows in zip(group, found, strict=True):
+            if len(rows) != 1:
+                # Before any job becomes persistent: the flush fails whole, as the ORM's
+                # does for a row its INSERT did not return (FlushError, its message
+                # naming triggers too).
+                raise FlushError(_not_written(state.mapper.local_table, state.dict["task"]))  # type: ignore[arg-type]
     written: list[Any] = []
     for shape, group, found in sent:
         for state, [row] in zip(group, found, strict=True):

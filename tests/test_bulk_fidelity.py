@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.orm.exc import FlushError
 
-from sqla_jobs import JobMixin, Jobs, JobSession
+from sqla_jobs import EnqueueError, JobMixin, Jobs, JobSession
 from sqla_jobs._bulk import COPY_BLOCK_ROWS, COPY_MIN_ROWS, _text
 from sqla_jobs.model import KEEP_KEY
 from sqla_jobs.session import CHECK_AS_WRITTEN_MIN_ROWS
@@ -258,6 +259,38 @@ def test_the_count_is_of_the_rows_written(
 ) -> None:
     """COPY said every row was written, whatever a ``BEFORE INSERT`` trigger skipped."""
     assert _many(via, Session, db, jobs, echo, n) == count(db) == (n + 1) // 2
+
+
+def test_one_job_a_trigger_skipped_fails_its_flush_with_the_reason(
+    Session: Any, db: sa.Engine, echo: Any, skip_odd: None
+) -> None:
+    """``session.enqueue``'s job, written around the ORM, failed the commit with
+    ``ValueError: not enough values to unpack``; the ORM's own flush says what happened.
+    The flush fails whole: the other job of the flush is not written either."""
+    with Session() as session:
+        session.enqueue(echo, i=2)
+        session.enqueue(echo, i=1)
+        with pytest.raises(FlushError, match="BEFORE INSERT trigger on the table skipped it"):
+            session.commit()
+    assert count(db) == 0
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["psycopg", "sqlalchemy"])
+def test_one_job_a_trigger_skipped_is_refused_on_a_connection(
+    db: sa.Engine, jobs: Jobs, echo: Any, skip_odd: None, watched: bool
+) -> None:
+    """``jobs.enqueue(conn, ...)`` raised an unpacking error (sent to psycopg) or
+    ``NoResultFound`` (through SQLAlchemy, when something watches the connection); the
+    caller's transaction goes on."""
+    with db.begin() as conn:
+        if watched:
+            sa.event.listen(conn, "before_cursor_execute", lambda *a: None)
+        with pytest.raises(
+            EnqueueError, match=r"was not written: the INSERT into \S+ returned no row"
+        ):
+            jobs.enqueue(conn, echo, i=1)
+        assert jobs.enqueue(conn, echo, i=2) > 0
+    assert count(db) == 1
 
 
 # -- 5. run_at offsets -------------------------------------------------------------------
