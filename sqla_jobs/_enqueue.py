@@ -347,7 +347,11 @@ def _connection_unique(connection: sa.Connection, registry: Jobs, params: Any) -
         held = connection.execute(q.live_by_key, {"key": params["unique_key"]}).scalar()
         if held is not None:
             return int(held), False
-    raise EnqueueError(f"unique key {params['unique_key']!r} keeps changing hands; try again")
+    raise EnqueueError(
+        f"unique key {params['unique_key']!r}: the INSERT returned no row five times and no "
+        "live job holds the key: an application's BEFORE INSERT trigger on "
+        f"{q.table.fullname} skips the row, or the key keeps changing hands (try again)"
+    )
 
 
 # -- links: jobs that wait for others (after=) ------------------------------------------
@@ -1120,5 +1124,9 @@ def enqueue_scoped(
             },
         ).first()
     if row is None:
+        if not held:
+            # Nothing blocked a new job (no period holds the key, no holder in the
+            # scope's states), yet none came back: an application's trigger skipped it.
+            raise EnqueueError(_not_written(queries.table, params["task"]))
         return int(holder), "gone"
     return int(row[0]), str(row[1])

@@ -2736,6 +2736,9 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     )
     kept = sa.select(c.id, sa.literal("kept")).where(
         c.id == holder,
+        # Only a holder that blocked the new job: one that did not, while no new job came
+        # back (an application's trigger skipped its INSERT), was returned as kept.
+        blocks,
         ~sa.exists(sa.select(replaced.c.id)),
         ~sa.exists(sa.select(new.c.id)),
     )

@@ -293,6 +293,37 @@ def test_one_job_a_trigger_skipped_is_refused_on_a_connection(
     assert count(db) == 1
 
 
+@pytest.mark.parametrize("kind", ["unique", "scoped", "scoped past its holder", "after"])
+@VIA
+def test_every_kind_of_single_job_a_trigger_skipped_says_so(
+    Session: Any, db: sa.Engine, jobs: Jobs, echo: Any, skip_odd: None, kind: str, via: str
+) -> None:
+    """A scoped job failed with ``TypeError: int() ... NoneType``, or came back as "kept"
+    (the holder, which did not block it); a unique one said its key "keeps changing
+    hands"."""
+    options: dict[str, Any] = {
+        "unique": {"unique": True},
+        "scoped": {"unique_for": 60},
+        "scoped past its holder": {"unique_key": "k", "unique_states": ("ready",)},
+        "after": {"after": []},
+    }[kind]
+    task = echo.with_options(**options)
+    if kind == "scoped past its holder":  # the key's holder runs: it blocks nothing
+        with db.begin() as conn:
+            holder = jobs.enqueue(conn, task, i=2)
+            conn.execute(sa.update(app.Job).where(app.Job.id == holder).values(status="running"))
+    error: type[Exception] = FlushError if via == "session" and kind == "after" else EnqueueError
+    reason = "BEFORE INSERT trigger"
+    if via == "session":
+        with Session() as session, pytest.raises(error, match=reason):
+            session.enqueue(task, i=1)
+            session.commit()
+    else:
+        with db.begin() as conn, pytest.raises(error, match=reason):
+            jobs.enqueue(conn, task, i=1)
+    assert count(db) == (kind == "scoped past its holder")
+
+
 # -- 5. run_at offsets -------------------------------------------------------------------
 
 
