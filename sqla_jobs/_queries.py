@@ -1048,10 +1048,11 @@ def _fair_claim(t: sa.Table, *, for_session: bool = False) -> sa.Select[Any]:
     # the last of them (``:floor_key``, ``:floor_id``), not from its first entry in the
     # index. A key drained in id order keeps, ahead of its ready jobs, a dead entry per
     # claimed job (its ready version; two, with its running one, when running jobs were
-    # in the index) until VACUUM: stepping over those was the largest part of what a fair claim cost
-    # beyond the plain claim in a 100,000-job burst (0.9 of 6 ms). The worker drops the
-    # floor every FAIR_FLOOR_FOR seconds, so that an older job of that key ready again
-    # behind it (a retry, a handed-back claim) waits for no longer than that.
+    # in the index) until VACUUM: stepping over those was the largest part of what a
+    # fair claim cost beyond the plain claim in a 100,000-job burst (0.9 of 6 ms). The
+    # worker drops the floor every FAIR_FLOOR_FOR seconds, so that an older job of that
+    # key ready again behind it (a retry, a handed-back claim) waits for no longer than
+    # that.
     floor = sa.case(
         (
             keys.c.k == sa.bindparam("floor_key", type_=sa.Text),
