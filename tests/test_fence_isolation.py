@@ -46,6 +46,22 @@ def database_default(db: sa.Engine, value: str) -> Iterator[None]:
         db.dispose()
 
 
+def _until_a_lock_wait(db: sa.Engine, seconds: float = 10.0) -> None:
+    """Until a backend of this database waits for a lock (at most ``seconds``): polled in
+    autocommit, each read of ``pg_stat_activity`` a fresh one."""
+    deadline = time.monotonic() + seconds
+    with db.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        while time.monotonic() < deadline:
+            waiting = conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).scalar()
+            if waiting:
+                return
+            time.sleep(0.01)
+
+
 def _rc(url: str) -> sa.Engine:
     return create_engine(url, isolation_level="READ COMMITTED")
 
@@ -170,7 +186,9 @@ def test_a_relock_meeting_a_renewal_runs_the_job_again_uncounted(
     fence's lock of the next transaction, in a new snapshot, meets that renewal. The
     failure is the worker's statement's, raised in the handler's: whether the handler
     lets it out, wraps it, or swallows it, the run wrote nothing and runs again, its
-    attempt not counted. (The heartbeat's commit is held 0.5 s to widen the window.)"""
+    attempt not counted. (The heartbeat's commit is held until the fence's lock waits for
+    it: held a fixed 0.5 s, a run slowed past that on a loaded machine took its snapshot
+    after the renewal had committed, met nothing, and the test failed in CI.)"""
     worker = Worker(jobs, database_url, queues=["rl"], listen=False, lease=1.5, concurrency=1)
     want = threading.Event()
     mid = threading.Event()
@@ -180,7 +198,7 @@ def test_a_relock_meeting_a_renewal_runs_the_job_again_uncounted(
         if want.is_set() and threading.current_thread().name == "sqla-jobs-heartbeat":
             want.clear()
             mid.set()
-            time.sleep(0.5)
+            _until_a_lock_wait(db)
 
     # The heartbeat's renewal, held before its COMMIT: sent as a statement on its own
     # connection (under these levels, BEGIN READ COMMITTED ... COMMIT), or through
