@@ -41,7 +41,7 @@ import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
 from ._direct import raise_as_dbapi_error
-from ._queries import INSERTED_COLUMNS
+from ._queries import defaulted_columns
 
 __all__ = [
     "COPY_BLOCK_ROWS",
@@ -187,10 +187,7 @@ def python_defaults(table: sa.Table) -> bool:
         return _python_defaults[table]
     except KeyError:
         pass
-    written = set(INSERTED_COLUMNS)
-    found = _python_defaults[table] = any(
-        column.default is not None for column in table.c if column.name not in written
-    )
+    found = _python_defaults[table] = bool(defaulted_columns(table))
     return found
 
 

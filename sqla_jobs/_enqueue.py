@@ -624,12 +624,8 @@ def _work_out_shape(model: type) -> DirectShape | None:
         if not isinstance(column, sa.Column) or column.table is not table:
             return None
         key_of[column.name] = prop.key
-    inserted = set(INSERTED_COLUMNS)
-    for column in table.c:
-        if column.name not in key_of:
-            return None
-        if column.name not in inserted and column.default is not None:
-            return None  # the ORM would run it
+    if any(column.name not in key_of for column in table.c) or python_defaults(table):
+        return None  # a column no attribute maps on its own; a default the ORM would run
     returned = tuple(key_of[c.name] for c in filled_by_server(table))
     settable = frozenset([*(key_of[name] for name in INSERTED_COLUMNS), "_sa_instance_state"])
     rest = tuple(key for key in key_of.values() if key not in returned)
@@ -1093,6 +1089,15 @@ class _DefaultContext:
         return self.current_parameters
 
 
+def _called_defaults(queries: Queries, params: JobParams) -> dict[str, Any]:
+    """The model's Python-callable column defaults for one scoped job (the ``d_<column>``
+    parameters of ``place_scoped``), each called once, with one context."""
+    if not queries.scoped_callable_defaults:
+        return {}
+    context = _DefaultContext(params)
+    return {name: default.arg(context) for name, default in queries.scoped_callable_defaults}
+
+
 def enqueue_scoped(
     connection: Any, queries: Queries, params: JobParams, scope: Any
 ) -> tuple[int, str]:
@@ -1112,10 +1117,7 @@ def enqueue_scoped(
             queries.place_scoped,
             {
                 **{f"p_{name}": value for name, value in params.items()},
-                **{
-                    name: default.arg(_DefaultContext(params))
-                    for name, default in queries.scoped_callable_defaults
-                },
+                **_called_defaults(queries, params),
                 "holder": holder,
                 "held": held,
                 "states": list(scope.states),

@@ -2752,25 +2752,29 @@ def _place_scoped(t: sa.Table, k: sa.Table, channel: str) -> sa.Select[Any]:
     )
 
 
-def _python_defaults(t: sa.Table) -> dict[str, Any]:
-    """SQL for each column of ``t`` that the job INSERTs leave out and that has a default
-    of SQLAlchemy's, by column name: a constant, an SQL expression, a sequence's next value,
-    or for a Python callable (whose value is new at each enqueue) the bind parameter
-    ``d_<column>`` (see :func:`_callable_defaults`)."""
+def defaulted_columns(t: sa.Table) -> list[sa.Column[Any]]:
+    """The columns of ``t`` that the job INSERTs leave out and that have a default of
+    SQLAlchemy's (``mapped_column(default="acme")``: a column of the application's model),
+    which only SQLAlchemy's own execution of an INSERT fills."""
     written = set(INSERTED_COLUMNS)
+    return [c for c in t.c if c.name not in written and c.default is not None]
+
+
+def _python_defaults(t: sa.Table) -> dict[str, Any]:
+    """SQL for each of ``t``'s :func:`defaulted_columns`, by column name: a constant, an
+    SQL expression, a sequence's next value, or for a Python callable (whose value is new
+    at each enqueue) the bind parameter ``d_<column>`` (see :func:`_callable_defaults`)."""
     found: dict[str, Any] = {}
-    for column in t.c:
-        default = column.default
-        if column.name in written or default is None:
-            continue
+    for column in defaulted_columns(t):
+        default: Any = column.default
         if isinstance(default, sa.Sequence):
             found[column.name] = default.next_value()
         elif default.is_clause_element:
-            found[column.name] = sa.type_coerce(default.arg, column.type)  # type: ignore[attr-defined]
+            found[column.name] = sa.type_coerce(default.arg, column.type)
         elif default.is_callable:
             found[column.name] = sa.bindparam(f"d_{column.name}", type_=column.type)
         else:
-            found[column.name] = sa.literal(default.arg, column.type)  # type: ignore[attr-defined]
+            found[column.name] = sa.literal(default.arg, column.type)
     return found
 
 
@@ -2778,11 +2782,10 @@ def _callable_defaults(t: sa.Table) -> tuple[tuple[str, Any], ...]:
     """The ``d_<column>`` parameters of :func:`_place_scoped`, each with the column's
     Python-callable default (SQLAlchemy's, wrapped to take an execution context), which the
     caller calls once per job (``sqla_jobs._enqueue.enqueue_scoped``)."""
-    written = set(INSERTED_COLUMNS)
     return tuple(
         (f"d_{column.name}", column.default)
-        for column in t.c
-        if column.name not in written and column.default is not None and column.default.is_callable
+        for column in defaulted_columns(t)
+        if column.default is not None and column.default.is_callable
     )
 
 
