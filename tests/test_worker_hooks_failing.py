@@ -156,14 +156,19 @@ def test_run_hooks_are_exited_when_the_line_about_the_run_cannot_be_logged(
     assert calls == ["enter", "exit dead"] * 2
 
 
+@pytest.mark.parametrize("lease", [None, 30.0], ids=["lease default", "lease 30s"])
 @pytest.mark.parametrize("slow", ["started listener", "around_run"])
 def test_a_run_timed_out_in_its_started_hooks_does_not_call_its_handler(
-    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any, slow: str
+    Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any, slow: str, lease: float | None
 ) -> None:
     """The handler was called once the started listeners and run hooks returned, though
     the heartbeat had meanwhile recorded the attempt timed out and its retry ran: the
     job's work done twice. (The asyncio worker's heartbeat waited on the blocked loop,
-    then timed out the handler that had just begun.)"""
+    then timed out the handler that had just begun.) And where the heartbeat had not
+    beaten yet (a 30 s lease beats every 10 s; on a loaded machine the asyncio worker's
+    handler thread could start before the heartbeat's turn on the loop), the handler was
+    called though past its timeout, and timed out at the next beat: its work done, then
+    done again by the retry."""
     runs: list[tuple[int, bool]] = []
     lock = threading.Lock()
 
@@ -189,10 +194,62 @@ def test_a_run_timed_out_in_its_started_hooks_does_not_call_its_handler(
 
     with Session.begin() as session:
         session.enqueue(work)
-    worker = make_worker(jobs, db, queues=["q"], listen=False, concurrency=2)
+    how = {} if lease is None else {"lease": lease}
+    worker = make_worker(jobs, db, queues=["q"], listen=False, concurrency=2, **how)
     worker.run_until_empty(wait_scheduled=5, timeout=15)
     assert rows(db) == []
-    assert len(runs) == 1 and not runs[0][1], f"handler runs (attempt, cancelled): {runs}"
+    assert runs == [(2, False)], f"handler runs (attempt, cancelled): {runs}"
+
+
+def test_a_job_rescued_while_an_asyncio_worker_s_listener_blocked_its_loop_runs_once(
+    Session: Any, db: sa.Engine, jobs: Jobs, database_url: str
+) -> None:
+    """A synchronous ``started`` listener blocked an asyncio worker's loop, and with it the
+    heartbeat, past the claim's lease: another worker rescued the job and ran it. When the
+    listener returned, the first worker called the handler too: the job's work done
+    twice. It now sees that its claim went unrenewed for over half a lease, and hands the
+    claim back uncalled (a write guarded by the claim, which changes nothing here)."""
+    from .conftest import AsyncWorkerInThread
+
+    runs: list[int] = []
+    lock = threading.Lock()
+    blocked, ran_elsewhere = threading.Event(), threading.Event()
+
+    @jobs.events.on("started")
+    def block_first(event: JobEvent) -> None:
+        if event.job.attempts == 1:
+            blocked.set()
+            ran_elsewhere.wait(15)  # the loop, heartbeat included, is held meanwhile
+
+    @jobs.task(queue="q")
+    def work() -> None:
+        with lock:
+            runs.append(current_job().attempts)
+        ran_elsewhere.set()
+
+    with Session.begin() as session:
+        session.enqueue(work)
+    stalled = AsyncWorkerInThread(jobs, database_url, queues=["q"], listen=False, lease=1.0)
+    first = threading.Thread(target=stalled.run_until_empty, kwargs={"timeout": 30})
+    first.start()
+    rescuer = Worker(
+        jobs, db, queues=["q"], listen=False, lease=1.0, rescue_interval=0.1, poll_interval=0.1
+    )
+    second = threading.Thread(target=rescuer.run, kwargs={"install_signal_handlers": False})
+    try:
+        assert blocked.wait(15), "the first worker never started the job"
+        second.start()  # only now: the first claim is the stalled worker's
+        assert ran_elsewhere.wait(15), "the lapsed claim was never rescued"
+        first.join(30)
+        assert not first.is_alive()
+    finally:
+        ran_elsewhere.set()
+        rescuer.stop()
+        if second.is_alive():
+            second.join(30)
+        first.join(30)
+    assert runs == [2], f"handler runs by attempt: {runs}"
+    assert rows(db) == []
 
 
 def test_a_slow_listener_of_a_timed_out_run_does_not_hold_up_the_heartbeat(

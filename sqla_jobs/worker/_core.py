@@ -85,6 +85,7 @@ from .job import (
     result_json,
     retry_delay,
     set_current,
+    timed_out,
     unknown_task,
 )
 from .settings import WorkerSettings, check_queue_name
@@ -504,6 +505,19 @@ class WorkerCore:
             run.args, run.kwargs = task.call_args(job.args)
         except Exception as exc:  # that, or stored arguments that no longer fit the handler
             return run.end(exc)
+        if task.timeout is not None and not job.settled:
+            now = time.monotonic()
+            if now - job.started > task.timeout:
+                # Past its timeout already, in the started listeners or the run hooks,
+                # and the heartbeat has not said so yet: an asyncio worker's heartbeat
+                # waits for the loop these blocked, and a thread's may beat later. The
+                # run times out here, its handler uncalled.
+                with self._lock:
+                    overdue = not job.settled and self._running.get(job.key) is job
+                    if overdue:
+                        self.settle_timed_out(job, now)
+                if overdue:
+                    self.tell_timed_out(job, task, now, interrupt=False)
         # A bool read needs no lock (as in end()): a timeout that settles the claim after
         # this is one of a running handler, which it is told of.
         if job.settled or job.is_cancelled:
@@ -512,6 +526,13 @@ class WorkerCore:
             # must not run. Its attempt may be recorded and its retry running elsewhere:
             # called now, it did the job's work twice.
             return run.unstarted()
+        if job.renewed != 0.0 and time.monotonic() - job.renewed > self.settings.lease / 2:
+            # The same rule as above, once more, now that the hooks have run: they held the
+            # worker itself past half a lease since its last renewal (an asyncio worker's
+            # loop blocked by a synchronous listener or hook, or the process paused in
+            # them). The lease may have lapsed and the job run elsewhere already: this
+            # claim goes back uncalled, its attempt not counted.
+            return run.stalled()
         return run
 
     def crashed(self, job: ClaimedJob, exc: BaseException) -> Outcome | None:
@@ -686,6 +707,36 @@ class WorkerCore:
             events.fire(name, job, duration=duration, error=error)
         elif outcome.kind is OutcomeKind.SNOOZED:
             events.fire("snoozed", job, duration=duration, reason=f"{outcome.delay:g}")
+
+    def settle_timed_out(self, job: ClaimedJob, now: float) -> None:
+        """``job`` ran past its task's timeout: its claim is settled (the lease no longer
+        extended, its outcome about to be recorded). Called with :attr:`_lock` held, by the
+        heartbeat for a running handler and by :meth:`start` for one not yet called."""
+        del self._running[job.key]
+        job.settled = True
+        if not self._unwritten:
+            self._outcomes_since = now
+        self._unwritten += 1
+        self._pending[job.key] = job
+
+    def tell_timed_out(
+        self, job: ClaimedJob, task: Task[Any, Any], now: float, *, interrupt: bool
+    ) -> None:
+        """Record the failure of a claim :meth:`settle_timed_out` settled, and, if its
+        handler runs (``interrupt``), stop it. The outcome is recorded before anything is
+        said about it: a log handler that failed on the line once left it unwritten and the
+        job ``running``, its lease extended for as long as the worker lived. Its events
+        are fired by the completer (:meth:`tell_later`)."""
+        job.cancel(f"timed out after {task.timeout}s")
+        outcome = timed_out(task, job)
+        error = TimeoutError((outcome.error or "").removeprefix("TimeoutError: "))
+        duration = now - job.started
+        self.tell_later(outcome, duration, error)
+        self.driver.record(outcome)
+        if interrupt:
+            self.driver.interrupt(job)
+        name = "dead" if outcome.dead else "retried"
+        self.log_end(job, name, duration, outcome, error, level=logging.WARNING)
 
     def tell_later(self, outcome: Outcome, duration: float, error: BaseException | None) -> None:
         """Have the completer fire the events of ``outcome`` (see :attr:`_untold`); called
@@ -1150,6 +1201,35 @@ class Run:
             return self._cancelled(duration, told=True)
         self.core.log_end(job, "cancelled", duration)
         return self._cancelled(duration)
+
+    def stalled(self) -> Outcome:
+        """The started listeners or run hooks held the worker past half a lease since the
+        claim was last renewed (see :meth:`WorkerCore.start`): the handler is not called.
+        The claim is snoozed for no time, its attempt not counted; the completer's write
+        is guarded by the claim, so where the lease lapsed meanwhile (the job rescued, or
+        running in another worker) it changes nothing. The listeners and hooks hear of a
+        ``snoozed`` run, and the next claim runs them again."""
+        self._close()
+        job = self.job
+        self.core._uncalled.add(id(job))  # not a run (see WorkerCore.processed)
+        duration = time.monotonic() - job.started
+        outcome = Outcome(
+            OutcomeKind.SNOOZED,
+            job,
+            error=(
+                f"the worker stalled {time.monotonic() - job.renewed:.1f}s since the claim's "
+                "lease was last extended, in the started listeners or run hooks (a blocked "
+                "event loop?); not run, handed back"
+            ),
+            delay=0.0,
+        )
+        try:
+            quietly(job_log, logging.WARNING, job, "%s", outcome.error, outcome="snoozed")
+            self.core.fire_outcome(outcome, duration, None)
+        finally:
+            if self.hooks:
+                self._exit_hooks("snoozed", None)
+        return outcome
 
     def _cancelled(self, duration: float, *, told: bool = False) -> Outcome:
         """The run ended cancelled, its line logged: the ``cancelled`` listeners hear of

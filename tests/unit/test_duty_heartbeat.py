@@ -111,6 +111,74 @@ def test_a_claim_not_renewed_for_half_a_lease_starts_only_after_a_heartbeat_kept
         started.end(None)
 
 
+def test_a_run_past_its_timeout_in_its_started_listeners_times_out_uncalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A started listener held the run past its task's timeout before the heartbeat could
+    say so (an asyncio worker's heartbeat waits for the loop the listener blocked): the
+    handler was called, and the timeout came after it had done the job's work."""
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    core, driver, jobs = make(concurrency=2, lease=30.0)
+    heard: list[str] = []
+    jobs.events.connect("started", lambda e: clock.advance(0.6))  # "slow" times out at 0.5
+    for name in ("failed", "retried", "cancelled"):
+        jobs.events.connect(name, lambda e: heard.append(e.name))
+    (job,) = core.claimed([row(1, "slow")])
+    ended = core.start(job)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SETTLED
+    assert [(o.kind, o.error) for o in driver.recorded] == [
+        (OutcomeKind.FAILED, "TimeoutError: task 'slow' ran longer than its timeout of 0.5s")
+    ]
+    assert job.settled and job.is_cancelled and driver.interrupted == []
+    core.finished(job, ended)
+    core.tell()  # the completer fires the timeout's events
+    assert heard == ["failed", "retried"] and core.free == 2 and core.processed == 0
+    # A late beat changes nothing: the timeout was recorded once.
+    clock.advance(1)
+    core.heartbeat.enforce_timeouts()
+    assert len(driver.recorded) == 1
+
+
+def test_a_claim_stalled_past_half_a_lease_in_its_hooks_goes_back_uncalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The started listeners or run hooks held the worker past half a lease since the
+    claim was renewed (an asyncio worker's loop blocked): its lease may have lapsed and the
+    job run elsewhere. It is snoozed for no time, the attempt not counted, and the hooks
+    are told so; the handler is not called."""
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    core, driver, jobs = make(concurrency=2, lease=10.0)
+    heard: list[str] = []
+    exits: list[str] = []
+
+    class Hook:
+        def enter(self, job: Any) -> None:
+            clock.advance(5.1)
+
+        def exit(self, job: Any, state: object, outcome: str, error: Any) -> None:
+            exits.append(outcome)
+
+    jobs.events.add_run_hook(Hook())
+    for name in ("snoozed", "cancelled", "failed"):
+        jobs.events.connect(name, lambda e: heard.append(e.name))
+    (job,) = core.claimed([row(1)])
+    ended = core.start(job)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SNOOZED
+    assert ended.delay == 0.0 and "stalled 5.1s" in (ended.error or "")
+    assert heard == ["snoozed"] and exits == ["snoozed"] and job.run is None
+    core.finished(job, ended)
+    assert driver.recorded == [ended] and core.free == 2 and core.processed == 0
+    # Held less than half a lease, the same hook lets the handler run.
+    clock.advance(0)
+    (fresh,) = core.claimed([row(2)])
+    monkeypatch.setattr(Hook, "enter", lambda self, job: clock.advance(4.9))
+    run = core.start(fresh)
+    assert isinstance(run, core_mod.Run)
+    run.end(None)
+
+
 def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,7 +18,7 @@ from ...errors import describe, unreachable
 from .. import _statements as statements
 from .._outage import is_database_error, lost_prepared_statement
 from .._steps import Conn, Duty, Io, Steps, Tick
-from ..job import ClaimedJob, job_log, timed_out
+from ..job import ClaimedJob, job_log
 
 if TYPE_CHECKING:
     from ..._tasks import Task
@@ -204,19 +204,6 @@ class Heartbeat(Duty):
                 ):
                     overdue.append((job, task))
             for job, _ in overdue:
-                del core._running[job.key]
-                job.settled = True
-                if not core._unwritten:
-                    core._outcomes_since = now
-                core._unwritten += 1
-                core._pending[job.key] = job
+                core.settle_timed_out(job, now)
         for job, task in overdue:
-            job.cancel(f"timed out after {task.timeout}s")
-            outcome = timed_out(task, job)
-            error = TimeoutError((outcome.error or "").removeprefix("TimeoutError: "))
-            duration = now - job.started
-            core.tell_later(outcome, duration, error)
-            core.driver.record(outcome)
-            core.driver.interrupt(job)
-            name = "dead" if outcome.dead else "retried"
-            core.log_end(job, name, duration, outcome, error, level=logging.WARNING)
+            core.tell_timed_out(job, task, now, interrupt=True)
