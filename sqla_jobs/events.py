@@ -24,7 +24,9 @@ Events, in a job's life:
     no attempt is left, or the failure was permanent;
 ``snoozed``
     the handler raised :class:`~sqla_jobs.Snooze` (``event.reason``: seconds until the
-    next run, as text);
+    next run, as text), or the worker sent the claim back uncalled because the
+    ``started`` listeners or run hooks held it past half a lease (``event.reason``
+    ``"0"``; the job's ``last_error`` says why);
 ``cancelled``
     the run was told to stop: the job was cancelled, its lease was lost, or it timed out
     (``event.reason``).
