@@ -7,12 +7,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from sqla_jobs.worker import _statements as statements
 from sqla_jobs.worker import _steps as s
 from sqla_jobs.worker._statements import Refresh
 from sqla_jobs.worker.job import Outcome, OutcomeKind
 
-from .test_core import make, row, run_steps
+from .test_core import FakeClock, _use_clock, make, row, run_steps
 
 
 def _answer(refresh: Refresh, deleted: list[int | None] | None = None) -> Any:
@@ -52,21 +54,28 @@ def test_the_refresh_runs_once_per_poll_interval_and_rescues_only_when_its_time_
     assert [st.args for st in steps if isinstance(st, s.Io)] == [(core.jobs, False, core.queues)]
 
 
-def test_a_known_due_time_makes_the_refresh_due_and_bounds_the_idle_sleep() -> None:
+def test_a_known_due_time_makes_the_refresh_due_and_bounds_the_idle_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a clock the test moves: read from the real one, a loaded CI machine stalled the
+    # test 0.46 s, then 1.46 s, between two of these lines, past any margin.
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
     core, driver, _ = make(queues=("a",), poll_interval=60)
     maintenance = core.maintenance
-    # Seconds, not tenths: the lower bounds hold through a stall of the test's process of
-    # up to a second (a loaded CI machine once took 0.46 s between two of these lines).
     run_steps(maintenance.run_once(), _answer(Refresh(30.0, frozenset())))
-    assert 29.0 < maintenance.sleep_for() <= 30.002
+    # To the due time, and a millisecond (woken before it, the claim would find nothing).
+    assert maintenance.sleep_for() == pytest.approx(30.001)
     assert maintenance.due_soon(31.0) and not maintenance.due_soon(20.0)
+    clock.advance(10)
+    assert maintenance.sleep_for() == pytest.approx(20.001)
     # A retry written for sooner than that wakes the fetch loop; a later one does not.
     (job,) = core.claimed([row(1)])
     maintenance.note_due([Outcome(OutcomeKind.FAILED, job, delay=1.0)])
     maintenance.note_due([Outcome(OutcomeKind.FAILED, job, delay=45.0)])
     maintenance.note_due([Outcome(OutcomeKind.SUCCEEDED, job)])
-    assert driver.wakes == 1 and maintenance.sleep_for() <= 1.002
-    maintenance.next_due = time.monotonic() - 1  # passed: due now, poll interval or not
+    assert driver.wakes == 1 and maintenance.sleep_for() == pytest.approx(1.001)
+    clock.advance(2)  # passed: due now, poll interval or not
     assert [
         type(st) for st in run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset())))[0]
     ] == [s.Io]
@@ -91,21 +100,25 @@ def test_retention_deletes_in_batches_until_one_is_short_and_stops_when_another_
     assert total == 2 * full * len(statements.prune_work(core.jobs))
 
 
-def test_a_retention_pass_that_stops_at_its_cap_goes_on_at_the_next_poll_interval() -> None:
+def test_a_retention_pass_that_stops_at_its_cap_goes_on_at_the_next_poll_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A pass deletes at most 20 full batches of a kind: with rows left, the next pass is
     a poll interval away, not a prune interval (which capped retention at 333 rows a
     second, less than one worker finishes: a backlog of kept rows only grew)."""
+    clock = FakeClock()  # a stall of the test's process cannot move the bounds below
+    _use_clock(monkeypatch, clock)
     core, _, _ = make(queues=("a",), poll_interval=1, prune_interval=60)
     maintenance = core.maintenance
     full = statements.PRUNE_BATCH
     run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset()), [full] * 200))
     assert maintenance.behind
-    assert maintenance.next_prune - time.monotonic() <= 1.0
+    assert maintenance.next_prune - clock.now == 1.0
     # Caught up (every kind short of a full batch): back to the prune interval.
     maintenance.next_refresh = maintenance.next_prune = 0.0
     run_steps(maintenance.run_once(), _answer(Refresh(None, frozenset()), [3] * 10))
     assert not maintenance.behind
-    assert maintenance.next_prune - time.monotonic() > 59.0
+    assert maintenance.next_prune - clock.now == 60.0
 
 
 def test_the_schedules_are_synced_until_a_pass_can_lock_their_rows() -> None:
