@@ -24,9 +24,11 @@ Events, in a job's life:
     no attempt is left, or the failure was permanent;
 ``snoozed``
     the handler raised :class:`~sqla_jobs.Snooze` (``event.reason``: seconds until the
-    next run, as text), or the worker sent the claim back uncalled because the
-    ``started`` listeners or run hooks held it past half a lease (``event.reason``
-    ``"0"``; the job's ``last_error`` says why);
+    next run, as text), or the worker runs the job again at once, the attempt not
+    counted, for a reason that is not the handler's (``event.reason`` says which: a
+    transactional run's conflict in the worker's own statements, or ``started``
+    listeners or run hooks that stalled the worker past half a lease, its handler not
+    called);
 ``cancelled``
     the run was told to stop: the job was cancelled, its lease was lost, or it timed out
     (``event.reason``).

@@ -164,7 +164,8 @@ def _unreached(exc: BaseException) -> bool:
 #: is raised only once the other transaction has ended (or, in a deadlock, this one was
 #: the one given up), so the next run's snapshot reads past it; the claim that takes the
 #: job again spaces the runs anyway. A delay would also leave the job ``scheduled`` at
-#: the end of a ``run_until_empty`` without ``wait_scheduled``.
+#: the end of a ``run_until_empty`` without ``wait_scheduled``. A claim a stalled worker
+#: sends back uncalled (see :meth:`Run.stalled`) is due at once too.
 CONFLICT_DELAY = 0.0
 
 
@@ -1204,28 +1205,44 @@ class Run:
 
     def stalled(self) -> Outcome:
         """The started listeners or run hooks held the worker past half a lease since the
-        claim was last renewed (see :meth:`WorkerCore.start`): the handler is not called.
-        The claim is snoozed for no time, its attempt not counted; the completer's write
-        is guarded by the claim, so where the lease lapsed meanwhile (the job rescued, or
-        running in another worker) it changes nothing. The listeners and hooks hear of a
-        ``snoozed`` run, and the next claim runs them again."""
+        claim was last renewed (see :meth:`WorkerCore.start`): the handler is not called,
+        and the job runs again, the attempt not counted (:meth:`_again`). The completer's
+        write is guarded by the claim, so where the lease lapsed meanwhile (the job
+        rescued, or running in another worker) it changes nothing. The next claim runs
+        the listeners and hooks again."""
         self._close()
         job = self.job
         self.core._uncalled.add(id(job))  # not a run (see WorkerCore.processed)
-        duration = time.monotonic() - job.started
+        stalled = time.monotonic() - job.renewed
+        return self._again(
+            f"the worker stalled {stalled:.1f}s since the claim's lease was last extended, "
+            "in the started listeners or run hooks (a blocked event loop?), and did not "
+            "call the handler"
+        )
+
+    def _again(self, reason: str) -> Outcome:
+        """The run ends snoozed for no time (its attempt not counted), for a ``reason``
+        that is not the handler's: said at WARNING, told to the ``snoozed`` listeners,
+        kept in the job's ``last_error``; the run hooks are exited whatever happens."""
+        job = self.job
         outcome = Outcome(
             OutcomeKind.SNOOZED,
             job,
-            error=(
-                f"the worker stalled {time.monotonic() - job.renewed:.1f}s since the claim's "
-                "lease was last extended, in the started listeners or run hooks (a blocked "
-                "event loop?); not run, handed back"
-            ),
-            delay=0.0,
+            error=f"run again, the attempt not counted: {reason}",
+            delay=CONFLICT_DELAY,
         )
         try:
-            quietly(job_log, logging.WARNING, job, "%s", outcome.error, outcome="snoozed")
-            self.core.fire_outcome(outcome, duration, None)
+            duration = time.monotonic() - job.started
+            quietly(
+                job_log,
+                logging.WARNING,
+                job,
+                "%s: run again, the attempt not counted",
+                reason,
+                outcome="snoozed",
+                duration=round(duration, 6),
+            )
+            quietly(self.core.jobs.events.fire, "snoozed", job, duration=duration, reason=reason)
         finally:
             if self.hooks:
                 self._exit_hooks("snoozed", None)
@@ -1299,29 +1316,7 @@ class Run:
         if core._crashes:
             core._crashes = 0
         why = describe(error.error if isinstance(error, RunConflict) else error)
-        reason = f"its transaction met another's in the worker's own statements ({why})"
-        outcome = Outcome(
-            OutcomeKind.SNOOZED,
-            job,
-            error=f"run again, the attempt not counted: {reason}",
-            delay=CONFLICT_DELAY,
-        )
-        try:
-            duration = time.monotonic() - job.started
-            quietly(
-                job_log,
-                logging.WARNING,
-                job,
-                "%s: run again, the attempt not counted",
-                reason,
-                outcome="snoozed",
-                duration=round(duration, 6),
-            )
-            quietly(core.jobs.events.fire, "snoozed", job, duration=duration, reason=reason)
-        finally:
-            if self.hooks:
-                self._exit_hooks("snoozed", None)
-        return outcome
+        return self._again(f"its transaction met another's in the worker's own statements ({why})")
 
     def lost(self) -> Outcome:
         """A transactional run's guarded completion matched no row: the claim was lost
