@@ -506,7 +506,7 @@ class WorkerCore:
             run.args, run.kwargs = task.call_args(job.args)
         except Exception as exc:  # that, or stored arguments that no longer fit the handler
             return run.end(exc)
-        if task.timeout is not None and not job.settled:
+        if task.timeout is not None and not job.settled and not job.is_cancelled:
             now = time.monotonic()
             if now - job.started > task.timeout:
                 # Past its timeout already, in the started listeners or the run hooks,
@@ -528,11 +528,11 @@ class WorkerCore:
             # called now, it did the job's work twice.
             return run.unstarted()
         if job.renewed != 0.0 and time.monotonic() - job.renewed > self.settings.lease / 2:
-            # The same rule as above, once more, now that the hooks have run: they held the
-            # worker itself past half a lease since its last renewal (an asyncio worker's
-            # loop blocked by a synchronous listener or hook, or the process paused in
-            # them). The lease may have lapsed and the job run elsewhere already: this
-            # claim goes back uncalled, its attempt not counted.
+            # The rule this method applies before the hooks (see its docstring), once more
+            # now that they have run: they held the worker itself past half a lease since
+            # its last renewal (an asyncio worker's loop blocked by a synchronous listener
+            # or hook, or the process paused in them). The lease may have lapsed and the job
+            # run elsewhere already: this claim goes back uncalled, its attempt not counted.
             return run.stalled()
         return run
 

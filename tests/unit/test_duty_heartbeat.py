@@ -138,6 +138,15 @@ def test_a_run_past_its_timeout_in_its_started_listeners_times_out_uncalled(
     clock.advance(1)
     core.heartbeat.enforce_timeouts()
     assert len(driver.recorded) == 1
+    # Cancelled while its listeners ran, past its timeout too: the cancel stands, and no
+    # timeout is recorded for a claim that is no longer this worker's to fail.
+    (other,) = core.claimed([row(2, "slow")])
+    jobs.events.connect("started", lambda e: e.job.cancel("cancelled, or lease lost"))
+    ended = core.start(other)
+    assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SETTLED
+    assert len(driver.recorded) == 1 and not other.settled
+    core.finished(other, ended)
+    assert heard == ["failed", "retried", "cancelled"] and core.free == 2
 
 
 def test_a_claim_stalled_past_half_a_lease_in_its_hooks_goes_back_uncalled(
