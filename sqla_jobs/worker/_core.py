@@ -506,19 +506,18 @@ class WorkerCore:
             run.args, run.kwargs = task.call_args(job.args)
         except Exception as exc:  # that, or stored arguments that no longer fit the handler
             return run.end(exc)
-        if task.timeout is not None and not job.settled and not job.is_cancelled:
-            now = time.monotonic()
-            if now - job.started > task.timeout:
-                # Past its timeout already, in the started listeners or the run hooks,
-                # and the heartbeat has not said so yet: an asyncio worker's heartbeat
-                # waits for the loop these blocked, and a thread's may beat later. The
-                # run times out here, its handler uncalled.
-                with self._lock:
-                    overdue = not job.settled and self._running.get(job.key) is job
-                    if overdue:
-                        self.settle_timed_out(job, now)
+        now = time.monotonic()
+        if not job.is_cancelled and self.overdue(job, task, now):
+            # Past its timeout already, in the started listeners or the run hooks, and
+            # the heartbeat has not said so yet: an asyncio worker's heartbeat waits for
+            # the loop these blocked, and a thread's may beat later. The run times out
+            # here, its handler uncalled.
+            with self._lock:
+                overdue = self._running.get(job.key) is job and self.overdue(job, task, now)
                 if overdue:
-                    self.tell_timed_out(job, task, now, interrupt=False)
+                    self.settle_timed_out(job, now)
+            if overdue:
+                self.tell_timed_out(job, task, now, interrupt=False)
         # A bool read needs no lock (as in end()): a timeout that settles the claim after
         # this is one of a running handler, which it is told of.
         if job.settled or job.is_cancelled:
@@ -527,7 +526,7 @@ class WorkerCore:
             # must not run. Its attempt may be recorded and its retry running elsewhere:
             # called now, it did the job's work twice.
             return run.unstarted()
-        if job.renewed != 0.0 and time.monotonic() - job.renewed > self.settings.lease / 2:
+        if job.renewed != 0.0 and now - job.renewed > self.settings.lease / 2:
             # The rule this method applies before the hooks (see its docstring), once more
             # now that they have run: they held the worker itself past half a lease since
             # its last renewal (an asyncio worker's loop blocked by a synchronous listener
@@ -708,6 +707,17 @@ class WorkerCore:
             events.fire(name, job, duration=duration, error=error)
         elif outcome.kind is OutcomeKind.SNOOZED:
             events.fire("snoozed", job, duration=duration, reason=f"{outcome.delay:g}")
+
+    @staticmethod
+    def overdue(job: ClaimedJob, task: Task[Any, Any], now: float) -> bool:
+        """The run of ``job`` has started and is past its task's timeout, and nothing has
+        settled its claim yet (the heartbeat's test, and :meth:`start`'s)."""
+        return (
+            task.timeout is not None
+            and job.started != 0.0
+            and not job.settled
+            and now - job.started > task.timeout
+        )
 
     def settle_timed_out(self, job: ClaimedJob, now: float) -> None:
         """``job`` ran past its task's timeout: its claim is settled (the lease no longer

@@ -195,13 +195,7 @@ class Heartbeat(Duty):
         with core._lock:
             for job in core._running.values():
                 task = tasks.get(job.task)
-                if (
-                    task is not None
-                    and task.timeout is not None
-                    and job.started
-                    and not job.settled
-                    and now - job.started > task.timeout
-                ):
+                if task is not None and core.overdue(job, task, now):
                     overdue.append((job, task))
             for job, _ in overdue:
                 core.settle_timed_out(job, now)
