@@ -1401,7 +1401,8 @@ def cmd_queues_pause(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Claim and run jobs until SIGINT or SIGTERM, then stop gracefully: no new claims, unstarted
     jobs are handed back, running jobs get the grace period (then they are handed back
-    too). Exit code 1 if a duty of the worker kept failing."""
+    too). A second SIGINT or SIGTERM, or SIGQUIT, ends the grace period at once. Exit code 1
+    if a duty of the worker kept failing."""
     # Parse, plan, run: the flags and the engines make a LaunchPlan (worker._launch), which
     # knows what runs where.
     if args.asyncio:

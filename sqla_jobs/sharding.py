@@ -700,16 +700,16 @@ class ShardedWorker(_Shards[Worker]):
         super().__init__(lambda bind, own: Worker(jobs, bind, own), shards, settings, options)
         self._stopping = threading.Event()
 
-    def stop(self) -> None:
-        """Ask every shard's worker to stop gracefully. Safe from any thread or signal
-        handler (see ``Worker.stop``: from the main thread, the event is set by the relay's
-        thread)."""
+    def stop(self, *, now: bool = False) -> None:
+        """Ask every shard's worker to stop gracefully (``now``: see ``Worker.stop``). Safe
+        from any thread or signal handler (see ``Worker.stop``: from the main thread, the
+        event is set by the relay's thread)."""
         if threading.current_thread() is threading.main_thread():
             relay.call(self._stopping.set)
         else:
             self._stopping.set()
         for worker in self.workers.values():
-            worker.stop()
+            worker.stop(now=now)
 
     def _is_stopping(self) -> bool:
         return self._stopping.is_set()
@@ -805,12 +805,12 @@ else:
             self._loop: asyncio.AbstractEventLoop | None = None
             self._wakeup: asyncio.Event | None = None
 
-        def stop(self) -> None:
-            """Ask every shard's worker to stop gracefully. Safe from any thread or signal
-            handler."""
+        def stop(self, *, now: bool = False) -> None:
+            """Ask every shard's worker to stop gracefully (``now``: see ``Worker.stop``).
+            Safe from any thread or signal handler."""
             self._stopping = True
             for worker in self.workers.values():
-                worker.stop()
+                worker.stop(now=now)
             loop, wakeup = self._loop, self._wakeup
             if loop is not None and wakeup is not None and not loop.is_closed():
                 with contextlib.suppress(RuntimeError):

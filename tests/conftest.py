@@ -246,8 +246,8 @@ class AsyncWorkerInThread:
     def run(self, **kw: Any) -> None:
         self._run("run", **kw)
 
-    def stop(self) -> None:
-        self.worker.stop()
+    def stop(self, *, now: bool = False) -> None:
+        self.worker.stop(now=now)
 
 
 @pytest.fixture(params=["threads", "asyncio"])

@@ -577,6 +577,61 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
             os.kill(pid, 0)
 
 
+def supervised(*args: str) -> subprocess.Popen[str]:
+    """``sqla-jobs worker`` (with ``--processes`` 2 or more: a supervisor) in a process
+    group of its own."""
+    return subprocess.Popen(
+        command("worker", JOBS, "--queues", "records", "--concurrency", "1", *args),
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_second_signal_to_the_supervisor_stops_its_workers_now(db: sa.Engine) -> None:
+    """The first SIGTERM is passed on (a graceful stop: the two-minute job keeps running);
+    the second has the supervisor send SIGQUIT, and the child cuts its job off, hands it
+    back, and exits: all within seconds, not the grace period."""
+    with JobSession(db) as session:
+        session.enqueue(app.slow_record, seconds=120.0)
+        session.commit()
+    proc = supervised("--processes", "2", "--grace-period", "120")
+    with reaped(proc):
+        wait_for(lambda: count(db, app.Run) == 1, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+        assert count(db, status="running") == 1
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "supervisor: received SIGTERM, stopping 2 workers now" in out, out
+    assert "received SIGQUIT, stopping now" in out, out
+    assert count(db, status="ready") == 1 and count(db, status="running") == 0, out
+
+
+def test_a_stop_signal_to_the_whole_group_is_one_graceful_stop(db: sa.Engine) -> None:
+    """Ctrl-C in a terminal, or systemd's default ``KillMode=control-group``, signals every
+    process of the group: each child gets the signal itself and again from its
+    supervisor. That is one stop, not two: the running job finishes in its grace period.
+    (Two processes: with one, ``--processes 1`` runs the worker in the supervisor's place.)"""
+    with JobSession(db) as session:
+        session.enqueue(app.slow_record, seconds=2.0)
+        session.commit()
+    proc = supervised("--processes", "2", "--grace-period", "60")
+    with reaped(proc):
+        wait_for(lambda: count(db, app.Run) == 1, timeout=30)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "stopping now" not in out, out
+    assert count(db, status="ready") == 0 and count(db, status="running") == 0, out
+    assert "worker process" in out and "all worker processes stopped" in out, out
+
+
 def test_children_of_a_killed_supervisor_stop_by_themselves(db: sa.Engine) -> None:
     """A supervisor killed outright (``kill -9``, the OOM killer) passes no signal on: its
     children see their parent gone and stop as on SIGTERM, handing their jobs back,

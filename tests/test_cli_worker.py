@@ -83,6 +83,50 @@ def test_a_signal_stops_a_worker_running_until_empty_gracefully(db: sa.Engine) -
     assert "received SIGTERM, stopping" in out and "while starting" not in out, out
 
 
+@pytest.mark.parametrize(
+    ("signals", "options"),
+    [
+        ((signal.SIGTERM, signal.SIGTERM), []),
+        ((signal.SIGINT, signal.SIGINT), ["--asyncio"]),
+        ((signal.SIGQUIT,), []),
+        ((signal.SIGTERM, signal.SIGQUIT), ["--asyncio"]),
+        ((signal.SIGTERM, signal.SIGTERM), ["--until-empty"]),
+    ],
+    ids=["twice", "ctrl-c-twice-asyncio", "sigquit", "then-sigquit-asyncio", "until-empty"],
+)
+def test_a_second_stop_signal_or_sigquit_skips_the_grace_period(
+    db: sa.Engine, signals: tuple[int, ...], options: list[str]
+) -> None:
+    """A stop signal to a worker already stopping (a second Ctrl-C), or SIGQUIT, stops it
+    now: the handler still running (two minutes of work, a two-minute grace period) is cut
+    off and its job handed back, and the process exits at once, with code 0. (A worker
+    running until empty installs no handlers: the launcher's take the signals.)"""
+    enqueue_slow(db, 1, 120.0)
+    args = ["--queues", "records", "--concurrency", "1", "--grace-period", "120"]
+    proc = start_worker(*args, "--log-level", "INFO", *options)
+    try:
+        wait_for(lambda: count(db, app.Run) == 1, timeout=30)
+        *first, last = signals
+        for sig in first:
+            proc.send_signal(sig)
+            # A graceful stop: the handler has its grace period.
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)
+            assert count(db, status="running") == 1
+        proc.send_signal(last)
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate(timeout=10)
+        pytest.fail(f"the worker waited out its grace period:\n{out}")
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert count(db, status="ready") == 1 and count(db, status="running") == 0, out
+    assert f"received {signal.Signals(last).name}, stopping now" in out, out
+    assert "handed back 1 cut off by a stop now jobs" in out, out
+
+
 def test_sigkilled_workers_jobs_are_retaken_after_the_lease(db: sa.Engine) -> None:
     enqueue_slow(db, 2, 30.0)
     first = start_worker("--queues", "records", "--concurrency", "2", "--lease", "1")

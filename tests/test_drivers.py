@@ -75,6 +75,59 @@ def test_a_handler_cut_off_by_the_grace_period_is_handed_back_with_a_notify(
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
+def test_stop_now_ends_a_grace_period_under_way_and_hands_the_running_job_back(
+    kind: str,
+    Session: Any,
+    db: sa.Engine,
+    jobs: Jobs,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``stop(now=True)`` during a long grace period (what a second Ctrl-C does): the
+    handler still running is told to stop, its job handed back unfailed, and ``run()``
+    returns within seconds, not the grace period's minute."""
+    started = threading.Event()
+    if kind == "sync":
+
+        @jobs.task(queue="q", name="slow")
+        def slow() -> None:
+            started.set()
+            current_job().cancelled.wait(60)
+
+    else:
+
+        @jobs.task(queue="q", name="slow")
+        async def slow() -> None:  # type: ignore[misc]
+            started.set()
+            await asyncio.sleep(60)
+
+    events: list[str] = []
+    jobs.events.connect("cancelled", lambda e: events.append(e.reason or ""))
+    with Session.begin() as session:
+        session.enqueue(slow)
+    worker = make_worker(jobs, db, queues=["q"], grace_period=60, poll_interval=0.05)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    with caplog.at_level("INFO", logger="sqla_jobs"):
+        thread.start()
+        try:
+            assert started.wait(10)
+            worker.stop()
+            # The graceful stop waits for the handler: still running a moment later.
+            thread.join(0.5)
+            assert thread.is_alive() and count(db, status="running") == 1
+            worker.stop(now=True)
+            thread.join(10)
+            assert not thread.is_alive(), "stop(now=True) did not end the grace period"
+        finally:
+            worker.stop(now=True)
+            thread.join(15)
+    (job,) = rows(db)
+    assert (job.status, job.attempts, job.locked_by) == ("ready", 1, None)
+    assert "handed back 1 cut off by a stop now jobs" in caplog.text
+    assert events == ["worker stopping now"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_timed_out_job_times_out_again_on_its_retry_by_the_same_worker(
     kind: str, Session: Any, db: sa.Engine, jobs: Jobs, make_worker: Any
 ) -> None:

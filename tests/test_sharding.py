@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
-from sqla_jobs import EnqueueError, Jobs, admin, create_engine, sharding
+from sqla_jobs import EnqueueError, Jobs, admin, create_engine, current_job, sharding
 from sqla_jobs.db import embedded_url, normalize_url
 from sqla_jobs.model import companion_tables
 from sqla_jobs.sharding import ShardedJobSession, ShardedWorker
@@ -400,6 +400,38 @@ def test_a_worker_serving_two_shards_drains_both_exactly_once(
     for engine in shards.values():
         assert _count(engine, JOB) == 0  # finished jobs are deleted
     assert {w.name for w in worker.workers.values()} == {"w@a", "w@b"}
+
+
+def test_stop_now_reaches_the_worker_of_every_shard(
+    shards: dict[str, sa.Engine], jobs: Jobs
+) -> None:
+    """``ShardedWorker.stop(now=True)`` (a second signal) ends each shard's grace period:
+    the handler running on each is cut off and its job handed back."""
+    started = threading.Semaphore(0)
+
+    @jobs.task(queue="links")
+    def fetch(code: str) -> None:
+        started.release()
+        current_job().cancelled.wait(60)
+
+    _fill(shards, jobs, fetch, 1)
+    worker = ShardedWorker(jobs, shards, concurrency=1, grace_period=60, poll_interval=0.05)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        assert started.acquire(timeout=20) and started.acquire(timeout=20)
+        worker.stop()
+        thread.join(0.5)
+        assert thread.is_alive()
+        worker.stop(now=True)
+        thread.join(15)
+        assert not thread.is_alive(), "stop(now=True) did not end the shards' grace periods"
+    finally:
+        worker.stop(now=True)
+        thread.join(15)
+    for engine in shards.values():
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(JOB.c.status)).scalars().all() == ["ready"]
 
 
 def _wait(predicate: Callable[[], bool], timeout: float = 30.0) -> None:

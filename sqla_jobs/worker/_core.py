@@ -226,6 +226,9 @@ class WorkerCore:
         #: stopped while its ``started`` listeners ran), by ``id``: not counted as runs.
         self._uncalled: set[int] = set()
         self.stopping = False
+        #: A stop that asked for no grace period (``stop(now=True)``, a second stop
+        #: signal, SIGQUIT): the shutdown cuts running handlers off at once.
+        self.hurried = False
         #: Set once the shutdown began (see :meth:`shutdown`), until the run has ended.
         self.shutting_down = False
         self.until_empty = False
@@ -924,7 +927,7 @@ class WorkerCore:
             # Ready for another run, a start that failed too (it kept the stop, and the
             # next run of a sharded worker, restarting it, ended at once).
             self.generation += 1
-            self.stopping = self.shutting_down = False
+            self.stopping = self.shutting_down = self.hurried = False
             self._state = "stopped"
         if self.fatal is not None:
             raise self.fatal
@@ -1017,8 +1020,16 @@ class WorkerCore:
             self.settings.concurrency,
         )
 
-    def signalled(self, name: str) -> None:
-        log.info("worker %s: received %s, stopping", self.name, name)
+    def signalled(self, name: str, hurry: bool = False) -> None:
+        if hurry:
+            log.warning(
+                "worker %s: received %s, stopping now: running jobs are cut off and handed "
+                "back without their grace period",
+                self.name,
+                name,
+            )
+        else:
+            log.info("worker %s: received %s, stopping", self.name, name)
 
     def shutdown(self) -> Steps:
         """The one stop policy: hand back claims that never started (at once), give running
@@ -1028,7 +1039,10 @@ class WorkerCore:
 
         Once it began (:attr:`shutting_down`), the asyncio driver takes a further cancel
         of its task to mean "the grace period is over": the wait it lands in ends, and the
-        rest of this, the hand-back and the end of the duties, still happens."""
+        rest of this, the hand-back and the end of the duties, still happens.
+
+        A hurried stop (:attr:`hurried`, before or during the wait) ends the grace period
+        at once: both drivers' :class:`WaitIdle` ends when it is set."""
         self.stopping = self.shutting_down = True
         self.driver.wake()
         unstarted = self._take(lambda j: not j.started)
@@ -1036,7 +1050,7 @@ class WorkerCore:
             self._free += len(unstarted)
         if unstarted:
             yield from self._hand_back(unstarted, "unstarted")
-        if (yield WaitIdle(self.settings.grace_period)):
+        if (yield WaitIdle(0.0 if self.hurried else self.settings.grace_period)):
             return
         late = self._take(lambda j: True)
         with self._lock:
@@ -1047,13 +1061,16 @@ class WorkerCore:
             started = [job for job in late if job.started]
             self.processed += len(started)
             self._cut_off.update(id(job) for job in started)
+        why = "worker stopping now" if self.hurried else "worker stopping: grace period over"
         for job in late:
-            job.cancel("worker stopping: grace period over")
+            job.cancel(why)
             self.driver.interrupt(job)
             self.log_end(job, "cancelled", time.monotonic() - job.started if job.started else 0.0)
             quietly(self.jobs.events.fire, "cancelled", job, reason=job.cancel_reason)
         if late:
-            yield from self._hand_back(late, "cut off by the grace period")
+            yield from self._hand_back(
+                late, "cut off by a stop now" if self.hurried else "cut off by the grace period"
+            )
             yield WaitIdle(1.0)  # cancelled tasks end at once; threads cannot be made to
 
     def _hand_back(self, claims: list[ClaimedJob], what: str) -> Steps:

@@ -74,6 +74,9 @@ class Wakeups(Generic[EventT]):
         #: The heartbeat's: a cancellation to look at now.
         self.poke = make()
         self.stopping = make()
+        #: A stop that will not wait out the grace period (``stop(now=True)``): ends the
+        #: shutdown's :class:`~._steps.WaitIdle`.
+        self.hurry = make()
         #: The completer wrote outcomes.
         self.written = make()
 

@@ -1,5 +1,14 @@
 """SIGINT and SIGTERM stop a worker gracefully: one handler for every kind of worker.
 
+A stop signal that reaches a worker already stopping (a second Ctrl-C), or SIGQUIT, stops
+it now: what is left of the grace period is skipped, running handlers are told to stop and
+their jobs handed back (``stop(now=True)``). Not so in a child of ``sqla-jobs worker
+--processes``: a terminal's Ctrl-C reaches every process of its group, and systemd's
+default ``KillMode=control-group`` sends SIGTERM to every process of the unit, so such a
+child gets each stop signal twice, once directly and once passed on by its supervisor. A
+repeat means nothing there; the supervisor sends SIGQUIT on its own second signal
+(:data:`repeats`, which :func:`~.supervisor.watch_supervisor` sets).
+
 The threaded workers (:class:`~sqla_jobs.Worker`, :class:`~sqla_jobs.sharding.ShardedWorker`)
 install it with :func:`stopped_by_signals` while they run in the main thread; the asyncio
 ones with :func:`loop_signals`, as the event loop's own signal handler.
@@ -29,9 +38,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._core import WorkerCore
 
-__all__ = ["EarlyStop", "loop_signals", "relay", "signalled", "stopped_by_signals"]
+__all__ = [
+    "EarlyStop",
+    "hurries",
+    "loop_signals",
+    "relay",
+    "repeats",
+    "signalled",
+    "stopped_by_signals",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: Stop now, without the grace period (POSIX only: Windows has no SIGQUIT).
+HURRY_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGQUIT,) if hasattr(signal, "SIGQUIT") else ()
+#: Every signal the workers' handlers take.
+HANDLED = STOP_SIGNALS + HURRY_SIGNALS
 
 log = logging.getLogger("sqla_jobs.worker")
 
@@ -95,41 +116,65 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=relay._reset)
 
 
-def signalled(cores: Iterable[WorkerCore], stop: Callable[[], None], signum: int) -> None:
-    """A stop signal arrived: each worker says so in its log, then the stop begins. Not
-    from a signal handler (the asyncio workers' loop calls it): the handlers below stop
-    at once and leave the log lines to the :data:`relay`."""
+class _Repeats:
+    """Whether a stop signal that reaches a worker already stopping hurries it: yes, but in
+    a supervised child (see the module's docstring), where ``hurry`` is False."""
+
+    hurry = True
+
+
+#: This process's rule for repeated stop signals.
+repeats = _Repeats()
+
+
+def hurries(signum: int, stopping: bool) -> bool:
+    """Whether stop signal ``signum`` stops now (:data:`HURRY_SIGNALS`, or a repeat where
+    repeats hurry), given whether the worker was ``stopping`` already. Safe in a signal
+    handler: it reads plain attributes."""
+    return signum in HURRY_SIGNALS or (stopping and repeats.hurry)
+
+
+def signalled(cores: Iterable[WorkerCore], stop: Callable[..., None], signum: int) -> None:
+    """A stop signal arrived: each worker says so in its log, then the stop begins (now,
+    if :func:`hurries`). Not from a signal handler (the asyncio workers' loop calls it):
+    the handlers below stop at once and leave the log lines to the :data:`relay`."""
+    cores = list(cores)
+    now = hurries(signum, any(core.stopping for core in cores))
+    _log(cores, signum, now)
+    stop(now=now)
+
+
+def _log(cores: Iterable[WorkerCore], signum: int, now: bool) -> None:
     name = signal.Signals(signum).name
     for core in cores:
-        core.signalled(name)
-    stop()
+        core.signalled(name, hurry=now)
 
 
-def _log_signal(cores: Callable[[], Iterable[WorkerCore]], signum: int) -> None:
-    name = signal.Signals(signum).name
-    for core in cores():
-        core.signalled(name)
+def _log_signal(cores: Callable[[], Iterable[WorkerCore]], signum: int, now: bool) -> None:
+    _log(cores(), signum, now)
 
 
 @contextlib.contextmanager
 def stopped_by_signals(
-    install: bool, cores: Callable[[], Iterable[WorkerCore]], stop: Callable[[], None]
+    install: bool, cores: Callable[[], Iterable[WorkerCore]], stop: Callable[..., None]
 ) -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM call ``stop()`` (which must be safe in a
-    signal handler, as every worker's is) and have each worker log the signal, from the
-    :data:`relay`'s thread (only in the main thread, where Python delivers signals;
-    elsewhere, or without ``install``, nothing is installed). The previous handlers are
-    put back after, once the signals received meanwhile have been logged."""
+    """While the block runs, SIGINT, SIGTERM and SIGQUIT call ``stop(now=...)`` (which
+    must be safe in a signal handler, as every worker's is; ``now`` as :func:`hurries`
+    says) and have each worker log the signal, from the :data:`relay`'s thread (only in
+    the main thread, where Python delivers signals; elsewhere, or without ``install``,
+    nothing is installed). The previous handlers are put back after, once the signals
+    received meanwhile have been logged."""
     if not install or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        stop()
-        relay.call(_log_signal, cores, signum)
+        now = hurries(signum, any(core.stopping for core in cores()))
+        stop(now=now)
+        relay.call(_log_signal, cores, signum, now)
 
     relay.start()
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, handler) for sig in HANDLED}
     try:
         yield
     finally:
@@ -140,7 +185,7 @@ def stopped_by_signals(
 
 @contextlib.contextmanager
 def loop_signals(install: bool, callback: Callable[[int], None]) -> Iterator[None]:
-    """While the block runs, SIGINT and SIGTERM call ``callback(signum)`` from the running
+    """While the block runs, SIGINT, SIGTERM and SIGQUIT call ``callback(signum)`` from the running
     event loop (``loop.add_signal_handler``), in the main thread only: a loop in another
     thread cannot take them (``run()`` raised ``RuntimeError: set_wakeup_fd only works in
     main thread``). The handlers found before are put back after: the loop's own removal
@@ -149,8 +194,8 @@ def loop_signals(install: bool, callback: Callable[[int], None]) -> Iterator[Non
         yield
         return
     loop = asyncio.get_running_loop()
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
+    previous = {sig: signal.getsignal(sig) for sig in HANDLED}
+    for sig in HANDLED:
         loop.add_signal_handler(sig, callback, sig)
     try:
         yield
@@ -176,30 +221,35 @@ class EarlyStop:
     def __init__(self) -> None:
         self._worker: Any = None
         self._signum: int | None = None
+        self._now = False
 
     def attach(self, worker: Any) -> None:
         """The worker a kept (or later) signal stops; stopped now if one came already."""
         self._worker = worker
         if self._signum is not None:
-            worker.stop()
+            worker.stop(now=self._now)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         # A signal handler: no lock, no log here (see the module's docstring). A worker's
         # stop() is safe in one; the log line is the relay's.
+        now = hurries(signum, self._signum is not None)
         self._signum = signum
+        self._now = self._now or now
         worker = self._worker
         if worker is not None:
-            worker.stop()
-        relay.call(self._log, signum, worker is None)
+            worker.stop(now=now)
+        relay.call(self._log, signum, worker is None, now)
 
     @staticmethod
-    def _log(signum: int, starting: bool) -> None:
+    def _log(signum: int, starting: bool, now: bool) -> None:
         # Also the handler of a worker that runs until empty, which installs none of its
         # own: "while starting" only before a worker is attached.
-        log.info(
-            "received %s%s, stopping",
+        log.log(
+            logging.WARNING if now else logging.INFO,
+            "received %s%s, stopping%s",
             signal.Signals(signum).name,
             " while starting" if starting else "",
+            " now: running jobs are cut off and handed back" if now else "",
         )
 
     @contextlib.contextmanager
@@ -209,7 +259,7 @@ class EarlyStop:
             yield
             return
         relay.start()
-        previous = {sig: signal.signal(sig, self._handler) for sig in STOP_SIGNALS}
+        previous = {sig: signal.signal(sig, self._handler) for sig in HANDLED}
         try:
             yield
         finally:

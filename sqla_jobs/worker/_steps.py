@@ -101,7 +101,8 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class WaitIdle:
-    """Wait until no handler runs, at most ``seconds``; send back whether idle."""
+    """Wait until no handler runs, at most ``seconds``, and no longer once the stop is
+    hurried (``Wakeups.hurry``); send back whether idle."""
 
     seconds: float
 

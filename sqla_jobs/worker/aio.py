@@ -123,9 +123,13 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             self._threads.abandon(call)
             raise
 
-    def stop(self) -> None:
-        """Ask the worker to stop gracefully. Safe from any thread or signal handler."""
+    def stop(self, *, now: bool = False) -> None:
+        """Ask the worker to stop gracefully. Safe from any thread or signal handler.
+
+        ``now=True`` skips what is left of the grace period (see ``Worker.stop``)."""
         self.core.stopping = True
+        if now:
+            self.core.hurried = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
@@ -134,6 +138,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     def _wake_stopping(self) -> None:
         self._wakeups.stopping.set()
         self._wakeups.wake.set()
+        if self.core.hurried:
+            self._wakeups.hurry.set()
 
     async def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully.
@@ -310,8 +316,8 @@ class AsyncWorker(DriverBase[AsyncEngine]):
             case s.WaitIdle(seconds):
                 # What still waits was handed back, unstarted: nothing to run.
                 self._waiting.clear()
-                if self._tasks:
-                    await asyncio.wait(list(self._tasks.values()), timeout=seconds)
+                if self._tasks and not events.hurry.is_set():
+                    await _idle_or_hurried(list(self._tasks.values()), events.hurry, seconds)
                 return not self._tasks
             case s.Listen(channel):
                 pooled = await self.engine.raw_connection()
@@ -679,6 +685,20 @@ async def _wait(event: asyncio.Event, seconds: float) -> bool:
 
 
 _timeout: Any = getattr(asyncio, "timeout", None)  # Python 3.11 and later
+
+
+async def _idle_or_hurried(
+    tasks: list[asyncio.Task[None]], hurry: asyncio.Event, seconds: float
+) -> None:
+    """Wait until every one of ``tasks`` is done, ``hurry`` is set, or ``seconds`` passed.
+    The handlers' tasks are only waited on: what ends the wait cancels none of them."""
+    done = asyncio.ensure_future(asyncio.wait(tasks))
+    hurried = asyncio.ensure_future(hurry.wait())
+    try:
+        await asyncio.wait([done, hurried], timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        done.cancel()
+        hurried.cancel()
 
 
 class _Call:

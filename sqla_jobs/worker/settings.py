@@ -56,7 +56,9 @@ class WorkerSettings:
         "runs (promote due jobs, rescue expired leases, cron ticks, pause state)",
     )
     grace_period: float = _setting(
-        30.0, "on stop, seconds running handlers get to finish before they are handed back"
+        30.0,
+        "on stop, seconds running handlers get to finish before they are handed back "
+        "(a second stop signal, or SIGQUIT, ends it at once)",
     )
     claim_limit: int = _setting(100, "most jobs one claim statement takes")
     completion_batch: int = _setting(500, "most outcomes one completion write records")

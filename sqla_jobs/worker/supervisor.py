@@ -3,7 +3,11 @@
 One Python process runs handlers on one core at a time (the GIL). To use every core, run
 several worker processes: the supervisor starts N children (each a plain ``sqla-jobs
 worker`` with the same arguments), restarts one that dies, and on SIGTERM or SIGINT passes
-the signal on and waits for all of them to stop gracefully.
+the signal on and waits for all of them to stop gracefully. A second SIGTERM or SIGINT, or
+SIGQUIT, has them stop now (SIGQUIT to each: the grace period is skipped, running jobs
+handed back). The children take a repeated SIGTERM or SIGINT for the same stop (see
+:mod:`._signals`): they may get each signal twice, from the terminal or systemd and from
+here.
 
 Children are fresh interpreters started with ``subprocess``, not forks: a fork would copy
 the parent's threads, connection pool and locks in whatever state they were in.
@@ -28,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
-from ._signals import relay
+from ._signals import HURRY_SIGNALS, hurries, relay, repeats
 
 __all__ = ["SUPERVISOR_ENV", "supervise", "watch_supervisor"]
 
@@ -65,12 +69,20 @@ def supervise(
     command = [sys.executable, "-m", "sqla_jobs.cli", *child_argv]
     env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
     stopping = threading.Event()
+    hurried = threading.Event()
+    children: list[subprocess.Popen[bytes] | None] = [None] * processes
 
     def stop(signum: int) -> None:
-        log.info(
-            "supervisor: received %s, stopping %d workers", signal.Signals(signum).name, processes
-        )
+        name = signal.Signals(signum).name
+        if not hurries(signum, stopping.is_set()):
+            log.info("supervisor: received %s, stopping %d workers", name, processes)
+            stopping.set()
+            return
+        log.warning("supervisor: received %s, stopping %d workers now", name, processes)
+        hurried.set()
         stopping.set()
+        for child in list(children):
+            _hurry(child)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Runs in this (the main) thread, between two bytecodes of the loop below, maybe
@@ -81,8 +93,9 @@ def supervise(
         relay.call(stop, signum)
 
     relay.start()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    children: list[subprocess.Popen[bytes] | None] = [None] * processes
+    previous = {
+        s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, *HURRY_SIGNALS)
+    }
     started = [0.0] * processes
     failures = [0] * processes
     restart_at = [0.0] * processes
@@ -114,6 +127,8 @@ def supervise(
         live = [c for c in children if c is not None and c.poll() is None]
         for child in live:
             child.send_signal(signal.SIGTERM)
+            if hurried.is_set():  # started as the stop came, maybe
+                _hurry(child)
         deadline = time.monotonic() + grace_period + 5.0
         for child in live:
             try:
@@ -132,6 +147,14 @@ def supervise(
     return 0
 
 
+def _hurry(child: subprocess.Popen[bytes] | None) -> None:
+    """Tell a live child to stop now (SIGQUIT; where there is none, Windows, nothing)."""
+    if child is not None and child.poll() is None:
+        for sig in HURRY_SIGNALS:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(sig)
+
+
 @contextlib.contextmanager
 def watch_supervisor() -> Iterator[None]:
     """In a child of :func:`supervise`, while the block runs: stop this process gracefully
@@ -147,6 +170,9 @@ def watch_supervisor() -> Iterator[None]:
         yield
         return
     supervisor = int(given)
+    # Its stop signals may come twice (see ._signals): a repeat is the same stop; the
+    # supervisor says "now" with SIGQUIT.
+    repeats.hurry = False
     done = threading.Event()
 
     def watch() -> None:
@@ -166,3 +192,4 @@ def watch_supervisor() -> Iterator[None]:
         yield
     finally:
         done.set()
+        repeats.hurry = True

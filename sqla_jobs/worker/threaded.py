@@ -86,9 +86,13 @@ class Worker(DriverBase[sa.Engine]):
     def stopping(self) -> bool:
         return self.core.stopping
 
-    def stop(self) -> None:
+    def stop(self, *, now: bool = False) -> None:
         """Ask the worker to stop: no new claims, then a graceful shutdown. Safe from any
         thread or signal handler.
+
+        ``now=True`` (a second stop signal, SIGQUIT) skips what is left of the grace
+        period: running handlers are told to stop and their jobs handed back at once, as
+        when the grace period is over. It may follow a plain stop already under way.
 
         In the main thread it may be a signal handler, run between two bytecodes of the
         fetch loop, which waits on these very events there: setting one (which takes the
@@ -97,6 +101,8 @@ class Worker(DriverBase[sa.Engine]):
         :mod:`._signals`); the flag, which the fetch loop reads after every wait, at once.
         """
         self.core.stopping = True
+        if now:
+            self.core.hurried = True
         if threading.current_thread() is threading.main_thread():
             relay.call(self._wake_stopping)
         else:
@@ -105,6 +111,8 @@ class Worker(DriverBase[sa.Engine]):
     def _wake_stopping(self) -> None:
         self._wakeups.stopping.set()
         self._wakeups.wake.set()
+        if self.core.hurried:
+            self._wakeups.hurry.set()
 
     def run(self, *, install_signal_handlers: bool = True) -> None:
         """Run until :meth:`stop`, SIGINT or SIGTERM, then shut down gracefully.
@@ -266,12 +274,20 @@ class Worker(DriverBase[sa.Engine]):
         return taken
 
     def _wait_idle(self, seconds: float) -> bool:
-        """Let the executors finish what they run, at most ``seconds``: whether they did."""
+        """Let the executors finish what they run, at most ``seconds`` and no longer once
+        the stop is hurried: whether they did. Joined in short slices, so that a hurry
+        (a second signal, whose handler sets the event from the relay's thread) ends the
+        wait within one."""
         deadline = time.monotonic() + seconds
+        hurry = self._wakeups.hurry
         for _ in self._executors:
             self._inbox.put(None)
         for thread in self._executors:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            while thread.is_alive() and not hurry.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                thread.join(timeout=min(left, 0.05))
         return not any(t.is_alive() for t in self._executors)
 
     # -- the core's callbacks --------------------------------------------------------------

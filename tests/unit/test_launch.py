@@ -102,15 +102,16 @@ def test_child_i_of_a_sharded_plan_serves_shard_i_mod_the_shards() -> None:
 
 class _Stoppable:
     def __init__(self) -> None:
-        self.stops = 0
+        self.stops: list[bool] = []
 
-    def stop(self) -> None:
-        self.stops += 1
+    def stop(self, *, now: bool = False) -> None:
+        self.stops.append(now)
 
 
 def test_a_stop_signal_before_the_worker_runs_stops_it_gracefully() -> None:
     """``/healthz`` answers before the worker installs its handlers: a SIGTERM in that
-    window must not kill the process (exit -15), it must stop the worker once it exists."""
+    window must not kill the process (exit -15), it must stop the worker once it exists.
+    A later one is a repeat: it stops the worker now."""
     import signal as signals
 
     from sqla_jobs.worker._signals import EarlyStop
@@ -121,7 +122,36 @@ def test_a_stop_signal_before_the_worker_runs_stops_it_gracefully() -> None:
         os.kill(os.getpid(), signals.SIGTERM)  # would end this process without the guard
         worker = _Stoppable()
         early.attach(worker)
-        assert worker.stops == 1
+        assert worker.stops == [False]
         os.kill(os.getpid(), signals.SIGINT)  # later ones reach the attached worker
-        assert worker.stops == 2
+        assert worker.stops == [False, True]
     assert signals.getsignal(signals.SIGTERM) is before
+
+
+def test_sigquit_before_the_worker_runs_stops_it_now_once_attached() -> None:
+    import signal as signals
+
+    from sqla_jobs.worker._signals import EarlyStop
+
+    early = EarlyStop()
+    with early.installed():
+        os.kill(os.getpid(), signals.SIGQUIT)  # would dump core and end this process
+        worker = _Stoppable()
+        early.attach(worker)
+    assert worker.stops == [True]
+
+
+def test_a_repeated_stop_signal_hurries_except_in_a_supervised_child() -> None:
+    import signal as signals
+
+    from sqla_jobs.worker._signals import hurries, repeats
+
+    assert not hurries(signals.SIGTERM, stopping=False)
+    assert hurries(signals.SIGTERM, stopping=True) and hurries(signals.SIGINT, stopping=True)
+    assert hurries(signals.SIGQUIT, stopping=False)
+    repeats.hurry = False  # what watch_supervisor sets in a child of a supervisor
+    try:
+        assert not hurries(signals.SIGINT, stopping=True)
+        assert hurries(signals.SIGQUIT, stopping=True)
+    finally:
+        repeats.hurry = True
