@@ -1020,16 +1020,10 @@ class WorkerCore:
             self.settings.concurrency,
         )
 
-    def signalled(self, name: str, hurry: bool = False) -> None:
-        if hurry:
-            log.warning(
-                "worker %s: received %s, stopping now: running jobs are cut off and handed "
-                "back without their grace period",
-                self.name,
-                name,
-            )
-        else:
-            log.info("worker %s: received %s, stopping", self.name, name)
+    def signalled(self, name: str, what: str = "stopping", *, now: bool = False) -> None:
+        """Log stop signal ``name`` and ``what`` it does (a WARNING when it stops ``now``)."""
+        level = logging.WARNING if now else logging.INFO
+        log.log(level, "worker %s: received %s, %s", self.name, name, what)
 
     def shutdown(self) -> Steps:
         """The one stop policy: hand back claims that never started (at once), give running

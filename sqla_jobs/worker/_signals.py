@@ -1,13 +1,14 @@
 """SIGINT and SIGTERM stop a worker gracefully: one handler for every kind of worker.
 
-A stop signal that reaches a worker already stopping (a second Ctrl-C), or SIGQUIT, stops
-it now: what is left of the grace period is skipped, running handlers are told to stop and
-their jobs handed back (``stop(now=True)``). Not so in a child of ``sqla-jobs worker
---processes``: a terminal's Ctrl-C reaches every process of its group, and systemd's
-default ``KillMode=control-group`` sends SIGTERM to every process of the unit, so such a
-child gets each stop signal twice, once directly and once passed on by its supervisor. A
-repeat means nothing there; the supervisor sends SIGQUIT on its own second signal
-(:data:`repeats`, which :func:`~.supervisor.watch_supervisor` sets).
+A second stop signal (Ctrl-C again), or SIGQUIT, stops it now: what is left of the grace
+period is skipped, running handlers are told to stop and their jobs handed back
+(``stop(now=True)``). But one stop often arrives twice: a terminal's Ctrl-C reaches every
+process of its group, and a wrapper in that group (a Procfile runner, a supervisor) passes
+it on too; systemd's default ``KillMode=control-group`` sends SIGTERM to every process of
+the unit. So a repeat within :data:`SAME_STOP_WITHIN` of the first is the same stop, and
+in a child of ``sqla-jobs worker --processes``, which gets every stop signal from its
+supervisor as well, any repeat is: its supervisor sends SIGQUIT on its own second signal
+(see :class:`StopSignals`).
 
 The threaded workers (:class:`~sqla_jobs.Worker`, :class:`~sqla_jobs.sharding.ShardedWorker`)
 install it with :func:`stopped_by_signals` while they run in the main thread; the asyncio
@@ -31,20 +32,21 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from ._core import WorkerCore
 
 __all__ = [
     "EarlyStop",
-    "hurries",
+    "StopSignals",
     "loop_signals",
     "relay",
-    "repeats",
     "signalled",
+    "stop_signals",
     "stopped_by_signals",
 ]
 
@@ -116,42 +118,82 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=relay._reset)
 
 
-class _Repeats:
-    """Whether a stop signal that reaches a worker already stopping hurries it: yes, but in
-    a supervised child (see the module's docstring), where ``hurry`` is False."""
+#: A repeat this soon after the first stop signal is the same stop delivered twice (see
+#: the module's docstring), not someone asking again.
+SAME_STOP_WITHIN = 1.0
 
-    hurry = True
-
-
-#: This process's rule for repeated stop signals.
-repeats = _Repeats()
+#: What a stop signal means: the first (stop gracefully), a repeat taken for the same
+#: stop, or stop now.
+Meaning = Literal["stop", "same", "now"]
 
 
-def hurries(signum: int, stopping: bool) -> bool:
-    """Whether stop signal ``signum`` stops now (:data:`HURRY_SIGNALS`, or a repeat where
-    repeats hurry), given whether the worker was ``stopping`` already. Safe in a signal
-    handler: it reads plain attributes."""
-    return signum in HURRY_SIGNALS or (stopping and repeats.hurry)
+class StopSignals:
+    """The stop signals this process received, and what each one means (:meth:`take`).
+
+    One per process (:data:`stop_signals`): the launcher's early handlers, a worker's own,
+    and a supervisor's all read and write it, so a signal kept before the worker ran counts
+    as the first. Its methods are safe in a signal handler: plain attributes and
+    ``time.monotonic()``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: When the first stop signal came (on ``clock``), until :meth:`reset`.
+        self.first_at: float | None = None
+        #: Whether a repeat a while after the first stops now: not in a supervised child,
+        #: which gets each signal from its supervisor as well (set by
+        #: :func:`~.supervisor.watch_supervisor`).
+        self.repeats_hurry = True
+
+    def take(self, signum: int) -> Meaning:
+        """Note stop signal ``signum``; what it means: SIGQUIT stops now, a first SIGINT or
+        SIGTERM stops, a repeat stops now once :data:`SAME_STOP_WITHIN` has passed (where
+        repeats hurry) and is the same stop otherwise."""
+        at = self._clock()
+        first, self.first_at = self.first_at, self.first_at if self.first_at is not None else at
+        if signum in HURRY_SIGNALS:
+            return "now"
+        if first is None:
+            return "stop"
+        return "now" if self.repeats_hurry and at - first >= SAME_STOP_WITHIN else "same"
+
+    def reset(self) -> None:
+        """Forget the signals so far: a worker's run with its handlers has ended."""
+        self.first_at = None
+
+
+#: This process's stop signals.
+stop_signals = StopSignals()
+
+
+def says(meaning: Meaning) -> str:
+    """What a worker's log says of a stop signal that means ``meaning``."""
+    if meaning == "stop":
+        return "stopping"
+    if meaning == "now":
+        return "stopping now: running jobs are cut off and handed back"
+    if stop_signals.repeats_hurry:
+        return "already stopping (the same signal again, or SIGQUIT, stops now)"
+    return "already stopping (a second signal to the supervisor, or SIGQUIT, stops now)"
 
 
 def signalled(cores: Iterable[WorkerCore], stop: Callable[..., None], signum: int) -> None:
     """A stop signal arrived: each worker says so in its log, then the stop begins (now,
-    if :func:`hurries`). Not from a signal handler (the asyncio workers' loop calls it):
-    the handlers below stop at once and leave the log lines to the :data:`relay`."""
-    cores = list(cores)
-    now = hurries(signum, any(core.stopping for core in cores))
-    _log(cores, signum, now)
-    stop(now=now)
+    if :meth:`StopSignals.take` says so). Not from a signal handler (the asyncio workers'
+    loop calls it): the handlers below stop at once and leave the log lines to the
+    :data:`relay`."""
+    meaning = stop_signals.take(signum)
+    _log(list(cores), signum, meaning)
+    stop(now=meaning == "now")
 
 
-def _log(cores: Iterable[WorkerCore], signum: int, now: bool) -> None:
+def _log(cores: Iterable[WorkerCore], signum: int, meaning: Meaning) -> None:
     name = signal.Signals(signum).name
     for core in cores:
-        core.signalled(name, hurry=now)
+        core.signalled(name, says(meaning), now=meaning == "now")
 
 
-def _log_signal(cores: Callable[[], Iterable[WorkerCore]], signum: int, now: bool) -> None:
-    _log(cores(), signum, now)
+def _log_signal(cores: Callable[[], Iterable[WorkerCore]], signum: int, meaning: Meaning) -> None:
+    _log(cores(), signum, meaning)
 
 
 @contextlib.contextmanager
@@ -159,19 +201,19 @@ def stopped_by_signals(
     install: bool, cores: Callable[[], Iterable[WorkerCore]], stop: Callable[..., None]
 ) -> Iterator[None]:
     """While the block runs, SIGINT, SIGTERM and SIGQUIT call ``stop(now=...)`` (which
-    must be safe in a signal handler, as every worker's is; ``now`` as :func:`hurries`
-    says) and have each worker log the signal, from the :data:`relay`'s thread (only in
-    the main thread, where Python delivers signals; elsewhere, or without ``install``,
-    nothing is installed). The previous handlers are put back after, once the signals
-    received meanwhile have been logged."""
+    must be safe in a signal handler, as every worker's is; ``now`` as
+    :meth:`StopSignals.take` says) and have each worker log the signal, from the
+    :data:`relay`'s thread (only in the main thread, where Python delivers signals;
+    elsewhere, or without ``install``, nothing is installed). The previous handlers are
+    put back after, once the signals received meanwhile have been logged."""
     if not install or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        now = hurries(signum, any(core.stopping for core in cores()))
-        stop(now=now)
-        relay.call(_log_signal, cores, signum, now)
+        meaning = stop_signals.take(signum)
+        stop(now=meaning == "now")
+        relay.call(_log_signal, cores, signum, meaning)
 
     relay.start()
     previous = {sig: signal.signal(sig, handler) for sig in HANDLED}
@@ -181,15 +223,17 @@ def stopped_by_signals(
         for sig, old in previous.items():
             signal.signal(sig, old)
         relay.flush()
+        stop_signals.reset()
 
 
 @contextlib.contextmanager
 def loop_signals(install: bool, callback: Callable[[int], None]) -> Iterator[None]:
-    """While the block runs, SIGINT, SIGTERM and SIGQUIT call ``callback(signum)`` from the running
-    event loop (``loop.add_signal_handler``), in the main thread only: a loop in another
-    thread cannot take them (``run()`` raised ``RuntimeError: set_wakeup_fd only works in
-    main thread``). The handlers found before are put back after: the loop's own removal
-    left the signals at their default action, and the application's handler was gone."""
+    """While the block runs, SIGINT, SIGTERM and SIGQUIT call ``callback(signum)`` from
+    the running event loop (``loop.add_signal_handler``), in the main thread only: a loop
+    in another thread cannot take them (``run()`` raised ``RuntimeError: set_wakeup_fd
+    only works in main thread``). The handlers found before are put back after: the
+    loop's own removal left the signals at their default action, and the application's
+    handler was gone."""
     if not install or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -204,6 +248,7 @@ def loop_signals(install: bool, callback: Callable[[int], None]) -> Iterator[Non
             loop.remove_signal_handler(sig)
             if old is not None:
                 signal.signal(sig, old)
+        stop_signals.reset()
 
 
 class EarlyStop:
@@ -232,24 +277,24 @@ class EarlyStop:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         # A signal handler: no lock, no log here (see the module's docstring). A worker's
         # stop() is safe in one; the log line is the relay's.
-        now = hurries(signum, self._signum is not None)
+        meaning = stop_signals.take(signum)
         self._signum = signum
-        self._now = self._now or now
+        self._now = self._now or meaning == "now"
         worker = self._worker
         if worker is not None:
-            worker.stop(now=now)
-        relay.call(self._log, signum, worker is None, now)
+            worker.stop(now=meaning == "now")
+        relay.call(self._log, signum, worker is None, meaning)
 
     @staticmethod
-    def _log(signum: int, starting: bool, now: bool) -> None:
+    def _log(signum: int, starting: bool, meaning: Meaning) -> None:
         # Also the handler of a worker that runs until empty, which installs none of its
         # own: "while starting" only before a worker is attached.
         log.log(
-            logging.WARNING if now else logging.INFO,
-            "received %s%s, stopping%s",
+            logging.WARNING if meaning == "now" else logging.INFO,
+            "received %s%s, %s",
             signal.Signals(signum).name,
             " while starting" if starting else "",
-            " now: running jobs are cut off and handed back" if now else "",
+            says(meaning),
         )
 
     @contextlib.contextmanager
@@ -266,3 +311,4 @@ class EarlyStop:
             for sig, old in previous.items():
                 signal.signal(sig, old)
             relay.flush()
+            stop_signals.reset()

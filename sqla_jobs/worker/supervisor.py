@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
-from ._signals import HURRY_SIGNALS, hurries, relay, repeats
+from ._signals import HURRY_SIGNALS, Meaning, relay, stop_signals
 
 __all__ = ["SUPERVISOR_ENV", "supervise", "watch_supervisor"]
 
@@ -72,25 +72,27 @@ def supervise(
     hurried = threading.Event()
     children: list[subprocess.Popen[bytes] | None] = [None] * processes
 
-    def stop(signum: int) -> None:
+    def stop(signum: int, meaning: Meaning) -> None:
         name = signal.Signals(signum).name
-        if not hurries(signum, stopping.is_set()):
+        if meaning == "stop":
             log.info("supervisor: received %s, stopping %d workers", name, processes)
-            stopping.set()
-            return
-        log.warning("supervisor: received %s, stopping %d workers now", name, processes)
-        hurried.set()
+        elif meaning == "same":
+            log.info("supervisor: received %s, already stopping", name)
+        else:
+            log.warning("supervisor: received %s, stopping %d workers now", name, processes)
+            hurried.set()
+            for child in list(children):
+                _hurry(child)
         stopping.set()
-        for child in list(children):
-            _hurry(child)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         # Runs in this (the main) thread, between two bytecodes of the loop below, maybe
         # inside ``stopping.wait`` holding the event's lock (not reentrant): the event is
         # set, and the log written, by the relay's thread (see ._signals). Set here, the
         # handler waited for ever on a lock its own thread held: the supervisor never
-        # passed the signal on, never stopped.
-        relay.call(stop, signum)
+        # passed the signal on, never stopped. What the signal means is decided here,
+        # when it came: a repeat within a second is the same stop (see ._signals).
+        relay.call(stop, signum, stop_signals.take(signum))
 
     relay.start()
     previous = {
@@ -140,6 +142,7 @@ def supervise(
                 killed += 1
         for sig, old in previous.items():
             signal.signal(sig, old)
+        stop_signals.reset()
     if killed:
         log.error("supervisor: %d worker process(es) had to be killed", killed)
         return 1
@@ -172,7 +175,7 @@ def watch_supervisor() -> Iterator[None]:
     supervisor = int(given)
     # Its stop signals may come twice (see ._signals): a repeat is the same stop; the
     # supervisor says "now" with SIGQUIT.
-    repeats.hurry = False
+    stop_signals.repeats_hurry = False
     done = threading.Event()
 
     def watch() -> None:
@@ -192,4 +195,4 @@ def watch_supervisor() -> Iterator[None]:
         yield
     finally:
         done.set()
-        repeats.hurry = True
+        stop_signals.repeats_hurry = True

