@@ -461,3 +461,75 @@ def test_an_outcome_write_waiting_on_a_row_lock_does_not_fail_under_repeatable_r
         done.set()
         other.dispose()
     assert "could not serialize" not in caplog.text
+
+
+# -- 6. the maintenance pass --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+def test_a_maintenance_pass_meeting_a_row_changed_since_it_began_does_not_fail(
+    db: sa.Engine, jobs: Jobs, database_url: str, kind: str
+) -> None:
+    """REPEATABLE READ the database's default: a pass began (its rescue, its promotion),
+    then a due schedule changed (another worker's pass, an operator) before the pass
+    locked it. Under the pass's first snapshot that lock failed with "could not serialize
+    access", the whole pass rolled back, and the tick waited for a later pass; at READ
+    COMMITTED, as the worker's other statements run, the tick is enqueued."""
+    from sqla_jobs.periodic import sync_declared
+
+    @jobs.periodic("* * * * *", name="minutely")
+    @jobs.task(queue="mt", name="ticked")
+    def ticked() -> None:
+        pass
+
+    schedules = jobs.queries.schedules_table
+    with db.begin() as conn:
+        sync_declared(conn, jobs)
+        conn.execute(sa.update(schedules).values(next_run_at=sa.text("now() - interval '1 min'")))
+    other = _rc(database_url)
+    outcome: list[Any] = []
+
+    def one_pass() -> None:
+        try:
+            if kind == "threads":
+                worker = Worker(jobs, database_url)
+                try:
+                    outcome.append(worker.run_duty_once("maintenance"))
+                finally:
+                    worker.engine.dispose()
+            else:
+                from sqla_jobs.aio import AsyncWorker
+
+                async def main() -> Any:
+                    worker = AsyncWorker(jobs, database_url)
+                    try:
+                        return await worker.run_duty_once("maintenance")
+                    finally:
+                        await worker.engine.dispose()
+
+                outcome.append(asyncio.run(main()))
+        except Exception as exc:
+            outcome.append(exc)
+
+    try:
+        with database_default(db, "repeatable read"), other.connect() as hold:
+            with hold.begin():
+                # The pass's lock of the schedule's row waits behind this; its snapshot
+                # was taken at its first statement, on the jobs table.
+                hold.exec_driver_sql(f"LOCK TABLE {_qualified(schedules)} IN EXCLUSIVE MODE")
+                thread = threading.Thread(target=one_pass)
+                thread.start()
+                _until_a_lock_wait(db)
+                hold.execute(sa.update(schedules).values(priority=schedules.c.priority))
+            thread.join(20)
+    finally:
+        other.dispose()
+    assert not thread.is_alive() and outcome, "the maintenance pass did not end"
+    assert not isinstance(outcome[0], Exception), outcome[0]
+    with db.connect() as conn:
+        t = app.Job.__table__
+        assert conn.execute(sa.select(sa.func.count()).where(t.c.task == "ticked")).scalar() == 1
+
+
+def _qualified(table: sa.Table) -> str:
+    return f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'

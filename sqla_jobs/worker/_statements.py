@@ -384,6 +384,19 @@ def _read_committed(conn: sa.Connection) -> Iterator[None]:
     yield
 
 
+def in_read_committed(conn: sa.Connection, fn: Callable[..., T], args: Sequence[Any]) -> T:
+    """``fn(conn, *args)`` at READ COMMITTED, in ``conn``'s transaction, which it begins:
+    the worker's statements of :attr:`~._steps.Conn.TX` (the maintenance pass, the hand
+    back, the worker's row), as its claims, heartbeats and outcome writes run. Under
+    REPEATABLE READ (an engine's ``isolation_level``, the database's
+    ``default_transaction_isolation``) the maintenance pass's snapshot was taken at its
+    first statement, the rescue: a due schedule, a retry or an expired lease that another
+    worker's pass, a completion or an operator changed in the milliseconds after it made
+    the pass fail with a serialization error, its rescues and promotions rolled back."""
+    with _read_committed(conn):
+        return fn(conn, *args)
+
+
 def lone_read_committed(conn: sa.Connection, ask: bool = False) -> bool | None:
     """Whether a lone statement on ``conn`` runs at READ COMMITTED (see
     :func:`_implicit_transaction`), as far as known without a query (None: not asked yet

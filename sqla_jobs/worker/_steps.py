@@ -30,7 +30,9 @@ class Conn(enum.Enum):
     #: The heartbeat's held autocommit connection: a lease renewal never waits on the pool,
     #: which the application's handlers may have emptied (they may use the worker's engine).
     BEAT = "beat"
-    #: A pooled connection in a transaction of its own, committed when the function returns.
+    #: A pooled connection in a transaction of its own, at READ COMMITTED whatever the
+    #: engine's or the server's default (see ``_statements.in_read_committed``), committed
+    #: when the function returns.
     TX = "tx"
 
 

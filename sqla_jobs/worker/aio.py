@@ -660,10 +660,11 @@ async def _outlive(work: Awaitable[T], cancels: list[BaseException] | None = Non
 
 
 async def _in_transaction(conn: AsyncConnection, fn: Callable[..., T], args: Any) -> T:
-    """``fn(connection, *args)`` in a transaction of its own, committed as it returns."""
+    """``fn(connection, *args)`` in a transaction of its own at READ COMMITTED, committed
+    as it returns (see ``_statements.in_read_committed``)."""
     try:
         async with conn.begin():
-            return await conn.run_sync(fn, *args)
+            return await conn.run_sync(statements.in_read_committed, fn, args)
     finally:
         await conn.close()
 

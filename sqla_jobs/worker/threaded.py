@@ -200,7 +200,7 @@ class Worker(DriverBase[sa.Engine]):
                 return self._beat_conn.run(fn, *args)
             case s.Io(fn, args, _):
                 with self.engine.begin() as conn:
-                    return fn(conn, *args)
+                    return statements.in_read_committed(conn, fn, args)
             case s.Sleep(seconds):
                 events.wake.wait(seconds)
                 events.wake.clear()
