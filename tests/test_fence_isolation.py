@@ -533,3 +533,46 @@ def test_a_maintenance_pass_meeting_a_row_changed_since_it_began_does_not_fail(
 
 def _qualified(table: sa.Table) -> str:
     return f'"{table.schema}"."{table.name}"' if table.schema else f'"{table.name}"'
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+def test_the_maintenance_pass_is_one_transaction_on_an_autocommit_engine(
+    db: sa.Engine, jobs: Jobs, database_url: str, kind: str
+) -> None:
+    """A worker given an engine in autocommit (``isolation_level="AUTOCOMMIT"``, an
+    application's read engine): its pass's savepoints need a transaction, and each pass
+    failed ("SAVEPOINT can only be used in transaction blocks"): no retry was promoted,
+    no lease rescued."""
+
+    @jobs.task(queue="ac")
+    def later() -> None:
+        pass
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(later.with_options(delay=3600))
+        session.commit()
+    t = app.Job.__table__
+    with db.begin() as conn:  # due now: the test's clock, not a wait
+        conn.execute(sa.update(t).values(run_at=sa.text("now() - interval '1 min'")))
+    if kind == "threads":
+        engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
+        try:
+            Worker(jobs, engine, queues=["ac"]).run_duty_once("maintenance")
+        finally:
+            engine.dispose()
+    else:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        from sqla_jobs.aio import AsyncWorker
+
+        async def main() -> None:
+            url = sa.make_url(database_url).set(drivername="postgresql+psycopg")
+            engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
+            try:
+                await AsyncWorker(jobs, engine, queues=["ac"]).run_duty_once("maintenance")
+            finally:
+                await engine.dispose()
+
+        asyncio.run(main())
+    with db.connect() as conn:
+        assert conn.execute(sa.select(t.c.status)).scalars().all() == ["ready"]

@@ -348,7 +348,7 @@ _BEGINS_READ_COMMITTED = "sqla_jobs.begins_read_committed"
 
 
 @contextlib.contextmanager
-def _read_committed(conn: sa.Connection) -> Iterator[None]:
+def _read_committed(conn: sa.Connection, whole: bool = False) -> Iterator[None]:
     """Run the worker's own statements of the block (a heartbeat, an outcome batch) at
     READ COMMITTED, whatever the engine's isolation or the server's default, as the
     claims run (:data:`_BEGIN`). Under REPEATABLE READ or SERIALIZABLE such a statement
@@ -358,11 +358,13 @@ def _read_committed(conn: sa.Connection) -> Iterator[None]:
 
     No round trip more where the level already is READ COMMITTED (found once per
     database connection, one query). Elsewhere, in autocommit, the block is one
-    transaction between :data:`_BEGIN` and COMMIT; in a transaction (``engine.begin()``),
-    its first statement is ``SET TRANSACTION ISOLATION LEVEL READ COMMITTED`` (the
-    ``SHOW`` that asks takes no snapshot, so it may come before it)."""
+    transaction between :data:`_BEGIN` and COMMIT (always, with ``whole``: a block of
+    several statements, or with savepoints, that must be one transaction); in a
+    transaction (``engine.begin()``), its first statement is ``SET TRANSACTION ISOLATION
+    LEVEL READ COMMITTED`` (the ``SHOW`` that asks takes no snapshot, so it may come
+    before it)."""
     if autocommit(conn):
-        if _implicit_transaction(conn):
+        if not whole and _implicit_transaction(conn):
             yield
             return
         conn.exec_driver_sql(_BEGIN)
@@ -392,8 +394,12 @@ def in_read_committed(conn: sa.Connection, fn: Callable[..., T], args: Sequence[
     ``default_transaction_isolation``) the maintenance pass's snapshot was taken at its
     first statement, the rescue: a due schedule, a retry or an expired lease that another
     worker's pass, a completion or an operator changed in the milliseconds after it made
-    the pass fail with a serialization error, its rescues and promotions rolled back."""
-    with _read_committed(conn):
+    the pass fail with a serialization error, its rescues and promotions rolled back.
+
+    One transaction on an engine in autocommit too (``isolation_level="AUTOCOMMIT"``,
+    given to a worker): there the pass's first savepoint failed ("SAVEPOINT can only be
+    used in transaction blocks"), every pass, and no lease was rescued, no retry promoted."""
+    with _read_committed(conn, whole=True):
         return fn(conn, *args)
 
 
