@@ -23,6 +23,7 @@ from sqla_jobs import (
     Steps,
     WaitTimedOut,
     Worker,
+    create_engine,
     current_job,
 )
 from sqla_jobs.model import companion_tables, job_table
@@ -96,13 +97,18 @@ def test_a_step_runs_once_across_attempts_and_returns_its_stored_json(
     assert job_row(db, job_id) is None  # succeeded (deleted)
 
 
+@pytest.mark.parametrize("autocommit", [False, True], ids=["engine", "autocommit-engine"])
 def test_a_step_that_takes_a_session_commits_its_writes_with_its_checkpoint(
-    Session: Any, db: sa.Engine, jobs: Jobs
+    Session: Any, db: sa.Engine, jobs: Jobs, autocommit: bool
 ) -> None:
+    """Also on a worker given an engine in autocommit, where the step's session had no
+    transaction: its write committed at once, and the failed attempt's stayed."""
+
     @jobs.task(durable=True, queue="d", max_attempts=3)
     def signup(steps: Steps, code: str) -> None:
         def create(session: Any) -> str:
             session.add(app.Link(code=code, url="made"))
+            session.flush()  # sent: only the step's transaction keeps it uncommitted
             if current_job().attempts == 1:
                 raise RuntimeError("after the write, before the checkpoint")
             return code
@@ -115,8 +121,13 @@ def test_a_step_that_takes_a_session_commits_its_writes_with_its_checkpoint(
             raise RuntimeError("after the checkpoint")
 
     job_id = enqueue(Session, signup, code="x1")
-    for _ in range(3):
-        drain(jobs, db, wait_scheduled=2)
+    engine = create_engine(db.url, isolation_level="AUTOCOMMIT") if autocommit else db
+    try:
+        for _ in range(3):
+            drain(jobs, engine, wait_scheduled=2)
+    finally:
+        if autocommit:
+            engine.dispose()
     assert [r.code for r in rows(db, app.Link)] == ["x1"]  # once: rolled back, then committed
     assert job_row(db, job_id) is None
 

@@ -361,3 +361,83 @@ def test_run_queued_jobs_refuses_a_handlers_own_commit_as_a_worker_does(
     summary, codes, status = _in_a_test_transaction(db, jobs, create)
     assert (summary.dead, codes, status) == (1, ["setup"], "dead"), str(summary)
     assert "must not commit" in str(summary.runs[0].error)
+
+
+@pytest.mark.parametrize("kind", ["threads", "asyncio"])
+def test_a_transactional_run_is_one_transaction_on_an_autocommit_engine(
+    db: sa.Engine, jobs: Jobs, database_url: str, kind: str
+) -> None:
+    """A worker given an engine in autocommit (``isolation_level="AUTOCOMMIT"``): each of a
+    transactional run's statements committed by itself, so a handler that failed after
+    its write left the write committed beside its dead job (and the fence's lock ended
+    with its statement). The run's session now has a transaction, at the server's
+    default level: the failed run wrote nothing, the good one wrote with its completion."""
+    from sqla_jobs import PermanentError
+
+    @jobs.task(queue="ac", transactional=True, max_attempts=1)
+    def write(session: Any, code: str, fail: bool) -> None:
+        session.add(app.Link(code=code, url="u"))
+        session.flush()
+        if fail:
+            raise PermanentError("fails after its write")
+
+    @jobs.task(queue="ac", transactional=True, max_attempts=1, name="write_async")
+    async def write_async(session: Any, code: str, fail: bool) -> None:
+        session.add(app.Link(code=code, url="u"))
+        await session.flush()
+        if fail:
+            raise PermanentError("fails after its write")
+
+    task = write if kind == "threads" else write_async
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(task, code="bad", fail=True)
+        session.enqueue(task, code="good", fail=False)
+        session.commit()
+    if kind == "threads":
+        engine = create_engine(database_url, isolation_level="AUTOCOMMIT")
+        try:
+            assert (
+                Worker(jobs, engine, queues=["ac"], listen=False).run_until_empty(timeout=20) == 2
+            )
+        finally:
+            engine.dispose()
+    else:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        from sqla_jobs.aio import AsyncWorker
+
+        async def main() -> int:
+            url = sa.make_url(database_url).set(drivername="postgresql+psycopg")
+            engine = create_async_engine(url, isolation_level="AUTOCOMMIT")
+            try:
+                worker = AsyncWorker(jobs, engine, queues=["ac"], listen=False)
+                return await worker.run_until_empty(timeout=20)
+            finally:
+                await engine.dispose()
+
+        assert asyncio.run(main()) == 2
+    assert _links(db) == ["good"]
+    assert sorted(r.status for r in rows(db)) == ["dead"]  # the good one is done, deleted
+
+
+def test_a_transactional_run_on_an_engine_kept_in_autocommit_is_refused_with_why(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """``engine.execution_options(isolation_level="AUTOCOMMIT")`` keeps its level over
+    any the worker sets on top of it: such a run cannot have its transaction, so it is
+    refused with an error that says so, and its handler is not called."""
+    called: list[str] = []
+
+    @jobs.task(queue="ac", transactional=True, max_attempts=1)
+    def write(session: Any) -> None:
+        called.append("called")
+
+    with JobSession(db, jobs=jobs) as session:
+        session.enqueue(write)
+        session.commit()
+    engine = db.execution_options(isolation_level="AUTOCOMMIT")
+    Worker(jobs, engine, queues=["ac"], listen=False).run_until_empty(timeout=20)
+    assert called == []
+    (job,) = rows(db)
+    assert job.status == "dead"
+    assert "the worker's engine is in autocommit" in job.last_error

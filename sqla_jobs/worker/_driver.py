@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event
 
+from .._direct import autocommit
 from .._queries import lock_run_params
 from ..errors import PermanentError, conflicted
 from ._core import RunConflict, WorkerCore
@@ -40,9 +41,11 @@ __all__ = [
     "DriverBase",
     "Fence",
     "Wakeups",
+    "autocommit_level",
     "handler_connections",
     "pool_options",
     "run_session",
+    "still_autocommit",
 ]
 
 _log = logging.getLogger("sqla_jobs.worker")
@@ -94,6 +97,9 @@ class DriverBase(Generic[E]):
     _outbox: Any
     #: The engine was made here from a URL: disposed of at the end of each run.
     _owns_engine: bool = False
+    #: The engine of the runs' own sessions, once asked (see the drivers'
+    #: ``_in_transactions``): the worker's, or the worker's out of autocommit.
+    _run_engine: Any = None
 
     def __init__(
         self,
@@ -294,6 +300,38 @@ def run_session(jobs: Jobs, bind: Any, kind: type[S]) -> S:
             "completion (a scoped_session shared between runs would do this)"
         )
     return session
+
+
+def autocommit_level(conn: sa.Connection) -> str | None:
+    """Where ``conn`` is in autocommit (an engine made with ``isolation_level="AUTOCOMMIT"``,
+    given to the worker), the server's default isolation level, as SQLAlchemy names it;
+    otherwise None (nothing asked).
+
+    A transactional run's session and a durable step's session need a transaction of their
+    own: on such an engine each of their statements committed by itself, so the fence's
+    lock of the job's row ended with its statement, and a handler that failed after
+    writing left its writes committed beside a failed (or retried) job. The drivers give
+    those sessions the engine with this level instead (``engine.execution_options``)."""
+    if not autocommit(conn):
+        return None
+    level = conn.exec_driver_sql("SHOW default_transaction_isolation").scalar()
+    return str(level).upper()
+
+
+def still_autocommit(conn: sa.Connection) -> None:
+    """Raise if ``conn``, a connection of the engine meant for the runs' sessions, is in
+    autocommit all the same. An engine made by ``engine.execution_options(
+    isolation_level="AUTOCOMMIT")`` keeps its own level over any given on top of it (its
+    connect listener runs last), so the worker cannot give such runs a transaction:
+    they are refused, each with this error, rather than run without one."""
+    if autocommit(conn):
+        raise ValueError(
+            "the worker's engine is in autocommit (execution_options(isolation_level="
+            "'AUTOCOMMIT')), which the worker cannot undo for a transactional run or a "
+            "durable step's session, and they need a transaction: give the worker an "
+            "engine that is not in autocommit (its own statements set their isolation "
+            "themselves), or make it with create_engine(..., isolation_level='AUTOCOMMIT')"
+        )
 
 
 #: How many times a transactional run's first statement is tried again when it meets a

@@ -42,7 +42,15 @@ from ..steps import AsyncSteps
 from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost, quietly
-from ._driver import DriverBase, Fence, Wakeups, pool_options, run_session
+from ._driver import (
+    DriverBase,
+    Fence,
+    Wakeups,
+    autocommit_level,
+    pool_options,
+    run_session,
+    still_autocommit,
+)
 from ._signals import loop_signals, signalled
 from .job import ClaimedJob, Outcome, job_log
 
@@ -489,7 +497,7 @@ class AsyncWorker(DriverBase[AsyncEngine]):
     async def _transactional(self, run: Run) -> Outcome:
         fn, args, kwargs = run.task.fn, run.args, run.kwargs
         try:
-            made = run_session(self.jobs, self.engine, AsyncSession)
+            made = run_session(self.jobs, await self._in_transactions(), AsyncSession)
         except Exception as exc:  # the app's session factory failed, or misfits
             return run.end(exc)
         fences: list[Fence] = []
@@ -516,11 +524,29 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                     fence.close()
         return outcome
 
+    async def _in_transactions(self) -> AsyncEngine:
+        """The engine the runs' own sessions are on (see ``Worker._in_transactions``)."""
+        engine: AsyncEngine | None = self._run_engine
+        if engine is None:
+            async with self.engine.connect() as conn:
+                level = await conn.run_sync(autocommit_level)
+            engine = self.engine
+            if level is not None:
+                engine = engine.execution_options(isolation_level=level)
+                async with engine.connect() as conn:
+                    await conn.run_sync(still_autocommit)
+            self._run_engine = engine
+        return engine
+
     async def _durable(self, run: Run) -> Outcome:
         """A durable task: its ``async def`` handler gets an awaitable step runner."""
         job, task = run.job, run.task
+        try:
+            engine = await self._in_transactions()
+        except Exception as exc:  # an engine that stays in autocommit
+            return run.end(exc)
         steps = AsyncSteps(
-            self.engine,
+            engine,
             self.jobs.step_queries,
             job,
             StepHost(self.core, job),

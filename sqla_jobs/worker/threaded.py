@@ -32,7 +32,15 @@ from ..steps import Steps
 from . import _statements as statements
 from . import _steps as s
 from ._core import Run, StepHost
-from ._driver import DriverBase, Fence, Wakeups, pool_options, run_session
+from ._driver import (
+    DriverBase,
+    Fence,
+    Wakeups,
+    autocommit_level,
+    pool_options,
+    run_session,
+    still_autocommit,
+)
 from ._signals import relay, stopped_by_signals
 from .job import ClaimedJob, Outcome, OutcomeKind
 
@@ -384,7 +392,7 @@ class Worker(DriverBase[sa.Engine]):
             return run.outcome
         if session is None:
             try:
-                made = run_session(self.jobs, self.engine, Session)
+                made = run_session(self.jobs, self._in_transactions(), Session)
             except Exception as exc:  # the app's session factory failed, or misfits
                 return run.end(exc)
             with made as own:
@@ -466,11 +474,34 @@ class Worker(DriverBase[sa.Engine]):
             )
         return made
 
+    def _in_transactions(self) -> sa.Engine:
+        """The engine the runs' own sessions are on: the worker's, or, where it is in
+        autocommit, the worker's at the server's default level (see
+        :func:`~._driver.autocommit_level`). Asked once per worker, at its first such run.
+
+        :raises ValueError: the engine stays in autocommit (see
+            :func:`~._driver.still_autocommit`): the run is refused with it."""
+        engine: sa.Engine | None = self._run_engine
+        if engine is None:
+            with self.engine.connect() as conn:
+                level = autocommit_level(conn)
+            engine = self.engine
+            if level is not None:
+                engine = engine.execution_options(isolation_level=level)
+                with engine.connect() as conn:
+                    still_autocommit(conn)
+            self._run_engine = engine
+        return engine
+
     def _durable(self, run: Run, session: Session | None) -> Outcome:
         """A durable task: its handler gets a step runner on this worker's engine."""
         job, task = run.job, run.task
+        try:
+            engine = self._in_transactions()
+        except Exception as exc:  # an engine that stays in autocommit
+            return run.end(exc)
         steps = Steps(
-            self.engine,
+            engine,
             self.jobs.step_queries,
             job,
             StepHost(self.core, job),
