@@ -14,10 +14,11 @@ caller's transaction (it is never committed here). The table's statement-level
 What COPY cannot do is skip a conflicting row, so rows with unique keys stay on the
 ``INSERT ... ON CONFLICT DO NOTHING`` path (:func:`copy_allowed` says no for them).
 
-It also goes around what SQLAlchemy does for its own statements: ``echo`` logging, the
-``before_cursor_execute`` events and ``schema_translate_map``. A connection with a
-``schema_translate_map`` therefore keeps the INSERT (the table's name would be wrong), and
-an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the INSERT's would be.
+It would also go around what SQLAlchemy does for its own statements: ``echo`` logging,
+the ``before_cursor_execute`` events and ``schema_translate_map``. A connection with any
+of them therefore keeps the INSERT (the table's name would be wrong, a listener would not
+see the call), and an error of the COPY is raised as SQLAlchemy's ``DBAPIError``, as the
+INSERT's would be.
 
 A call on a connection (or a session's big call, written at the call) checks its rows
 after the first block while the COPY sends them (:class:`CheckedLater`); a bad one ends
@@ -40,7 +41,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
-from ._direct import raise_as_dbapi_error
+from ._direct import pipeline_allowed, raise_as_dbapi_error
 from ._queries import defaulted_columns
 
 __all__ = [
@@ -158,16 +159,20 @@ class CheckedLater:
 def copy_allowed(
     connection: Any, table: sa.Table, count: int, unique_keys: Sequence[str | None]
 ) -> bool:
-    """Whether a run of ``count`` rows goes through COPY: big enough, no unique keys, a
-    psycopg 3 connection, no ``schema_translate_map`` to honour, and no column that
-    SQLAlchemy would fill from Python (:func:`python_defaults`)."""
+    """Whether a run of ``count`` rows goes through COPY: big enough, no unique keys, and
+    no column that SQLAlchemy would fill from Python (:func:`python_defaults`), on a
+    connection where statements may go to psycopg directly
+    (:func:`~sqla_jobs._direct.pipeline_allowed`: psycopg 3, no ``schema_translate_map``
+    to honour, no ``echo``, nothing listening for the statements). A COPY with a
+    listener went around it: tracing, a statement counter or a comment added to every
+    statement saw nothing of the call."""
     if count < COPY_MIN_ROWS or any(key is not None for key in unique_keys):
         return False
-    if not isinstance(connection, sa.Connection) or connection.dialect.driver != "psycopg":
+    if not isinstance(connection, sa.Connection):
         return False
     if python_defaults(table):
         return False
-    return not connection.get_execution_options().get("schema_translate_map")
+    return pipeline_allowed(connection)
 
 
 _python_defaults: weakref.WeakKeyDictionary[sa.Table, bool] = weakref.WeakKeyDictionary()

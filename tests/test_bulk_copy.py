@@ -307,6 +307,30 @@ def test_a_schema_translate_map_keeps_the_insert(
     assert count(db) == N
 
 
+@pytest.mark.parametrize("how", ["listener", "echo"])
+def test_a_watched_connection_keeps_the_insert(
+    db: sa.Engine, jobs: Jobs, send: Any, statements: Callable[[], list[str]], how: str
+) -> None:
+    """What watches the connection's statements (a ``before_cursor_execute`` listener:
+    tracing, a statement counter, a comment added to each statement; ``echo``) saw
+    nothing of a big call: the COPY went around SQLAlchemy. As the other paths that go
+    to psycopg directly, it now does so only where nothing could tell the difference."""
+    seen: list[str] = []
+    with db.connect() as conn, conn.begin():
+        if how == "listener":
+            sa.event.listen(conn, "before_cursor_execute", lambda c, cur, s, *a: seen.append(s))
+        else:
+            conn.engine.echo = True
+        try:
+            jobs.enqueue_many(conn, send, tricky_args(send))
+        finally:
+            conn.engine.echo = False
+    assert statements() == ["INSERT"]
+    assert count(db) == N
+    if how == "listener":
+        assert any(s.lstrip().upper().startswith("INSERT") for s in seen), seen
+
+
 def test_async_session_and_connection_copy(
     db: sa.Engine,
     database_url: str,
