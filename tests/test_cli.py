@@ -503,12 +503,11 @@ def test_missing_tables_point_to_the_schema_check(partly_migrated: str) -> None:
     assert (ok.returncode, ok.stdout) == (0, "[]\n"), "what does not need the table works"
 
 
-def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
-    with JobSession(db) as session:
-        session.enqueue_many(app.slow_record, [{"seconds": 3.0}, {"seconds": 3.0}])
-        session.commit()
-    proc = subprocess.Popen(
-        command("worker", JOBS, "--queues", "records", "--concurrency", "1", "--processes", "2"),
+def supervised(*args: str) -> subprocess.Popen[str]:
+    """``sqla-jobs worker`` (with ``--processes`` 2 or more: a supervisor) in a process
+    group of its own."""
+    return subprocess.Popen(
+        command("worker", JOBS, "--queues", "records", "--concurrency", "1", *args),
         cwd=ROOT,
         env=environment(),
         stdout=subprocess.PIPE,
@@ -516,6 +515,13 @@ def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
         text=True,
         start_new_session=True,
     )
+
+
+def test_worker_processes_run_under_a_supervisor(db: sa.Engine) -> None:
+    with JobSession(db) as session:
+        session.enqueue_many(app.slow_record, [{"seconds": 3.0}, {"seconds": 3.0}])
+        session.commit()
+    proc = supervised("--processes", "2")
     with reaped(proc):
         # One slot per process: while one runs its 3-second job, the other takes the next.
         wait_for(lambda: count(db) == 0, timeout=60)
@@ -531,28 +537,7 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
     with JobSession(db) as session:
         session.enqueue_many(app.slow_record, [{"seconds": 30.0}, {"seconds": 30.0}])
         session.commit()
-    proc = subprocess.Popen(
-        command(
-            "worker",
-            JOBS,
-            "--queues",
-            "records",
-            "--concurrency",
-            "1",
-            "--processes",
-            "2",
-            "--grace-period",
-            "1",
-            "--lease",
-            "5",
-        ),
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = supervised("--processes", "2", "--grace-period", "1", "--lease", "5")
     with reaped(proc):
         # Each child runs one long job: their pids are in the runs table.
         first = wait_for(
@@ -575,20 +560,6 @@ def test_supervisor_restarts_a_killed_child_and_stops_all_on_sigterm(db: sa.Engi
     for pid in (survivor, replacement):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-def supervised(*args: str) -> subprocess.Popen[str]:
-    """``sqla-jobs worker`` (with ``--processes`` 2 or more: a supervisor) in a process
-    group of its own."""
-    return subprocess.Popen(
-        command("worker", JOBS, "--queues", "records", "--concurrency", "1", *args),
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
 
 
 def test_a_second_signal_to_the_supervisor_stops_its_workers_now(db: sa.Engine) -> None:
@@ -639,16 +610,7 @@ def test_children_of_a_killed_supervisor_stop_by_themselves(db: sa.Engine) -> No
     with JobSession(db) as session:
         session.enqueue_many(app.slow_record, [{"seconds": 30.0}, {"seconds": 30.0}])
         session.commit()
-    argv = ["--queues", "records", "--concurrency", "1", "--processes", "2"]
-    proc = subprocess.Popen(
-        command("worker", JOBS, *argv, "--grace-period", "1"),
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = supervised("--processes", "2", "--grace-period", "1")
     with reaped(proc):
         children = wait_for(
             lambda: {r.pid for r in rows(db, app.Run)} if count(db, app.Run) == 2 else None,

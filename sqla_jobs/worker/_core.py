@@ -168,6 +168,18 @@ def _unreached(exc: BaseException) -> bool:
 #: sends back uncalled (see :meth:`Run.stalled`) is due at once too.
 CONFLICT_DELAY = 0.0
 
+#: A job this worker ran again uncounted this many times (conflicts, stalls) is run again
+#: after a growing delay from then on (see :meth:`WorkerCore.again_delay`): a conflict or
+#: a stall that came back every time made the job spin, claimed, sent back and claimed
+#: again at once, a WARNING each time, for as long as it lasted. Its attempts are still
+#: not counted: a run that met another transaction did nothing wrong, and under heavy
+#: contention (the parents of a big fan-in completing together) it may meet several.
+AGAIN_AT_ONCE = 3
+#: The delay's first step and its cap, seconds.
+AGAIN_BACKOFF: tuple[float, float] = (0.05, 5.0)
+#: How many jobs' counts a worker keeps (the oldest are forgotten first).
+AGAIN_KEPT = 10_000
+
 
 class RunConflict(Exception):
     """A transactional run's fence could not lock the job's row (see
@@ -225,6 +237,8 @@ class WorkerCore:
         #: Claims ended before their handler was called (cancelled before it started,
         #: stopped while its ``started`` listeners ran), by ``id``: not counted as runs.
         self._uncalled: set[int] = set()
+        #: How many times each job (by id) was run again uncounted by this worker.
+        self._agains: dict[int, int] = {}
         self.stopping = False
         #: A stop that asked for no grace period (``stop(now=True)``, a second stop
         #: signal, SIGQUIT): the shutdown cuts running handlers off at once.
@@ -1020,6 +1034,22 @@ class WorkerCore:
             self.settings.concurrency,
         )
 
+    def again_delay(self, job: ClaimedJob) -> float:
+        """The delay of a job sent back uncounted now (see :data:`AGAIN_AT_ONCE`): none for
+        its first few, then doubling from ``AGAIN_BACKOFF[0]`` up to ``AGAIN_BACKOFF[1]``.
+        Counted per worker, for the life of the worker (the oldest counts are forgotten
+        past :data:`AGAIN_KEPT` jobs)."""
+        with self._lock:
+            agains = self._agains
+            n = agains.pop(job.id, 0) + 1
+            agains[job.id] = n  # the newest last: dicts keep insertion order
+            if len(agains) > AGAIN_KEPT:
+                del agains[next(iter(agains))]
+        if n <= AGAIN_AT_ONCE:
+            return CONFLICT_DELAY
+        first, cap = AGAIN_BACKOFF
+        return min(cap, first * 2.0 ** (n - AGAIN_AT_ONCE - 1))
+
     def signalled(self, name: str, what: str = "stopping", *, now: bool = False) -> None:
         """Log stop signal ``name`` and ``what`` it does (a WARNING when it stops ``now``)."""
         level = logging.WARNING if now else logging.INFO
@@ -1065,7 +1095,9 @@ class WorkerCore:
             yield from self._hand_back(
                 late, "cut off by a stop now" if self.hurried else "cut off by the grace period"
             )
-            yield WaitIdle(1.0)  # cancelled tasks end at once; threads cannot be made to
+            # Cancelled tasks end at once (given the loop a moment, hurried or not); threads
+            # cannot be made to.
+            yield WaitIdle(1.0, hurry=False)
 
     def _hand_back(self, claims: list[ClaimedJob], what: str) -> Steps:
         try:
@@ -1242,15 +1274,17 @@ class Run:
         )
 
     def _again(self, reason: str) -> Outcome:
-        """The run ends snoozed for no time (its attempt not counted), for a ``reason``
-        that is not the handler's: said at WARNING, told to the ``snoozed`` listeners,
-        kept in the job's ``last_error``; the run hooks are exited whatever happens."""
+        """The run ends snoozed (its attempt not counted), for a ``reason`` that is not the
+        handler's: due at once, or after a growing delay once this worker sent the job
+        back a few times (:meth:`WorkerCore.again_delay`); said at WARNING, told to the
+        ``snoozed`` listeners, kept in the job's ``last_error``; the run hooks are exited
+        whatever happens."""
         job = self.job
         outcome = Outcome(
             OutcomeKind.SNOOZED,
             job,
             error=f"run again, the attempt not counted: {reason}",
-            delay=CONFLICT_DELAY,
+            delay=self.core.again_delay(job),
         )
         try:
             duration = time.monotonic() - job.started

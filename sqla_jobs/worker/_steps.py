@@ -103,10 +103,13 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class WaitIdle:
-    """Wait until no handler runs, at most ``seconds``, and no longer once the stop is
-    hurried (``Wakeups.hurry``); send back whether idle."""
+    """Wait until no handler runs, at most ``seconds``, and (``hurry``) no longer once the
+    stop is hurried (``Wakeups.hurry``); send back whether idle."""
 
     seconds: float
+    #: Whether a hurried stop ends the wait: the grace period's, not the short wait for
+    #: the handlers it cut off (an ``async def`` one ends as its cancel is delivered).
+    hurry: bool = True
 
 
 @dataclass(frozen=True, slots=True)

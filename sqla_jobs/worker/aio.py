@@ -321,11 +321,14 @@ class AsyncWorker(DriverBase[AsyncEngine]):
                 poked = await _wait(events.poke, seconds)
                 events.poke.clear()
                 return None if self._done else poked
-            case s.WaitIdle(seconds):
+            case s.WaitIdle(seconds, hurry):
                 # What still waits was handed back, unstarted: nothing to run.
                 self._waiting.clear()
-                if self._tasks and not events.hurry.is_set():
-                    await _idle_or_hurried(list(self._tasks.values()), events.hurry, seconds)
+                tasks = list(self._tasks.values())
+                if tasks and not hurry:
+                    await asyncio.wait(tasks, timeout=seconds)
+                elif tasks and not events.hurry.is_set():
+                    await _idle_or_hurried(tasks, events.hurry, seconds)
                 return not self._tasks
             case s.Listen(channel):
                 pooled = await self.engine.raw_connection()

@@ -225,8 +225,8 @@ class Worker(DriverBase[sa.Engine]):
                 poked = events.poke.wait(seconds)
                 events.poke.clear()
                 return None if self._done else poked
-            case s.WaitIdle(seconds):
-                return self._wait_idle(seconds)
+            case s.WaitIdle(seconds, hurry):
+                return self._wait_idle(seconds, hurry)
             case s.Listen(channel):
                 # A connection of the engine's own (same URL, same connect args), taken out
                 # of the pool for good: LISTEN belongs to one session.
@@ -281,17 +281,17 @@ class Worker(DriverBase[sa.Engine]):
                 taken.append(outbox.get_nowait())
         return taken
 
-    def _wait_idle(self, seconds: float) -> bool:
-        """Let the executors finish what they run, at most ``seconds`` and no longer once
-        the stop is hurried: whether they did. Joined in short slices, so that a hurry
-        (a second signal, whose handler sets the event from the relay's thread) ends the
-        wait within one."""
+    def _wait_idle(self, seconds: float, hurriable: bool) -> bool:
+        """Let the executors finish what they run, at most ``seconds`` and, if
+        ``hurriable``, no longer once the stop is hurried: whether they did. Joined in
+        short slices, so that a hurry (a second signal, whose handler sets the event from
+        the relay's thread) ends the wait within one."""
         deadline = time.monotonic() + seconds
         hurry = self._wakeups.hurry
         for _ in self._executors:
             self._inbox.put(None)
         for thread in self._executors:
-            while thread.is_alive() and not hurry.is_set():
+            while thread.is_alive() and not (hurriable and hurry.is_set()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

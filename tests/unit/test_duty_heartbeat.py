@@ -188,6 +188,42 @@ def test_a_claim_stalled_past_half_a_lease_in_its_hooks_goes_back_uncalled(
     run.end(None)
 
 
+def test_a_job_sent_back_again_and_again_backs_off_its_attempts_still_uncounted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stall (or a conflict) that comes back every time made the job spin: claimed,
+    sent back due at once, claimed again. The first few go back at once; from then on
+    the delay doubles, up to a cap, and no attempt is counted. Another job is not held
+    back by it."""
+    clock = FakeClock()
+    _use_clock(monkeypatch, clock)
+    core, _driver, jobs = make(concurrency=1, lease=10.0)
+
+    class Hook:
+        def enter(self, job: Any) -> None:
+            clock.advance(5.1)
+
+        def exit(self, job: Any, state: object, outcome: str, error: Any) -> None:
+            pass
+
+    jobs.events.add_run_hook(Hook())
+
+    def sent_back(job_id: int) -> Outcome:
+        (job,) = core.claimed([row(job_id)])
+        ended = core.start(job)
+        assert isinstance(ended, Outcome) and ended.kind is OutcomeKind.SNOOZED
+        core.finished(job, ended)
+        return ended
+
+    first, cap = core_mod.AGAIN_BACKOFF
+    delays = [sent_back(7_001).delay for _ in range(core_mod.AGAIN_AT_ONCE + 12)]
+    at_once = [0.0] * core_mod.AGAIN_AT_ONCE
+    assert delays[: core_mod.AGAIN_AT_ONCE + 3] == [*at_once, first, first * 2, first * 4]
+    assert delays[-1] == cap and max(delays) == cap
+    assert sent_back(7_002).delay == 0.0
+    assert core.processed == 0  # none of them was a run
+
+
 def test_a_claim_held_for_a_heartbeat_is_handed_back_unstarted_at_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
