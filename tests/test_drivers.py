@@ -288,9 +288,9 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
     make_worker: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Fast handlers make the worker claim past its free slots (settings.prefetch); the
-    extra claims wait in the worker, so no more than ``concurrency`` handlers ever run at
-    once, on either worker, and every job runs exactly once.
+    """A worker that claims past its free slots (settings.prefetch) keeps the extra
+    claims waiting, so no more than ``concurrency`` handlers ever run at once, on either
+    worker, and every job runs exactly once.
 
     How far ahead is fixed here: the estimate from measured rates (unit-tested in
     tests/unit/test_fetch.py) is the jobs that finish in a claim's round trip, which a
@@ -328,7 +328,7 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
         @jobs.task(queue="q", name="quick")
         def quick(i: int) -> None:
             enter(i)
-            time.sleep(0.0005)
+            time.sleep(0.05)
             leave()
 
     else:
@@ -336,10 +336,13 @@ def test_claimed_ahead_jobs_wait_for_a_slot_and_each_runs_once(
         @jobs.task(queue="q", name="quick")
         async def quick(i: int) -> None:  # type: ignore[misc]
             enter(i)
-            await asyncio.sleep(0.0005)
+            await asyncio.sleep(0.05)
             leave()
 
-    n = 600
+    # Handlers slower than a claim's round trip: the claim ahead comes back while the
+    # first three still run (with 0.5 ms handlers, a round trip on a loaded machine took
+    # longer than the three, and nothing was ever held past the slots at one time).
+    n = 60
     worker = make_worker(jobs, db, queues=["q"], concurrency=3, claim_limit=3)
     with Session.begin() as session:
         session.enqueue_many(quick, [{"i": i} for i in range(n)])
