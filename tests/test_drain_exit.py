@@ -265,10 +265,12 @@ def test_a_free_tenant_beyond_two_walks_of_dead_tenants_runs_before_the_run_ends
     settings = WorkerSettings(concurrency=4, listen=False, poll_interval=5.0)
     worker = make_worker(dx, db, settings=settings, queues=["dxfair"])
     began = time.monotonic()
-    assert worker.run_until_empty(timeout=30) == 5
+    assert worker.run_until_empty(timeout=90) == 5
     # Its last look walks round (from the free key, the last one) and ends the run, well
-    # before its timeout: half a second here, 11 s once on a machine loaded five times over.
-    assert time.monotonic() - began < 20
+    # before its timeout: half a second here, 11 s once on a machine loaded five times
+    # over, 25 s once in a CI run's slowest phase (Python 3.10, SQLAlchemy 2.0). The
+    # bound tells a run that ended by itself from one its timeout ended.
+    assert time.monotonic() - began < 75
     assert count(db, status="ready") == 0
 
 
