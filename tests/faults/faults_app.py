@@ -188,9 +188,12 @@ def work(i: int, enq: float | None = None, sleep: float = 0.0) -> None:
 
 
 @jobs.task(name="faults.book", queue="work", transactional=True)
-def book(i: int, session: Session) -> None:
-    """Record the run, then write one ledger row that commits with the job's completion."""
+def book(i: int, session: Session, sleep: float = 0.0) -> None:
+    """Record the run, then write one ledger row that commits with the job's completion,
+    after ``sleep`` seconds (a run long enough for an operator's cancel to land in it)."""
     record(item=i)
+    if sleep:
+        time.sleep(sleep)
     job = current_job()
     session.add(Ledger(item=i, job_id=job.id, attempt=job.attempts, pid=os.getpid()))
 
