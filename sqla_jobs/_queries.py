@@ -1727,7 +1727,9 @@ def _ready_depth(t: sa.Table) -> sa.Select[Any]:
 # Small batches keep each transaction (and its locks) short. A dead or cancelled parent
 # whose children were not settled yet ({"sqla_jobs.children": true}: rescued dead by its
 # lease) is left for the pass that settles it (settle_unsettled, a batch at a time): once
-# deleted, its children would wait for it for ever.
+# deleted, its children would wait for it for ever. A job cancelled while it ran keeps
+# its lease while its handler may run on: left until it passes (keep_dead shorter than a
+# lease), as an operator's purge leaves it, so that it holds its key (key_order) till then.
 def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
     c = t.c
     old = (
@@ -1736,6 +1738,7 @@ def _prune(t: sa.Table, statuses: Sequence[JobStatus]) -> sa.Delete:
             c.status.in_([status_literal(s) for s in statuses]),
             c.finished_at < sa.func.now() - sa.bindparam("age", type_=sa.Interval),
             sa.not_(sa.func.coalesce(_unsettled(c), sa.false())),
+            sa.or_(c.locked_until.is_(None), c.locked_until <= sa.func.now()),
         )
         .limit(sa.bindparam("limit"))
         .with_for_update(skip_locked=True)

@@ -1394,14 +1394,7 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
     _notify(bind, table, {r.queue for r in rows} | ready)
     back = {r.id for r in walked}
     blocked = [(r.id, _held_reason(r.ended, r.by_parent)) for r in held_back if r.id not in back]
-    blocked += [
-        (
-            r.id,
-            "it was cancelled while it ran, and its handler may still be running: retry it "
-            f"once its lease has passed ({_lease_end(r.locked_until)})",
-        )
-        for r in leased
-    ]
+    blocked += [(r.id, _may_still_run("retry", r.locked_until)) for r in leased]
     blocked += [
         (
             i,
@@ -1417,6 +1410,14 @@ def _retry(bind: Bind, jobs: JobSource, selection: Selection) -> _Retried:
 
 def _lease_end(value: datetime | None) -> str:
     return "-" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
+
+
+def _may_still_run(verb: str, locked_until: datetime | None) -> str:
+    """Why a retry or a purge left a job cancelled while it ran (see _still_running)."""
+    return (
+        f"it was cancelled while it ran, and its handler may still be running: {verb} it "
+        f"once its lease has passed ({_lease_end(locked_until)})"
+    )
 
 
 def _past_uncommitted_twins(bind: Bind, table: sa.Table, retried: sa.Update) -> list[Any]:
@@ -1555,7 +1556,10 @@ def purge_jobs(
 
     Jobs that have not run yet (``scheduled``, ``ready``) are deleted only when ``status``
     names them: deleting work nobody looked at should take a deliberate word. Running jobs
-    are never deleted (``ValueError``): their worker is still at it; cancel them first.
+    are never deleted (``ValueError``): their worker is still at it; cancel them first. A
+    job cancelled while it ran is left alone until its lease has passed, as
+    :func:`retry_jobs` leaves it: its handler may still be running, and the job holds its
+    key (``key_order``) until then (:func:`act` reports it skipped, saying so).
 
     :param older_than: only jobs finished (or, for unfinished ones, created) longer ago
         than this many seconds.
@@ -1565,7 +1569,11 @@ def purge_jobs(
     return _run("purge", bind, jobs, ids, options, older_than=older_than)
 
 
-def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> list[int]:
+def _purge(
+    bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool
+) -> tuple[list[int], list[tuple[int, str]]]:
+    """The ids deleted (zeros for a dry run: only their count is known), and the jobs left
+    alone with why: cancelled while they ran, their lease not passed yet."""
     table = _table(jobs)
     older_than = selection.older_than
     _, statuses, where, _ = selection.where(
@@ -1587,9 +1595,19 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
             where.append(table.c.finished_at < cutoff)
         else:
             where.append(sa.func.coalesce(table.c.finished_at, table.c.created_at) < cutoff)
-    if dry_run:
-        return [0] * _count(bind, table, where)
+    # A job cancelled while it ran may still be running until its lease passes (see
+    # _still_running): deleted, it no longer held its key (key_order), and the key's next
+    # job started beside its handler. Left alone, as a retry leaves it; both statements
+    # read the transaction's one now(), so what is skipped is exactly what is reported.
     c = table.c
+    leased = _still_running(table)
+    if dry_run:
+        return [0] * _count(bind, table, [*where, ~leased]), []
+    running_on = _execute(
+        bind,
+        sa.select(c.id, readable_time(c.locked_until).label("locked_until")).where(*where, leased),
+    ).all()
+    where.append(~leased)
     # A waiter on the kept result of a job deleted before it finished hears of it at
     # commit (its next look raises LookupError), not at its re-check.
     unfinished = c.status.notin_([_lit(s) for s in FINISHED_STATUSES])
@@ -1615,7 +1633,8 @@ def _purge(bind: Bind, jobs: JobSource, selection: Selection, dry_run: bool) -> 
     ended = [r.id for r in rows if r.status != JobStatus.DONE and r.has_children]
     if ended:
         settle_children(bind, _queries(jobs), [], ended)
-    return [r.id for r in rows]
+    skipped = [(r.id, _may_still_run("delete", r.locked_until)) for r in running_on]
+    return [r.id for r in rows], skipped
 
 
 @dataclass(frozen=True)
@@ -1712,7 +1731,8 @@ def _run_cancel(bind: Bind, jobs: JobSource, selection: Selection) -> ActionRepo
 
 
 def _run_purge(bind: Bind, jobs: JobSource, selection: Selection) -> ActionReport:
-    return ActionReport("purge", tuple(_purge(bind, jobs, selection, False)), ())
+    deleted, skipped = _purge(bind, jobs, selection, False)
+    return ActionReport("purge", tuple(deleted), tuple(skipped))
 
 
 #: The actions, by name.
@@ -1764,7 +1784,7 @@ ACTIONS: dict[str, Action] = {
             explanation="Each is deleted for good.",
             accepted="done, dead, cancelled, or (deleting unrun work) scheduled, ready",
             _run=_run_purge,
-            _count=lambda bind, jobs, selection: len(_purge(bind, jobs, selection, True)),
+            _count=lambda bind, jobs, selection: len(_purge(bind, jobs, selection, True)[0]),
         ),
     )
 }

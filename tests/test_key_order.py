@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -427,3 +428,38 @@ def test_run_until_empty_runs_a_key_s_next_job_claimed_with_the_last_outcome(
     _enqueue(db, "aaa")
     assert worker.run_until_empty(timeout=30) == 3
     assert count(db, status="ready") == 0
+
+
+def test_a_cancelled_head_whose_run_may_go_on_holds_its_key_through_purge_and_retention(
+    db: sa.Engine,
+) -> None:
+    """A running head cancelled keeps its lease: its handler may run on until it passes.
+    Deleting it then (a purge, or retention with ``keep_dead=0``) let the key's next job
+    start beside that handler. Both now leave it until its lease has passed, as a retry
+    does, and the purge says why."""
+    ids = _enqueue(db, "aa")
+    assert _claim(db) == [ids[0]]  # its handler runs, a 30 s lease
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, ids=[ids[0]]) == 1
+    with db.begin() as conn:
+        assert admin.purge_jobs(conn, jobs, ids=[ids[0]]) == 0
+        report = admin.act(conn, jobs, "purge", admin.Selection([ids[0]]))
+        assert report.acted == ()
+        [(skipped, why)] = report.skipped
+        assert skipped == ids[0] and "its handler may still be running" in why
+        assert admin.preview(conn, jobs, "purge", admin.Selection([ids[0]])).count == 0
+    zero = Jobs(app.Job, keep_dead=timedelta(0))
+    with db.connect() as c:
+        conn = c.execution_options(isolation_level="AUTOCOMMIT")
+        assert worker_db.prune_batch(conn, zero, zero.queries.prune_dead, timedelta(0)) == 0
+    assert count(db, status="cancelled") == 1
+    assert _claim(db) == []  # the key is held: the cancelled head may still run
+    # Once the lease has passed, both delete it, and the key goes on.
+    with db.begin() as conn:
+        conn.execute(
+            sa.update(Job)
+            .where(Job.c.id == ids[0])
+            .values(locked_until=sa.func.now() - sa.text("interval '1 second'"))
+        )
+        assert admin.purge_jobs(conn, jobs, ids=[ids[0]]) == 1
+    assert _claim(db) == [ids[1]]
