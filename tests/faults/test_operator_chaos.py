@@ -13,6 +13,7 @@ cancelled, dead or purged, or whose enqueue rolled back.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -26,7 +27,15 @@ import sqlalchemy as sa
 from sqla_jobs import admin
 
 from . import faults_app as app
-from .checks import analyse_runs, figures, live_jobs, runs, wait_until
+from .checks import (
+    analyse_runs,
+    figures,
+    live_jobs,
+    poll_until,
+    runs,
+    status_counts,
+    wait_until,
+)
 from .workers import KillStorm, PauseStorm, WorkerGroup
 
 pytestmark = pytest.mark.faults
@@ -45,15 +54,22 @@ class RolledBack(Exception):
 class Operator:
     """Acts on the job rows at random until :meth:`stop`, and remembers what it did."""
 
-    def __init__(self, engine: sa.Engine, Session: Any, seed: int) -> None:
+    def __init__(
+        self, engine: sa.Engine, Session: Any, seed: int, queue: str = "work", produce: bool = True
+    ) -> None:
         self.engine = engine
         self.Session = Session
+        self.queue = queue
+        self.produce = produce
         self.rng = random.Random(seed)
         self.actions: Counter[str] = Counter()
         self.cancelled = 0
         self.retried = 0
-        #: Items whose job rows the operator purged (their run, if any, must not commit).
-        self.purged: set[int] = set()
+        #: The job rows the operator purged, by id: their arguments (a run of one, if any,
+        #: must not commit). A purge leaves a job cancelled while it ran until its lease
+        #: has passed (``skipped`` counts those).
+        self.purged: dict[int, dict[str, Any]] = {}
+        self.purge_skipped = 0
         #: Items enqueued in transactions that committed, or rolled back.
         self.committed: set[int] = set()
         self.rolled_back: set[int] = set()
@@ -75,13 +91,33 @@ class Operator:
         if self._thread.is_alive():
             self._thread.join(timeout=60)
         with self.engine.begin() as conn:
-            admin.resume_queue(conn, app.jobs, "work")
+            admin.resume_queue(conn, app.jobs, self.queue)
+
+    def purge(self, conn: sa.Connection, status: str, most: int | None) -> None:
+        """Purge (as the dashboard does: :func:`admin.act`) up to ``most`` jobs of the
+        queue in ``status``, the last to end first (what the operator just cancelled,
+        whose handler may run on), and remember what went."""
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, args FROM faults.jobs WHERE queue = :q AND status = :s"
+                " ORDER BY finished_at DESC LIMIT :n"
+            ),
+            {"q": self.queue, "s": status, "n": most},
+        ).all()
+        if rows:
+            report = admin.act(conn, app.jobs, "purge", admin.Selection([r.id for r in rows]))
+            gone = set(report.acted)
+            self.purged.update((r.id, r.args) for r in rows if r.id in gone)
+            self.purge_skipped += len(report.skipped)
 
     def _ids(self, conn: sa.Connection, status: str, most: int) -> list[int]:
         return list(
             conn.execute(
-                sa.text("SELECT id FROM faults.jobs WHERE status = :s ORDER BY random() LIMIT :n"),
-                {"s": status, "n": most},
+                sa.text(
+                    "SELECT id FROM faults.jobs WHERE queue = :q AND status = :s"
+                    " ORDER BY random() LIMIT :n"
+                ),
+                {"q": self.queue, "s": status, "n": most},
             ).scalars()
         )
 
@@ -96,7 +132,7 @@ class Operator:
         now = time.monotonic()
         if self._resume_at is not None and now >= self._resume_at:
             with self.engine.begin() as conn:
-                admin.resume_queue(conn, app.jobs, "work")
+                admin.resume_queue(conn, app.jobs, self.queue)
             self._resume_at = None
             self.actions["resume"] += 1
             return
@@ -121,28 +157,15 @@ class Operator:
             self.actions["retry"] += 1
         elif roll < 0.76:
             with self.engine.begin() as conn:
-                rows = conn.execute(
-                    sa.text(
-                        "SELECT id, (args->>'i')::bigint AS i FROM faults.jobs"
-                        " WHERE status = 'cancelled' ORDER BY random() LIMIT :n"
-                    ),
-                    {"n": k},
-                ).all()
-                # Only this thread changes a cancelled row, so what it read is what goes.
-                if rows:
-                    gone = admin.purge_jobs(
-                        conn, app.jobs, [r.id for r in rows], status=["cancelled"]
-                    )
-                    assert gone == len(rows), (gone, rows)
-            self.purged.update(r.i for r in rows)
+                self.purge(conn, "cancelled", k)
             self.actions["purge"] += 1
         elif roll < 0.82:
             if self._resume_at is None:
                 with self.engine.begin() as conn:
-                    admin.pause_queue(conn, app.jobs, "work")
+                    admin.pause_queue(conn, app.jobs, self.queue)
                 self._resume_at = now + self.rng.uniform(0.1, 0.5)
                 self.actions["pause"] += 1
-        else:
+        elif self.produce:
             items = list(range(self._next_item, self._next_item + k))
             self._next_item += k
             commit = self.rng.random() < 0.5
@@ -236,7 +259,8 @@ def test_an_operator_racing_the_workers_through_a_storm_breaks_nothing(
     # whose ledger row must not be there.
     cut = {r.item for r in all_runs} & {i for i, s in left.items() if s == "cancelled"}
     cut &= transactional
-    ended_done = {i for i in transactional if i not in left} - operator.purged
+    purged = {int(args["i"]) for args in operator.purged.values()}
+    ended_done = {i for i in transactional if i not in left} - purged
     ended_done -= operator.rolled_back
     missing = sorted(i for i in ended_done if ledger[i] == 0)
     twice = {i: n for i, n in ledger.items() if n > 1}
@@ -255,6 +279,7 @@ def test_an_operator_racing_the_workers_through_a_storm_breaks_nothing(
         cancelled=operator.cancelled,
         retried=operator.retried,
         purged=len(operator.purged),
+        purges_left_for_their_lease=operator.purge_skipped,
         produced=len(operator.committed),
         rolled_back=len(operator.rolled_back),
         left=dict(Counter(left.values())),
@@ -285,3 +310,97 @@ def test_an_operator_racing_the_workers_through_a_storm_breaks_nothing(
         # finds it done; under READ COMMITTED it cuts runs off.
         assert len(cut) >= 10
     assert operator.retried >= 5 and operator.purged and operator.rolled_back
+
+
+KEYS = 30
+#: 0.2 s each: a head cancelled while it runs runs on long after the cancel.
+PER_KEY = 10
+
+
+def test_an_operator_racing_a_queue_in_key_order_never_runs_two_of_a_key_at_once(
+    faults_db: sa.Engine,
+    FaultsSession: Any,
+    workers: Callable[..., WorkerGroup],
+) -> None:
+    """``key_order="fifo"`` (a dead or cancelled head holds its key) with the operator at
+    work through a kill storm: heads cancelled while they run (their handlers run on),
+    retried and purged, the queue paused. Then every cancelled or dead job is purged
+    until the queue is empty. Per key, runs never overlap (a cancelled head's handler
+    included) and never start an earlier job after a later one; every job not purged
+    ran to its end. Before a purge waited for the lease of a job cancelled while it ran,
+    the key's next job started beside the cancelled head's handler."""
+    with FaultsSession.begin() as session:
+        for seq in range(PER_KEY):
+            session.enqueue_many(
+                app.in_order,
+                [{"key": f"k{k:02}", "seq": seq, "sleep": 0.2} for k in range(KEYS)],
+            )
+    group = workers(queues=["ordered"], concurrency=8, lease=LEASE, poll_interval=0.2)
+    group.start(WORKERS)
+    group.wait_started()
+    started = time.monotonic()
+    operator = Operator(faults_db, FaultsSession, seed=11, queue="ordered", produce=False)
+    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
+        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=10)
+    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
+
+    def purge_the_rest() -> bool:
+        # The cancelled heads and what they held: purged as their leases pass.
+        with faults_db.begin() as conn:
+            operator.purge(conn, "cancelled", None)
+            operator.purge(conn, "dead", None)
+        return live_jobs(faults_db) == 0 and not status_counts(faults_db)
+
+    wait_until(purge_the_rest, timeout=120, interval=0.2, what="the queue drains once purged")
+    drain = time.monotonic() - started
+    exited = [(p.pid, p.returncode) for p in group.exited()]
+    group.stop()
+
+    with faults_db.connect() as conn:
+        done = list(conn.execute(sa.select(app.KeyRun).order_by(app.KeyRun.started)))
+    starts = [r for r in runs(faults_db) if r.task == "faults.in_order"]
+    analysis = analyse_runs(starts, group.killed)
+    by_key: dict[str, list[Any]] = {}
+    for r in done:
+        by_key.setdefault(r.key, []).append(r)
+    overlaps = [
+        (key, before.seq, after.seq)
+        for key, mine in by_key.items()
+        for before, after in itertools.pairwise(mine)
+        if after.started < before.ended
+    ]
+    job_key = {r.job_id: r.key for r in done}
+    job_key.update((job_id, args["key"]) for job_id, args in operator.purged.items())
+    went_back = []
+    for key in by_key:
+        items = [r.item for r in sorted(starts, key=lambda r: r.at) if job_key.get(r.job_id) == key]
+        if items != sorted(items):
+            went_back.append((key, items))
+    purged = {(args["key"], args["seq"]) for args in operator.purged.values()}
+    completed = {(r.key, r.seq) for r in done}
+    every = {(f"k{k:02}", s) for k in range(KEYS) for s in range(PER_KEY)}
+    missing = sorted(every - completed - purged)
+    figures(
+        "operator_key_order",
+        jobs=KEYS * PER_KEY,
+        keys=KEYS,
+        workers=WORKERS,
+        kills=len(storm.kills),
+        actions=dict(operator.actions),
+        cancelled=operator.cancelled,
+        retried=operator.retried,
+        purged=len(operator.purged),
+        purges_left_for_their_lease=operator.purge_skipped,
+        runs_started=len(starts),
+        runs_completed=len(done),
+        drain_s=drain,
+    )
+    assert not overlaps, f"two jobs of one key ran at once (key, seq, seq): {overlaps[:5]}"
+    assert not went_back, f"a key started an earlier job after a later one: {went_back[:3]}"
+    assert not missing, f"jobs neither purged nor run to their end: {missing[:10]}"
+    assert not analysis.same_attempt_twice, f"one claim ran twice: {analysis.same_attempt_twice}"
+    assert not exited, f"worker processes exited without being killed: {exited}"
+    assert len(storm.kills) >= 3
+    assert operator.actions["cancel running"] >= 20 and operator.cancelled >= 20
+    # Heads cancelled while they ran were purged, once their leases had passed.
+    assert operator.purge_skipped >= 1 and operator.retried >= 1
