@@ -95,6 +95,19 @@ class GroupRun(Base):
     results: Mapped[Any] = mapped_column(JSONB)
 
 
+class FlowDone(Base):
+    """The business effect of a step of a workflow (``flow_step``): committed with the
+    job's completion, so exactly one row per job that succeeded, written at its end."""
+
+    __tablename__ = "flow_done"
+    id: Mapped[int] = mapped_column(sa.BigInteger, sa.Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.BigInteger, index=True)
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    #: time.time() as the handler ended, before its commit: a child claimed once that
+    #: commit is visible starts later by the same clock.
+    ended: Mapped[float] = mapped_column(sa.Float)
+
+
 class Order(Base):
     """A producer's business row; ``slots`` lists the jobs its transaction kept."""
 
@@ -272,6 +285,17 @@ def _until_tick(align: float, at_least: float = 0.5) -> None:
 @jobs.task(name="faults.kid", queue="flow")
 def kid(i: int) -> None:
     record(item=i)
+
+
+@jobs.task(name="faults.flow_step", queue="flowchaos", transactional=True)
+def flow_step(chain: int, level: int, session: Session, sleep: float = 0.0) -> None:
+    """A step of a workflow (``after=``): record the run, take ``sleep`` seconds, then
+    write its ``FlowDone`` row, which commits with the completion."""
+    record(item=chain, slot=level)
+    if sleep:
+        time.sleep(sleep)
+    job = current_job()
+    session.add(FlowDone(job_id=job.id, attempt=job.attempts, ended=time.time()))
 
 
 # -- paused workers (test_pause.py) ---------------------------------------------------------

@@ -55,12 +55,21 @@ class Operator:
     """Acts on the job rows at random until :meth:`stop`, and remembers what it did."""
 
     def __init__(
-        self, engine: sa.Engine, Session: Any, seed: int, queue: str = "work", produce: bool = True
+        self,
+        engine: sa.Engine,
+        Session: Any,
+        seed: int,
+        queue: str = "work",
+        produce: bool = True,
+        purges: bool = True,
+        purge_latest: bool = False,
     ) -> None:
         self.engine = engine
         self.Session = Session
         self.queue = queue
         self.produce = produce
+        self.purges = purges
+        self.purge_latest = purge_latest
         self.rng = random.Random(seed)
         self.actions: Counter[str] = Counter()
         self.cancelled = 0
@@ -95,12 +104,14 @@ class Operator:
 
     def purge(self, conn: sa.Connection, status: str, most: int | None) -> None:
         """Purge (as the dashboard does: :func:`admin.act`) up to ``most`` jobs of the
-        queue in ``status``, the last to end first (what the operator just cancelled,
-        whose handler may run on), and remember what went."""
+        queue in ``status``, chosen at random or (``purge_latest``) the last to end first
+        (what the operator just cancelled, whose handler may run on), and remember what
+        went."""
+        order = "finished_at DESC" if self.purge_latest else "random()"
         rows = conn.execute(
             sa.text(
                 "SELECT id, args FROM faults.jobs WHERE queue = :q AND status = :s"
-                " ORDER BY finished_at DESC LIMIT :n"
+                f" ORDER BY {order} LIMIT :n"
             ),
             {"q": self.queue, "s": status, "n": most},
         ).all()
@@ -145,8 +156,10 @@ class Operator:
                     self.cancelled += admin.cancel_jobs(conn, app.jobs, ids)
             self.actions["cancel running"] += 1
         elif roll < 0.45:
+            # Ready, or scheduled: retrying, or a child held for its parents (after=).
+            status = self.rng.choice(["ready", "scheduled"])
             with self.engine.begin() as conn:
-                if ids := self._ids(conn, "ready", k):
+                if ids := self._ids(conn, status, k):
                     self.cancelled += admin.cancel_jobs(conn, app.jobs, ids)
             self.actions["cancel ready"] += 1
         elif roll < 0.70:
@@ -155,7 +168,7 @@ class Operator:
                 if ids := self._ids(conn, "cancelled", k) + self._ids(conn, "dead", k):
                     self.retried += admin.retry_jobs(conn, app.jobs, ids)
             self.actions["retry"] += 1
-        elif roll < 0.76:
+        elif roll < 0.76 and self.purges:
             with self.engine.begin() as conn:
                 self.purge(conn, "cancelled", k)
             self.actions["purge"] += 1
@@ -339,7 +352,9 @@ def test_an_operator_racing_a_queue_in_key_order_never_runs_two_of_a_key_at_once
     group.start(WORKERS)
     group.wait_started()
     started = time.monotonic()
-    operator = Operator(faults_db, FaultsSession, seed=11, queue="ordered", produce=False)
+    operator = Operator(
+        faults_db, FaultsSession, seed=11, queue="ordered", produce=False, purge_latest=True
+    )
     with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
         poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=10)
     assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
@@ -404,3 +419,103 @@ def test_an_operator_racing_a_queue_in_key_order_never_runs_two_of_a_key_at_once
     assert operator.actions["cancel running"] >= 20 and operator.cancelled >= 20
     # Heads cancelled while they ran were purged, once their leases had passed.
     assert operator.purge_skipped >= 1 and operator.retried >= 1
+
+
+CHAINS = 250
+
+
+def test_an_operator_racing_workflows_never_runs_a_child_before_its_parents_succeed(
+    faults_db: sa.Engine,
+    FaultsSession: Any,
+    workers: Callable[..., WorkerGroup],
+) -> None:
+    """Chains of three transactional steps (``after=``) and, every fifth chain, a fourth
+    step after the first steps of two chains, through a kill storm, with the operator
+    cancelling running, ready and held jobs (a cancelled parent cancels what waits on it)
+    and retrying cancelled and dead ones (a retried parent brings its children back,
+    waiting for it again); then everything cancelled or dead is retried until the queue
+    is empty. Every run of a child starts after each of its parents' successful ends (the
+    parent's ``FlowDone`` row, committed with its completion), and every job succeeds
+    exactly once."""
+    rng = random.Random(5)
+    parents: dict[int, list[int]] = {}
+    with FaultsSession.begin() as session:
+        firsts = []
+        for chain in range(CHAINS):
+            step = app.flow_step
+            a = session.enqueue(step, chain=chain, level=0, sleep=rng.uniform(0.03, 0.12))
+            b = session.enqueue(
+                step.with_options(after=[a]), chain=chain, level=1, sleep=rng.uniform(0.03, 0.12)
+            )
+            c = session.enqueue(
+                step.with_options(after=[b]), chain=chain, level=2, sleep=rng.uniform(0.03, 0.12)
+            )
+            firsts.append(a)
+            links = [(b, [a]), (c, [b])]
+            if chain % 5 == 4:
+                both = [firsts[chain - 1], a]
+                d = session.enqueue(step.with_options(after=both), chain=chain, level=3, sleep=0.02)
+                links.append((d, both))
+            session.flush()
+            parents.update((child.id, [p.id for p in ps]) for child, ps in links)
+        all_ids = set(parents) | {a.id for a in firsts}  # the children, and the first steps
+    jobs_count = len(all_ids)
+
+    # 12 slots for about 80 s of work: the drain lasts long enough for the storm.
+    group = workers(queues=["flowchaos"], concurrency=4, lease=LEASE, poll_interval=0.2)
+    group.start(WORKERS)
+    group.wait_started()
+    started = time.monotonic()
+    operator = Operator(
+        faults_db, FaultsSession, seed=13, queue="flowchaos", produce=False, purges=False
+    )
+    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
+        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=12)
+    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
+
+    def retry_the_rest() -> bool:
+        # A parent's retry brings back what it cancelled; a cancelled run's retry waits
+        # for its lease.
+        with faults_db.begin() as conn:
+            operator.retried += admin.retry_jobs(conn, app.jobs, queue="flowchaos")
+        return not status_counts(faults_db)
+
+    wait_until(retry_the_rest, timeout=120, interval=0.2, what="every job done once retried")
+    drain = time.monotonic() - started
+    exited = [(p.pid, p.returncode) for p in group.exited()]
+    group.stop()
+
+    with faults_db.connect() as conn:
+        done_rows = list(conn.execute(sa.select(app.FlowDone)))
+    done: dict[int, list[float]] = {}
+    for r in done_rows:
+        done.setdefault(r.job_id, []).append(r.ended)
+    starts = [r for r in runs(faults_db) if r.task == "faults.flow_step"]
+    analysis = analyse_runs(starts, group.killed)
+    twice = {j: len(e) for j, e in done.items() if len(e) > 1}
+    never = sorted(all_ids - set(done))
+    early = [
+        (r.job_id, p)
+        for r in starts
+        for p in parents.get(r.job_id, ())
+        if not any(ended < r.at for ended in done.get(p, ()))
+    ]
+    figures(
+        "operator_workflows",
+        jobs=jobs_count,
+        workers=WORKERS,
+        kills=len(storm.kills),
+        actions=dict(operator.actions),
+        cancelled=operator.cancelled,
+        retried=operator.retried,
+        runs_started=len(starts),
+        succeeded=len(done),
+        drain_s=drain,
+    )
+    assert not early, f"child runs started before a parent succeeded (child, parent): {early[:5]}"
+    assert not twice, f"jobs that succeeded more than once: {dict(list(twice.items())[:10])}"
+    assert not never, f"jobs that never succeeded: {never[:10]}"
+    assert not analysis.same_attempt_twice, f"one claim ran twice: {analysis.same_attempt_twice}"
+    assert not exited, f"worker processes exited without being killed: {exited}"
+    assert len(storm.kills) >= 3
+    assert operator.actions["cancel running"] >= 20 and operator.cancelled >= 20
