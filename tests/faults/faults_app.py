@@ -287,6 +287,15 @@ def kid(i: int) -> None:
     record(item=i)
 
 
+@jobs.task(name="faults.answer", queue="answers", keep_result=True)
+def answer(i: int, sleep: float = 0.0) -> dict[str, int]:
+    """A kept result that names its job's item: a waiter checks it got its own."""
+    record(item=i)
+    if sleep:
+        time.sleep(sleep)
+    return {"i": i, "twice": 2 * i}
+
+
 @jobs.task(name="faults.flow_step", queue="flowchaos", transactional=True)
 def flow_step(chain: int, level: int, session: Session, sleep: float = 0.0) -> None:
     """A step of a workflow (``after=``): record the run, take ``sleep`` seconds, then

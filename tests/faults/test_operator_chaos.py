@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from sqla_jobs import admin
+from sqla_jobs import JobFailedError, admin
 
 from . import faults_app as app
 from .checks import (
@@ -519,3 +519,90 @@ def test_an_operator_racing_workflows_never_runs_a_child_before_its_parents_succ
     assert not exited, f"worker processes exited without being killed: {exited}"
     assert len(storm.kills) >= 3
     assert operator.actions["cancel running"] >= 20 and operator.cancelled >= 20
+
+
+ANSWERS = 600
+
+
+def test_result_waiters_hear_every_end_an_operator_and_a_kill_storm_cause(
+    faults_db: sa.Engine,
+    FaultsSession: Any,
+    workers: Callable[..., WorkerGroup],
+) -> None:
+    """600 jobs that keep their results, each waited for by ``jobs.result`` (half of the
+    waiters LISTEN, half poll) while the operator cancels, retries and purges and the
+    workers are SIGKILLed. No wait runs into its timeout: each returns its own job's
+    value, or raises ``JobFailedError`` for a job that was cancelled or dead when it
+    looked, or ``LookupError`` for one the operator purged."""
+    rng = random.Random(17)
+    with faults_db.begin() as conn:
+        ids = {
+            app.jobs.enqueue(conn, app.answer, i, sleep=rng.uniform(0.05, 0.15)): i
+            for i in range(ANSWERS)
+        }
+    group = workers(queues=["answers"], concurrency=4, lease=LEASE, poll_interval=0.2)
+    group.start(WORKERS)
+    group.wait_started()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    todo = list(ids)
+    lock = threading.Lock()
+
+    def wait_for_results(listen: bool) -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                job_id = todo.pop()
+            try:
+                value = app.jobs.result(faults_db, job_id, timeout=60, listen=listen)
+            except JobFailedError as exc:
+                outcomes[job_id] = ("failed", exc.status)
+            except LookupError as exc:
+                outcomes[job_id] = ("gone", str(exc))
+            except BaseException as exc:
+                outcomes[job_id] = ("error", repr(exc))
+            else:
+                outcomes[job_id] = ("value", value)
+
+    waiters = [
+        threading.Thread(target=wait_for_results, args=(n % 2 == 0,), daemon=True) for n in range(8)
+    ]
+    started = time.monotonic()
+    operator = Operator(faults_db, FaultsSession, seed=19, queue="answers", produce=False)
+    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join(timeout=180)
+    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
+    waited = time.monotonic() - started
+    group.stop()
+
+    purged = set(operator.purged)
+    kinds = Counter(kind for kind, _ in outcomes.values())
+    errors = {j: o for j, o in outcomes.items() if o[0] == "error"}
+    wrong = {
+        j: o[1]
+        for j, o in outcomes.items()
+        if o[0] == "value" and o[1] != {"i": ids[j], "twice": 2 * ids[j]}
+    }
+    failed_as = Counter(o[1] for o in outcomes.values() if o[0] == "failed")
+    gone_unpurged = sorted(j for j, o in outcomes.items() if o[0] == "gone" and j not in purged)
+    figures(
+        "operator_result_waits",
+        jobs=ANSWERS,
+        workers=WORKERS,
+        kills=len(storm.kills),
+        actions=dict(operator.actions),
+        outcomes=dict(kinds),
+        failed_as=dict(failed_as),
+        purged=len(purged),
+        waited_s=waited,
+    )
+    assert len(outcomes) == ANSWERS, f"waits that never returned: {ANSWERS - len(outcomes)}"
+    assert not errors, f"waits that raised something else: {dict(list(errors.items())[:5])}"
+    assert not wrong, f"waits that got another job's value: {dict(list(wrong.items())[:5])}"
+    assert set(failed_as) <= {"cancelled", "dead"}, failed_as
+    assert not gone_unpurged, f"waits told a job that was not purged is gone: {gone_unpurged}"
+    assert len(storm.kills) >= 3
+    assert kinds["value"] >= ANSWERS // 2 and kinds["failed"] >= 10
