@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqla_jobs import JobFailedError, admin
 
 from . import faults_app as app
+from . import test_steps_faults as steps_faults
 from .checks import (
     analyse_runs,
     figures,
@@ -606,3 +607,80 @@ def test_result_waiters_hear_every_end_an_operator_and_a_kill_storm_cause(
     assert not gone_unpurged, f"waits told a job that was not purged is gone: {gone_unpurged}"
     assert len(storm.kills) >= 3
     assert kinds["value"] >= ANSWERS // 2 and kinds["failed"] >= 10
+
+
+DURABLE = 400
+
+
+def test_an_operator_racing_durable_steps_leaves_every_step_done_once(
+    faults_db: sa.Engine,
+    FaultsSession: Any,
+    workers: Callable[..., WorkerGroup],
+) -> None:
+    """Durable jobs of three steps of 30 ms (ordinary, transactional, ordinary) through a
+    kill storm, with the operator cancelling running, ready and scheduled jobs and
+    retrying cancelled and dead ones (no purges); then everything cancelled or dead is
+    retried until the queue is empty. A retried job goes on from its checkpoints: every
+    step is checkpointed done exactly once, by an execution that returned, nothing runs
+    a step again after its checkpoint, and the transactional step's write exists once,
+    the one its checkpoint names."""
+    with FaultsSession.begin() as session:
+        session.enqueue_many(app.steps_three, [{"i": i, "seconds": 0.03} for i in range(DURABLE)])
+    ids = steps_faults.job_ids(faults_db, app.steps_three)
+    group = workers(queues=["steps"], concurrency=4, lease=LEASE, poll_interval=0.2)
+    group.start(WORKERS)
+    group.wait_started()
+    started = time.monotonic()
+    operator = Operator(
+        faults_db, FaultsSession, seed=23, queue="steps", produce=False, purges=False
+    )
+    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
+        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=12)
+    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
+
+    def retry_the_rest() -> bool:
+        with faults_db.begin() as conn:
+            operator.retried += admin.retry_jobs(conn, app.jobs, queue="steps")
+        return not status_counts(faults_db)
+
+    wait_until(retry_the_rest, timeout=120, interval=0.2, what="every job done once retried")
+    drain = time.monotonic() - started
+    exited = [(p.pid, p.returncode) for p in group.exited()]
+    group.stop()
+
+    execs = steps_faults.execs_by_step(faults_db)
+    done = {
+        key: [r for r in rows if r.kind == "run" and r.state == "done"]
+        for key, rows in steps_faults.histories(faults_db).items()
+    }
+    effects: dict[int, list[Any]] = {}
+    for e in steps_faults.table(faults_db, app.StepEffect):
+        effects.setdefault(e.job_id, []).append(e)
+    # Repeats are not checked against kills here (a cancel cuts runs too): only what a
+    # repeat must never do.
+    a = steps_faults.analyse_steps(ids, execs, done, effects, {})
+    figures(
+        "operator_durable_steps",
+        jobs=DURABLE,
+        workers=WORKERS,
+        kills=len(storm.kills),
+        actions=dict(operator.actions),
+        cancelled=operator.cancelled,
+        retried=operator.retried,
+        executions=a.executions,
+        max_attempt=a.max_attempt,
+        drain_s=drain,
+    )
+    assert not a.not_checkpointed_once, (
+        f"steps not checkpointed done exactly once: {a.not_checkpointed_once[:5]}"
+    )
+    assert not a.bad_checkpoint, f"checkpoints of no finished execution: {a.bad_checkpoint[:5]}"
+    assert not a.ran_after_checkpoint, (
+        f"steps executed again after their checkpoint: {a.ran_after_checkpoint[:5]}"
+    )
+    assert not a.same_attempt_twice, f"one claim ran a step twice: {a.same_attempt_twice[:5]}"
+    assert not a.effects_not_once, f"writes not there exactly once: {a.effects_not_once[:5]}"
+    assert not a.bad_effect, f"writes that are not the checkpointed step's: {a.bad_effect[:3]}"
+    assert not exited, f"worker processes exited without being killed: {exited}"
+    assert len(storm.kills) >= 3
+    assert operator.actions["cancel running"] >= 20 and operator.cancelled >= 20
