@@ -415,6 +415,31 @@ def test_retrying_a_job_whose_lease_python_cannot_hold_says_why_not(
     assert r.status_code == 303 and "skipped=" in r.headers["location"]
 
 
+def test_deleting_a_job_cancelled_while_it_ran_waits_for_its_lease_and_says_why(
+    db: sa.Engine, jobs: Jobs
+) -> None:
+    """A purge, from the page's Delete as from ``act``, leaves a job cancelled while it
+    ran until its lease has passed (its handler may still be running), and says why, a
+    lease Python cannot hold included."""
+    job_id = _insert(
+        db,
+        "(task, queue, args, status, attempts, max_attempts, locked_until, locked_by, "
+        "finished_at) VALUES ('t.work', 'a', '{}', 'cancelled', 1, 2, 'infinity', 'w', now())",
+    )
+    with db.begin() as conn:
+        report = admin.act(conn, jobs, "purge", [admin.SeenJob(job_id, 1, "cancelled")])
+    assert report.acted == ()
+    ((skipped, why),) = report.skipped
+    assert skipped == job_id and "delete it once its lease has passed (-)" in why
+    c = _client(jobs, db)
+    r = _post(c, f"/jobs/{job_id}/purge", attempts=1, status="cancelled")
+    assert r.status_code == 303 and "skipped=" in r.headers["location"]
+    page = c.get(r.headers["location"])
+    assert "handler may still be running" in _text(page)
+    with db.connect() as conn:
+        assert admin.get_job(conn, jobs, job_id) is not None
+
+
 def test_retrying_a_job_at_the_largest_attempts_is_refused_with_a_reason(
     db: sa.Engine, jobs: Jobs
 ) -> None:
