@@ -110,9 +110,10 @@ def test_a_second_stop_signal_or_sigquit_skips_the_grace_period(
         for sig in first:
             proc.send_signal(sig)
             # A graceful stop: the handler has its grace period. (And the next signal
-            # comes over a second later: sooner, it is the same stop; see below.)
+            # comes two seconds later: within a second of the first's handling it is the
+            # same stop, see below; a loaded machine may handle the first late.)
             with pytest.raises(subprocess.TimeoutExpired):
-                proc.wait(timeout=1.2)
+                proc.wait(timeout=2.0)
             assert count(db, status="running") == 1
         proc.send_signal(last)
         out, _ = proc.communicate(timeout=20)
