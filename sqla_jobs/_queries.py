@@ -859,9 +859,19 @@ def _fifo_heads(
     failed = [status_literal(s) for s in (JobStatus.DEAD, JobStatus.CANCELLED)]
 
     def in_order(e: Any) -> sa.ColumnElement[bool]:
+        # A head cancelled while it ran keeps its lease while its handler may run on:
+        # it holds its key till then whatever on_head_failure says (with "continue", the
+        # key's next job started beside that handler).
         return sa.and_(
             *_key_ordered(e, queue_name),
-            sa.or_(e.status.in_(waiting), sa.and_(hold, e.status.in_(failed))),
+            sa.or_(
+                e.status.in_(waiting),
+                sa.and_(hold, e.status.in_(failed)),
+                sa.and_(
+                    e.status == status_literal(JobStatus.CANCELLED),
+                    e.locked_until > sa.func.now(),
+                ),
+            ),
         )
 
     walk, visited = _key_walk(t, queue_name, scan)

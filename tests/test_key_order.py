@@ -217,6 +217,35 @@ def test_on_head_failure_continue_goes_on_past_a_failed_head(db: sa.Engine) -> N
     assert _blocked(db) == []
 
 
+def test_a_head_cancelled_while_it_ran_holds_its_key_till_its_lease_passes_with_continue(
+    db: sa.Engine, make_worker: Any
+) -> None:
+    """``on_head_failure="continue"`` goes on past a cancelled head, but one cancelled
+    while it ran keeps its lease, its handler maybe still running: the key's next job
+    started beside it. It now waits for the lease, and ``run_until_empty`` waits with it
+    (time frees the key), then runs the job."""
+    import time
+
+    task = ordered.with_options(queue="ordered_on")
+    with db.begin() as conn:
+        ids = [jobs.enqueue(conn, task, account="a") for _ in range(2)]
+    assert _claim(db, "ordered_on") == [ids[0]]  # its handler runs, a 30 s lease
+    with db.begin() as conn:
+        assert admin.cancel_jobs(conn, jobs, ids=[ids[0]]) == 1
+    assert _claim(db, "ordered_on") == []  # held while the cancelled head may still run
+    with db.begin() as conn:  # the lease passes in a second
+        conn.execute(
+            sa.update(Job)
+            .where(Job.c.id == ids[0])
+            .values(locked_until=sa.func.now() + sa.text("interval '1 second'"))
+        )
+    worker = make_worker(jobs, db, queues=["ordered_on"], poll_interval=0.1)
+    began = time.monotonic()
+    assert worker.run_until_empty(timeout=30) == 1
+    assert time.monotonic() - began >= 0.5  # it waited for the lease, then ran the job
+    assert count(db, status="ready") == 0 and _blocked(db) == []
+
+
 def test_a_bulk_call_and_a_savepoint_keep_the_order(db: sa.Engine) -> None:
     """A COPY-sized enqueue_many over five keys (keyed rows are INSERTed in the call's
     order), and a savepoint rolled back in the middle: each key's jobs come out in the

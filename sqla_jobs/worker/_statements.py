@@ -104,12 +104,17 @@ _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
 
 
 def running_in(conn: sa.Connection, queries: Queries, queues: Sequence[str]) -> bool:
-    """Whether any of ``queues`` has a running job, whichever worker runs it."""
+    """Whether any of ``queues`` has a running job, whichever worker runs it, or a job
+    cancelled while it ran whose lease has not passed: its handler may still run, and
+    it holds its key in a queue in key order until then (time frees that)."""
     t = queries.table
-    found = sa.select(
-        sa.exists().where(t.c.status == status_literal("running"), t.c.queue.in_(list(queues)))
+    c = t.c
+    named = c.queue.in_(list(queues))
+    running = sa.exists().where(c.status == status_literal("running"), named)
+    leased = sa.exists().where(
+        c.status == status_literal("cancelled"), c.locked_until > sa.func.now(), named
     )
-    return bool(conn.execute(found).scalar())
+    return bool(conn.execute(sa.select(sa.or_(running, leased))).scalar())
 
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:

@@ -134,6 +134,8 @@ class KeyRun(Base):
 
 jobs = Jobs(Job, max_attempts=ATTEMPTS, retry=Backoff(base=0.05, factor=2.0, cap=0.5, jitter=0.2))
 jobs.queue("ordered", key_order="fifo")
+# The same order, going on past a dead or cancelled head (test_operator_chaos.py).
+jobs.queue("ordered_on", key_order="fifo", on_head_failure="continue")
 
 _ENGINE: sa.Engine | None = None
 
