@@ -274,13 +274,17 @@ class Fetcher(Duty):
 
     def _held_and_idle(self) -> Generator[Step, Any, bool]:
         """Some limited queue holds ready jobs back, none by time, and none of them has a
-        running job (see :meth:`held_for_good`)."""
+        running job, nor (in key order) a head cancelled while it ran whose lease has not
+        passed (see :meth:`held_for_good`)."""
         core = self.core
         with core._lock:
             held = sorted(self.held)
             if not held or self.time_held & set(held):
                 return False
-        running: bool = yield Io(statements.running_in, (core.queries, held), Conn.CLAIM)
+        # Queues in key order: a head cancelled while it ran holds its key till its lease
+        # passes, which time ends (see running_in).
+        ordered = [q for q in held if getattr(core.limits.get(q), "key_order", None)]
+        running: bool = yield Io(statements.running_in, (core.queries, held, ordered), Conn.CLAIM)
         return not running
 
     def claim_order(self) -> list[str]:

@@ -103,18 +103,27 @@ _BEGIN = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # a rated one 0.65-0.8 against 1.0.
 
 
-def running_in(conn: sa.Connection, queries: Queries, queues: Sequence[str]) -> bool:
-    """Whether any of ``queues`` has a running job, whichever worker runs it, or a job
-    cancelled while it ran whose lease has not passed: its handler may still run, and
-    it holds its key in a queue in key order until then (time frees that)."""
-    t = queries.table
-    c = t.c
-    named = c.queue.in_(list(queues))
-    running = sa.exists().where(c.status == status_literal("running"), named)
-    leased = sa.exists().where(
-        c.status == status_literal("cancelled"), c.locked_until > sa.func.now(), named
+def running_in(
+    conn: sa.Connection, queries: Queries, queues: Sequence[str], ordered: Sequence[str] = ()
+) -> bool:
+    """Whether any of ``queues`` has a running job, whichever worker runs it, or any of
+    ``ordered`` (queues in key order) a keyed job cancelled while it ran whose lease has
+    not passed: its handler may still run, and it holds its key until then (time frees
+    that). Those are read through ``<table>_key_order``, which holds the queue's keyed
+    cancelled jobs."""
+    c = queries.table.c
+    found: sa.ColumnElement[bool] = sa.exists().where(
+        c.status == status_literal("running"), c.queue.in_(list(queues))
     )
-    return bool(conn.execute(sa.select(sa.or_(running, leased))).scalar())
+    if ordered:
+        leased = sa.exists().where(
+            c.queue.in_(list(ordered)),
+            c.concurrency_key.is_not(None),
+            c.status == status_literal("cancelled"),
+            c.locked_until > sa.func.now(),
+        )
+        found = sa.or_(found, leased)
+    return bool(conn.execute(sa.select(found)).scalar())
 
 
 def claim(conn: sa.Connection, queries: Queries, params: ClaimParams) -> list[Any]:
