@@ -9,6 +9,10 @@ may still be going, a purge of it, the queue paused and resumed between claims. 
 transactional task's ledger row is the proof: it commits with the job's completion, so it
 must exist exactly once for every job that ended done, and never for one that ended
 cancelled, dead or purged, or whose enqueue rolled back.
+
+The same operator then meets what else rides on the job rows: a queue in key order (no
+two jobs of a key at once), workflows (no child before its parents' success), result
+waits (each hears its own job's end), and durable steps (each checkpointed once).
 """
 
 from __future__ import annotations
