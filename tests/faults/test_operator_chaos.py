@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -106,6 +107,11 @@ class Operator:
             self._thread.join(timeout=60)
         with self.engine.begin() as conn:
             admin.resume_queue(conn, app.jobs, self.queue)
+
+    def retry_rest(self, conn: sa.Connection) -> None:
+        """Retry every cancelled or dead job of the queue (a job cancelled while it ran
+        waits for its lease)."""
+        self.retried += admin.retry_jobs(conn, app.jobs, queue=self.queue)
 
     def purge(self, conn: sa.Connection, status: str, most: int | None) -> None:
         """Purge (as the dashboard does: :func:`admin.act`) up to ``most`` jobs of the
@@ -199,6 +205,52 @@ class Operator:
             else:
                 self.committed.update(items)
             self.actions["enqueue" if commit else "enqueue, rolled back"] += 1
+
+
+@dataclass
+class Operated:
+    """What :func:`operate` leaves: the storm and the operator (what they did), the
+    workers (stopped), how long it all took, and the processes that exited unkilled."""
+
+    storm: KillStorm
+    operator: Operator
+    group: WorkerGroup
+    drain: float
+    exited: list[tuple[int, int | None]]
+
+
+def operate(
+    faults_db: sa.Engine,
+    workers: Callable[..., WorkerGroup],
+    operator: Operator,
+    *,
+    concurrency: int,
+    settle: Callable[[sa.Connection], None],
+) -> Operated:
+    """Three workers of ``concurrency`` slots on the operator's queue, SIGKILLed every
+    1-2 s while the operator acts, until the queue drains or 12 s pass; then ``settle``
+    (in a transaction of its own, every 0.2 s: retry or purge what the operator left
+    cancelled or dead) until no job row is left, and the workers stopped gracefully."""
+    group = workers(
+        queues=[operator.queue], concurrency=concurrency, lease=LEASE, poll_interval=0.2
+    )
+    group.start(WORKERS)
+    group.wait_started()
+    started = time.monotonic()
+    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
+        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=12)
+    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
+
+    def settled() -> bool:
+        with faults_db.begin() as conn:
+            settle(conn)
+        return not status_counts(faults_db)
+
+    wait_until(settled, timeout=120, interval=0.2, what="the queue empties once settled")
+    drain = time.monotonic() - started
+    exited = [(p.pid, p.returncode) for p in group.exited()]
+    group.stop()
+    return Operated(storm, operator, group, drain, exited)
 
 
 @pytest.mark.parametrize(
@@ -357,28 +409,17 @@ def test_an_operator_racing_a_queue_in_key_order_never_runs_two_of_a_key_at_once
                 app.in_order.with_options(queue=queue),
                 [{"key": f"k{k:02}", "seq": seq, "sleep": 0.2} for k in range(KEYS)],
             )
-    group = workers(queues=[queue], concurrency=8, lease=LEASE, poll_interval=0.2)
-    group.start(WORKERS)
-    group.wait_started()
-    started = time.monotonic()
     operator = Operator(
         faults_db, FaultsSession, seed=11, queue=queue, produce=False, purge_latest=True
     )
-    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
-        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=10)
-    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
 
-    def purge_the_rest() -> bool:
+    def purge_the_rest(conn: sa.Connection) -> None:
         # The cancelled heads and what they held: purged as their leases pass.
-        with faults_db.begin() as conn:
-            operator.purge(conn, "cancelled", None)
-            operator.purge(conn, "dead", None)
-        return live_jobs(faults_db) == 0 and not status_counts(faults_db)
+        operator.purge(conn, "cancelled", None)
+        operator.purge(conn, "dead", None)
 
-    wait_until(purge_the_rest, timeout=120, interval=0.2, what="the queue drains once purged")
-    drain = time.monotonic() - started
-    exited = [(p.pid, p.returncode) for p in group.exited()]
-    group.stop()
+    run = operate(faults_db, workers, operator, concurrency=8, settle=purge_the_rest)
+    storm, group, drain, exited = run.storm, run.group, run.drain, run.exited
 
     with faults_db.connect() as conn:
         done = list(conn.execute(sa.select(app.KeyRun).order_by(app.KeyRun.started)))
@@ -477,28 +518,13 @@ def test_an_operator_racing_workflows_never_runs_a_child_before_its_parents_succ
     jobs_count = len(all_ids)
 
     # 12 slots for about 80 s of work: the drain lasts long enough for the storm.
-    group = workers(queues=["flowchaos"], concurrency=4, lease=LEASE, poll_interval=0.2)
-    group.start(WORKERS)
-    group.wait_started()
-    started = time.monotonic()
     operator = Operator(
         faults_db, FaultsSession, seed=13, queue="flowchaos", produce=False, purges=False
     )
-    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
-        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=12)
-    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
-
-    def retry_the_rest() -> bool:
-        # A parent's retry brings back what it cancelled; a cancelled run's retry waits
-        # for its lease.
-        with faults_db.begin() as conn:
-            operator.retried += admin.retry_jobs(conn, app.jobs, queue="flowchaos")
-        return not status_counts(faults_db)
-
-    wait_until(retry_the_rest, timeout=120, interval=0.2, what="every job done once retried")
-    drain = time.monotonic() - started
-    exited = [(p.pid, p.returncode) for p in group.exited()]
-    group.stop()
+    # A parent's retry brings back what it cancelled; a cancelled run's retry waits for
+    # its lease.
+    run = operate(faults_db, workers, operator, concurrency=4, settle=operator.retry_rest)
+    storm, group, drain, exited = run.storm, run.group, run.drain, run.exited
 
     with faults_db.connect() as conn:
         done_rows = list(conn.execute(sa.select(app.FlowDone)))
@@ -641,26 +667,11 @@ def test_an_operator_racing_durable_steps_leaves_every_step_done_once(
     with FaultsSession.begin() as session:
         session.enqueue_many(app.steps_three, [{"i": i, "seconds": 0.03} for i in range(DURABLE)])
     ids = steps_faults.job_ids(faults_db, app.steps_three)
-    group = workers(queues=["steps"], concurrency=4, lease=LEASE, poll_interval=0.2)
-    group.start(WORKERS)
-    group.wait_started()
-    started = time.monotonic()
     operator = Operator(
         faults_db, FaultsSession, seed=23, queue="steps", produce=False, purges=False
     )
-    with KillStorm(group, every=(1.0, 2.0)) as storm, operator:
-        poll_until(lambda: live_jobs(faults_db) == 0 or bool(operator.errors), timeout=12)
-    assert not operator.errors, f"the operator's action failed: {operator.errors[0]!r}"
-
-    def retry_the_rest() -> bool:
-        with faults_db.begin() as conn:
-            operator.retried += admin.retry_jobs(conn, app.jobs, queue="steps")
-        return not status_counts(faults_db)
-
-    wait_until(retry_the_rest, timeout=120, interval=0.2, what="every job done once retried")
-    drain = time.monotonic() - started
-    exited = [(p.pid, p.returncode) for p in group.exited()]
-    group.stop()
+    run = operate(faults_db, workers, operator, concurrency=4, settle=operator.retry_rest)
+    storm, drain, exited = run.storm, run.drain, run.exited
 
     execs = steps_faults.execs_by_step(faults_db)
     done = {
